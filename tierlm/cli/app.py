@@ -1,0 +1,150 @@
+"""The `tierlm` (alias `run`) command line. Heavy imports happen inside commands, so --help is instant."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+app = typer.Typer(
+    help="Run large language models inside a fixed memory budget.",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    add_completion=False,
+)
+
+ModelOpt = typer.Option(
+    None, "--model", "-m", help="HF model directory or .gguf file (default: embedded SmolLM2-135M-Instruct)"
+)
+ProfileOpt = typer.Option("24gb", "--profile", "-p", help="Shipped profile name or path to a .toml")
+MaxNewOpt = typer.Option(256, "--max-new-tokens", "-n", min=1, help="Most tokens to generate per reply")
+TempOpt = typer.Option(0.7, "--temperature", "-t", min=0.0, help="Sampling temperature; 0 = greedy")
+TopPOpt = typer.Option(1.0, "--top-p", min=0.0, max=1.0, help="Nucleus sampling mass (1 = off)")
+TopKOpt = typer.Option(0, "--top-k", min=0, help="Sample among the k most likely tokens (0 = off)")
+RepOpt = typer.Option(1.0, "--repetition-penalty", min=0.01, help="Penalty for repeated tokens (1 = off)")
+SeedOpt = typer.Option(None, "--seed", help="Random seed, for reproducible sampling")
+SystemOpt = typer.Option(None, "--system", "-s", help="System message")
+StopOpt = typer.Option(None, "--stop", help="Stop string (repeatable)")
+DeviceOpt = typer.Option(None, "--device", help="auto, cpu, cuda or mps")
+DtypeOpt = typer.Option(None, "--dtype", help="Compute dtype: auto, fp32, fp16, bf16")
+
+
+def _params(max_new_tokens, temperature, top_p, top_k, repetition_penalty, seed, stop):
+    from tierlm.runtime.sampling import SamplingParams
+
+    return SamplingParams(
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        top_p=top_p if top_p > 0 else 1.0,
+        top_k=top_k,
+        repetition_penalty=repetition_penalty,
+        seed=seed,
+        stop=tuple(stop or ()),
+    )
+
+
+def _open(model, profile_name, device, dtype):
+    from tierlm.cli.progress import progress_factory
+    from tierlm.profile import load_profile
+    from tierlm.runtime.session import open_session
+
+    profile = load_profile(profile_name)
+    return open_session(model, profile, device=device, dtype=dtype, progress=progress_factory())
+
+
+@app.command()
+def chat(
+    model: Optional[str] = ModelOpt,
+    profile: str = ProfileOpt,
+    max_new_tokens: int = MaxNewOpt,
+    temperature: float = TempOpt,
+    top_p: float = TopPOpt,
+    top_k: int = TopKOpt,
+    repetition_penalty: float = RepOpt,
+    seed: Optional[int] = SeedOpt,
+    system: Optional[str] = SystemOpt,
+    stop: Optional[list[str]] = StopOpt,
+    device: Optional[str] = DeviceOpt,
+    dtype: Optional[str] = DtypeOpt,
+):
+    """Chat interactively (reads lines from stdin when it is not a terminal). /help lists commands."""
+    from tierlm.cli.repl import run_chat
+
+    params = _params(max_new_tokens, temperature, top_p, top_k, repetition_penalty, seed, stop)
+    run_chat(_open(model, profile, device, dtype), params, system)
+
+
+@app.command()
+def generate(
+    prompt: str = typer.Argument(..., help="Prompt text; '-' reads it from stdin"),
+    model: Optional[str] = ModelOpt,
+    profile: str = ProfileOpt,
+    max_new_tokens: int = MaxNewOpt,
+    temperature: float = TempOpt,
+    top_p: float = TopPOpt,
+    top_k: int = TopKOpt,
+    repetition_penalty: float = RepOpt,
+    seed: Optional[int] = SeedOpt,
+    system: Optional[str] = SystemOpt,
+    stop: Optional[list[str]] = StopOpt,
+    raw: bool = typer.Option(False, "--raw", help="Skip the chat template; continue the text as given"),
+    device: Optional[str] = DeviceOpt,
+    dtype: Optional[str] = DtypeOpt,
+):
+    """Generate one reply. Only the generated text goes to stdout, so it can be piped."""
+    if prompt == "-":
+        prompt = sys.stdin.read()
+    params = _params(max_new_tokens, temperature, top_p, top_k, repetition_penalty, seed, stop)
+    session = _open(model, profile, device, dtype)
+    tokenizer = session.engine.tokenizer
+    if raw:
+        ids = tokenizer.encode(prompt)
+    else:
+        messages = ([{"role": "system", "content": system}] if system else []) + [
+            {"role": "user", "content": prompt}
+        ]
+        ids = tokenizer.encode_chat(messages, add_generation_prompt=True)
+    for delta in session.engine.generate(ids, params):
+        sys.stdout.write(delta)
+        sys.stdout.flush()
+    sys.stdout.write("\n")
+
+
+@app.command("import-gguf")
+def import_gguf(path: Path = typer.Argument(..., help="A Llama-family .gguf file")):
+    """Import a GGUF file into the cache as a Hugging Face model directory; prints its path."""
+    from tierlm.cli.progress import progress_factory
+    from tierlm.weights.embedded import import_gguf_to_cache
+
+    model_dir = import_gguf_to_cache(path, progress_factory()("importing GGUF"))
+    print(model_dir)
+
+
+@app.command()
+def profiles(name: Optional[str] = typer.Argument(None, help="Show one profile in full")):
+    """List the shipped memory profiles, or show one."""
+    from tierlm.profile import format_size, load_profile, shipped_profiles
+
+    if name:
+        profile = load_profile(name)
+        for key, value in vars(profile).items():
+            shown = format_size(value) if key in ("device_memory", "host_memory", "headroom") else value
+            print(f"{key:15} {shown}")
+        return
+    for shipped in shipped_profiles():
+        print(f"{shipped:8} {load_profile(shipped).description}")
+
+
+def main() -> None:
+    """Console entry point: user errors become one line on stderr and exit status 1."""
+    from tierlm.errors import TierlmError
+
+    try:
+        app()
+    except TierlmError as err:
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(1)
+    except KeyboardInterrupt:
+        sys.exit(130)

@@ -1,0 +1,129 @@
+"""Shared decoder layers as functions over weight tensors: RMSNorm, RoPE, attention, SwiGLU.
+
+Functions take their weights as arguments because the model does not own its weights:
+a weight store hands each block's tensors to the forward pass and takes them back.
+A weight is either a torch.Tensor or an object with `.linear(x, bias)` / `.rows(ids)`
+(the quantized formats), so the same code serves float and INT8 blocks.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from tierlm.config import RopeConfig
+
+
+def linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., in] @ weight[out, in].T (+ bias) -> [..., out]."""
+    if isinstance(weight, torch.Tensor):
+        return F.linear(x, weight, bias)
+    return weight.linear(x, bias)
+
+
+def embed(weight, ids: torch.Tensor) -> torch.Tensor:
+    """Rows of the embedding [V, H] for token ids [B, T] -> [B, T, H]."""
+    if isinstance(weight, torch.Tensor):
+        return F.embedding(ids, weight)
+    return weight.rows(ids)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dim, computed in fp32 as the reference implementations do."""
+    if x.dtype == torch.float32:
+        return F.rms_norm(x, weight.shape, weight, eps)
+    normed = F.rms_norm(x.float(), weight.shape, None, eps).to(x.dtype)
+    return weight * normed
+
+
+def rope_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:
+    """Inverse frequencies [head_dim // 2] in fp32, scaled as `rope.rope_type` says.
+
+    Computed with the same fp32 operations as transformers so positions far into the
+    context rotate identically.
+    """
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+    inv_freq = 1.0 / (rope.theta**exponents)
+    if rope.rope_type == "linear":
+        return inv_freq / rope.factor
+    if rope.rope_type == "llama3":
+        old_len = rope.original_max_position_embeddings
+        low_wavelen = old_len / rope.low_freq_factor
+        high_wavelen = old_len / rope.high_freq_factor
+        wavelen = 2 * torch.pi / inv_freq
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / rope.factor, inv_freq)
+        smooth = (old_len / wavelen - rope.low_freq_factor) / (
+            rope.high_freq_factor - rope.low_freq_factor
+        )
+        smoothed = (1 - smooth) * scaled / rope.factor + smooth * scaled
+        is_medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
+        return torch.where(is_medium, smoothed, scaled)
+    return inv_freq
+
+
+class RotaryTable:
+    """Precomputed cos/sin [max_len, head_dim] for the half-split (rotate_half) RoPE layout."""
+
+    def __init__(self, rope: RopeConfig, head_dim: int, max_len: int, device, dtype):
+        inv_freq = rope_inv_freq(rope, head_dim)
+        positions = torch.arange(max_len, dtype=torch.float32)
+        freqs = positions[:, None] * inv_freq[None, :]
+        angles = torch.cat((freqs, freqs), dim=-1)
+        self.cos = angles.cos().to(device=device, dtype=dtype)
+        self.sin = angles.sin().to(device=device, dtype=dtype)
+
+    def slice(self, start: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin for positions start..start+length-1, shaped [length, 1, head_dim]."""
+        return (
+            self.cos[start : start + length, None, :],
+            self.sin[start : start + length, None, :],
+        )
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x [B, T, heads, D] by cos/sin [T, 1, D] (pairs are (i, i + D/2))."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+def attention_mask(
+    query_len: int, key_len: int, groups: int, window: int | None, device
+) -> torch.Tensor | None:
+    """Boolean mask [groups * query_len, key_len] (True = attend) for the newest `query_len` keys.
+
+    None when every query may see every key (a single decode step inside the window).
+    Rows repeat per query group because grouped-query heads are folded into the row axis.
+    """
+    past = key_len - query_len
+    if query_len == 1 and (window is None or key_len <= window):
+        return None
+    q_pos = torch.arange(past, key_len, device=device)[:, None]
+    k_pos = torch.arange(key_len, device=device)[None, :]
+    mask = k_pos <= q_pos
+    if window is not None:
+        mask &= k_pos > q_pos - window
+    return mask.repeat(groups, 1) if groups > 1 else mask
+
+
+def grouped_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None
+) -> torch.Tensor:
+    """Grouped-query attention without repeating K/V.
+
+    q [B, n_heads, T, D]; k, v [B, n_kv, S, D]; mask [groups*T, S] or None -> [B, n_heads, T, D].
+    Query heads sharing a KV head are folded into the query-row axis, so one SDPA call
+    reads each KV head once.
+    """
+    batch, n_heads, length, dim = q.shape
+    n_kv = k.shape[1]
+    folded = q.reshape(batch, n_kv, (n_heads // n_kv) * length, dim)
+    out = F.scaled_dot_product_attention(folded, k, v, attn_mask=mask)
+    return out.view(batch, n_heads, length, dim)
+
+
+def swiglu(x: torch.Tensor, w13, w2, b13=None, b2=None) -> torch.Tensor:
+    """SwiGLU MLP with gate and up projections fused: w13 [2I, H], w2 [H, I]."""
+    gate, up = linear(x, w13, b13).chunk(2, dim=-1)
+    return linear(F.silu(gate) * up, w2, b2)
+

@@ -1,0 +1,133 @@
+"""The Llama family: Llama 2/3 (incl. llama3 RoPE scaling), SmolLM2, Mistral.
+
+Other families subclass `LlamaModel` and change code, not flags (see qwen2.py).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+
+from tierlm.config import ModelConfig
+from tierlm.models import base
+
+# One block per weight-store request: the embedding, each decoder layer, the final norm, the head.
+Layout = dict[str, dict[str, tuple[str, ...]]]
+
+
+def layer_block(index: int) -> str:
+    return f"layers.{index}"
+
+
+class LlamaModel:
+    """A decoder whose forward pass borrows every block's tensors from a weight store.
+
+    Block tensors use tierlm's canonical names: per layer `attn_norm`, `wqkv` [(Hq+2Hkv)*D, H]
+    (`bqkv`), `wo` (`bo`), `mlp_norm`, `w13` [2I, H] (`b13`), `w2` (`b2`); `embed`, `norm`,
+    `head` for the other blocks.
+    """
+
+    def __init__(self, config: ModelConfig, store, max_len: int, device, dtype: torch.dtype):
+        self.config = config
+        self.store = store
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self.max_len = max_len
+        self.rotary = base.RotaryTable(config.rope, config.head_dim, max_len, device, dtype)
+
+    @classmethod
+    def checkpoint_layout(cls, config: ModelConfig) -> Layout:
+        """Map each block's canonical tensors to the checkpoint tensors they are built from.
+
+        A tuple of several names is concatenated along the output dimension (fused q/k/v,
+        fused gate/up), so one matmul replaces two or three.
+        """
+        layout: Layout = {"embed": {"embed": ("model.embed_tokens.weight",)}}
+        for i in range(config.num_hidden_layers):
+            attn = f"model.layers.{i}.self_attn."
+            mlp = f"model.layers.{i}.mlp."
+            block = {
+                "attn_norm": (f"model.layers.{i}.input_layernorm.weight",),
+                "wqkv": tuple(f"{attn}{p}_proj.weight" for p in "qkv"),
+                "wo": (f"{attn}o_proj.weight",),
+                "mlp_norm": (f"model.layers.{i}.post_attention_layernorm.weight",),
+                "w13": (f"{mlp}gate_proj.weight", f"{mlp}up_proj.weight"),
+                "w2": (f"{mlp}down_proj.weight",),
+            }
+            block.update(cls.bias_layout(config, attn, mlp))
+            layout[layer_block(i)] = block
+        layout["norm"] = {"norm": ("model.norm.weight",)}
+        head = "model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"
+        layout["head"] = {"head": (head,)}
+        return layout
+
+    @staticmethod
+    def bias_layout(config: ModelConfig, attn: str, mlp: str) -> dict[str, tuple[str, ...]]:
+        biases: dict[str, tuple[str, ...]] = {}
+        if config.attention_bias:
+            biases["bqkv"] = tuple(f"{attn}{p}_proj.bias" for p in "qkv")
+            biases["bo"] = (f"{attn}o_proj.bias",)
+        if config.mlp_bias:
+            biases["b13"] = (f"{mlp}gate_proj.bias", f"{mlp}up_proj.bias")
+            biases["b2"] = (f"{mlp}down_proj.bias",)
+        return biases
+
+    @torch.inference_mode()
+    def forward(
+        self, ids: torch.Tensor, cache, logits: Literal["last", "all"] = "last"
+    ) -> torch.Tensor:
+        """Run ids [B, T] after the cache's current offset; returns logits [B, T or 1, V] (fp32).
+
+        Writes the new keys/values into `cache` and advances it by T.
+        """
+        length = ids.shape[1]
+        start = cache.offset
+        if start + length > cache.max_len:
+            raise ValueError(f"{start + length} positions exceed the KV cache ({cache.max_len})")
+        with self.store.block("embed") as w:
+            x = base.embed(w["embed"], ids).to(self.dtype)
+        cos, sin = self.rotary.slice(start, length)
+        mask = base.attention_mask(
+            length,
+            start + length,
+            self.config.num_attention_heads // self.config.num_key_value_heads,
+            self.config.sliding_window,
+            self.device,
+        )
+        for i in range(self.config.num_hidden_layers):
+            with self.store.block(layer_block(i)) as w:
+                x = self.decoder_layer(w, x, cache, i, cos, sin, mask)
+        cache.advance(length)
+        if logits == "last":
+            x = x[:, -1:]
+        with self.store.block("norm") as w:
+            x = base.rms_norm(x, w["norm"], self.config.rms_norm_eps)
+        with self.store.block("head") as w:
+            return base.linear(x, w["head"]).float()
+
+    def decoder_layer(self, w, x, cache, index, cos, sin, mask) -> torch.Tensor:
+        """One pre-norm block: x [B, T, H] -> [B, T, H]."""
+        h = base.rms_norm(x, w["attn_norm"], self.config.rms_norm_eps)
+        x = x + self.attention(w, h, cache, index, cos, sin, mask)
+        h = base.rms_norm(x, w["mlp_norm"], self.config.rms_norm_eps)
+        return x + base.swiglu(h, w["w13"], w["w2"], w.get("b13"), w.get("b2"))
+
+    def attention(self, w, h, cache, index, cos, sin, mask) -> torch.Tensor:
+        cfg = self.config
+        batch, length, _ = h.shape
+        n_q, n_kv, dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        qkv = base.linear(h, w["wqkv"], w.get("bqkv")).view(batch, length, n_q + 2 * n_kv, dim)
+        qk = self.position_encode(qkv[:, :, : n_q + n_kv], cos, sin)
+        q = qk[:, :, :n_q].transpose(1, 2)
+        keys, values = cache.update(index, qk[:, :, n_q:], qkv[:, :, n_q + n_kv :])
+        out = base.grouped_attention(q, keys, values, mask)
+        out = out.transpose(1, 2).reshape(batch, length, n_q * dim)
+        return base.linear(out, w["wo"], w.get("bo"))
+
+    def position_encode(self, qk: torch.Tensor, cos, sin) -> torch.Tensor:
+        """Apply RoPE to queries and keys together: qk [B, T, Hq+Hkv, D]."""
+        return base.apply_rope(qk, cos, sin)
+
+
+Model = LlamaModel

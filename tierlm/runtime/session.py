@@ -1,0 +1,84 @@
+"""From command-line choices to a ready engine: which model, which profile, which device."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from tierlm.errors import TierlmError
+from tierlm.profile import Profile
+
+ProgressFactory = Callable[[str], Callable[[int, int], None]]
+
+
+@dataclass
+class Session:
+    """An engine with the profile and model it was opened for."""
+
+    engine: object
+    profile: Profile
+    model_dir: Path
+    load_s: float
+
+
+def resolve_model_dir(model: str | None, progress: ProgressFactory | None = None) -> Path:
+    """A model directory from `--model`: None -> the embedded default, a .gguf -> imported once."""
+    from tierlm.weights import embedded
+
+    if model is None:
+        return embedded.ensure_embedded_model(progress("importing embedded model") if progress else None)
+    path = Path(model).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return embedded.import_gguf_to_cache(path, progress("importing GGUF") if progress else None)
+    if not path.exists():
+        raise TierlmError(
+            f"model {model!r} not found",
+            "pass a Hugging Face model directory or a .gguf file (models are never downloaded)",
+        )
+    if not path.is_dir():
+        raise TierlmError(f"model {model!r} is neither a directory nor a .gguf file")
+    return path
+
+
+def open_session(
+    model: str | None,
+    profile: Profile,
+    *,
+    device: str | None = None,
+    dtype: str | None = None,
+    progress: ProgressFactory | None = None,
+) -> Session:
+    """Load the model resident within the profile's context and return an engine over it."""
+    import time
+
+    import torch
+
+    from tierlm.runtime.engine import Engine
+    from tierlm.runtime.loader import load_model
+    from tierlm.runtime.tokenizer import Tokenizer
+
+    model_dir = resolve_model_dir(model, progress)
+    started = time.perf_counter()
+    tokenizer = Tokenizer.from_dir(model_dir)
+    torch_dtype = _parse_dtype(dtype)
+    loaded = load_model(
+        model_dir,
+        device=device,
+        dtype=torch_dtype,
+        context_length=profile.context_length,
+        progress=progress("loading weights") if progress else None,
+    )
+    engine = Engine(loaded, tokenizer)
+    return Session(engine, profile, model_dir, time.perf_counter() - started)
+
+
+def _parse_dtype(name: str | None):
+    import torch
+
+    choices = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+    if name in (None, "auto"):
+        return None
+    if name not in choices:
+        raise TierlmError(f"unknown dtype {name!r}", "use auto, fp32, fp16 or bf16")
+    return choices[name]

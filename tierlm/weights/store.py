@@ -1,0 +1,100 @@
+"""Weight stores: the forward pass borrows a block's tensors and hands them back.
+
+The contract is `acquire(block) -> {name: tensor}` followed by `release(block)`. A resident
+store keeps everything in memory; a tiered store (offload/) implements the same two calls
+by fetching blocks from host RAM or disk, so model code never changes.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Callable, Iterator, Mapping
+
+import torch
+
+from tierlm.weights.checkpoint import Checkpoint
+
+Layout = Mapping[str, Mapping[str, tuple[str, ...]]]
+Progress = Callable[[int, int], None]
+
+
+class WeightStore:
+    """Base class: subclasses implement acquire/release; `block()` pairs them."""
+
+    def acquire(self, block: str) -> Mapping[str, torch.Tensor]:
+        raise NotImplementedError
+
+    def release(self, block: str) -> None:
+        raise NotImplementedError
+
+    @contextmanager
+    def block(self, name: str) -> Iterator[Mapping[str, torch.Tensor]]:
+        tensors = self.acquire(name)
+        try:
+            yield tensors
+        finally:
+            self.release(name)
+
+    def block_names(self) -> list[str]:
+        raise NotImplementedError
+
+    def nbytes(self) -> int:
+        """Bytes of weights this store holds in memory."""
+        raise NotImplementedError
+
+
+class ResidentStore(WeightStore):
+    """Every block lives on the compute device for the life of the store."""
+
+    def __init__(self, blocks: Mapping[str, Mapping[str, torch.Tensor]]):
+        self._blocks = {name: dict(tensors) for name, tensors in blocks.items()}
+
+    def acquire(self, block: str) -> Mapping[str, torch.Tensor]:
+        return self._blocks[block]
+
+    def release(self, block: str) -> None:
+        pass
+
+    def block_names(self) -> list[str]:
+        return list(self._blocks)
+
+    def nbytes(self) -> int:
+        # Tied tensors appear in two blocks but occupy memory once.
+        seen = {
+            t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+            for tensors in self._blocks.values()
+            for t in tensors.values()
+        }
+        return sum(seen.values())
+
+
+def load_resident(
+    checkpoint: Checkpoint,
+    layout: Layout,
+    *,
+    device="cpu",
+    dtype: torch.dtype = torch.float32,
+    progress: Progress | None = None,
+) -> ResidentStore:
+    """Build every block from the checkpoint, fusing multi-tensor entries, cast to `dtype`.
+
+    Tensors read from the same checkpoint names (tied embedding and head) are shared.
+    Peak memory is the model plus one block, since each block is assembled on its own.
+    """
+    built: dict[tuple[str, ...], torch.Tensor] = {}
+    blocks: dict[str, dict[str, torch.Tensor]] = {}
+    for done, (block, entries) in enumerate(layout.items(), start=1):
+        blocks[block] = {}
+        for name, sources in entries.items():
+            if sources not in built:
+                built[sources] = _assemble(checkpoint, sources, device, dtype)
+            blocks[block][name] = built[sources]
+        if progress:
+            progress(done, len(layout))
+    return ResidentStore(blocks)
+
+
+def _assemble(checkpoint: Checkpoint, sources: tuple[str, ...], device, dtype) -> torch.Tensor:
+    parts = [checkpoint.get(name) for name in sources]
+    tensor = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
+    return tensor.to(device=device, dtype=dtype).contiguous()
