@@ -35,13 +35,13 @@ class ChatSession:
             self.messages.pop()
             raise
         generation = self.engine.generate(prompt, params)
-        generation.deltas = self._recorded(generation)
+        generation.deltas = self._recorded(generation.deltas)
         return generation
 
-    def _recorded(self, generation: Generation):
+    def _recorded(self, deltas):
         pieces: list[str] = []
         try:
-            for delta in generation.deltas:
+            for delta in deltas:
                 pieces.append(delta)
                 yield delta
         finally:
