@@ -20,9 +20,7 @@ def progress_factory() -> Callable[[str], Progress]:
         state: dict = {}
 
         def update(done: int, total: int) -> None:
-            if not sys.stderr.isatty():
-                if done == total:
-                    console.print(f"{label}: done", highlight=False)
+            if not sys.stderr.isatty():  # keep piped stderr to real messages
                 return
             if "bar" not in state:
                 bar = RichProgress(

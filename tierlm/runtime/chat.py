@@ -27,13 +27,14 @@ class ChatSession:
         self.engine.reset()
 
     def send(self, text: str, params: SamplingParams) -> Generation:
-        """Add the user's message and start the reply; the reply joins the history once consumed."""
-        self.messages.append({"role": "user", "content": text})
-        try:
-            prompt = self._fitting_prompt(params.max_new_tokens)
-        except TierlmError:
-            self.messages.pop()
-            raise
+        """Add the user's message and start the reply; the reply joins the history once consumed.
+
+        A message that cannot fit leaves the history exactly as it was.
+        """
+        kept, prompt = self._fitting_prompt(self.messages + [{"role": "user", "content": text}],
+                                            params.max_new_tokens)
+        self.dropped_messages += len(self.messages) + 1 - len(kept)
+        self.messages[:] = kept
         generation = self.engine.generate(prompt, params)
         generation.deltas = self._recorded(generation.deltas)
         return generation
@@ -48,26 +49,26 @@ class ChatSession:
             # An interrupted reply still enters the history as far as it got.
             self.messages.append({"role": "assistant", "content": "".join(pieces)})
 
-    def _conversation(self) -> list[dict[str, str]]:
+    def _conversation(self, messages: list[dict[str, str]] | None = None) -> list[dict[str, str]]:
         prefix = [{"role": "system", "content": self.system}] if self.system else []
-        return prefix + self.messages
+        return prefix + (self.messages if messages is None else messages)
 
-    def _fitting_prompt(self, reply_budget: int) -> list[int]:
+    def _fitting_prompt(self, messages: list[dict[str, str]], reply_budget: int):
+        """The messages that fit (oldest exchanges dropped) and their prompt ids."""
         context = self.engine.context_length
         budget = max(context - reply_budget, context // 2)
         tokenizer = self.engine.tokenizer
         while True:
-            ids = tokenizer.encode_chat(self._conversation(), add_generation_prompt=True)
-            if len(ids) <= budget or len(self.messages) <= 1:
+            ids = tokenizer.encode_chat(self._conversation(messages), add_generation_prompt=True)
+            if len(ids) <= budget or len(messages) <= 1:
                 break
             # Drop the oldest exchange: a user message and the assistant reply after it.
-            drop = 2 if len(self.messages) > 2 and self.messages[1]["role"] == "assistant" else 1
-            del self.messages[:drop]
-            self.dropped_messages += drop
+            drop = 2 if len(messages) > 2 and messages[1]["role"] == "assistant" else 1
+            messages = messages[drop:]
         if len(ids) >= context:
             raise TierlmError(
                 f"the message is {len(ids)} tokens with the chat template, but the context "
                 f"holds {context}",
                 "send a shorter message, or use a profile with a larger context_length",
             )
-        return ids
+        return messages, ids
