@@ -1,0 +1,798 @@
+"""Import a GGUF checkpoint as an HF-layout model directory.
+
+A GGUF holds (usually quantized) weights under llama.cpp's tensor names, with the Q/K rows of
+llama-family models permuted into llama.cpp's interleaved-RoPE order, and describes its tokenizer
+as metadata. `import_gguf` turns one into what transformers and tierlm's own loader read:
+
+    config.json              LlamaForCausalLM / Qwen2ForCausalLM config, float32
+    model.safetensors        HF tensor names, dequantized to float32 (sharded above ~2 GB, with
+                             model.safetensors.index.json)
+    tokenizer.json           built from the GGUF vocabulary (byte-level BPE or SentencePiece BPE)
+    tokenizer_config.json    special tokens, add_bos_token, chat_template
+    generation_config.json   bos/eos ids
+    tierlm-import.json       what was imported from (written last; the directory's receipt)
+
+The directory appears atomically: it is built under a temporary name beside `out_dir` and renamed
+into place only when complete, under a per-directory lock, so a killed import leaves at most a
+temporary directory that the next import removes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import math
+import os
+import re
+import shutil
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any
+
+from tierlm.errors import TierlmError
+
+# Bump when the written directory changes in a way that old imports should not be reused.
+IMPORT_FORMAT_VERSION = 1
+RECORD_NAME = "tierlm-import.json"
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
+SUPPORTED_TOKENIZERS = ("gpt2", "llama")
+# Shards are flushed at this size so a big model never sits in RAM as float32 all at once.
+SHARD_BYTES = 2 * 1024**3
+
+_MiB = 1024 * 1024
+
+# GGUF token types (llama.cpp's llama_token_type).
+_TOKEN_UNKNOWN, _TOKEN_CONTROL, _TOKEN_USER_DEFINED = 2, 3, 4
+
+
+@dataclass(frozen=True)
+class _Family:
+    """How one GGUF architecture maps onto an HF model class."""
+
+    hf_class: str
+    model_type: str
+    # llama.cpp permutes Q/K rows for archs it runs with "normal" (interleaved) RoPE.
+    permute_qk: bool
+
+
+_FAMILIES = MappingProxyType(
+    {
+        "llama": _Family("LlamaForCausalLM", "llama", permute_qk=True),
+        "qwen2": _Family("Qwen2ForCausalLM", "qwen2", permute_qk=False),
+    }
+)
+
+_GLOBAL_TENSORS = MappingProxyType(
+    {
+        "token_embd": "model.embed_tokens",
+        "output_norm": "model.norm",
+        "output": "lm_head",
+    }
+)
+_BLOCK_TENSORS = MappingProxyType(
+    {
+        "attn_norm": "input_layernorm",
+        "ffn_norm": "post_attention_layernorm",
+        "attn_q": "self_attn.q_proj",
+        "attn_k": "self_attn.k_proj",
+        "attn_v": "self_attn.v_proj",
+        "attn_output": "self_attn.o_proj",
+        "ffn_gate": "mlp.gate_proj",
+        "ffn_up": "mlp.up_proj",
+        "ffn_down": "mlp.down_proj",
+    }
+)
+_BLOCK_NAME = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+
+# Byte-level pre-tokenizers by `tokenizer.ggml.pre`, following llama.cpp's llama-vocab.cpp.
+_GPT2_PRE = ("default", "gpt2", "gpt-2", "mpt", "olmo", "jais")
+_DIGITS_PRE = ("smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva-7b")
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_SPLIT_PRE = MappingProxyType(
+    {
+        **dict.fromkeys(("llama3", "llama-v3", "llama-bpe", "falcon3", "dbrx", "smaug-bpe"), _LLAMA3_SPLIT),
+        **dict.fromkeys(("qwen2", "deepseek-r1-qwen", "megrez", "stablelm2"), _QWEN2_SPLIT),
+    }
+)
+# llama.cpp matches a whole vocabulary word before applying merges for these (HF: ignore_merges).
+_IGNORE_MERGES_PRE = ("llama3", "llama-v3", "llama-bpe", "falcon3")
+
+
+Progress = Callable[[int, int], None]
+
+
+# ----------------------------------------------------------------------------- public API
+
+
+def import_gguf(gguf_path: Path, out_dir: Path, progress: Progress | None = None) -> Path:
+    """Import `gguf_path` into the HF-layout directory `out_dir` and return `out_dir`.
+
+    `progress(done, total)` is called after each tensor with source tensor bytes processed so far.
+    If `out_dir` already holds a complete import of the same file (same content key and importer
+    version), it is returned untouched; any other existing `out_dir` is replaced.
+    Raises TierlmError for unreadable files and unsupported architectures or tokenizers.
+    """
+    gguf_path, out_dir = Path(gguf_path), Path(out_dir)
+    key = gguf_content_key(gguf_path)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    with _directory_lock(out_dir):
+        if _record_matches(out_dir, key):
+            return out_dir
+        _remove_stale_temporaries(out_dir)
+        tmp = out_dir.parent / f".{out_dir.name}.partial-{os.getpid()}"
+        tmp.mkdir()
+        try:
+            _write_model_dir(gguf_path, tmp, key, progress)
+            _swap_into_place(tmp, out_dir)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+    return out_dir
+
+
+def gguf_content_key(gguf_path: Path) -> str:
+    """A short hex key for a GGUF file's content and this importer's version.
+
+    Hashes the size, the first and last MiB (header, metadata, last tensors) and 1 MiB samples
+    spread through the middle: a full sha256 of a multi-GB file would cost seconds on every start.
+    """
+    gguf_path = Path(gguf_path)
+    try:
+        size = gguf_path.stat().st_size
+        digest = hashlib.sha256(f"tierlm-gguf-import-v{IMPORT_FORMAT_VERSION}:{size}".encode())
+        offsets = sorted({0, *(size * i // 8 for i in range(1, 8)), max(0, size - _MiB)})
+        with gguf_path.open("rb") as f:
+            for offset in offsets:
+                f.seek(offset)
+                digest.update(f.read(_MiB))
+    except FileNotFoundError:
+        raise TierlmError(f"GGUF file not found: {gguf_path}", hint="check the path") from None
+    except OSError as err:
+        raise TierlmError(f"cannot read GGUF file {gguf_path}: {err.strerror or err}") from None
+    return digest.hexdigest()[:16]
+
+
+def read_import_record(model_dir: Path) -> dict[str, Any] | None:
+    """The receipt of a completed import in `model_dir`, or None if it holds none."""
+    try:
+        return json.loads((Path(model_dir) / RECORD_NAME).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def unpermute_rope_rows(weight, n_head: int):
+    """Undo llama.cpp's Q/K permutation: rows [n_head*head_dim, ...] back to HF's half-split order.
+
+    llama.cpp's convert_hf_to_gguf.py views rows as (n_head, 2, head_dim/2) and swaps the two inner
+    axes, so each head's rotary pairs sit next to each other (interleaved RoPE); the inverse views rows
+    as (n_head, head_dim/2, 2) and swaps back. Works for 2-D weights and 1-D biases.
+    """
+    rows = weight.shape[0]
+    if rows % (2 * n_head):
+        raise TierlmError(f"cannot un-permute a tensor with {rows} rows into {n_head} rotary heads")
+    grouped = weight.reshape(n_head, rows // n_head // 2, 2, *weight.shape[1:])
+    return grouped.swapaxes(1, 2).reshape(weight.shape)
+
+
+# ----------------------------------------------------------------------------- directory handling
+
+
+@contextlib.contextmanager
+def _directory_lock(out_dir: Path) -> Iterator[None]:
+    """Serialise imports into one directory; the kernel drops the lock if the process dies."""
+    try:
+        import fcntl
+    except ImportError:  # Windows: no advisory locks, imports are merely not serialised
+        yield
+        return
+    lock_path = out_dir.parent / f".{out_dir.name}.lock"
+    with lock_path.open("a") as handle:
+        fcntl.flock(handle.fileno(), fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle.fileno(), fcntl.LOCK_UN)
+
+
+def _record_matches(out_dir: Path, key: str) -> bool:
+    record = read_import_record(out_dir)
+    return bool(record) and record.get("source_key") == key and record.get("format") == IMPORT_FORMAT_VERSION
+
+
+def _remove_stale_temporaries(out_dir: Path) -> None:
+    """Remove leftovers of killed imports; safe because the caller holds the directory lock."""
+    for pattern in (f".{out_dir.name}.partial-*", f".{out_dir.name}.old-*"):
+        for stale in out_dir.parent.glob(pattern):
+            shutil.rmtree(stale, ignore_errors=True)
+
+
+def _swap_into_place(tmp: Path, out_dir: Path) -> None:
+    """Rename the finished `tmp` to `out_dir`, moving an existing `out_dir` aside first."""
+    _fsync_dir(tmp)
+    if out_dir.exists():
+        old = out_dir.parent / f".{out_dir.name}.old-{os.getpid()}"
+        os.replace(out_dir, old)
+        os.replace(tmp, out_dir)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(tmp, out_dir)
+    _fsync_dir(out_dir.parent)
+
+
+def _fsync_dir(path: Path) -> None:
+    # Makes the renames durable across power loss; not available on every platform.
+    with contextlib.suppress(OSError, AttributeError):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+# ----------------------------------------------------------------------------- reading the GGUF
+
+
+class _Metadata:
+    """Typed access to a GGUFReader's key/value metadata."""
+
+    def __init__(self, reader, path: Path):
+        self.reader = reader
+        self.path = path
+        self.arch = self.get("general.architecture")
+        if not isinstance(self.arch, str):
+            raise TierlmError(f"{path} has no general.architecture; it is not a model GGUF")
+
+    def get(self, key: str, default: Any = None) -> Any:
+        field = self.reader.fields.get(key)
+        if field is None:
+            return default
+        try:
+            return field.contents()
+        except Exception as err:  # a damaged field surfaces here, inside gguf's own parser
+            raise _corrupt(self.path, err) from None
+
+    def arch_get(self, key: str, default: Any = None) -> Any:
+        return self.get(f"{self.arch}.{key}", default)
+
+    def require(self, key: str) -> Any:
+        value = self.arch_get(key)
+        if value is None:
+            raise TierlmError(f"{self.path} lacks the metadata key {self.arch}.{key}", hint="the GGUF is incomplete")
+        return value
+
+
+def _corrupt(path: Path, err: BaseException) -> TierlmError:
+    return TierlmError(
+        f"{path} is not a readable GGUF file ({type(err).__name__}: {err})",
+        hint="it may be truncated or corrupt; download or convert it again",
+    )
+
+
+def _open_gguf(gguf_path: Path):
+    """A GGUFReader over the file, with gguf's and numpy's errors turned into TierlmError."""
+    from gguf import GGUFReader
+
+    if not gguf_path.is_file():
+        raise TierlmError(f"GGUF file not found: {gguf_path}", hint="check the path")
+    try:
+        return GGUFReader(gguf_path)
+    except Exception as err:  # gguf raises ValueError/IndexError/struct errors for damaged files
+        raise _corrupt(gguf_path, err) from None
+
+
+def _per_layer_scalar(meta: _Metadata, key: str) -> int:
+    """A count that GGUF may store per layer (a list); HF llama/qwen2 need it uniform."""
+    value = meta.require(key)
+    if isinstance(value, list):
+        if len(set(value)) != 1:
+            raise TierlmError(f"{meta.path}: {meta.arch}.{key} differs between layers; llama/qwen2 need one value")
+        value = value[0]
+    return int(value)
+
+
+def _f32(value: float) -> float:
+    """GGUF stores float32: print the shortest decimal that round-trips, e.g. 1e-05 not 9.99e-06."""
+    import numpy as np
+
+    return float(str(np.float32(value)))
+
+
+# ----------------------------------------------------------------------------- config
+
+
+def _build_config(meta: _Metadata, family: _Family, tensors: dict) -> dict[str, Any]:
+    """The HF config.json for this GGUF (shape fields, norms, RoPE, tying, special ids)."""
+    hidden = int(meta.require("embedding_length"))
+    n_head = _per_layer_scalar(meta, "attention.head_count")
+    n_kv = _per_layer_scalar(meta, "attention.head_count_kv") if meta.arch_get("attention.head_count_kv") else n_head
+    head_dim = int(meta.arch_get("attention.key_length") or hidden // n_head)
+    rope_dim = meta.arch_get("rope.dimension_count")
+    if rope_dim is not None and int(rope_dim) != head_dim:
+        raise TierlmError(f"{meta.path}: partial rotary embeddings ({rope_dim} of {head_dim} dims) are not supported")
+    if meta.arch_get("expert_count"):
+        raise TierlmError(
+            f"{meta.path} is a mixture-of-experts {meta.arch} model; MoE GGUF import is not supported yet"
+        )
+    embed = tensors.get("token_embd.weight")
+    if embed is None:
+        raise TierlmError(f"{meta.path} has no token_embd.weight tensor; it is not a complete model")
+    eps = meta.require("attention.layer_norm_rms_epsilon")
+
+    config: dict[str, Any] = {
+        "architectures": [family.hf_class],
+        "model_type": family.model_type,
+        "vocab_size": int(embed.shape[-1]),  # GGUF shapes are (cols, rows)
+        "hidden_size": hidden,
+        "intermediate_size": _per_layer_scalar(meta, "feed_forward_length"),
+        "num_hidden_layers": int(meta.require("block_count")),
+        "num_attention_heads": n_head,
+        "num_key_value_heads": n_kv,
+        "head_dim": head_dim,
+        "hidden_act": "silu",
+        "max_position_embeddings": int(meta.require("context_length")),
+        "rms_norm_eps": _f32(eps),
+        "rope_theta": _f32(meta.arch_get("rope.freq_base", 10000.0)),
+        "rope_scaling": _rope_scaling(meta, tensors, head_dim),
+        "attention_dropout": 0.0,
+        "initializer_range": 0.02,
+        "use_cache": True,
+        "tie_word_embeddings": "output.weight" not in tensors,
+        "torch_dtype": "float32",
+    }
+    if family.model_type == "llama":
+        config["attention_bias"] = "blk.0.attn_q.bias" in tensors
+        config["mlp_bias"] = False
+        config["pretraining_tp"] = 1
+    else:  # qwen2: q/k/v biases are implied by the class
+        config["use_sliding_window"] = False
+        config["sliding_window"] = None
+        config["max_window_layers"] = config["num_hidden_layers"]
+    for name, key in (("bos", "bos"), ("eos", "eos"), ("pad", "padding")):
+        token_id = meta.get(f"tokenizer.ggml.{key}_token_id")
+        if token_id is not None:
+            config[f"{name}_token_id"] = int(token_id)
+    return config
+
+
+def _rope_scaling(meta: _Metadata, tensors: dict, head_dim: int) -> dict[str, Any] | None:
+    """HF rope_scaling from {arch}.rope.scaling.* keys, or from a llama3 `rope_freqs` tensor."""
+    kind = meta.arch_get("rope.scaling.type")
+    factor = meta.arch_get("rope.scaling.factor") or meta.arch_get("rope.scale_linear")
+    if kind is None and factor is not None and float(factor) != 1.0:
+        kind = "linear"  # older files carry only rope.scale_linear
+    if kind in (None, "none"):
+        freqs = tensors.get("rope_freqs.weight")
+        return _llama3_scaling_from_freqs(meta, freqs, head_dim) if freqs is not None else None
+    if kind not in ("linear", "yarn"):
+        raise TierlmError(f"{meta.path}: RoPE scaling type {kind!r} is not supported (linear, yarn are)")
+    scaling: dict[str, Any] = {"rope_type": kind, "factor": _f32(factor or 1.0)}
+    original = meta.arch_get("rope.scaling.original_context_length")
+    if original:
+        scaling["original_max_position_embeddings"] = int(original)
+    if kind == "yarn":
+        for gguf_key, hf_key in (
+            ("rope.scaling.yarn_beta_fast", "beta_fast"),
+            ("rope.scaling.yarn_beta_slow", "beta_slow"),
+            ("rope.scaling.attn_factor", "attention_factor"),
+        ):
+            value = meta.arch_get(gguf_key)
+            if value is not None:
+                scaling[hf_key] = _f32(value)
+    return scaling
+
+
+def _llama3_scaling_from_freqs(meta: _Metadata, freqs_tensor, head_dim: int) -> dict[str, Any] | None:
+    """Recover Llama-3.1-style rope_scaling from the per-dimension divisors llama.cpp stores.
+
+    llama.cpp writes the result of HF's llama3 formula as `rope_freqs` instead of its parameters;
+    they are found by trying the values Meta's releases use and checking the curve matches exactly.
+    """
+    import numpy as np
+
+    stored = np.asarray(freqs_tensor.data, dtype=np.float64).reshape(-1)
+    if np.allclose(stored, 1.0):
+        return None
+    theta = float(meta.arch_get("rope.freq_base", 10000.0))
+    inv_freq = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    wavelen = 2 * math.pi / inv_freq
+    factor = float(stored.max())
+    for original in (2048, 4096, 8192, 16384, 32768, 65536, 131072):
+        for low in (0.5, 1.0, 2.0):
+            for high in (2.0, 4.0, 8.0, 16.0):
+                if high <= low:
+                    continue
+                smooth = (original / wavelen - low) / (high - low)
+                mid = 1.0 / ((1 - smooth) / factor + smooth)
+                curve = np.where(wavelen < original / high, 1.0, np.where(wavelen > original / low, factor, mid))
+                if curve.shape == stored.shape and np.allclose(curve, stored, rtol=1e-4):
+                    return {
+                        "rope_type": "llama3",
+                        "factor": _f32(factor),
+                        "low_freq_factor": low,
+                        "high_freq_factor": high,
+                        "original_max_position_embeddings": original,
+                    }
+    raise TierlmError(f"{meta.path}: its rope_freqs tensor does not match a known RoPE scaling (llama3)")
+
+
+# ----------------------------------------------------------------------------- weights
+
+
+@dataclass(frozen=True)
+class _Planned:
+    """One GGUF tensor and where it goes in the safetensors output."""
+
+    tensor: Any  # gguf ReaderTensor
+    hf_name: str
+    hf_shape: tuple[int, ...]
+    unpermute_heads: int  # 0: copy as is; n: undo llama.cpp's Q/K permutation over n heads
+
+    @property
+    def out_bytes(self) -> int:
+        return 4 * math.prod(self.hf_shape)
+
+
+def _plan_tensors(meta: _Metadata, family: _Family, tensors: dict, config: dict) -> list[_Planned]:
+    """Map every GGUF tensor to its HF name; unknown tensors are an error, not silently dropped."""
+    plan = []
+    n_layers = config["num_hidden_layers"]
+    for name, tensor in tensors.items():
+        if name == "rope_freqs.weight":
+            continue  # folded into config.rope_scaling
+        hf_shape = tuple(int(d) for d in reversed(tensor.shape))  # GGUF lists dims fastest-first
+        unpermute = 0
+        match = _BLOCK_NAME.fullmatch(name)
+        if match:
+            layer, part, kind = int(match[1]), match[2], match[3]
+            if part not in _BLOCK_TENSORS or layer >= n_layers:
+                raise _unknown_tensor(meta, name)
+            hf_name = f"model.layers.{layer}.{_BLOCK_TENSORS[part]}.{kind}"
+            if family.permute_qk and part in ("attn_q", "attn_k"):
+                unpermute = config["num_attention_heads"] if part == "attn_q" else config["num_key_value_heads"]
+        else:
+            base, _, kind = name.rpartition(".")
+            if base not in _GLOBAL_TENSORS or kind != "weight":
+                raise _unknown_tensor(meta, name)
+            hf_name = f"{_GLOBAL_TENSORS[base]}.weight"
+        plan.append(_Planned(tensor, hf_name, hf_shape, unpermute))
+    return plan
+
+
+def _unknown_tensor(meta: _Metadata, name: str) -> TierlmError:
+    return TierlmError(
+        f"{meta.path}: tensor {name!r} has no place in a {meta.arch} model",
+        hint="this GGUF variant is not supported by tierlm's importer",
+    )
+
+
+def _shards(plan: list[_Planned]) -> list[list[_Planned]]:
+    """Group tensors into consecutive shards of at most SHARD_BYTES (one shard if it all fits)."""
+    shards: list[list[_Planned]] = [[]]
+    size = 0
+    for item in plan:
+        if shards[-1] and size + item.out_bytes > SHARD_BYTES:
+            shards.append([])
+            size = 0
+        shards[-1].append(item)
+        size += item.out_bytes
+    return shards
+
+
+def _dequantize(item: _Planned, path: Path):
+    """One tensor as a contiguous float32 array in HF shape and row order."""
+    import numpy as np
+    from gguf.quants import dequantize
+
+    try:
+        array = dequantize(item.tensor.data, item.tensor.tensor_type)
+        array = np.ascontiguousarray(array, dtype=np.float32).reshape(item.hf_shape)
+    except TierlmError:
+        raise
+    except Exception as err:  # unsupported quant type or damaged data
+        raise TierlmError(
+            f"{path}: cannot dequantize tensor {item.tensor.name} ({item.tensor.tensor_type.name}): {err}",
+            hint="the file may be corrupt, or use a quantization type gguf-py supports",
+        ) from None
+    if item.unpermute_heads:
+        array = np.ascontiguousarray(unpermute_rope_rows(array, item.unpermute_heads))
+    return array
+
+
+def _write_weights(plan: list[_Planned], out: Path, source: Path, progress: Progress | None) -> None:
+    """Dequantize tensor by tensor and write shard by shard; only one shard is held in memory."""
+    from safetensors.numpy import save_file
+
+    shards = _shards(plan)
+    total = sum(int(item.tensor.n_bytes) for item in plan)
+    done = 0
+    weight_map: dict[str, str] = {}
+    for index, shard in enumerate(shards, start=1):
+        filename = "model.safetensors" if len(shards) == 1 else f"model-{index:05d}-of-{len(shards):05d}.safetensors"
+        arrays = {}
+        for item in shard:
+            arrays[item.hf_name] = _dequantize(item, source)
+            weight_map[item.hf_name] = filename
+            done += int(item.tensor.n_bytes)
+            if progress is not None:
+                progress(done, total)
+        save_file(arrays, str(out / filename), metadata={"format": "pt"})
+        del arrays
+        _fsync_file(out / filename)
+    if len(shards) > 1:
+        index_doc = {
+            "metadata": {"total_size": sum(item.out_bytes for item in plan)},
+            "weight_map": dict(sorted(weight_map.items())),
+        }
+        _write_json(out / "model.safetensors.index.json", index_doc)
+
+
+def _fsync_file(path: Path) -> None:
+    with path.open("rb") as f:
+        os.fsync(f.fileno())
+
+
+def _write_json(path: Path, doc: dict[str, Any]) -> None:
+    path.write_text(json.dumps(doc, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+
+
+# ----------------------------------------------------------------------------- tokenizer
+
+
+def _token_id_name(meta: _Metadata, tokens: list[str], key: str) -> str | None:
+    token_id = meta.get(f"tokenizer.ggml.{key}_token_id")
+    if token_id is None or not 0 <= int(token_id) < len(tokens):
+        return None
+    return tokens[int(token_id)]
+
+
+def _build_tokenizer(meta: _Metadata):
+    """(tokenizers.Tokenizer, tokenizer_config dict) from the GGUF's tokenizer metadata, or None."""
+    model = meta.get("tokenizer.ggml.model")
+    if model is None:
+        return None
+    tokens = meta.get("tokenizer.ggml.tokens")
+    if not tokens:
+        raise TierlmError(f"{meta.path}: tokenizer.ggml.tokens is missing; cannot build a tokenizer")
+    token_types = meta.get("tokenizer.ggml.token_type") or [1] * len(tokens)
+    if model == "gpt2":
+        tokenizer = _byte_level_bpe(meta, tokens, token_types)
+        default_add_bos = False
+    elif model == "llama":
+        tokenizer = _sentencepiece_bpe(meta, tokens, token_types)
+        default_add_bos = True  # llama.cpp and transformers add BOS to SentencePiece vocabularies by default
+    else:
+        raise TierlmError(
+            f"{meta.path}: tokenizer model {model!r} is not supported",
+            hint=f"supported tokenizer.ggml.model values: {', '.join(SUPPORTED_TOKENIZERS)}",
+        )
+
+    special = {name: _token_id_name(meta, tokens, key) for name, key in
+               (("bos_token", "bos"), ("eos_token", "eos"), ("unk_token", "unknown"), ("pad_token", "padding"))}
+    _add_special_tokens(tokenizer, tokens, token_types, [t for t in special.values() if t])
+    add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", default_add_bos))
+    add_eos = bool(meta.get("tokenizer.ggml.add_eos_token", False))
+    _set_post_processor(tokenizer, special["bos_token"] if add_bos else None,
+                        special["eos_token"] if add_eos else None, byte_level=model == "gpt2")
+
+    config: dict[str, Any] = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        **{name: token for name, token in special.items() if token is not None},
+        "add_bos_token": add_bos,
+        "add_eos_token": add_eos,
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": int(meta.arch_get("context_length") or 0) or None,
+    }
+    template = meta.get("tokenizer.chat_template")
+    if template:
+        config["chat_template"] = template
+    return tokenizer, config
+
+
+def _byte_level_bpe(meta: _Metadata, tokens: list[str], token_types: list[int]):
+    """GPT-2 style byte-level BPE; the pre-tokenizer follows llama.cpp's reading of `tokenizer.ggml.pre`."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+
+    pre = meta.get("tokenizer.ggml.pre", "default")
+    if pre in _GPT2_PRE:
+        pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    elif pre in _DIGITS_PRE:
+        # llama.cpp: "\p{N}" then the GPT-2 regex; the same as HF's Digits(individual) + ByteLevel.
+        pre_tokenizer = pre_tokenizers.Sequence(
+            [pre_tokenizers.Digits(individual_digits=True),
+             pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)]
+        )
+    elif pre in _SPLIT_PRE:
+        pre_tokenizer = pre_tokenizers.Sequence(
+            [pre_tokenizers.Split(Regex(_SPLIT_PRE[pre]), behavior="isolated"),
+             pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
+        )
+    else:
+        known = sorted({*_GPT2_PRE, *_DIGITS_PRE, *_SPLIT_PRE})
+        raise TierlmError(
+            f"{meta.path}: byte-level pre-tokenizer {pre!r} is not supported",
+            hint=f"supported tokenizer.ggml.pre values: {', '.join(known)}",
+        )
+
+    alphabet = _byte_alphabet()
+    spelled = set(alphabet.values())
+    vocab: dict[str, int] = {}
+    for index, (token, token_type) in enumerate(zip(tokens, token_types)):
+        # Added tokens keep their text; a normal token outside the byte alphabet is respelled into it.
+        if token_type not in (_TOKEN_CONTROL, _TOKEN_USER_DEFINED, _TOKEN_UNKNOWN) and not set(token) <= spelled:
+            token = "".join(alphabet[b] for b in token.encode("utf-8"))
+        vocab[token] = index
+    merges = _merges(meta, tokens, vocab, scores=None)
+    model = models.BPE(vocab=vocab, merges=merges, dropout=None, fuse_unk=False, byte_fallback=False,
+                       ignore_merges=pre in _IGNORE_MERGES_PRE)
+    tokenizer = Tokenizer(model)
+    tokenizer.pre_tokenizer = pre_tokenizer
+    tokenizer.decoder = decoders.ByteLevel()
+    return tokenizer
+
+
+def _byte_alphabet() -> dict[int, str]:
+    """GPT-2's byte -> printable character table: printable bytes map to themselves, the rest
+    (controls, space, ...) to code points from 256 up, in byte order."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    table = {b: chr(b) for b in printable}
+    extra = 0
+    for b in range(256):
+        if b not in table:
+            table[b] = chr(256 + extra)
+            extra += 1
+    return table
+
+
+def _sentencepiece_bpe(meta: _Metadata, tokens: list[str], token_types: list[int]):
+    """SentencePiece BPE with byte fallback and Metaspace, as transformers' GGUF converter builds it."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    vocab = {token: index for index, token in enumerate(tokens)}
+    scores = meta.get("tokenizer.ggml.scores")
+    merges = _merges(meta, tokens, vocab, scores=scores)
+    model = models.BPE(vocab=vocab, merges=merges, dropout=None, fuse_unk=True, byte_fallback=True)
+    tokenizer = Tokenizer(model)
+    add_prefix = bool(meta.get("tokenizer.ggml.add_space_prefix", True))
+    tokenizer.pre_tokenizer = pre_tokenizers.Metaspace(
+        replacement="\u2581", prepend_scheme="first" if add_prefix else "never", split=False
+    )
+    steps = [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
+    if add_prefix:
+        steps.append(decoders.Strip(content=" ", left=1, right=0))
+    tokenizer.decoder = decoders.Sequence(steps)
+    return tokenizer
+
+
+def _merges(
+    meta: _Metadata, tokens: list[str], vocab: dict[str, int], scores: list[float] | None
+) -> list[tuple[str, str]]:
+    """The file's merges, or (SentencePiece files often have none) merges implied by token scores.
+
+    The implied order matches transformers' `generate_merges`: every split of a token into two
+    vocabulary pieces, best token score first, then shorter left/right pieces.
+    """
+    listed = meta.get("tokenizer.ggml.merges")
+    if listed:
+        merges = []
+        for merge in listed:
+            parts = merge.split(" ")
+            if len(parts) != 2:
+                raise TierlmError(f"{meta.path}: malformed tokenizer merge {merge!r}")
+            merges.append((parts[0], parts[1]))
+        return merges
+    if scores is None:
+        raise TierlmError(f"{meta.path}: the tokenizer has neither merges nor scores")
+    token_scores = dict(zip(tokens, scores))
+    candidates = []
+    for piece, score in token_scores.items():
+        splits = ((piece[:i], piece[i:]) for i in range(1, len(piece)))
+        local = [(left, right, score) for left, right in splits if left in vocab and right in vocab]
+        local.sort(key=lambda m: (vocab[m[0]], vocab[m[1]]))
+        candidates.extend(local)
+    candidates.sort(key=lambda m: (m[2], len(m[0]), len(m[1])), reverse=True)
+    return [(left, right) for left, right, _ in candidates]
+
+
+def _add_special_tokens(tokenizer, tokens: list[str], token_types: list[int], named: list[str]) -> None:
+    """Make control tokens (and unk and the named bos/eos/pad) special, user-defined ones plain added.
+
+    Both kinds are matched whole in input text, as llama.cpp does; only special ones are dropped by
+    `decode(skip_special_tokens=True)`, so a user-defined `<think>` stays visible (as in transformers).
+    """
+    from tokenizers import AddedToken
+
+    vocab = tokenizer.get_vocab()
+    special, plain = [], []
+    for token, token_type in zip(tokens, token_types):
+        if token not in vocab:
+            continue
+        if token_type in (_TOKEN_CONTROL, _TOKEN_UNKNOWN) or token in named:
+            special.append(token)
+        elif token_type == _TOKEN_USER_DEFINED:
+            plain.append(token)
+    for token in named:  # never grow the vocabulary: ids must stay within the embedding
+        if token not in special and token in vocab:
+            special.append(token)
+    if special:
+        tokenizer.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in special])
+    if plain:
+        tokenizer.add_tokens([AddedToken(t, special=False, normalized=False) for t in plain])
+
+
+def _set_post_processor(tokenizer, bos: str | None, eos: str | None, byte_level: bool) -> None:
+    """Add BOS/EOS around encoded text when the GGUF says so (tokenizer.ggml.add_bos/eos_token)."""
+    from tokenizers import processors
+
+    if bos is None and eos is None:
+        tokenizer.post_processor = processors.ByteLevel(trim_offsets=False) if byte_level else None
+        return
+    prefix, suffix = ([f"{bos}:0"] if bos else []), ([f"{eos}:0"] if eos else [])
+    pair_prefix, pair_suffix = ([f"{bos}:1"] if bos else []), ([f"{eos}:1"] if eos else [])
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single=[*prefix, "$A:0", *suffix],
+        pair=[*prefix, "$A:0", *suffix, *pair_prefix, "$B:1", *pair_suffix],
+        special_tokens=[(t, tokenizer.token_to_id(t)) for t in dict.fromkeys(filter(None, (bos, eos)))],
+    )
+
+
+# ----------------------------------------------------------------------------- assembling the directory
+
+
+def _write_model_dir(gguf_path: Path, out: Path, key: str, progress: Progress | None) -> None:
+    """Write every file of the imported model into `out` (the temporary directory)."""
+    reader = _open_gguf(gguf_path)
+    meta = _Metadata(reader, gguf_path)
+    split_count = meta.get("split.count")
+    if split_count and int(split_count) > 1:
+        raise TierlmError(
+            f"{gguf_path} is one part of a split GGUF ({split_count} parts)",
+            hint="merge the parts first: llama-gguf-split --merge FIRST-PART OUT.gguf",
+        )
+    family = _FAMILIES.get(meta.arch)
+    if family is None:
+        raise TierlmError(
+            f"{gguf_path}: GGUF architecture {meta.arch!r} is not supported",
+            hint=f"tierlm imports GGUF architectures: {', '.join(SUPPORTED_ARCHITECTURES)}",
+        )
+    tensors = {t.name: t for t in reader.tensors}
+    config = _build_config(meta, family, tensors)
+    plan = _plan_tensors(meta, family, tensors, config)
+
+    # The tokenizer is built before the slow weight conversion so its errors come early.
+    built = _build_tokenizer(meta)
+    _write_weights(plan, out, gguf_path, progress)
+    _write_json(out / "config.json", config)
+    generation: dict[str, Any] = {"_from_model_config": False}
+    for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        if name in config:
+            generation[name] = config[name]
+    stops = [meta.get(f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
+    stops = list(dict.fromkeys(int(s) for s in stops if s is not None))
+    if len(stops) > 1:  # chat models end turns with eot/eom as well as eos
+        generation["eos_token_id"] = stops
+    _write_json(out / "generation_config.json", generation)
+    if built is not None:
+        tokenizer, tokenizer_config = built
+        tokenizer.save(str(out / "tokenizer.json"))
+        _write_json(out / "tokenizer_config.json", tokenizer_config)
+    _write_json(
+        out / RECORD_NAME,
+        {
+            "format": IMPORT_FORMAT_VERSION,
+            "source_name": gguf_path.name,
+            "source_bytes": gguf_path.stat().st_size,
+            "source_key": key,
+            "architecture": meta.arch,
+            "general_name": meta.get("general.name"),
+        },
+    )
