@@ -79,7 +79,7 @@ def load_resident(
     """Build every block from the checkpoint, fusing multi-tensor entries, cast to `dtype`.
 
     Tensors read from the same checkpoint names (tied embedding and head) are shared.
-    Peak memory is the model plus one block, since each block is assembled on its own.
+    Peak memory is the model plus one tensor (when a cast is needed).
     """
     built: dict[tuple[str, ...], torch.Tensor] = {}
     blocks: dict[str, dict[str, torch.Tensor]] = {}
@@ -95,6 +95,4 @@ def load_resident(
 
 
 def _assemble(checkpoint: Checkpoint, sources: tuple[str, ...], device, dtype) -> torch.Tensor:
-    parts = [checkpoint.get(name) for name in sources]
-    tensor = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
-    return tensor.to(device=device, dtype=dtype).contiguous()
+    return checkpoint.read_concat(sources).to(device=device, dtype=dtype)
