@@ -1,0 +1,63 @@
+"""The CLI as users call it: instant help, profiles, piping generate, import-gguf."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import torch
+
+from tests.tiny import make_model
+
+
+def tierlm(*args: str, stdin: str = "") -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "tierlm", *args], input=stdin, capture_output=True, text=True, timeout=300
+    )
+
+
+def test_help_does_not_import_torch():
+    code = "import sys, tierlm.cli.app; assert 'torch' not in sys.modules and 'transformers' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True)
+    result = tierlm("--help")
+    assert result.returncode == 0 and "chat" in result.stdout and "generate" in result.stdout
+
+
+def test_profiles_lists_and_shows():
+    listing = tierlm("profiles")
+    assert listing.returncode == 0 and listing.stdout.startswith("24gb")
+    shown = tierlm("profiles", "24gb")
+    assert "context_length" in shown.stdout and "22.0 GiB" in shown.stdout
+
+
+def test_generate_stdout_is_exactly_the_greedy_reply(tmp_path):
+    from tierlm.runtime.engine import Engine
+    from tierlm.runtime.loader import load_model
+    from tierlm.runtime.sampling import SamplingParams
+    from tierlm.runtime.tokenizer import Tokenizer
+
+    make_model(tmp_path)
+    result = tierlm("generate", "hello world", "--model", str(tmp_path), "-t", "0", "-n", "12", "--system", "be brief")
+    assert result.returncode == 0, result.stderr
+    tokenizer = Tokenizer.from_dir(tmp_path)
+    engine = Engine(load_model(tmp_path, device="cpu", dtype=torch.float32), tokenizer)
+    ids = tokenizer.encode_chat(
+        [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello world"}]
+    )
+    expected = engine.generate(ids, SamplingParams(temperature=0, max_new_tokens=12)).text()
+    assert result.stdout == expected + "\n"
+    raw = tierlm("generate", "-", "--raw", "--model", str(tmp_path), "-t", "0", "-n", "5", stdin="the quick")
+    engine.reset()
+    assert raw.stdout == engine.generate(tokenizer.encode("the quick"), SamplingParams(temperature=0, max_new_tokens=5)).text() + "\n"
+
+
+def test_import_gguf_prints_a_reusable_model_dir():
+    from tierlm.weights.embedded import embedded_gguf_path
+
+    first = tierlm("import-gguf", str(embedded_gguf_path()))
+    assert first.returncode == 0, first.stderr
+    model_dir = first.stdout.strip()
+    second = tierlm("import-gguf", str(embedded_gguf_path()))
+    assert second.stdout.strip() == model_dir
+    reply = tierlm("generate", "Say hi", "--model", model_dir, "-t", "0", "-n", "8")
+    assert reply.returncode == 0 and reply.stdout.strip()
