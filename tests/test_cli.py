@@ -48,7 +48,7 @@ def test_generate_stdout_is_exactly_the_greedy_reply(tmp_path):
     assert result.stdout == expected + "\n"
     raw = tierlm("generate", "-", "--raw", "--model", str(tmp_path), "-t", "0", "-n", "5", stdin="the quick")
     engine.reset()
-    assert raw.stdout == engine.generate(tokenizer.encode("the quick"), SamplingParams(temperature=0, max_new_tokens=5)).text() + "\n"
+    assert raw.stdout == engine.generate(tokenizer.encode("the quick", add_special_tokens=True), SamplingParams(temperature=0, max_new_tokens=5)).text() + "\n"
 
 
 def test_import_gguf_prints_a_reusable_model_dir():

@@ -100,7 +100,8 @@ def generate(
     session = _open(model, profile, device, dtype)
     tokenizer = session.engine.tokenizer
     if raw:
-        ids = tokenizer.encode(prompt)
+        # A raw prompt gets what the tokenizer's post-processor adds (BOS for Llama-style models).
+        ids = tokenizer.encode(prompt, add_special_tokens=True)
     else:
         messages = ([{"role": "system", "content": system}] if system else []) + [
             {"role": "user", "content": prompt}

@@ -12,40 +12,38 @@ as metadata. `import_gguf` turns one into what transformers and tierlm's own loa
     generation_config.json   bos/eos ids
     tierlm-import.json       what was imported from (written last; the directory's receipt)
 
-The directory appears atomically: it is built under a temporary name beside `out_dir` and renamed
-into place only when complete, under a per-directory lock, so a killed import leaves at most a
-temporary directory that the next import removes.
+The directory appears atomically (tierlm.atomic): it is built under a temporary name beside
+`out_dir` and renamed into place only when complete, under a per-directory lock, so a killed import
+leaves at most a temporary directory that the next import removes. The tokenizer files come from
+tierlm.weights.gguf_tokenizer.
 """
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import math
-import os
 import re
-import shutil
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
+from tierlm.atomic import atomic_directory, directory_lock, fsync_file, write_json
 from tierlm.errors import TierlmError
+from tierlm.weights.gguf_reader import GgufMetadata, open_gguf
+# SUPPORTED_TOKENIZERS is re-exported: it is part of this module's public API.
+from tierlm.weights.gguf_tokenizer import SUPPORTED_TOKENIZERS, build_tokenizer  # noqa: F401
 
 # Bump when the written directory changes in a way that old imports should not be reused.
 IMPORT_FORMAT_VERSION = 1
 RECORD_NAME = "tierlm-import.json"
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
-SUPPORTED_TOKENIZERS = ("gpt2", "llama")
 # Shards are flushed at this size so a big model never sits in RAM as float32 all at once.
 SHARD_BYTES = 2 * 1024**3
 
 _MiB = 1024 * 1024
-
-# GGUF token types (llama.cpp's llama_token_type).
-_TOKEN_UNKNOWN, _TOKEN_CONTROL, _TOKEN_USER_DEFINED = 2, 3, 4
 
 
 @dataclass(frozen=True)
@@ -87,27 +85,6 @@ _BLOCK_TENSORS = MappingProxyType(
 )
 _BLOCK_NAME = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
-# Byte-level pre-tokenizers by `tokenizer.ggml.pre`, following llama.cpp's llama-vocab.cpp.
-_GPT2_PRE = ("default", "gpt2", "gpt-2", "mpt", "olmo", "jais")
-_DIGITS_PRE = ("smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva-7b")
-_LLAMA3_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
-    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-_QWEN2_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
-    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-_SPLIT_PRE = MappingProxyType(
-    {
-        **dict.fromkeys(("llama3", "llama-v3", "llama-bpe", "falcon3", "dbrx", "smaug-bpe"), _LLAMA3_SPLIT),
-        **dict.fromkeys(("qwen2", "deepseek-r1-qwen", "megrez", "stablelm2"), _QWEN2_SPLIT),
-    }
-)
-# llama.cpp matches a whole vocabulary word before applying merges for these (HF: ignore_merges).
-_IGNORE_MERGES_PRE = ("llama3", "llama-v3", "llama-bpe", "falcon3")
-
-
 Progress = Callable[[int, int], None]
 
 
@@ -125,18 +102,11 @@ def import_gguf(gguf_path: Path, out_dir: Path, progress: Progress | None = None
     gguf_path, out_dir = Path(gguf_path), Path(out_dir)
     key = gguf_content_key(gguf_path)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
-    with _directory_lock(out_dir):
+    with directory_lock(out_dir):
         if _record_matches(out_dir, key):
             return out_dir
-        _remove_stale_temporaries(out_dir)
-        tmp = out_dir.parent / f".{out_dir.name}.partial-{os.getpid()}"
-        tmp.mkdir()
-        try:
+        with atomic_directory(out_dir) as tmp:
             _write_model_dir(gguf_path, tmp, key, progress)
-            _swap_into_place(tmp, out_dir)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
     return out_dir
 
 
@@ -184,24 +154,7 @@ def unpermute_rope_rows(weight, n_head: int):
     return grouped.swapaxes(1, 2).reshape(weight.shape)
 
 
-# ----------------------------------------------------------------------------- directory handling
-
-
-@contextlib.contextmanager
-def _directory_lock(out_dir: Path) -> Iterator[None]:
-    """Serialise imports into one directory; the kernel drops the lock if the process dies."""
-    try:
-        import fcntl
-    except ImportError:  # Windows: no advisory locks, imports are merely not serialised
-        yield
-        return
-    lock_path = out_dir.parent / f".{out_dir.name}.lock"
-    with lock_path.open("a") as handle:
-        fcntl.flock(handle.fileno(), fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle.fileno(), fcntl.LOCK_UN)
+# ----------------------------------------------------------------------------- reusing a finished import
 
 
 def _record_matches(out_dir: Path, key: str) -> bool:
@@ -209,88 +162,10 @@ def _record_matches(out_dir: Path, key: str) -> bool:
     return bool(record) and record.get("source_key") == key and record.get("format") == IMPORT_FORMAT_VERSION
 
 
-def _remove_stale_temporaries(out_dir: Path) -> None:
-    """Remove leftovers of killed imports; safe because the caller holds the directory lock."""
-    for pattern in (f".{out_dir.name}.partial-*", f".{out_dir.name}.old-*"):
-        for stale in out_dir.parent.glob(pattern):
-            shutil.rmtree(stale, ignore_errors=True)
-
-
-def _swap_into_place(tmp: Path, out_dir: Path) -> None:
-    """Rename the finished `tmp` to `out_dir`, moving an existing `out_dir` aside first."""
-    _fsync_dir(tmp)
-    if out_dir.exists():
-        old = out_dir.parent / f".{out_dir.name}.old-{os.getpid()}"
-        os.replace(out_dir, old)
-        os.replace(tmp, out_dir)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.replace(tmp, out_dir)
-    _fsync_dir(out_dir.parent)
-
-
-def _fsync_dir(path: Path) -> None:
-    # Makes the renames durable across power loss; not available on every platform.
-    with contextlib.suppress(OSError, AttributeError):
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
-
 # ----------------------------------------------------------------------------- reading the GGUF
 
 
-class _Metadata:
-    """Typed access to a GGUFReader's key/value metadata."""
-
-    def __init__(self, reader, path: Path):
-        self.reader = reader
-        self.path = path
-        self.arch = self.get("general.architecture")
-        if not isinstance(self.arch, str):
-            raise TierlmError(f"{path} has no general.architecture; it is not a model GGUF")
-
-    def get(self, key: str, default: Any = None) -> Any:
-        field = self.reader.fields.get(key)
-        if field is None:
-            return default
-        try:
-            return field.contents()
-        except Exception as err:  # a damaged field surfaces here, inside gguf's own parser
-            raise _corrupt(self.path, err) from None
-
-    def arch_get(self, key: str, default: Any = None) -> Any:
-        return self.get(f"{self.arch}.{key}", default)
-
-    def require(self, key: str) -> Any:
-        value = self.arch_get(key)
-        if value is None:
-            raise TierlmError(f"{self.path} lacks the metadata key {self.arch}.{key}", hint="the GGUF is incomplete")
-        return value
-
-
-def _corrupt(path: Path, err: BaseException) -> TierlmError:
-    return TierlmError(
-        f"{path} is not a readable GGUF file ({type(err).__name__}: {err})",
-        hint="it may be truncated or corrupt; download or convert it again",
-    )
-
-
-def _open_gguf(gguf_path: Path):
-    """A GGUFReader over the file, with gguf's and numpy's errors turned into TierlmError."""
-    from gguf import GGUFReader
-
-    if not gguf_path.is_file():
-        raise TierlmError(f"GGUF file not found: {gguf_path}", hint="check the path")
-    try:
-        return GGUFReader(gguf_path)
-    except Exception as err:  # gguf raises ValueError/IndexError/struct errors for damaged files
-        raise _corrupt(gguf_path, err) from None
-
-
-def _per_layer_scalar(meta: _Metadata, key: str) -> int:
+def _per_layer_scalar(meta: GgufMetadata, key: str) -> int:
     """A count that GGUF may store per layer (a list); HF llama/qwen2 need it uniform."""
     value = meta.require(key)
     if isinstance(value, list):
@@ -310,7 +185,7 @@ def _f32(value: float) -> float:
 # ----------------------------------------------------------------------------- config
 
 
-def _build_config(meta: _Metadata, family: _Family, tensors: dict) -> dict[str, Any]:
+def _build_config(meta: GgufMetadata, family: _Family, tensors: dict) -> dict[str, Any]:
     """The HF config.json for this GGUF (shape fields, norms, RoPE, tying, special ids)."""
     hidden = int(meta.require("embedding_length"))
     n_head = _per_layer_scalar(meta, "attention.head_count")
@@ -364,7 +239,7 @@ def _build_config(meta: _Metadata, family: _Family, tensors: dict) -> dict[str, 
     return config
 
 
-def _rope_scaling(meta: _Metadata, tensors: dict, head_dim: int) -> dict[str, Any] | None:
+def _rope_scaling(meta: GgufMetadata, tensors: dict, head_dim: int) -> dict[str, Any] | None:
     """HF rope_scaling from {arch}.rope.scaling.* keys, or from a llama3 `rope_freqs` tensor."""
     kind = meta.arch_get("rope.scaling.type")
     factor = meta.arch_get("rope.scaling.factor") or meta.arch_get("rope.scale_linear")
@@ -391,7 +266,7 @@ def _rope_scaling(meta: _Metadata, tensors: dict, head_dim: int) -> dict[str, An
     return scaling
 
 
-def _llama3_scaling_from_freqs(meta: _Metadata, freqs_tensor, head_dim: int) -> dict[str, Any] | None:
+def _llama3_scaling_from_freqs(meta: GgufMetadata, freqs_tensor, head_dim: int) -> dict[str, Any] | None:
     """Recover Llama-3.1-style rope_scaling from the per-dimension divisors llama.cpp stores.
 
     llama.cpp writes the result of HF's llama3 formula as `rope_freqs` instead of its parameters;
@@ -442,7 +317,7 @@ class _Planned:
         return 4 * math.prod(self.hf_shape)
 
 
-def _plan_tensors(meta: _Metadata, family: _Family, tensors: dict, config: dict) -> list[_Planned]:
+def _plan_tensors(meta: GgufMetadata, family: _Family, tensors: dict, config: dict) -> list[_Planned]:
     """Map every GGUF tensor to its HF name; unknown tensors are an error, not silently dropped."""
     plan = []
     n_layers = config["num_hidden_layers"]
@@ -468,7 +343,7 @@ def _plan_tensors(meta: _Metadata, family: _Family, tensors: dict, config: dict)
     return plan
 
 
-def _unknown_tensor(meta: _Metadata, name: str) -> TierlmError:
+def _unknown_tensor(meta: GgufMetadata, name: str) -> TierlmError:
     return TierlmError(
         f"{meta.path}: tensor {name!r} has no place in a {meta.arch} model",
         hint="this GGUF variant is not supported by tierlm's importer",
@@ -527,222 +402,13 @@ def _write_weights(plan: list[_Planned], out: Path, source: Path, progress: Prog
                 progress(done, total)
         save_file(arrays, str(out / filename), metadata={"format": "pt"})
         del arrays
-        _fsync_file(out / filename)
+        fsync_file(out / filename)
     if len(shards) > 1:
         index_doc = {
             "metadata": {"total_size": sum(item.out_bytes for item in plan)},
             "weight_map": dict(sorted(weight_map.items())),
         }
-        _write_json(out / "model.safetensors.index.json", index_doc)
-
-
-def _fsync_file(path: Path) -> None:
-    with path.open("rb") as f:
-        os.fsync(f.fileno())
-
-
-def _write_json(path: Path, doc: dict[str, Any]) -> None:
-    path.write_text(json.dumps(doc, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
-
-
-# ----------------------------------------------------------------------------- tokenizer
-
-
-def _token_id_name(meta: _Metadata, tokens: list[str], key: str) -> str | None:
-    token_id = meta.get(f"tokenizer.ggml.{key}_token_id")
-    if token_id is None or not 0 <= int(token_id) < len(tokens):
-        return None
-    return tokens[int(token_id)]
-
-
-def _build_tokenizer(meta: _Metadata):
-    """(tokenizers.Tokenizer, tokenizer_config dict) from the GGUF's tokenizer metadata, or None."""
-    model = meta.get("tokenizer.ggml.model")
-    if model is None:
-        return None
-    tokens = meta.get("tokenizer.ggml.tokens")
-    if not tokens:
-        raise TierlmError(f"{meta.path}: tokenizer.ggml.tokens is missing; cannot build a tokenizer")
-    token_types = meta.get("tokenizer.ggml.token_type") or [1] * len(tokens)
-    if model == "gpt2":
-        tokenizer = _byte_level_bpe(meta, tokens, token_types)
-        default_add_bos = False
-    elif model == "llama":
-        tokenizer = _sentencepiece_bpe(meta, tokens, token_types)
-        default_add_bos = True  # llama.cpp and transformers add BOS to SentencePiece vocabularies by default
-    else:
-        raise TierlmError(
-            f"{meta.path}: tokenizer model {model!r} is not supported",
-            hint=f"supported tokenizer.ggml.model values: {', '.join(SUPPORTED_TOKENIZERS)}",
-        )
-
-    special = {name: _token_id_name(meta, tokens, key) for name, key in
-               (("bos_token", "bos"), ("eos_token", "eos"), ("unk_token", "unknown"), ("pad_token", "padding"))}
-    _add_special_tokens(tokenizer, tokens, token_types, [t for t in special.values() if t])
-    add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", default_add_bos))
-    add_eos = bool(meta.get("tokenizer.ggml.add_eos_token", False))
-    _set_post_processor(tokenizer, special["bos_token"] if add_bos else None,
-                        special["eos_token"] if add_eos else None, byte_level=model == "gpt2")
-
-    config: dict[str, Any] = {
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        **{name: token for name, token in special.items() if token is not None},
-        "add_bos_token": add_bos,
-        "add_eos_token": add_eos,
-        "clean_up_tokenization_spaces": False,
-        "model_max_length": int(meta.arch_get("context_length") or 0) or None,
-    }
-    template = meta.get("tokenizer.chat_template")
-    if template:
-        config["chat_template"] = template
-    return tokenizer, config
-
-
-def _byte_level_bpe(meta: _Metadata, tokens: list[str], token_types: list[int]):
-    """GPT-2 style byte-level BPE; the pre-tokenizer follows llama.cpp's reading of `tokenizer.ggml.pre`."""
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-
-    pre = meta.get("tokenizer.ggml.pre", "default")
-    if pre in _GPT2_PRE:
-        pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    elif pre in _DIGITS_PRE:
-        # llama.cpp: "\p{N}" then the GPT-2 regex; the same as HF's Digits(individual) + ByteLevel.
-        pre_tokenizer = pre_tokenizers.Sequence(
-            [pre_tokenizers.Digits(individual_digits=True),
-             pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)]
-        )
-    elif pre in _SPLIT_PRE:
-        pre_tokenizer = pre_tokenizers.Sequence(
-            [pre_tokenizers.Split(Regex(_SPLIT_PRE[pre]), behavior="isolated"),
-             pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
-        )
-    else:
-        known = sorted({*_GPT2_PRE, *_DIGITS_PRE, *_SPLIT_PRE})
-        raise TierlmError(
-            f"{meta.path}: byte-level pre-tokenizer {pre!r} is not supported",
-            hint=f"supported tokenizer.ggml.pre values: {', '.join(known)}",
-        )
-
-    alphabet = _byte_alphabet()
-    spelled = set(alphabet.values())
-    vocab: dict[str, int] = {}
-    for index, (token, token_type) in enumerate(zip(tokens, token_types)):
-        # Added tokens keep their text; a normal token outside the byte alphabet is respelled into it.
-        if token_type not in (_TOKEN_CONTROL, _TOKEN_USER_DEFINED, _TOKEN_UNKNOWN) and not set(token) <= spelled:
-            token = "".join(alphabet[b] for b in token.encode("utf-8"))
-        vocab[token] = index
-    merges = _merges(meta, tokens, vocab, scores=None)
-    model = models.BPE(vocab=vocab, merges=merges, dropout=None, fuse_unk=False, byte_fallback=False,
-                       ignore_merges=pre in _IGNORE_MERGES_PRE)
-    tokenizer = Tokenizer(model)
-    tokenizer.pre_tokenizer = pre_tokenizer
-    tokenizer.decoder = decoders.ByteLevel()
-    return tokenizer
-
-
-def _byte_alphabet() -> dict[int, str]:
-    """GPT-2's byte -> printable character table: printable bytes map to themselves, the rest
-    (controls, space, ...) to code points from 256 up, in byte order."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    table = {b: chr(b) for b in printable}
-    extra = 0
-    for b in range(256):
-        if b not in table:
-            table[b] = chr(256 + extra)
-            extra += 1
-    return table
-
-
-def _sentencepiece_bpe(meta: _Metadata, tokens: list[str], token_types: list[int]):
-    """SentencePiece BPE with byte fallback and Metaspace, as transformers' GGUF converter builds it."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-
-    vocab = {token: index for index, token in enumerate(tokens)}
-    scores = meta.get("tokenizer.ggml.scores")
-    merges = _merges(meta, tokens, vocab, scores=scores)
-    model = models.BPE(vocab=vocab, merges=merges, dropout=None, fuse_unk=True, byte_fallback=True)
-    tokenizer = Tokenizer(model)
-    add_prefix = bool(meta.get("tokenizer.ggml.add_space_prefix", True))
-    tokenizer.pre_tokenizer = pre_tokenizers.Metaspace(
-        replacement="\u2581", prepend_scheme="first" if add_prefix else "never", split=False
-    )
-    steps = [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
-    if add_prefix:
-        steps.append(decoders.Strip(content=" ", left=1, right=0))
-    tokenizer.decoder = decoders.Sequence(steps)
-    return tokenizer
-
-
-def _merges(
-    meta: _Metadata, tokens: list[str], vocab: dict[str, int], scores: list[float] | None
-) -> list[tuple[str, str]]:
-    """The file's merges, or (SentencePiece files often have none) merges implied by token scores.
-
-    The implied order matches transformers' `generate_merges`: every split of a token into two
-    vocabulary pieces, best token score first, then shorter left/right pieces.
-    """
-    listed = meta.get("tokenizer.ggml.merges")
-    if listed:
-        merges = []
-        for merge in listed:
-            parts = merge.split(" ")
-            if len(parts) != 2:
-                raise TierlmError(f"{meta.path}: malformed tokenizer merge {merge!r}")
-            merges.append((parts[0], parts[1]))
-        return merges
-    if scores is None:
-        raise TierlmError(f"{meta.path}: the tokenizer has neither merges nor scores")
-    token_scores = dict(zip(tokens, scores))
-    candidates = []
-    for piece, score in token_scores.items():
-        splits = ((piece[:i], piece[i:]) for i in range(1, len(piece)))
-        local = [(left, right, score) for left, right in splits if left in vocab and right in vocab]
-        local.sort(key=lambda m: (vocab[m[0]], vocab[m[1]]))
-        candidates.extend(local)
-    candidates.sort(key=lambda m: (m[2], len(m[0]), len(m[1])), reverse=True)
-    return [(left, right) for left, right, _ in candidates]
-
-
-def _add_special_tokens(tokenizer, tokens: list[str], token_types: list[int], named: list[str]) -> None:
-    """Make control tokens (and unk and the named bos/eos/pad) special, user-defined ones plain added.
-
-    Both kinds are matched whole in input text, as llama.cpp does; only special ones are dropped by
-    `decode(skip_special_tokens=True)`, so a user-defined `<think>` stays visible (as in transformers).
-    """
-    from tokenizers import AddedToken
-
-    vocab = tokenizer.get_vocab()
-    special, plain = [], []
-    for token, token_type in zip(tokens, token_types):
-        if token not in vocab:
-            continue
-        if token_type in (_TOKEN_CONTROL, _TOKEN_UNKNOWN) or token in named:
-            special.append(token)
-        elif token_type == _TOKEN_USER_DEFINED:
-            plain.append(token)
-    for token in named:  # never grow the vocabulary: ids must stay within the embedding
-        if token not in special and token in vocab:
-            special.append(token)
-    if special:
-        tokenizer.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in special])
-    if plain:
-        tokenizer.add_tokens([AddedToken(t, special=False, normalized=False) for t in plain])
-
-
-def _set_post_processor(tokenizer, bos: str | None, eos: str | None, byte_level: bool) -> None:
-    """Add BOS/EOS around encoded text when the GGUF says so (tokenizer.ggml.add_bos/eos_token)."""
-    from tokenizers import processors
-
-    if bos is None and eos is None:
-        tokenizer.post_processor = processors.ByteLevel(trim_offsets=False) if byte_level else None
-        return
-    prefix, suffix = ([f"{bos}:0"] if bos else []), ([f"{eos}:0"] if eos else [])
-    pair_prefix, pair_suffix = ([f"{bos}:1"] if bos else []), ([f"{eos}:1"] if eos else [])
-    tokenizer.post_processor = processors.TemplateProcessing(
-        single=[*prefix, "$A:0", *suffix],
-        pair=[*prefix, "$A:0", *suffix, *pair_prefix, "$B:1", *pair_suffix],
-        special_tokens=[(t, tokenizer.token_to_id(t)) for t in dict.fromkeys(filter(None, (bos, eos)))],
-    )
+        write_json(out / "model.safetensors.index.json", index_doc)
 
 
 # ----------------------------------------------------------------------------- assembling the directory
@@ -750,8 +416,8 @@ def _set_post_processor(tokenizer, bos: str | None, eos: str | None, byte_level:
 
 def _write_model_dir(gguf_path: Path, out: Path, key: str, progress: Progress | None) -> None:
     """Write every file of the imported model into `out` (the temporary directory)."""
-    reader = _open_gguf(gguf_path)
-    meta = _Metadata(reader, gguf_path)
+    reader = open_gguf(gguf_path)
+    meta = GgufMetadata(reader, gguf_path)
     split_count = meta.get("split.count")
     if split_count and int(split_count) > 1:
         raise TierlmError(
@@ -769,9 +435,9 @@ def _write_model_dir(gguf_path: Path, out: Path, key: str, progress: Progress | 
     plan = _plan_tensors(meta, family, tensors, config)
 
     # The tokenizer is built before the slow weight conversion so its errors come early.
-    built = _build_tokenizer(meta)
+    built = build_tokenizer(meta)
     _write_weights(plan, out, gguf_path, progress)
-    _write_json(out / "config.json", config)
+    write_json(out / "config.json", config)
     generation: dict[str, Any] = {"_from_model_config": False}
     for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
         if name in config:
@@ -780,12 +446,12 @@ def _write_model_dir(gguf_path: Path, out: Path, key: str, progress: Progress | 
     stops = list(dict.fromkeys(int(s) for s in stops if s is not None))
     if len(stops) > 1:  # chat models end turns with eot/eom as well as eos
         generation["eos_token_id"] = stops
-    _write_json(out / "generation_config.json", generation)
+    write_json(out / "generation_config.json", generation)
     if built is not None:
         tokenizer, tokenizer_config = built
         tokenizer.save(str(out / "tokenizer.json"))
-        _write_json(out / "tokenizer_config.json", tokenizer_config)
-    _write_json(
+        write_json(out / "tokenizer_config.json", tokenizer_config)
+    write_json(
         out / RECORD_NAME,
         {
             "format": IMPORT_FORMAT_VERSION,
