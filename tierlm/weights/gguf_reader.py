@@ -1,0 +1,59 @@
+"""Opening a GGUF file and reading its key/value metadata, with damage reported as TierlmError."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from tierlm.errors import TierlmError
+
+
+class GgufMetadata:
+    """Typed access to a GGUFReader's key/value metadata; `arch` is general.architecture."""
+
+    def __init__(self, reader, path: Path):
+        self.reader = reader
+        self.path = path
+        self.arch = self.get("general.architecture")
+        if not isinstance(self.arch, str):
+            raise TierlmError(f"{path} has no general.architecture; it is not a model GGUF")
+
+    def get(self, key: str, default: Any = None) -> Any:
+        """The value stored under `key` (e.g. "tokenizer.ggml.tokens"), or `default` if absent."""
+        field = self.reader.fields.get(key)
+        if field is None:
+            return default
+        try:
+            return field.contents()
+        except Exception as err:  # a damaged field surfaces here, inside gguf's own parser
+            raise _corrupt(self.path, err) from None
+
+    def arch_get(self, key: str, default: Any = None) -> Any:
+        """An architecture-scoped value: `arch_get("block_count")` reads "llama.block_count"."""
+        return self.get(f"{self.arch}.{key}", default)
+
+    def require(self, key: str) -> Any:
+        """Like `arch_get`, but a missing key is a TierlmError naming it."""
+        value = self.arch_get(key)
+        if value is None:
+            raise TierlmError(f"{self.path} lacks the metadata key {self.arch}.{key}", hint="the GGUF is incomplete")
+        return value
+
+
+def open_gguf(gguf_path: Path):
+    """A GGUFReader over the file, with gguf's and numpy's errors turned into TierlmError."""
+    from gguf import GGUFReader
+
+    if not gguf_path.is_file():
+        raise TierlmError(f"GGUF file not found: {gguf_path}", hint="check the path")
+    try:
+        return GGUFReader(gguf_path)
+    except Exception as err:  # gguf raises ValueError/IndexError/struct errors for damaged files
+        raise _corrupt(gguf_path, err) from None
+
+
+def _corrupt(path: Path, err: BaseException) -> TierlmError:
+    return TierlmError(
+        f"{path} is not a readable GGUF file ({type(err).__name__}: {err})",
+        hint="it may be truncated or corrupt; download or convert it again",
+    )
