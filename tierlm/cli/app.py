@@ -29,6 +29,8 @@ SystemOpt = typer.Option(None, "--system", "-s", help="System message")
 StopOpt = typer.Option(None, "--stop", help="Stop string (repeatable)")
 DeviceOpt = typer.Option(None, "--device", help="auto, cpu, cuda or mps")
 DtypeOpt = typer.Option(None, "--dtype", help="Compute dtype: auto, fp32, fp16, bf16")
+QuantOpt = typer.Option(None, "--quant", "-q", help="Weight format: int8, int8-g128, fp16, fp32, none (default: the profile's)")
+LoraOpt = typer.Option(None, "--lora", help="PEFT LoRA adapter directory, optionally :weight (repeatable)")
 
 
 def _params(max_new_tokens, temperature, top_p, top_k, repetition_penalty, seed, stop):
@@ -45,13 +47,16 @@ def _params(max_new_tokens, temperature, top_p, top_k, repetition_penalty, seed,
     )
 
 
-def _open(model, profile_name, device, dtype):
+def _open(model, profile_name, device, dtype, quant, lora):
     from tierlm.cli.progress import progress_factory
     from tierlm.profile import load_profile
     from tierlm.runtime.session import open_session
 
     profile = load_profile(profile_name)
-    return open_session(model, profile, device=device, dtype=dtype, progress=progress_factory())
+    return open_session(
+        model, profile, device=device, dtype=dtype, quant=quant, loras=tuple(lora or ()),
+        progress=progress_factory(),
+    )
 
 
 @app.command()
@@ -68,12 +73,14 @@ def chat(
     stop: Optional[list[str]] = StopOpt,
     device: Optional[str] = DeviceOpt,
     dtype: Optional[str] = DtypeOpt,
+    quant: Optional[str] = QuantOpt,
+    lora: Optional[list[str]] = LoraOpt,
 ):
     """Chat interactively (reads lines from stdin when it is not a terminal). /help lists commands."""
     from tierlm.cli.repl import run_chat
 
     params = _params(max_new_tokens, temperature, top_p, top_k, repetition_penalty, seed, stop)
-    run_chat(_open(model, profile, device, dtype), params, system)
+    run_chat(_open(model, profile, device, dtype, quant, lora), params, system)
 
 
 @app.command()
@@ -92,12 +99,14 @@ def generate(
     raw: bool = typer.Option(False, "--raw", help="Skip the chat template; continue the text as given"),
     device: Optional[str] = DeviceOpt,
     dtype: Optional[str] = DtypeOpt,
+    quant: Optional[str] = QuantOpt,
+    lora: Optional[list[str]] = LoraOpt,
 ):
     """Generate one reply. Only the generated text goes to stdout, so it can be piped."""
     if prompt == "-":
         prompt = sys.stdin.read()
     params = _params(max_new_tokens, temperature, top_p, top_k, repetition_penalty, seed, stop)
-    session = _open(model, profile, device, dtype)
+    session = _open(model, profile, device, dtype, quant, lora)
     tokenizer = session.engine.tokenizer
     if raw:
         # A raw prompt gets what the tokenizer's post-processor adds (BOS for Llama-style models).
@@ -111,6 +120,50 @@ def generate(
         sys.stdout.write(delta)
         sys.stdout.flush()
     sys.stdout.write("\n")
+
+
+@app.command()
+def convert(
+    model: Optional[str] = ModelOpt,
+    lora: Optional[list[str]] = LoraOpt,
+    quant: str = typer.Option("int8", "--quant", "-q", help="int8, int8-g128, fp16 or fp32"),
+):
+    """Merge LoRA adapters and quantize into a cached artifact (reused by chat/generate); prints its path."""
+    from tierlm.cache.convert import ConversionRequest, ensure_artifact
+    from tierlm.cli.progress import progress_factory
+    from tierlm.lora.spec import parse_lora_spec
+    from tierlm.runtime.session import resolve_model_dir
+
+    progress = progress_factory()
+    adapters = tuple(parse_lora_spec(spec) for spec in lora or ())
+    model_dir = resolve_model_dir(model, progress)
+    print(ensure_artifact(ConversionRequest(model_dir, adapters, quant), progress("converting")))
+
+
+cache_app = typer.Typer(help="List or remove cached models and artifacts.", no_args_is_help=True)
+app.add_typer(cache_app, name="cache")
+
+
+@cache_app.command("list")
+def cache_list():
+    """Imported models and compiled artifacts in the cache, with their sizes."""
+    from tierlm.cache.entries import cache_entries
+    from tierlm.profile import format_size
+
+    for entry in cache_entries():
+        print(f"{entry.kind:9} {format_size(entry.nbytes):>10}  {entry.path.name}")
+
+
+@cache_app.command("rm")
+def cache_rm(
+    names: list[str] = typer.Argument(None, help="Entry names as `cache list` shows them"),
+    all_entries: bool = typer.Option(False, "--all", help="Remove every entry"),
+):
+    """Remove cache entries (they are rebuilt on next use)."""
+    from tierlm.cache.entries import remove_entries
+
+    for removed in remove_entries(names or [], everything=all_entries):
+        print(f"removed {removed.name}", file=sys.stderr)
 
 
 @app.command("import-gguf")

@@ -33,10 +33,15 @@ def load_model(
     device=None,
     dtype=None,
     context_length: int | None = None,
+    quant: str | None = None,
+    adapters: tuple[tuple[Path, float], ...] = (),
     progress: Callable[[int, int], None] | None = None,
+    convert_progress: Callable[[int, int], None] | None = None,
 ) -> LoadedModel:
     """Load every block resident on `device` in `dtype` (defaults: the device's compute dtype).
 
+    With a `quant` mode other than "none", or with LoRA `adapters` ((path, weight) pairs), the
+    weights come from the compiled artifact for that combination, converted on first use.
     The context is `context_length` capped by the model's max_position_embeddings.
     """
     import torch
@@ -54,12 +59,16 @@ def load_model(
     dtype = dtype or compute_dtype(device)
     max_len = min(context_length or config.max_position_embeddings, config.max_position_embeddings)
     family = family_class(config)
-    layout = family.checkpoint_layout(config)
-    checkpoint = Checkpoint(model_dir)
-    try:
-        store = load_resident(checkpoint, layout, device=device, dtype=dtype, progress=progress)
-    finally:
-        checkpoint.close()
+    if (quant or "none") != "none" or adapters:
+        from tierlm.cache.convert import ConversionRequest, ensure_artifact
+        from tierlm.cache.store import load_resident_artifact
+
+        request = ConversionRequest(model_dir, tuple(adapters), quant if quant not in (None, "none") else "fp32")
+        artifact_dir = ensure_artifact(request, convert_progress)
+        store = load_resident_artifact(artifact_dir, device=device, dtype=dtype, progress=progress)
+    else:
+        checkpoint = Checkpoint(model_dir)
+        store = load_resident(checkpoint, family.checkpoint_layout(config), device=device, dtype=dtype, progress=progress)
     check_shapes(config, store)
     model = family(config, store, max_len, device, dtype)
     return LoadedModel(config, model, store, max_len, device, dtype)

@@ -47,9 +47,14 @@ def open_session(
     *,
     device: str | None = None,
     dtype: str | None = None,
+    quant: str | None = None,
+    loras: tuple[str, ...] = (),
     progress: ProgressFactory | None = None,
 ) -> Session:
-    """Load the model resident within the profile's context and return an engine over it."""
+    """Load the model resident within the profile's context and return an engine over it.
+
+    `quant` overrides the profile's quant mode; `loras` are `path[:weight]` adapter specs.
+    """
     import time
 
     import torch
@@ -58,6 +63,9 @@ def open_session(
     from tierlm.runtime.loader import load_model
     from tierlm.runtime.tokenizer import Tokenizer
 
+    from tierlm.lora.spec import parse_lora_spec
+
+    adapters = tuple(parse_lora_spec(spec) for spec in loras)
     model_dir = resolve_model_dir(model, progress)
     started = time.perf_counter()
     tokenizer = Tokenizer.from_dir(model_dir)
@@ -67,7 +75,10 @@ def open_session(
         device=device,
         dtype=torch_dtype,
         context_length=profile.context_length,
+        quant=quant or profile.quant,
+        adapters=adapters,
         progress=progress("loading weights") if progress else None,
+        convert_progress=progress("converting (merge + quantize)") if progress else None,
     )
     engine = Engine(loaded, tokenizer)
     return Session(engine, profile, model_dir, time.perf_counter() - started)

@@ -86,9 +86,6 @@ class Checkpoint:
             offset += size
         return out
 
-    def close(self) -> None:
-        """Nothing stays open between reads; kept so callers can release a checkpoint uniformly."""
-
 
 def _read_into(path: Path, start: int, target: memoryview) -> None:
     with open(path, "rb", buffering=0) as handle:

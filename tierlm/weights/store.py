@@ -60,12 +60,8 @@ class ResidentStore(WeightStore):
 
     def nbytes(self) -> int:
         # Tied tensors appear in two blocks but occupy memory once.
-        seen = {
-            t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
-            for tensors in self._blocks.values()
-            for t in tensors.values()
-        }
-        return sum(seen.values())
+        unique = {id(t): t for tensors in self._blocks.values() for t in tensors.values()}
+        return sum(t.nbytes for t in unique.values())
 
 
 def load_resident(

@@ -1,0 +1,142 @@
+"""Conversion: base checkpoint (+ LoRA adapters) -> merged, quantized artifact in the cache.
+
+Tensor by tensor: read one base tensor, merge the adapters into it in fp32, fuse it with its
+block partners (q/k/v, gate/up), quantize, append to the artifact, let it go. The model is
+never held in float as a whole. The artifact is keyed by a content hash of everything that
+determines its bytes and built in a temporary directory that is renamed into place when done.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Sequence
+
+from tierlm.atomic import atomic_directory, directory_lock
+from tierlm.cache import codec
+from tierlm.cache.artifact import FORMAT_VERSION, MANIFEST_NAME, Artifact, ArtifactWriter
+from tierlm.cache.fingerprint import checkpoint_digest
+from tierlm.config import ModelConfig
+from tierlm.paths import cache_root
+
+Progress = Callable[[int, int], None]
+# Files besides the weights that make an artifact directory a complete model for the runtime.
+MODEL_FILES = (
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+)
+
+
+@dataclass(frozen=True)
+class ConversionRequest:
+    """What to build: a base model directory, adapters with weights, and a quant mode name."""
+
+    model_dir: Path
+    adapters: tuple[tuple[Path, float], ...] = ()
+    quant: str = "int8"
+
+
+def artifacts_root() -> Path:
+    return cache_root() / "artifacts"
+
+
+def artifact_key(request: ConversionRequest, merger=None) -> str:
+    """sha256 of the base weights' content, the adapters' content and weights, quant, format."""
+    parts = {
+        "format": FORMAT_VERSION,
+        "codec": codec.CODEC_VERSION,
+        "base": checkpoint_digest(request.model_dir),
+        "adapters": merger.content_fingerprint() if merger is not None else None,
+        "quant": codec.parse_mode(request.quant).key,
+    }
+    return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()
+
+
+def ensure_artifact(request: ConversionRequest, progress: Progress | None = None) -> Path:
+    """The artifact directory for `request`, converting first if no finished one exists."""
+    merger = _merger(request.adapters)
+    key = artifact_key(request, merger)
+    mode = codec.parse_mode(request.quant)
+    target = artifacts_root() / f"{Path(request.model_dir).name}-{mode.name}-{key[:16]}"
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with directory_lock(target):
+        if _is_complete(target, key):
+            return target
+        with atomic_directory(target) as tmp:
+            convert(request, tmp, key, merger, progress)
+    return target
+
+
+def convert(request: ConversionRequest, out_dir: Path, key: str, merger=None, progress: Progress | None = None) -> None:
+    """Write the artifact for `request` into `out_dir` (which the caller renames into place)."""
+    from tierlm.models import family_class
+    from tierlm.weights.checkpoint import Checkpoint
+
+    import torch
+
+    model_dir = Path(request.model_dir)
+    config = ModelConfig.from_dir(model_dir)
+    mode = codec.parse_mode(request.quant)
+    layout = family_class(config).checkpoint_layout(config)
+    checkpoint = Checkpoint(model_dir)
+    if merger is not None:
+        merger.validate(checkpoint, tied=config.tie_word_embeddings)
+
+    def merged(name: str) -> torch.Tensor:
+        base = checkpoint.get(name)
+        return merger.merge(name, base) if merger is not None else base.float()
+
+    writer = ArtifactWriter(out_dir)
+    written: dict[tuple[str, ...], tuple[str, str]] = {}
+    try:
+        for done, (block, entries) in enumerate(layout.items(), start=1):
+            writer.begin_block(block)
+            for name, sources in entries.items():
+                if sources in written:
+                    writer.add_alias(name, *written[sources])
+                    continue
+                tensor = torch.cat([merged(s) for s in sources]) if len(sources) > 1 else merged(sources[0])
+                encoding, parts, meta = codec.encode(tensor, mode)
+                del tensor
+                writer.add_tensor(name, encoding, parts, meta)
+                written[sources] = (block, name)
+            writer.end_block()
+            if progress:
+                progress(done, len(layout))
+        writer.finish(
+            {
+                "key": key,
+                "model_type": config.model_type,
+                "source": str(model_dir.resolve()),
+                "quant": mode.name,
+                "adapters": [[str(Path(p).resolve()), w] for p, w in request.adapters],
+            }
+        )
+    finally:
+        writer.close()
+    for name in MODEL_FILES:
+        if (model_dir / name).is_file():
+            shutil.copyfile(model_dir / name, out_dir / name)
+
+
+def _merger(adapters: Sequence[tuple[Path, float]]):
+    if not adapters:
+        return None
+    from tierlm.lora.adapter import LoraAdapter
+    from tierlm.lora.merge import LoraMerger
+
+    return LoraMerger([(LoraAdapter.load(Path(path)), weight) for path, weight in adapters])
+
+
+def _is_complete(target: Path, key: str) -> bool:
+    try:
+        return json.loads((target / MANIFEST_NAME).read_text()).get("key") == key and bool(Artifact.open(target))
+    except Exception:  # noqa: BLE001 - any unreadable entry is simply rebuilt
+        return False

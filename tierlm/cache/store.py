@@ -1,0 +1,34 @@
+"""Weight stores over a compiled artifact."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable
+
+from tierlm.cache import codec
+from tierlm.cache.artifact import Artifact
+from tierlm.weights.store import ResidentStore
+
+
+def load_resident_artifact(
+    directory: Path, *, device="cpu", dtype=None, progress: Callable[[int, int], None] | None = None
+) -> ResidentStore:
+    """Every block of the artifact read once (one read per block) and decoded for `device`.
+
+    Aliased tensors (a tied head) are the same object as their target, so they cost nothing.
+    """
+    artifact = Artifact.open(directory)
+    blocks: dict[str, dict] = {}
+    names = list(artifact.blocks)
+    for done, name in enumerate(names, start=1):
+        raw = artifact.read_block(name)
+        blocks[name] = {
+            tensor: codec.decode(record, parts, device=device, dtype=dtype)
+            for tensor, (record, parts) in raw.items()
+        }
+        for alias, target in artifact.blocks[name].aliases.items():
+            source_block, source_tensor = target.split("/", 1)
+            blocks[name][alias] = blocks[source_block][source_tensor]
+        if progress:
+            progress(done, len(names))
+    return ResidentStore(blocks)
