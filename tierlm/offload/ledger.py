@@ -1,0 +1,87 @@
+"""The ledger: planned bytes per tier next to measured ones, traffic per token, stalls, hit rate."""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+def proc_memory() -> dict[str, int]:
+    """RssAnon, RssFile, VmRSS and VmHWM of this process in bytes (Linux /proc)."""
+    wanted = ("RssAnon", "RssFile", "VmRSS", "VmHWM")
+    found: dict[str, int] = {}
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            key = line.split(":", 1)[0]
+            if key in wanted:
+                found[key] = int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return found
+
+
+@dataclass
+class Ledger:
+    """Counters the tiered store updates as it runs; thread-safe for reader threads."""
+
+    planned: dict[str, dict[str, int]] = field(default_factory=dict)
+    bytes_read: dict[str, int] = field(default_factory=dict)  # source tier -> bytes moved
+    read_s: float = 0.0  # time reader threads spent moving bytes
+    stall_s: float = 0.0  # time compute waited for a streamed block
+    forwards: int = 0
+    tokens: int = 0
+    hot_hits: int = 0
+    hot_misses: int = 0
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def record_read(self, tier: str, nbytes: int, seconds: float) -> None:
+        with self._lock:
+            self.bytes_read[tier] = self.bytes_read.get(tier, 0) + nbytes
+            self.read_s += seconds
+
+    def record_stall(self, seconds: float) -> None:
+        with self._lock:
+            self.stall_s += seconds
+
+    def record_forward(self, tokens: int) -> None:
+        with self._lock:
+            self.forwards += 1
+            self.tokens += tokens
+
+    def record_rows(self, hits: int, misses: int) -> None:
+        with self._lock:
+            self.hot_hits += hits
+            self.hot_misses += misses
+
+    @property
+    def overlap(self) -> float:
+        """Share of streaming time hidden behind compute (1.0 = no stall at all)."""
+        return 1.0 - min(self.stall_s / self.read_s, 1.0) if self.read_s else 1.0
+
+    @property
+    def hit_rate(self) -> float:
+        total = self.hot_hits + self.hot_misses
+        return self.hot_hits / total if total else 0.0
+
+    def bytes_per_forward(self) -> dict[str, float]:
+        return {tier: n / self.forwards for tier, n in self.bytes_read.items()} if self.forwards else {}
+
+    def snapshot(self, device=None) -> dict:
+        """Everything /stats, bench and /metrics show, measured now."""
+        measured = proc_memory()
+        if device is not None and getattr(device, "type", "cpu") == "cuda":
+            import torch
+
+            measured["device_allocated"] = torch.cuda.memory_allocated(device)
+            measured["device_peak"] = torch.cuda.max_memory_allocated(device)
+        return {
+            "planned": {tier: sum(items.values()) for tier, items in self.planned.items()},
+            "measured": measured,
+            "bytes_read_per_forward": self.bytes_per_forward(),
+            "stall_s": self.stall_s,
+            "overlap": self.overlap,
+            "hot_cache_hit_rate": self.hit_rate,
+            "at": time.time(),
+        }

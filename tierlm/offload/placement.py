@@ -1,0 +1,74 @@
+"""A Placement: where every weight block lives, what each tier is charged, what speed to expect.
+
+The planner produces it (a pure function of sizes, profile and bandwidths); the tiered store
+obeys it; the ledger compares its planned bytes with measured ones.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Mapping
+
+DEVICE, HOST, DISK = "device", "host", "disk"
+TIERS = (DEVICE, HOST, DISK)
+
+
+@dataclass(frozen=True)
+class BlockPlacement:
+    """One block: its home tier, its bytes there, and where it is computed.
+
+    tier   device: resident on the compute device, loaded once.
+           host:   kept in host RAM; streamed to the device through the ring (compute "device")
+                   or computed where it lies (compute "host", llama.cpp-style partial offload).
+           disk:   read from the artifact file through the ring every time it is used.
+    """
+
+    name: str
+    tier: str
+    nbytes: int
+    compute: str = DEVICE
+
+    @property
+    def streamed(self) -> bool:
+        return self.tier == DISK or (self.tier == HOST and self.compute == DEVICE)
+
+
+@dataclass(frozen=True)
+class Placement:
+    """The planner's answer for one model under one profile.
+
+    `charges[tier][item]`: planned bytes per tier, itemised (baseline, weights, kv_cache,
+    workspace, staging, hot_cache). `budgets[tier]`: what the profile grants (None = unbounded,
+    e.g. disk). Streamed blocks pass through `ring_slots` buffers of `ring_slot_bytes` each.
+    """
+
+    blocks: tuple[BlockPlacement, ...]
+    budgets: Mapping[str, int | None]
+    charges: Mapping[str, Mapping[str, int]]
+    ring_slots: int = 0
+    ring_slot_bytes: int = 0
+    hot_cache_bytes: int = 0
+    predicted_prefill_tokens_per_s: float = 0.0
+    predicted_decode_tokens_per_s: float = 0.0
+    binding_limit: str = ""
+    notes: tuple[str, ...] = field(default_factory=tuple)
+
+    def block(self, name: str) -> BlockPlacement:
+        for placed in self.blocks:
+            if placed.name == name:
+                return placed
+        raise KeyError(name)
+
+    def tier_of(self, name: str) -> str:
+        return self.block(name).tier
+
+    def total(self, tier: str) -> int:
+        return sum(self.charges.get(tier, {}).values())
+
+    @property
+    def streamed_blocks(self) -> tuple[str, ...]:
+        return tuple(b.name for b in self.blocks if b.streamed)
+
+    @property
+    def fully_resident(self) -> bool:
+        return all(b.tier == DEVICE for b in self.blocks)

@@ -1,0 +1,242 @@
+"""The tiered weight store: each block where the placement says, streamed ones through a ring.
+
+Implements the WeightStore contract (acquire/release), so model code is unchanged:
+- device blocks are decoded once and handed out as they are;
+- host blocks keep their raw bytes in host RAM (pinned where an accelerator exists) and are
+  either copied into a device ring slot ahead of use, or computed where they lie;
+- disk blocks are read from the artifact's contiguous byte range into a ring slot ahead of use;
+- an embedding that is not resident serves rows on demand through the hot-row cache.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import Mapping
+
+import torch
+
+from tierlm.cache import codec
+from tierlm.cache.artifact import Artifact
+from tierlm.offload.hot_cache import COUNTS_NAME, HotRowCache
+from tierlm.offload.ledger import Ledger
+from tierlm.offload.placement import DEVICE, DISK, HOST, Placement
+from tierlm.offload.prefetch import PrefetchRing
+from tierlm.weights.store import WeightStore
+
+EMBED_BLOCK = "embed"
+
+
+class TieredStore(WeightStore):
+    def __init__(
+        self,
+        artifact: Artifact,
+        placement: Placement,
+        *,
+        device=None,
+        dtype=None,
+        ledger: Ledger | None = None,
+        read_delay_s: float = 0.0,
+    ):
+        self.artifact = artifact
+        self.placement = placement
+        self.device = torch.device(device or "cpu")
+        self.dtype = dtype or torch.float32
+        self.ledger = ledger or Ledger()
+        self.ledger.planned = {tier: dict(items) for tier, items in placement.charges.items()}
+        self.read_delay_s = read_delay_s  # injected latency per streamed read (tests)
+        accelerator = self.device.type != "cpu"
+        self.resident: dict[str, dict] = {}
+        self.host_bytes: dict[str, torch.Tensor] = {}
+        self._fd = os.open(artifact.weights_path, os.O_RDONLY)
+        self._embed_rows = None
+        for placed in placement.blocks:
+            source = self._source_block(placed.name)
+            if placed.name == EMBED_BLOCK and placed.tier != DEVICE:
+                if placed.tier == HOST:
+                    self.host_bytes[source] = self._read_raw(source, pin=accelerator)
+                continue  # served row by row, below
+            if placed.tier == DEVICE:
+                if source in self.resident and source != placed.name:
+                    self.resident[placed.name] = self._decode(placed.name, {}, self.device)
+                else:
+                    self.resident[placed.name] = self._decode(placed.name, artifact.read_block(source), self.device)
+            elif placed.tier == HOST:
+                if source not in self.host_bytes:
+                    self.host_bytes[source] = self._read_raw(source, pin=accelerator)
+                if placed.compute == HOST:
+                    self.resident[placed.name] = self._decode(
+                        placed.name, self._views(source, self.host_bytes[source]), torch.device("cpu")
+                    )
+        tied_head = self._source_block("head") == EMBED_BLOCK and "head" in self.resident
+        if tied_head and EMBED_BLOCK not in self.resident:
+            # A resident tied head is the embedding matrix: rows come from it for free.
+            self.resident[EMBED_BLOCK] = {"embed": self.resident["head"]["head"]}
+        if EMBED_BLOCK not in self.resident:
+            self._embed_rows = EmbeddingRows(self, placement.hot_cache_bytes)
+        streamed = [b.name for b in placement.blocks if b.streamed and b.name != EMBED_BLOCK]
+        self.ring = None
+        if streamed:
+            self.ring = PrefetchRing(
+                streamed,
+                self._fill_slot,
+                slots=max(placement.ring_slots, 1),
+                slot_bytes=max(artifact.blocks[self._source_block(n)].nbytes for n in streamed),
+                device=self.device,
+                on_stall=self.ledger.record_stall,
+            )
+
+    # -- the WeightStore contract -------------------------------------------------------------
+
+    def acquire(self, block: str) -> Mapping[str, object]:
+        if block == EMBED_BLOCK:
+            self.ledger.record_forward(0)
+        if block == EMBED_BLOCK and self._embed_rows is not None:
+            return {"embed": self._embed_rows}
+        found = self.resident.get(block)
+        if found is not None:
+            return found
+        buffer = self.ring.acquire(block)
+        return self._decode(block, self._views(self._source_block(block), buffer), self.device)
+
+    def release(self, block: str) -> None:
+        if self.ring is not None and block in self.ring.held:
+            self.ring.release(block)
+
+    def block_names(self) -> list[str]:
+        return [b.name for b in self.placement.blocks]
+
+    def nbytes(self) -> int:
+        """Bytes this store holds in memory: resident blocks, host copies, ring slots, hot rows."""
+        unique = {id(t): t for tensors in self.resident.values() for t in tensors.values()}
+        total = sum(t.nbytes for t in unique.values()) + sum(b.nbytes for b in self.host_bytes.values())
+        total += self.ring.nbytes if self.ring else 0
+        total += self._embed_rows.nbytes if self._embed_rows else 0
+        return total
+
+    def close(self) -> None:
+        if self.ring is not None:
+            self.ring.close()
+        if self._embed_rows is not None:
+            self._embed_rows.save()
+        os.close(self._fd)
+
+    # -- reading and decoding -----------------------------------------------------------------
+
+    def _source_block(self, block: str) -> str:
+        """The artifact block whose bytes `block` uses (a tied head reads the embedding's)."""
+        aliases = self.artifact.blocks[block].aliases
+        if aliases and not self.artifact.blocks[block].tensors:
+            return next(iter(aliases.values())).split("/", 1)[0]
+        return block
+
+    def _read_raw(self, source: str, pin: bool = False) -> torch.Tensor:
+        record = self.artifact.blocks[source]
+        buffer = torch.empty(record.nbytes, dtype=torch.uint8, pin_memory=pin)
+        self._pread_into(buffer, record.offset)
+        return buffer
+
+    def _pread_into(self, buffer: torch.Tensor, offset: int) -> None:
+        view = memoryview(buffer.numpy())
+        done = 0
+        while done < len(view):
+            count = os.preadv(self._fd, [view[done:]], offset + done)
+            if count <= 0:
+                raise OSError(f"{self.artifact.weights_path} ended at byte {offset + done}")
+            done += count
+
+    def _fill_slot(self, block: str, slot: torch.Tensor) -> None:
+        """Worker thread: bring block's bytes into a ring slot (disk read or host copy)."""
+        source = self._source_block(block)
+        record = self.artifact.blocks[source]
+        started = time.perf_counter()
+        if self.read_delay_s:
+            time.sleep(self.read_delay_s)
+        if source in self.host_bytes:
+            slot[: record.nbytes].copy_(self.host_bytes[source], non_blocking=False)
+            tier = HOST
+        else:
+            target = slot[: record.nbytes]
+            if slot.device.type == "cpu":
+                self._pread_into(target, record.offset)
+            else:
+                target.copy_(self._read_raw(source, pin=True))
+            tier = DISK
+        self.ledger.record_read(tier, record.nbytes, time.perf_counter() - started)
+
+    def _views(self, source: str, buffer: torch.Tensor) -> dict:
+        """{tensor: (record, {part: view})} over a buffer holding block `source`'s bytes."""
+        from tierlm.cache.artifact import _part_view
+
+        return {
+            name: (record, {part: _part_view(buffer, p) for part, p in record.parts.items()})
+            for name, record in self.artifact.blocks[source].tensors.items()
+        }
+
+    def _decode(self, block: str, raw: dict, device) -> dict:
+        tensors = {name: codec.decode(record, parts, device=device, dtype=self.dtype) for name, (record, parts) in raw.items()}
+        for alias, target in self.artifact.blocks[block].aliases.items():
+            target_block, target_tensor = target.split("/", 1)
+            if target_block in self.resident and target_tensor in self.resident[target_block]:
+                tensors[alias] = self.resident[target_block][target_tensor]
+            else:
+                tensors[alias] = tensors[target_tensor]
+        return tensors
+
+
+class EmbeddingRows:
+    """A non-resident embedding: `rows(ids)` reads only the needed rows, hot ones from the cache."""
+
+    def __init__(self, store: TieredStore, cache_bytes: int):
+        self.store = store
+        self.record = store.artifact.blocks[EMBED_BLOCK]
+        self.embed = self.record.tensors["embed"]
+        width = self.embed.parts["qweight" if self.embed.encoding == "int8" else "data"].shape[1]
+        row_bytes = width * torch.empty((), dtype=store.dtype).element_size()
+        capacity = cache_bytes // row_bytes if cache_bytes else 0
+        self.cache = (
+            HotRowCache(capacity, width, device=store.device, dtype=store.dtype,
+                        counts_path=Path(store.artifact.directory) / COUNTS_NAME)
+            if capacity else None
+        )  # fmt: skip
+        if self.cache is not None:
+            self.cache.warm(self._fetch)
+
+    @property
+    def nbytes(self) -> int:
+        return self.cache.nbytes if self.cache is not None else 0
+
+    def rows(self, ids: torch.Tensor, dtype=None) -> torch.Tensor:
+        """ids [B, T] -> rows [B, T, H] on the store's device."""
+        if self.cache is None:
+            flat = ids.reshape(-1).tolist()
+            self.store.ledger.record_rows(0, len(flat))
+            return self._fetch(flat).view(*ids.shape, -1)
+        out, hits, misses = self.cache.lookup(ids, self._fetch)
+        self.store.ledger.record_rows(hits, misses)
+        return out
+
+    def save(self) -> None:
+        if self.cache is not None:
+            self.cache.save()
+
+    def _fetch(self, rows: list[int]) -> torch.Tensor:
+        """Decoded rows [len(rows), H], read from host RAM or with one small read per row."""
+        parts = {}
+        for part_name, part in self.embed.parts.items():
+            row_bytes = part.nbytes // part.shape[0]
+            buffer = torch.empty(len(rows) * row_bytes, dtype=torch.uint8)
+            host = self.store.host_bytes.get(EMBED_BLOCK)
+            for i, row in enumerate(rows):
+                start = part.offset + row * row_bytes
+                if host is not None:
+                    buffer[i * row_bytes : (i + 1) * row_bytes] = host[start : start + row_bytes]
+                else:
+                    self.store._pread_into(buffer[i * row_bytes : (i + 1) * row_bytes], self.record.offset + start)
+            parts[part_name] = buffer.view(getattr(torch, part.dtype)).reshape(len(rows), *part.shape[1:])
+        self.store.ledger.record_read(HOST if EMBED_BLOCK in self.store.host_bytes else DISK,
+                                      sum(p.nbytes // p.shape[0] for p in self.embed.parts.values()) * len(rows), 0.0)  # fmt: skip
+        weight = codec.decode(self.embed, parts, device="cpu", dtype=self.store.dtype)
+        dense = weight if isinstance(weight, torch.Tensor) else weight.dequantize()
+        return dense.to(device=self.store.device, dtype=self.store.dtype)
