@@ -20,6 +20,7 @@ from tierlm.cache import codec
 from tierlm.cache.artifact import FORMAT_VERSION, MANIFEST_NAME, Artifact, ArtifactWriter
 from tierlm.cache.fingerprint import checkpoint_digest
 from tierlm.config import ModelConfig
+from tierlm.errors import TierlmError
 from tierlm.paths import cache_root
 
 Progress = Callable[[int, int], None]
@@ -84,7 +85,8 @@ def convert(request: ConversionRequest, out_dir: Path, key: str, merger=None, pr
     model_dir = Path(request.model_dir)
     config = ModelConfig.from_dir(model_dir)
     mode = codec.parse_mode(request.quant)
-    layout = family_class(config).checkpoint_layout(config)
+    family = family_class(config)
+    layout, shapes = family.checkpoint_layout(config), family.canonical_shapes(config)
     checkpoint = Checkpoint(model_dir)
     if merger is not None:
         merger.validate(checkpoint, tied=config.tie_word_embeddings)
@@ -103,6 +105,11 @@ def convert(request: ConversionRequest, out_dir: Path, key: str, merger=None, pr
                     writer.add_alias(name, *written[sources])
                     continue
                 tensor = torch.cat([merged(s) for s in sources]) if len(sources) > 1 else merged(sources[0])
+                if tuple(tensor.shape) != shapes[name]:
+                    raise TierlmError(
+                        f"weight {block}.{name} has shape {tuple(tensor.shape)}, config.json implies {shapes[name]}",
+                        "the checkpoint does not match its config.json",
+                    )
                 encoding, parts, meta = codec.encode(tensor, mode)
                 del tensor
                 writer.add_tensor(name, encoding, parts, meta)
@@ -138,5 +145,5 @@ def _merger(adapters: Sequence[tuple[Path, float]]):
 def _is_complete(target: Path, key: str) -> bool:
     try:
         return json.loads((target / MANIFEST_NAME).read_text()).get("key") == key and bool(Artifact.open(target))
-    except Exception:  # noqa: BLE001 - any unreadable entry is simply rebuilt
+    except (OSError, ValueError, KeyError, TierlmError):  # an unreadable entry is simply rebuilt
         return False

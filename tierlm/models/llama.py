@@ -63,6 +63,26 @@ class LlamaModel:
         return layout
 
     @staticmethod
+    def canonical_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+        """The shape of every canonical block tensor this family may use."""
+        hidden, inter, qkv = config.hidden_size, config.intermediate_size, config.q_size + 2 * config.kv_size
+        return {
+            "embed": (config.vocab_size, hidden),
+            "head": (config.vocab_size, hidden),
+            "norm": (hidden,),
+            "attn_norm": (hidden,),
+            "mlp_norm": (hidden,),
+            "wqkv": (qkv, hidden),
+            "bqkv": (qkv,),
+            "wo": (hidden, config.q_size),
+            "bo": (hidden,),
+            "w13": (2 * inter, hidden),
+            "b13": (2 * inter,),
+            "w2": (hidden, inter),
+            "b2": (hidden,),
+        }
+
+    @staticmethod
     def bias_layout(config: ModelConfig, attn: str, mlp: str) -> dict[str, tuple[str, ...]]:
         biases: dict[str, tuple[str, ...]] = {}
         if config.attention_bias:
@@ -105,6 +125,29 @@ class LlamaModel:
             x = base.rms_norm(x, w["norm"], self.config.rms_norm_eps)
         with self.store.block("head") as w:
             return base.linear(x, w["head"]).float()
+
+    @torch.inference_mode()
+    def forward_batch(self, ids: torch.Tensor, batch) -> torch.Tensor:
+        """One decode step for B sequences at their own positions: ids [B, 1] -> logits [B, V] (fp32).
+
+        `batch` is a `SlotBatch` (cache/kv.py): it gives each sequence's position, writes each
+        new key/value into that sequence's slot and returns the slots' keys/values padded to the
+        longest; the mask hides every slot's positions past its own. Each row gets the logits it
+        would get decoded alone.
+        """
+        positions = batch.positions
+        with self.store.block("embed") as w:
+            x = base.embed(w["embed"], ids).to(self.dtype)
+        cos, sin = self.rotary.at(positions)
+        mask = base.position_mask(positions, batch.key_len, self.config.sliding_window)
+        for i in range(self.config.num_hidden_layers):
+            with self.store.block(layer_block(i)) as w:
+                x = self.decoder_layer(w, x, batch, i, cos, sin, mask)
+        batch.advance(1)
+        with self.store.block("norm") as w:
+            x = base.rms_norm(x, w["norm"], self.config.rms_norm_eps)
+        with self.store.block("head") as w:
+            return base.linear(x, w["head"]).float()[:, 0]
 
     def decoder_layer(self, w, x, cache, index, cos, sin, mask) -> torch.Tensor:
         """One pre-norm block: x [B, T, H] -> [B, T, H]."""

@@ -18,6 +18,11 @@ class LoadedModel:
     max_len: int
     device: object
     dtype: object
+    placement: object = None  # the planner's Placement when a profile was given
+
+    def close(self) -> None:
+        """Release what the store holds open (reader threads, files) and persist its statistics."""
+        self.store.close()
 
     def new_cache(self, batch: int = 1, dtype=None):
         from tierlm.cache.kv import KVCache
@@ -35,66 +40,107 @@ def load_model(
     context_length: int | None = None,
     quant: str | None = None,
     adapters: tuple[tuple[Path, float], ...] = (),
+    profile=None,
+    bandwidths=None,
+    read_delay_s: float = 0.0,
     progress: Callable[[int, int], None] | None = None,
     convert_progress: Callable[[int, int], None] | None = None,
 ) -> LoadedModel:
-    """Load every block resident on `device` in `dtype` (defaults: the device's compute dtype).
+    """Load a model for `device` in `dtype` (defaults: the device's compute dtype).
 
-    With a `quant` mode other than "none", or with LoRA `adapters` ((path, weight) pairs), the
-    weights come from the compiled artifact for that combination, converted on first use.
-    The context is `context_length` capped by the model's max_position_embeddings.
+    `model_dir` is a Hugging Face checkpoint or a compiled artifact directory. With a quant
+    mode other than "none" (`quant`, else the profile's) or LoRA `adapters` ((path, weight)
+    pairs), weights come from the artifact for that combination, converted on first use.
+    With a `profile`, the planner places every block within its budget (the process baseline
+    is measured here, before any weight is loaded); blocks that do not fit are streamed by a
+    TieredStore. "none" loads the checkpoint as stored, fully resident, without planning.
+    The context is the profile's (or `context_length`), capped by max_position_embeddings.
     """
     import torch
 
-    from tierlm.device import compute_dtype, resolve_device
+    from tierlm.device import compute_dtype, read_memory, resolve_device
     from tierlm.models import family_class
-    from tierlm.weights.checkpoint import Checkpoint
-    from tierlm.weights.store import load_resident
 
+    baseline = read_memory().rss
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
         raise TierlmError(f"model directory {model_dir} does not exist")
     config = ModelConfig.from_dir(model_dir)
     device = resolve_device(device) if not isinstance(device, torch.device) else device
     dtype = dtype or compute_dtype(device)
-    max_len = min(context_length or config.max_position_embeddings, config.max_position_embeddings)
+    context = context_length or (profile.context_length if profile is not None else None)
+    max_len = min(context or config.max_position_embeddings, config.max_position_embeddings)
     family = family_class(config)
-    if (quant or "none") != "none" or adapters:
-        from tierlm.cache.convert import ConversionRequest, ensure_artifact
-        from tierlm.cache.store import load_resident_artifact
-
-        request = ConversionRequest(model_dir, tuple(adapters), quant if quant not in (None, "none") else "fp32")
-        artifact_dir = ensure_artifact(request, convert_progress)
-        store = load_resident_artifact(artifact_dir, device=device, dtype=dtype, progress=progress)
+    quant = quant or (profile.quant if profile is not None else None) or "none"
+    placement = None
+    if is_artifact(model_dir) or quant != "none" or adapters:
+        artifact_dir = model_dir if is_artifact(model_dir) else _artifact_for(
+            model_dir, quant, adapters, convert_progress
+        )
+        if profile is not None:
+            placement = _plan(config, artifact_dir, profile, device, bandwidths, baseline)
+        store = _artifact_store(artifact_dir, placement, device, dtype, read_delay_s, progress)
     else:
+        from tierlm.weights.checkpoint import Checkpoint
+        from tierlm.weights.store import load_resident
+
         checkpoint = Checkpoint(model_dir)
         store = load_resident(checkpoint, family.checkpoint_layout(config), device=device, dtype=dtype, progress=progress)
-    check_shapes(config, store)
+        check_shapes(config, store, family)  # conversion checks artifacts as it writes them
     model = family(config, store, max_len, device, dtype)
-    return LoadedModel(config, model, store, max_len, device, dtype)
+    return LoadedModel(config, model, store, max_len, device, dtype, placement)
 
 
-def check_shapes(config: ModelConfig, store) -> None:
+def is_artifact(model_dir: Path) -> bool:
+    from tierlm.cache.artifact import MANIFEST_NAME
+
+    return (Path(model_dir) / MANIFEST_NAME).is_file()
+
+
+def _artifact_for(model_dir: Path, quant: str, adapters, progress) -> Path:
+    from tierlm.cache.convert import ConversionRequest, ensure_artifact
+
+    # LoRA on an unquantized model: the merged weights are kept in fp32.
+    mode = quant if quant != "none" else "fp32"
+    return ensure_artifact(ConversionRequest(model_dir, tuple(adapters), mode), progress)
+
+
+def _plan(config, artifact_dir: Path, profile, device, bandwidths, baseline: int):
+    from tierlm.offload.planner import plan
+    from tierlm.offload.probe import load_bandwidths
+    from tierlm.offload.sizes import sizes_from_artifact
+
+    return plan(
+        config,
+        sizes_from_artifact(artifact_dir),
+        profile,
+        bandwidths or load_bandwidths(device),
+        accelerator=device.type != "cpu",
+        baseline_bytes=baseline,
+    )
+
+
+def _artifact_store(artifact_dir: Path, placement, device, dtype, read_delay_s: float, progress):
+    from tierlm.cache.store import load_resident_artifact
+
+    if placement is None or placement.fully_resident:
+        return load_resident_artifact(artifact_dir, device=device, dtype=dtype, progress=progress)
+    from tierlm.cache.artifact import Artifact
+    from tierlm.offload.tiered_store import TieredStore
+
+    return TieredStore(Artifact.open(artifact_dir), placement, device=device, dtype=dtype, read_delay_s=read_delay_s)
+
+
+def check_shapes(config: ModelConfig, store, family) -> None:
     """Refuse weights whose shapes disagree with config.json before they meet a matmul."""
-    hidden, inter = config.hidden_size, config.intermediate_size
-    expected = {
-        "embed": (config.vocab_size, hidden),
-        "head": (config.vocab_size, hidden),
-        "norm": (hidden,),
-        "attn_norm": (hidden,),
-        "mlp_norm": (hidden,),
-        "wqkv": (config.q_size + 2 * config.kv_size, hidden),
-        "wo": (hidden, config.q_size),
-        "w13": (2 * inter, hidden),
-        "w2": (hidden, inter),
-    }
+    expected = family.canonical_shapes(config)
     for block in store.block_names():
         for name, tensor in store.acquire(block).items():
             want = expected.get(name)
-            if want is not None and tuple(tensor.shape) != want:
+            shape = getattr(tensor, "shape", None)
+            if want is not None and shape is not None and tuple(shape) != want:
                 raise TierlmError(
-                    f"weight {block}.{name} has shape {tuple(tensor.shape)}, "
-                    f"config.json implies {want}",
+                    f"weight {block}.{name} has shape {tuple(shape)}, config.json implies {want}",
                     "the checkpoint does not match its config.json",
                 )
         store.release(block)

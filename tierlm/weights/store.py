@@ -42,6 +42,9 @@ class WeightStore:
         """Bytes of weights this store holds in memory."""
         raise NotImplementedError
 
+    def close(self) -> None:
+        """Release threads and files; a resident store holds none."""
+
 
 class ResidentStore(WeightStore):
     """Every block lives on the compute device for the life of the store."""
