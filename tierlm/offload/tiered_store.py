@@ -19,6 +19,7 @@ import torch
 
 from tierlm.cache import codec
 from tierlm.cache.artifact import Artifact
+from tierlm.errors import TierlmError
 from tierlm.offload.hot_cache import COUNTS_NAME, HotRowCache
 from tierlm.offload.ledger import Ledger
 from tierlm.offload.placement import DEVICE, DISK, HOST, Placement
@@ -148,6 +149,16 @@ class TieredStore(WeightStore):
 
     def _fill_slot(self, block: str, slot: torch.Tensor) -> None:
         """Worker thread: bring block's bytes into a ring slot (disk read or host copy)."""
+        try:
+            self._copy_block(block, slot)
+        except OSError as err:
+            raise TierlmError(
+                f"reading block {block!r} from {self.artifact.weights_path} failed: {err}",
+                f"the artifact may be damaged or its disk unavailable; `tierlm cache rm "
+                f"{self.artifact.directory.name}` rebuilds it on next use",
+            ) from None
+
+    def _copy_block(self, block: str, slot: torch.Tensor) -> None:
         source = self._source_block(block)
         record = self.artifact.blocks[source]
         started = time.perf_counter()
