@@ -9,6 +9,13 @@ HELP = "/reset  forget the conversation   /stats  speed and memory   /exit  quit
 
 def run_chat(session, params, system: str | None) -> None:
     """Read user lines (from a terminal or piped stdin) and stream each reply to stdout."""
+    try:
+        _loop(session, params, system)
+    finally:
+        session.engine.loaded.close()  # persists hot-row statistics for the next start
+
+
+def _loop(session, params, system: str | None) -> None:
     from tierlm.runtime.chat import ChatSession
 
     chat = ChatSession(session.engine, system=system)
@@ -70,4 +77,23 @@ def format_stats(session, stats) -> str:
         f"{str(engine.loaded.dtype).removeprefix('torch.')}",
         f"memory    RSS {format_size(memory.rss)}, peak {format_size(memory.peak_rss)}",
     ]
+    placement = engine.loaded.placement
+    if placement is not None:
+        tiers = {}
+        for block in placement.blocks:
+            tiers[block.tier] = tiers.get(block.tier, 0) + 1
+        lines.append(
+            "placement " + ", ".join(f"{n} blocks on {tier}" for tier, n in tiers.items())
+            + f"; predicted decode {placement.predicted_decode_tokens_per_s:.1f} tok/s"
+            + (f" ({placement.binding_limit})" if placement.binding_limit else "")
+        )
+        planned = ", ".join(f"{tier} {format_size(placement.total(tier))}" for tier in placement.charges)
+        lines.append(f"planned   {planned}")
+    ledger = getattr(engine.loaded.store, "ledger", None)
+    if ledger is not None:
+        per_forward = ", ".join(f"{tier} {format_size(int(n))}" for tier, n in ledger.bytes_per_forward().items())
+        lines.append(
+            f"streaming {per_forward or 'nothing'} read per forward, stall {ledger.stall_s:.2f} s, "
+            f"overlap {ledger.overlap:.0%}, hot-row hit rate {ledger.hit_rate:.0%}"
+        )
     return "\n".join(lines)
