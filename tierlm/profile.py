@@ -1,7 +1,32 @@
 """Memory profiles: what the process may use on each tier, read from a TOML file.
 
-A profile is named (`24gb` = tierlm/profiles/24gb.toml, shipped in the wheel) or given as a
-path. Unknown keys and impossible values are refused with a message that names the key.
+A profile is named (`24gb` = tierlm/profiles/24gb.toml, shipped in the wheel), given as a
+path, or `auto` (sized from what this machine has free now). Unknown keys and impossible
+values are refused with a message that names the key.
+
+Keys (sizes take units: "7.5GiB", "800MB", or a number of bytes):
+
+    description      one line: the machine class the profile fits
+    device_memory    what the process may use on the compute device: the accelerator's memory;
+                     on a machine without one, RAM. There the device and host tiers merge into
+                     one RAM tier bounded by device_memory (host_memory is then unused)...
+    emulate_host_tier  (optional, default false) ...unless this is true: a CPU-only machine then
+                     keeps a separate host tier of host_memory, also in RAM but accounted
+                     separately, and streams host blocks into the device tier through the
+                     ring, so the three-tier path runs (and is tested) without an accelerator.
+                     Ignored where an accelerator exists.
+    host_memory      host RAM the process may use where an accelerator exists (the runtime's
+                     own baseline, host-tier weights, pinned staging buffers)
+    disk_offload     whether cold blocks may stay on disk and be streamed from the artifact
+    headroom         kept free on each bounded tier (driver context, allocator fragmentation)
+    quant            weight format: int8, int8-g<N>, fp16, bf16, fp32, or "none" = the weights
+                     as stored, loaded in the compute dtype (fp32 on CPUs, bf16/fp16 on GPUs)
+    kv_dtype         KV cache dtype; "auto" = the compute dtype
+    context_length   tokens of KV cache reserved per sequence (capped by the model's maximum)
+    batch_size       sequences reserved for (KV cache and workspace scale with it)
+    prefetch_depth   streamed blocks read ahead; the ring holds prefetch_depth + 1 blocks
+
+Every byte the planner charges to a tier must fit in that tier's budget: see offload/planner.py.
 """
 
 from __future__ import annotations
@@ -78,6 +103,7 @@ class Profile:
     context_length: int
     batch_size: int
     prefetch_depth: int
+    emulate_host_tier: bool = False
 
     def summary(self) -> str:
         return (
@@ -88,10 +114,14 @@ class Profile:
 
 
 _SIZE_KEYS = ("device_memory", "host_memory", "headroom")
+_OPTIONAL_KEYS = {"emulate_host_tier"}
+AUTO = "auto"
 
 
 def load_profile(name_or_path: str) -> Profile:
-    """A shipped profile by name (`24gb`), or a TOML file by path."""
+    """A shipped profile by name (`24gb`), `auto` (sized from this machine), or a TOML file by path."""
+    if name_or_path == AUTO:
+        return auto_profile()
     path = Path(name_or_path).expanduser()
     if path.suffix == ".toml" or path.exists():
         if not path.is_file():
@@ -113,8 +143,65 @@ def load_profile(name_or_path: str) -> Profile:
 
 
 def shipped_profiles() -> list[str]:
+    """Names of the shipped profiles, largest device budget first (24gb ... 4gb)."""
     folder = resources.files("tierlm") / "profiles"
-    return sorted(p.name[: -len(".toml")] for p in folder.iterdir() if p.name.endswith(".toml"))
+    names = [p.name[: -len(".toml")] for p in folder.iterdir() if p.name.endswith(".toml")]
+    return sorted(names, key=lambda name: (-load_profile(name).device_memory, name))
+
+
+def auto_profile(ram_available: int | None = None, device_free: int | None = None) -> Profile:
+    """A profile sized from what this machine has free now (`--profile auto`).
+
+    RAM: psutil's available memory; device: `torch.cuda.mem_get_info` free bytes when CUDA is
+    present (torch is imported only if it already is, or to ask CUDA). The process takes 85%
+    of available RAM (90% of free device memory) and keeps 5% (at least 256 MiB) as headroom.
+    Pass the two numbers to size one without asking the machine (tests).
+    """
+    if ram_available is None:
+        import psutil
+
+        ram_available = psutil.virtual_memory().available
+    if device_free is None:
+        device_free = _cuda_free_bytes()
+    ram_share = int(ram_available * 0.85)
+    if device_free:
+        device, host = int(device_free * 0.90), ram_share
+        described = f"{format_size(device_free)} free on the GPU, {format_size(ram_available)} RAM available"
+    else:
+        device = host = ram_share
+        described = f"CPU only, {format_size(ram_available)} RAM available"
+    raw = {
+        "description": f"sized from this machine: {described}",
+        "device_memory": device,
+        "host_memory": host,
+        "disk_offload": True,
+        "headroom": max(256 * 2**20, device // 20),
+        "quant": "int8",
+        "kv_dtype": "auto",
+        "context_length": 4096,
+        "batch_size": 1,
+        "prefetch_depth": 2,
+    }
+    if raw["headroom"] >= device:
+        raise TierlmError(
+            f"--profile auto: only {format_size(device)} is free on the compute device",
+            "free some memory, or pass a profile sized for this machine",
+        )
+    return profile_from_dict(AUTO, raw)
+
+
+def _cuda_free_bytes() -> int:
+    """Free CUDA memory in bytes, 0 without CUDA; asks torch only when it can be imported."""
+    import importlib.util
+
+    if "torch" not in sys.modules and importlib.util.find_spec("torch") is None:
+        return 0
+    import torch
+
+    if not torch.cuda.is_available():
+        return 0
+    free, _total = torch.cuda.mem_get_info()
+    return int(free)
 
 
 def profile_from_dict(name: str, raw: dict[str, Any]) -> Profile:
@@ -125,7 +212,7 @@ def profile_from_dict(name: str, raw: dict[str, Any]) -> Profile:
             f"profile {name!r}: unknown key(s) {', '.join(unknown)}",
             f"known keys: {', '.join(sorted(known))}",
         )
-    missing = sorted(known - set(raw))
+    missing = sorted(known - _OPTIONAL_KEYS - set(raw))
     if missing:
         raise TierlmError(f"profile {name!r}: missing key(s) {', '.join(missing)}")
     values = dict(raw)
@@ -138,8 +225,11 @@ def profile_from_dict(name: str, raw: dict[str, Any]) -> Profile:
             raise TierlmError(f"profile {name!r}: {key} must be a non-negative integer")
     if values["context_length"] < 16 or values["batch_size"] < 1:
         raise TierlmError(f"profile {name!r}: context_length must be ≥ 16 and batch_size ≥ 1")
-    if not isinstance(values["disk_offload"], bool):
-        raise TierlmError(f"profile {name!r}: disk_offload must be true or false")
+    for key in ("disk_offload", "emulate_host_tier"):
+        if not isinstance(values.get(key, False), bool):
+            raise TierlmError(f"profile {name!r}: {key} must be true or false")
+    if not isinstance(values["description"], str):
+        raise TierlmError(f"profile {name!r}: description must be a string")
     if values["headroom"] >= values["device_memory"]:
         raise TierlmError(f"profile {name!r}: headroom must be smaller than device_memory")
     return Profile(name=name, **values)

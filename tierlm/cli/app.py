@@ -177,18 +177,111 @@ def import_gguf(path: Path = typer.Argument(..., help="A Llama-family .gguf file
 
 
 @app.command()
-def profiles(name: Optional[str] = typer.Argument(None, help="Show one profile in full")):
-    """List the shipped memory profiles, or show one."""
+def profiles(name: Optional[str] = typer.Argument(None, help="Show one profile in full (or `auto`)")):
+    """List the shipped memory profiles (largest first), or show one."""
     from tierlm.profile import format_size, load_profile, shipped_profiles
 
     if name:
         profile = load_profile(name)
         for key, value in vars(profile).items():
             shown = format_size(value) if key in ("device_memory", "host_memory", "headroom") else value
-            print(f"{key:15} {shown}")
+            print(f"{key:17} {shown}")
         return
     for shipped in shipped_profiles():
-        print(f"{shipped:8} {load_profile(shipped).description}")
+        p = load_profile(shipped)
+        print(f"{shipped:6} device {format_size(p.device_memory):>9}  host {format_size(p.host_memory):>9}  {p.description}")
+    print(f"{'auto':6} sized from what this machine has free now (`tierlm profiles auto` shows it)")
+
+
+@app.command()
+def plan(
+    model: Optional[str] = typer.Option(
+        None, "--model", "-m",
+        help="HF model directory (config.json alone is enough), artifact directory or .gguf (default: embedded model)",
+    ),
+    profile: str = ProfileOpt,
+    quant: Optional[str] = QuantOpt,
+    device: Optional[str] = DeviceOpt,
+    as_json: bool = typer.Option(False, "--json", help="Print the Placement as JSON"),
+):
+    """Where every weight block would live under a profile, the memory per tier, and predicted speed.
+
+    Reads no weights: block sizes come from the model's cached artifact for that quant mode when
+    there is one, else from config.json. The baseline charged is this process's RSS after
+    importing torch; bandwidths come from the once-per-machine probe.
+    """
+    import json
+
+    import torch  # noqa: F401 - imported before measuring the baseline: the runtime always has it
+
+    from tierlm.config import ModelConfig
+    from tierlm.device import read_memory, resolve_device
+    from tierlm.offload.planner import describe, placement_to_dict
+    from tierlm.offload.planner import plan as make_plan
+    from tierlm.offload.probe import load_bandwidths
+    from tierlm.offload.sizes import cached_artifact, resolve_quant, sizes_from_artifact, sizes_from_config
+    from tierlm.profile import load_profile
+    from tierlm.runtime.session import resolve_model_dir
+
+    baseline = read_memory().rss
+    chosen = load_profile(profile)
+    target = resolve_device(device)
+    accelerator = target.type != "cpu"
+    model_dir = resolve_model_dir(model)
+    config = ModelConfig.from_dir(model_dir)
+    mode = resolve_quant(quant or chosen.quant, accelerator)
+    artifact = cached_artifact(model_dir, mode.name)
+    sizes = sizes_from_artifact(artifact) if artifact else sizes_from_config(config, mode, accelerator=accelerator)
+    placement = make_plan(
+        config, sizes, chosen, load_bandwidths(target), accelerator=accelerator, baseline_bytes=baseline
+    )
+    if as_json:
+        print(json.dumps(placement_to_dict(placement), indent=1))
+        return
+    print(f"model    {model_dir} ({config.model_type}, {config.num_hidden_layers} layers)")
+    print(f"profile  {chosen.summary()}")
+    print(f"device   {target}; baseline {baseline / 2**20:.0f} MiB RSS after importing torch\n")
+    print(describe(placement))
+
+
+@app.command()
+def serve(
+    model: Optional[str] = ModelOpt,
+    profile: str = ProfileOpt,
+    host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on (default: loopback only)"),
+    port: int = typer.Option(8000, "--port", min=0, max=65535, help="TCP port (0 = any free port)"),
+    api_key: Optional[str] = typer.Option(
+        None, "--api-key", envvar="TIERLM_API_KEY", help="Require `Authorization: Bearer KEY` (all routes but /health)"
+    ),
+    batch_size: Optional[int] = typer.Option(
+        None, "--batch-size", min=1, help="Requests decoded together (default: the profile's batch_size)"
+    ),
+    max_queue: int = typer.Option(64, "--max-queue", min=0, help="Requests waiting for a slot before 429"),
+    timeout: float = typer.Option(600.0, "--timeout", min=0.0, help="Default request deadline in seconds (0 = none)"),
+    stall_timeout: float = typer.Option(60.0, "--stall-timeout", min=0.1, help="Restart a worker silent this long (s)"),
+    model_name: Optional[str] = typer.Option(None, "--model-name", help="Model id to report (default: directory name)"),
+    device: Optional[str] = DeviceOpt,
+    dtype: Optional[str] = DtypeOpt,
+    quant: Optional[str] = QuantOpt,
+    lora: Optional[list[str]] = LoraOpt,
+):
+    """Serve the model over an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions)."""
+    import os
+
+    from tierlm.server.options import ServerOptions
+    from tierlm.server.run import serve as run_server
+
+    options = ServerOptions(
+        model_id=model_name,
+        api_key=api_key,
+        batch_size=batch_size,
+        max_queue=max_queue,
+        default_timeout=timeout or None,
+        stall_timeout=stall_timeout,
+        # Fault injection for the server tests only: an explicit environment switch.
+        debug_hooks=os.environ.get("TIERLM_SERVE_DEBUG_HOOKS") == "1",
+    )
+    run_server(_open(model, profile, device, dtype, quant, lora), options, host=host, port=port)
 
 
 def main() -> None:

@@ -1,0 +1,501 @@
+"""The planner: a pure function of (config, block sizes, profile, bandwidths) to a Placement.
+
+No I/O and no torch: the caller measures the baseline and the bandwidths and passes them in.
+(Only a refusal reads the shipped profiles, to name one that would fit.)
+
+What each tier is charged (`Placement.charges`), all of which must fit its budget:
+
+    device  resident weights, KV cache, workspace, staging ring (prefetch_depth + 1 slots x the
+            largest streamed block), hot cache (embedding rows, when the embedding is not
+            resident), headroom; on a CPU-only machine also the baseline, since device and host
+            are one RAM tier there (no "host" entry then; `emulate_host_tier` keeps it separate)
+    host    baseline (RSS measured at start-up), host-tier weights, pinned staging for disk
+            blocks (accelerator: the same slot count x the largest disk block), host workspace
+            when blocks are computed on the CPU beside an accelerator, headroom
+    disk    cold blocks (no budget)
+
+What becomes resident, in priority order (a prefix of this list; the rest is cold):
+    1. the final norm (always)       2. the head; tied, the embedding block (the head IS the
+    embedding: read whole every token)  3. decoder layers 0, 1, ... (a fixed prefix: an LRU over
+    cyclically read layers thrashes)  4. an untied embedding, last: it needs one row per token,
+    so when cold it stays on host/disk and rows come through the device hot cache.
+A cold head costs the device a ring of head-sized slots, more than keeping it, so in practice
+it is resident whenever anything is. Fits are checked with every cold block counted as
+streamed (the most any compute choice costs), then the cost model picks the compute.
+
+Where cold blocks go: CPU-only -> disk (or, with emulate_host_tier, the host tier while it fits,
+streamed into the device tier through the ring); accelerator -> host RAM while it fits, else disk
+(disk_offload). A host block on an accelerator is either computed by the CPU where it lies or
+streamed to the device: the split is the one with the best predicted decode time at the
+profile's batch size, streamed layers spread evenly among the host ones so prefetch can hide
+their copies behind the CPU's work.
+
+Cost model (seconds per decode step of `batch_size` tokens; per 512-token chunk for prefill):
+    device    sum over device-computed blocks of max(bytes / device_bytes_per_s,
+              2 x params x tokens / device_flops)
+    host      the same for CPU-computed blocks with host_bytes_per_s / host_flops
+    dispatch  (layers + 1) x per_block_overhead_s (+1 per CPU-computed layer: the hand-over)
+    link      bytes crossing host -> device per step / link_bytes_per_s
+    disk      bytes read from disk per step / disk_bytes_per_s
+    step = max(device + host + dispatch, link, disk) with prefetch_depth >= 1, else the sum.
+The binding limit is the largest channel (link or disk when one dominates, else the largest
+compute term). Decode reads a resident embedding's rows only and the head once per step;
+prefill computes the head for one token (last-position logits). KV-cache reads are left out:
+the prediction is for the start of a conversation.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Mapping, Sequence
+
+from tierlm.config import ModelConfig
+from tierlm.errors import TierlmError
+from tierlm.offload.placement import DEVICE, DISK, HOST, BlockPlacement, Placement
+from tierlm.offload.probe import Bandwidths
+from tierlm.offload.sizes import (
+    PREFILL_CHUNK,
+    BlockSizes,
+    context_tokens,
+    host_workspace_bytes,
+    hot_cache_bytes,
+    kv_cache_bytes,
+    sizes_from_config,
+    workspace_bytes,
+)
+from tierlm.profile import Profile, format_size
+
+EMBED, NORM, HEAD = "embed", "norm", "head"
+LIMITS = ("device bandwidth", "host bandwidth", "dispatch overhead", "link", "disk")
+GiB = 2**30
+
+
+@dataclass(frozen=True)
+class _Unit:
+    """Blocks that become resident or cold together (a tied embedding and its head alias)."""
+
+    blocks: tuple[str, ...]
+    nbytes: int
+
+
+def plan(
+    config: ModelConfig,
+    sizes: BlockSizes,
+    profile: Profile,
+    bandwidths: Bandwidths,
+    *,
+    accelerator: bool,
+    baseline_bytes: int,
+    fallbacks: Sequence[Profile] | None = None,
+) -> Placement:
+    """Place every block of `sizes` within `profile`'s budgets, or refuse before anything loads.
+
+    `baseline_bytes`: the process's RSS before weights (host RAM; on CPU-only the RAM tier).
+    `fallbacks`: profiles to suggest when refusing (default: the shipped ones).
+    Raises TierlmError naming the shortfall in GiB and the smallest profile / quant that fits.
+    """
+    placement, shortfall = _attempt(config, sizes, profile, bandwidths, accelerator, baseline_bytes)
+    if placement is not None:
+        return placement
+    raise _refusal(shortfall, config, sizes, profile, bandwidths, accelerator, baseline_bytes, fallbacks)
+
+
+# -- the search ------------------------------------------------------------------------------
+
+
+def _units(config: ModelConfig, sizes: BlockSizes) -> list[_Unit]:
+    """Residency priority: norm, head (tied: the embedding), layers in order, untied embedding."""
+    tied = sizes.source_block(HEAD) == EMBED
+    units = [_Unit((NORM,), sizes.nbytes[NORM])]
+    units.append(_Unit((EMBED, HEAD), sizes.nbytes[EMBED]) if tied else _Unit((HEAD,), sizes.nbytes[HEAD]))
+    units += [_Unit((f"layers.{i}",), sizes.nbytes[f"layers.{i}"]) for i in range(config.num_hidden_layers)]
+    if not tied:
+        units.append(_Unit((EMBED,), sizes.nbytes[EMBED]))
+    return units
+
+
+@dataclass(frozen=True)
+class _Context:
+    config: ModelConfig
+    sizes: BlockSizes
+    profile: Profile
+    bandwidths: Bandwidths
+    accelerator: bool
+    baseline: int
+
+    @property
+    def separate_host(self) -> bool:
+        return self.accelerator or self.profile.emulate_host_tier
+
+
+def _attempt(config, sizes, profile, bandwidths, accelerator, baseline) -> tuple[Placement | None, str]:
+    """The placement with the most resident units (then the most host units) that fits.
+
+    Fits are checked with every cold block counted as streamed (the most a compute choice can
+    cost), so the cost model runs once, on the placement that is kept. The device tier's charges
+    then depend only on what is resident, the host tier's only on what is in host RAM.
+    """
+    ctx = _Context(config, sizes, profile, bandwidths, accelerator, baseline)
+    units = _units(config, sizes)
+    for resident in range(len(units), 0, -1):
+        cold = units[resident:]
+        tiers = {b: DEVICE for u in units[:resident] for b in u.blocks}
+        tiers.update({b: DISK for u in cold for b in u.blocks})
+        if not _fits(ctx, _charges(ctx, tiers, _all_streamed(tiers), host_compute=True), (DEVICE,)):
+            continue
+        if not ctx.separate_host:
+            on_host_options: range | list[int] = [0]
+        elif profile.disk_offload:
+            on_host_options = range(len(cold), -1, -1)
+        else:
+            on_host_options = [len(cold)]
+        for on_host in on_host_options:
+            tiers.update({b: HOST if i < on_host else DISK for i, u in enumerate(cold) for b in u.blocks})
+            if any(t == DISK for t in tiers.values()) and not profile.disk_offload:
+                continue
+            if _fits(ctx, _charges(ctx, tiers, _all_streamed(tiers), host_compute=True)):
+                computes = _choose_compute(ctx, tiers)
+                return _placement(ctx, tiers, computes, _charges(ctx, tiers, computes)), ""
+    return None, _shortfall(ctx, units)
+
+
+def _all_streamed(tiers: Mapping[str, str]) -> dict[str, str]:
+    computes = {b: DEVICE for b in tiers}
+    if tiers[EMBED] != DEVICE:
+        computes[EMBED] = HOST
+    return computes
+
+
+def _choose_compute(ctx: _Context, tiers: Mapping[str, str]) -> dict[str, str]:
+    """Where each block computes: on the device, except host blocks the cost model gives the CPU."""
+    computes = _all_streamed(tiers)  # a cold embedding's rows are gathered where it lies
+    if not ctx.accelerator:
+        return computes  # CPU-only: one processor; emulated host blocks are streamed
+    host_layers = [b for b in tiers if tiers[b] == HOST and b.startswith("layers.")]
+    head_options = (DEVICE, HOST) if tiers[HEAD] == HOST else (DEVICE,)
+    best, best_time = computes, None
+    for head in head_options:
+        for streamed in range(len(host_layers) + 1):
+            trial = dict(computes)
+            trial[HEAD] = head
+            for index, block in enumerate(host_layers):
+                trial[block] = DEVICE if _spread(index, streamed, len(host_layers)) else HOST
+            seconds = _step_time(ctx, tiers, trial, prefill=False)[0]
+            if best_time is None or seconds < best_time * (1 - 1e-9):
+                best, best_time = trial, seconds
+    return best
+
+
+def _spread(index: int, chosen: int, total: int) -> bool:
+    """Whether item `index` of `total` is among `chosen` spread evenly (Bresenham)."""
+    return (index + 1) * chosen // total > index * chosen // total
+
+
+def _streamed(tiers, computes) -> list[str]:
+    """Blocks that pass through the ring: cold and computed on the device (never the embedding)."""
+    return [b for b in tiers if b != EMBED and tiers[b] != DEVICE and computes[b] == DEVICE]
+
+
+def _charges(ctx: _Context, tiers, computes, *, host_compute: bool = False) -> dict[str, dict[str, int]]:
+    """Bytes per tier, itemised. `host_compute`: reserve the host workspace whenever a layer or
+    head lies in host RAM (the conservative charge used while searching)."""
+    sizes, profile = ctx.sizes, ctx.profile
+    # A tied head's bytes are the embedding's: count every source block once.
+    def weights(tier):
+        return sum(sizes.nbytes[b] for b in tiers if tiers[b] == tier and _owns(sizes, b))
+
+    streamed = _streamed(tiers, computes)
+    slots = profile.prefetch_depth + 1 if streamed else 0
+    slot_bytes = max((sizes.bytes_used(b) for b in streamed), default=0)
+    device = {
+        "weights": weights(DEVICE),
+        "kv_cache": kv_cache_bytes(ctx.config, profile, ctx.accelerator),
+        "workspace": workspace_bytes(ctx.config, sizes, profile, ctx.accelerator),
+        "staging": slots * slot_bytes,
+        "hot_cache": hot_cache_bytes(ctx.config, sizes, ctx.accelerator) if tiers[EMBED] != DEVICE else 0,
+        "headroom": profile.headroom,
+    }
+    disk = {"weights": weights(DISK)}
+    if not ctx.separate_host:
+        return {DEVICE: {"baseline": ctx.baseline, **device}, DISK: disk}
+    disk_streamed = [b for b in streamed if tiers[b] == DISK]
+    host_computed = [b for b in tiers if b != EMBED and tiers[b] == HOST
+                     and (computes[b] == HOST or (host_compute and ctx.accelerator))]  # fmt: skip
+    host = {
+        "baseline": ctx.baseline,
+        "weights": weights(HOST),
+        # Disk -> pinned host buffer -> device on accelerators; on CPU disk reads land in the ring.
+        "staging": slots * max((sizes.bytes_used(b) for b in disk_streamed), default=0)
+        if ctx.accelerator else 0,
+        "workspace": host_workspace_bytes(ctx.config, profile) if host_computed else 0,
+        "headroom": profile.headroom,
+    }
+    return {DEVICE: device, HOST: host, DISK: disk}
+
+
+def _budgets(ctx: _Context) -> dict[str, int | None]:
+    budgets: dict[str, int | None] = {DEVICE: ctx.profile.device_memory}
+    if ctx.separate_host:
+        budgets[HOST] = ctx.profile.host_memory
+    budgets[DISK] = None
+    return budgets
+
+
+def _fits(ctx: _Context, charges, tiers: tuple[str, ...] = (DEVICE, HOST)) -> bool:
+    budgets = _budgets(ctx)
+    return all(budgets.get(tier) is None or sum(charges.get(tier, {}).values()) <= budgets[tier]
+               for tier in tiers)  # fmt: skip
+
+
+def _placement(ctx: _Context, tiers, computes, charges) -> Placement:
+    sizes = ctx.sizes
+    # A tied head owns no bytes: its tier and compute follow the embedding it reads.
+    blocks = tuple(
+        BlockPlacement(name, tiers[name], sizes.nbytes[name] if _owns(sizes, name) else 0, computes[name])
+        for name in sizes.names
+    )
+    streamed = _streamed(tiers, computes)
+    decode_s, decode_limit = _step_time(ctx, tiers, computes, prefill=False)
+    prefill_s, _ = _step_time(ctx, tiers, computes, prefill=True)
+    chunk = min(PREFILL_CHUNK, context_tokens(ctx.config, ctx.profile))
+    origin = "predicted from config.json" if sizes.source == "config" else "from the artifact manifest"
+    notes = [f"weights {sizes.quant} ({origin})"]
+    if not ctx.separate_host:
+        notes.append("CPU-only: device and host are one RAM tier bounded by device_memory")
+    elif not ctx.accelerator:
+        notes.append("CPU-only with emulate_host_tier: host blocks are copied into the device tier's ring")
+    if tiers[EMBED] != DEVICE:
+        notes.append(f"embedding on {tiers[EMBED]}: rows fetched on demand through the device hot cache")
+    notes.append("decode prediction: start of a conversation (KV-cache reads not counted)")
+    return Placement(
+        blocks=blocks,
+        budgets=_budgets(ctx),
+        charges=charges,
+        ring_slots=ctx.profile.prefetch_depth + 1 if streamed else 0,
+        ring_slot_bytes=max((sizes.bytes_used(b) for b in streamed), default=0),
+        hot_cache_bytes=charges[DEVICE]["hot_cache"],
+        predicted_prefill_tokens_per_s=chunk / prefill_s,
+        predicted_decode_tokens_per_s=ctx.profile.batch_size / decode_s,
+        binding_limit=decode_limit,
+        notes=tuple(notes),
+    )
+
+
+# -- the cost model --------------------------------------------------------------------------
+
+
+def _step_time(ctx: _Context, tiers, computes, *, prefill: bool) -> tuple[float, str]:
+    """(seconds for one decode step, or one prefill chunk; the binding limit) — see module doc."""
+    bw, sizes = ctx.bandwidths, ctx.sizes
+    chunk = min(PREFILL_CHUNK, context_tokens(ctx.config, ctx.profile))
+    tokens = chunk if prefill else ctx.profile.batch_size
+    terms = dict.fromkeys(LIMITS, 0.0)
+    for block in sizes.names:
+        if block == EMBED:
+            read = tokens * sizes.row_bytes  # one row per token
+            flops = 0.0
+        else:
+            read = sizes.bytes_used(block)
+            # Prefill computes the head for the last position only.
+            flops = 2.0 * sizes.params[block] * (1 if prefill and block == HEAD else tokens)
+        if computes[block] == HOST:
+            terms["host bandwidth"] += max(read / _rate(bw.host_bytes_per_s), flops / _rate(bw.host_flops))
+            if block.startswith("layers.") and ctx.accelerator:
+                terms["dispatch overhead"] += bw.per_block_overhead_s
+        else:
+            terms["device bandwidth"] += max(
+                read / _rate(bw.device_bytes_per_s), flops / _rate(bw.device_flops)
+            )
+        if block == EMBED or tiers[block] == DEVICE or computes[block] == HOST:
+            continue
+        if tiers[block] == DISK:
+            terms["disk"] += read / _rate(bw.disk_bytes_per_s)
+        # Accelerators: host and disk blocks cross the link; CPU emulation: host blocks are copied.
+        if ctx.accelerator or tiers[block] == HOST:
+            terms["link"] += read / _rate(bw.link_bytes_per_s)
+    terms["dispatch overhead"] += (ctx.config.num_hidden_layers + 1) * bw.per_block_overhead_s
+    compute = terms["device bandwidth"] + terms["host bandwidth"] + terms["dispatch overhead"]
+    if ctx.profile.prefetch_depth >= 1:
+        seconds = max(compute, terms["link"], terms["disk"])
+        transfer = max(("link", "disk"), key=terms.get)
+        limit = transfer if terms[transfer] > compute else max(LIMITS[:3], key=terms.get)
+    else:
+        seconds = sum(terms.values())
+        limit = max(LIMITS, key=terms.get)
+    return max(seconds, 1e-12), limit
+
+
+def _rate(value: float) -> float:
+    return max(value, 1e-9)
+
+
+# -- refusals --------------------------------------------------------------------------------
+
+
+def _shortfall(ctx: _Context, units: list[_Unit]) -> str:
+    """Why no placement fits, with the numbers: the weights (disk_offload false), else the device
+    tier's least possible charge, else the host tier's."""
+    profile = ctx.profile
+    tiers = {b: DEVICE for b in units[0].blocks}
+    cold_tier = DISK if profile.disk_offload else (HOST if ctx.separate_host else DEVICE)
+    tiers.update({b: cold_tier for u in units[1:] for b in u.blocks})
+    computes = _choose_compute(ctx, tiers) if cold_tier != DEVICE else {b: DEVICE for b in tiers}
+    charges = _charges(ctx, tiers, computes)
+    device_total = sum(charges[DEVICE].values())
+    if not profile.disk_offload:
+        weights = sum(u.nbytes for u in units)
+        fixed = {k: v for k, v in charges[DEVICE].items() if k not in ("weights", "staging")}
+        grant = profile.device_memory - sum(fixed.values())
+        where = "device"
+        if ctx.separate_host:
+            host_fixed = {k: v for k, v in charges[HOST].items() if k not in ("weights", "staging")}
+            grant += profile.host_memory - sum(host_fixed.values())
+            where = "device + host"
+        short = weights - max(grant, 0)
+        if short > 0:
+            return (f"its {ctx.sizes.quant} weights ({_gib(weights)}) need {_gib(short)} more than "
+                    f"the {where} memory left after fixed charges ({_gib(max(grant, 0))}), and "
+                    f"disk_offload is false")  # fmt: skip
+    # The device tier's least charge over every resident prefix (a resident head can cost less
+    # than the ring slot it would need when streamed).
+    least = 1
+    for resident in range(2, len(units) + 1):
+        trial = {b: DEVICE for u in units[:resident] for b in u.blocks}
+        trial.update({b: DISK for u in units[resident:] for b in u.blocks})
+        trial_charges = _charges(ctx, trial, _all_streamed(trial), host_compute=True)
+        if sum(trial_charges[DEVICE].values()) < device_total:
+            charges, device_total, least = trial_charges, sum(trial_charges[DEVICE].values()), resident
+    if device_total > profile.device_memory:
+        items = ", ".join(f"{k} {_gib(v)}" for k, v in charges[DEVICE].items() if v >= 2**20)
+        kept = ", ".join(b for u in units[:least] for b in u.blocks if _owns(ctx.sizes, b))
+        return (f"even in its smallest placement (resident: {kept}; the rest streamed) the device "
+                f"tier needs {_gib(device_total)} ({items}) "
+                f"against a budget of {_gib(profile.device_memory)}: short by "
+                f"{_gib(device_total - profile.device_memory)}")  # fmt: skip
+    if ctx.separate_host and HOST in charges:
+        host_total = sum(charges[HOST].values())
+        if host_total > profile.host_memory:
+            items = ", ".join(f"{k} {_gib(v)}" for k, v in charges[HOST].items() if v >= 2**20)
+            return (f"even with every block cold, the host tier needs {_gib(host_total)} ({items}) "
+                    f"against a budget of {_gib(profile.host_memory)}: short by "
+                    f"{_gib(host_total - profile.host_memory)}")  # fmt: skip
+    return "no placement fits the budgets"
+
+
+def _owns(sizes: BlockSizes, block: str) -> bool:
+    """False for a block that stores no bytes of its own (a tied head)."""
+    return sizes.source_block(block) == block
+
+
+def _refusal(shortfall, config, sizes, profile, bandwidths, accelerator, baseline, fallbacks) -> TierlmError:
+    """The refusal, naming the shortfall and the smallest profile and/or quant mode that fits."""
+
+    def fits(candidate: Profile, quant: str) -> bool:
+        same = quant == sizes.quant
+        candidate_sizes = sizes if same else sizes_from_config(config, quant, accelerator=accelerator)
+        return _attempt(config, candidate_sizes, candidate, bandwidths, accelerator, baseline)[0] is not None
+
+    if fallbacks is None:
+        from tierlm.profile import load_profile, shipped_profiles
+
+        fallbacks = [load_profile(name) for name in shipped_profiles()]
+    ordered = sorted(fallbacks, key=lambda p: (p.device_memory, p.host_memory))
+    hints = []
+    # Smaller weight formats, best quality first: fp32 -> bf16 -> int8.
+    smaller = {"fp32": ["bf16", "int8"], "bf16": ["int8"], "fp16": ["int8"]}.get(sizes.quant, [])
+    quant_fit = next((q for q in smaller if fits(profile, q)), None)
+    if quant_fit is not None:
+        hints.append(f"--quant {quant_fit} fits profile {profile.name!r}")
+    for quant in [sizes.quant, *smaller]:
+        other = next((p for p in ordered if p != profile and fits(p, quant)), None)
+        if other is not None:
+            hints.append(f"the smallest shipped profile that fits it: --profile {other.name} --quant {quant}")
+            break
+    hint = "; ".join(hints) if hints else "no shipped profile or quant mode fits it on this machine"
+    model = f"{config.num_hidden_layers} layers, {sizes.quant}"
+    return TierlmError(f"the model ({model}) does not fit profile {profile.name!r}: {shortfall}", hint)
+
+
+def _gib(nbytes: int) -> str:
+    return f"{nbytes / GiB:.2f} GiB"
+
+
+# -- presentation ----------------------------------------------------------------------------
+
+
+def placement_to_dict(placement: Placement) -> dict:
+    """The Placement as plain JSON-able data (`tierlm plan --json`)."""
+    return {
+        "blocks": [
+            {"name": b.name, "tier": b.tier, "nbytes": b.nbytes, "compute": b.compute, "streamed": b.streamed}
+            for b in placement.blocks
+        ],
+        "budgets": dict(placement.budgets),
+        "charges": {tier: dict(items) for tier, items in placement.charges.items()},
+        "totals": {tier: placement.total(tier) for tier in placement.charges},
+        "ring_slots": placement.ring_slots,
+        "ring_slot_bytes": placement.ring_slot_bytes,
+        "hot_cache_bytes": placement.hot_cache_bytes,
+        "predicted_prefill_tokens_per_s": placement.predicted_prefill_tokens_per_s,
+        "predicted_decode_tokens_per_s": placement.predicted_decode_tokens_per_s,
+        "binding_limit": placement.binding_limit,
+        "notes": list(placement.notes),
+    }
+
+
+def placement_rows(placement: Placement) -> list[tuple[str, str, int]]:
+    """(blocks, where, bytes), consecutive layers on the same tier grouped as `layers.0-27`."""
+    rows: list[tuple[str, str, int]] = []
+    run: list[BlockPlacement] = []
+
+    def where(blocks: list[BlockPlacement]) -> str:
+        first = blocks[0]
+        if first.name == EMBED and first.tier != DEVICE:
+            return f"{first.tier}, rows on demand"
+        if first.tier == DEVICE:
+            return "device, resident"
+        on_cpu = sum(1 for b in blocks if not b.streamed)
+        if on_cpu == len(blocks):
+            return f"{first.tier}, computed on CPU"
+        if on_cpu == 0:
+            return f"{first.tier}, streamed"
+        return f"{first.tier}, {on_cpu} on CPU + {len(blocks) - on_cpu} streamed"
+
+    def flush():
+        if run:
+            first, last = run[0].name, run[-1].name.split(".", 1)[1]
+            name = first if len(run) == 1 else f"{first}-{last}"
+            rows.append((name, where(run), sum(b.nbytes for b in run)))
+            run.clear()
+
+    for b in placement.blocks:
+        if b.name.startswith("layers."):
+            if run and run[-1].tier != b.tier:
+                flush()
+            run.append(b)
+            continue
+        flush()
+        tied = b.name == HEAD and b.nbytes == 0
+        rows.append(("head (tied: = embed)" if tied else b.name, where([b]), b.nbytes))
+    flush()
+    return rows
+
+
+def describe(placement: Placement) -> str:
+    """The human-readable plan: blocks, per-tier totals against budgets (itemised), speeds."""
+    lines = [f"{'block':22} {'tier':32} {'bytes':>10}"]
+    lines += [f"{name:22} {where:32} {format_size(n):>10}" for name, where, n in placement_rows(placement)]
+    lines.append("")
+    for tier, items in placement.charges.items():
+        budget = placement.budgets.get(tier)
+        shown = format_size(budget) if budget is not None else "unbounded"
+        lines.append(f"{tier:6} {format_size(placement.total(tier)):>10} of {shown}")
+        lines += [f"         {k:10} {format_size(v):>10}" for k, v in items.items() if v]
+    lines.append("")
+    if placement.ring_slots:
+        lines.append(f"ring     {placement.ring_slots} slots x {format_size(placement.ring_slot_bytes)}")
+    lines.append(f"prefill  {placement.predicted_prefill_tokens_per_s:.1f} tokens/s (predicted)")
+    lines.append(f"decode   {placement.predicted_decode_tokens_per_s:.2f} tokens/s (predicted), "
+                 f"bound by {placement.binding_limit}")  # fmt: skip
+    lines += [f"note     {note}" for note in placement.notes]
+    return "\n".join(lines)

@@ -1,0 +1,282 @@
+"""Measured speeds the planner's cost model needs, probed once per machine and cached.
+
+`load_bandwidths(device)` returns the cached `Bandwidths` for (device, torch thread count) from
+`<cache>/probe/`, probing first when there is none (a few seconds). Tests pass fixed
+`Bandwidths` to the planner instead, or write the cache file with `save_bandwidths`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import statistics
+import time
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+
+from tierlm.paths import cache_root
+
+PROBE_VERSION = 1
+MATRIX = 4096  # the int8 bandwidth probe's weight: 4096 x 4096 (16 MiB), as a 7B layer's wo
+WEIGHT_COPIES = 4  # cycled, so 64 MiB of weights defeat the last-level cache
+COPY_BYTES = 64 << 20  # link probe: one 64 MiB host -> device copy
+DISK_BYTES = 128 << 20  # disk probe: a 128 MiB temporary file, read cold
+READ_CHUNK = 16 << 20
+
+
+@dataclass(frozen=True)
+class Bandwidths:
+    """Effective speeds of this machine (bytes/s, FLOP/s, seconds).
+
+    device_bytes_per_s    int8 weight bytes/s of a batch-1 matmul on the compute device
+    host_bytes_per_s      the same computed by the CPU on host RAM (= device on CPU-only)
+    link_bytes_per_s      host -> device copy (pinned H2D on CUDA; a RAM-to-RAM copy_ on CPU)
+    disk_bytes_per_s      sequential read of a file whose pages were dropped from the cache
+    device_flops          GEMM throughput on the compute device (prefill), compute dtype
+    host_flops            fp32 GEMM throughput of the CPU (= device_flops on CPU-only)
+    per_block_overhead_s  fixed cost of one decoder layer at batch 1 (dispatch, small ops)
+    """
+
+    device_bytes_per_s: float
+    host_bytes_per_s: float
+    link_bytes_per_s: float
+    disk_bytes_per_s: float
+    device_flops: float
+    host_flops: float
+    per_block_overhead_s: float
+    device: str = "cpu"
+    notes: tuple[str, ...] = ()
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "notes": list(self.notes)}
+
+    @classmethod
+    def from_dict(cls, raw: dict) -> "Bandwidths":
+        known = {f.name for f in fields(cls)}
+        values = {k: v for k, v in raw.items() if k in known}
+        values["notes"] = tuple(values.get("notes", ()))
+        return cls(**values)
+
+
+def bandwidths_path(device=None) -> Path:
+    """The cache file for `device` at torch's current thread count."""
+    import torch
+
+    device = _device(device)
+    name = device.type
+    if device.type == "cuda":
+        name += "-" + torch.cuda.get_device_name(device)
+    key = re.sub(r"[^A-Za-z0-9_.-]+", "_", f"{name}-{torch.get_num_threads()}t-v{PROBE_VERSION}")
+    return cache_root() / "probe" / f"{key}.json"
+
+
+def load_bandwidths(device=None, *, refresh: bool = False) -> Bandwidths:
+    """This machine's Bandwidths for `device`, from the cache or probed (then cached) once."""
+    path = bandwidths_path(device)
+    if not refresh:
+        try:
+            return Bandwidths.from_dict(json.loads(path.read_text()))
+        except (OSError, ValueError, TypeError, KeyError):
+            pass  # missing or damaged: probe again
+    measured = probe(device)
+    save_bandwidths(measured, device)
+    return measured
+
+
+def save_bandwidths(bandwidths: Bandwidths, device=None) -> Path:
+    """Write `bandwidths` as the cached probe for `device` (atomically)."""
+    path = bandwidths_path(device)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".tmp{os.getpid()}")
+    tmp.write_text(json.dumps(bandwidths.to_dict(), indent=1) + "\n")
+    os.replace(tmp, path)
+    return path
+
+
+def probe(device=None) -> Bandwidths:
+    """Measure every speed once (a few seconds; the disk probe writes a 128 MiB temp file)."""
+    import torch
+
+    from tierlm.device import compute_dtype
+
+    device = _device(device)
+    cpu = torch.device("cpu")
+    dtype = compute_dtype(device)
+    notes: list[str] = []
+    device_bw = int8_bytes_per_s(device, dtype)
+    host_bw = device_bw if device.type == "cpu" else int8_bytes_per_s(cpu, torch.float32)
+    device_flops = gemm_flops(device, dtype)
+    host_flops = device_flops if device.type == "cpu" else gemm_flops(cpu, torch.float32)
+    disk_bw, dropped = disk_bytes_per_s(cache_root() / "probe")
+    if not dropped:
+        notes.append("the disk probe could not drop the file's pages from the page cache; "
+                     "disk bandwidth may be overstated")  # fmt: skip
+    return Bandwidths(
+        device_bytes_per_s=device_bw,
+        host_bytes_per_s=host_bw,
+        link_bytes_per_s=link_bytes_per_s(device),
+        disk_bytes_per_s=disk_bw,
+        device_flops=device_flops,
+        host_flops=host_flops,
+        per_block_overhead_s=block_overhead_s(device, dtype),
+        device=str(device),
+        notes=tuple(notes),
+    )
+
+
+# -- the individual probes --------------------------------------------------------------------
+
+
+def int8_bytes_per_s(device, dtype) -> float:
+    """Weight bytes/s of `quantize_int8(W).linear(x)` at batch 1, W 4096 x 4096, 4 copies cycled."""
+    import torch
+
+    from tierlm.quant.int8 import Int8Weight, quantize_int8
+
+    gen = torch.Generator().manual_seed(0)
+    base = quantize_int8(torch.randn(MATRIX, MATRIX, generator=gen))
+    weights = [
+        Int8Weight(base.qweight.clone(), base.scales.clone(), dtype=dtype).to(device)
+        for _ in range(WEIGHT_COPIES)
+    ]
+    x = torch.randn(1, MATRIX, generator=gen).to(device=device, dtype=dtype)
+
+    def sweep():
+        for weight in weights:
+            weight.linear(x)
+
+    seconds = _median_seconds(sweep, device, reps=5)
+    return sum(w.nbytes for w in weights) / seconds
+
+
+def gemm_flops(device, dtype) -> float:
+    """FLOP/s of one [M, K] @ [K, N] GEMM in `dtype` (M = 512 tokens on CPUs, 4096 on GPUs)."""
+    import torch
+
+    m, k = (512, 2048) if device.type == "cpu" else (4096, 8192)
+    a = torch.randn(m, k, device=device).to(dtype)
+    b = torch.randn(k, k, device=device).to(dtype)
+    seconds = _median_seconds(lambda: a @ b, device, reps=3)
+    return 2 * m * k * k / seconds
+
+
+def link_bytes_per_s(device) -> float:
+    """Host -> device copy bytes/s: pinned H2D on accelerators, RAM-to-RAM `copy_` on CPUs."""
+    import torch
+
+    accelerator = device.type != "cpu"
+    source = torch.empty(COPY_BYTES, dtype=torch.uint8, pin_memory=accelerator).fill_(1)
+    target = torch.empty(COPY_BYTES, dtype=torch.uint8, device=device)
+    seconds = _median_seconds(lambda: target.copy_(source, non_blocking=accelerator), device, reps=5)
+    return COPY_BYTES / seconds
+
+
+def disk_bytes_per_s(folder: Path, nbytes: int = DISK_BYTES) -> tuple[float, bool]:
+    """(bytes/s of a cold sequential read, whether the pages could be dropped first).
+
+    Writes a temporary file under `folder` (the cache's disk, where artifacts live), fsyncs it,
+    drops its pages with posix_fadvise(DONTNEED) and reads it back in 16 MiB chunks. A cold read
+    no slower than a second, cached read means the drop did not take (tmpfs, some overlays).
+    """
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"disk-probe-{os.getpid()}.tmp"
+    block = os.urandom(1 << 20)  # incompressible, so a compressing filesystem cannot cheat
+    buffer = bytearray(READ_CHUNK)
+    try:
+        with open(path, "wb") as handle:
+            for _ in range(nbytes // len(block)):
+                handle.write(block)
+            handle.flush()
+            os.fsync(handle.fileno())
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            dropped = _drop_pages(fd)
+            cold = _timed_read(fd, buffer)
+            hot = _timed_read(fd, buffer)
+        finally:
+            os.close(fd)
+    finally:
+        path.unlink(missing_ok=True)
+    return nbytes / cold, dropped and cold > 1.3 * hot
+
+
+def block_overhead_s(device, dtype) -> float:
+    """Seconds per decoder layer at batch 1 when its bytes are negligible: a tiny layer-shaped
+    forward (norm, int8 q/k/v, attention over 16 cached positions, o, norm, SwiGLU)."""
+    import torch
+
+    from tierlm.models import base
+    from tierlm.quant.int8 import quantize_int8
+
+    hidden, heads, kv_heads, dim, inter = 64, 4, 2, 16, 128
+    gen = torch.Generator().manual_seed(0)
+
+    def weight(rows, cols):
+        return quantize_int8(torch.randn(rows, cols, generator=gen) * 0.1).to(device, dtype)
+
+    wqkv, wo = weight((heads + 2 * kv_heads) * dim, hidden), weight(hidden, heads * dim)
+    w13, w2 = weight(2 * inter, hidden), weight(hidden, inter)
+    norm = torch.ones(hidden, device=device, dtype=dtype)
+    keys = torch.randn(1, kv_heads, 16, dim, generator=gen).to(device=device, dtype=dtype)
+    x = torch.randn(1, 1, hidden, generator=gen).to(device=device, dtype=dtype)
+    cos = torch.ones(dim, device=device, dtype=dtype)
+
+    def layer():
+        h = base.rms_norm(x, norm, 1e-6)
+        qkv = base.linear(h, wqkv).view(1, 1, heads + 2 * kv_heads, dim) * cos
+        q = qkv[:, :, :heads].transpose(1, 2)
+        out = base.grouped_attention(q, keys, keys, None).transpose(1, 2).reshape(1, 1, heads * dim)
+        y = x + base.linear(out, wo)
+        return y + base.swiglu(base.rms_norm(y, norm, 1e-6), w13, w2)
+
+    loops = 10
+
+    def repeated():
+        for _ in range(loops):
+            layer()
+
+    return _median_seconds(repeated, device, reps=3) / loops
+
+
+# -- helpers ----------------------------------------------------------------------------------
+
+
+def _device(device):
+    import torch
+
+    from tierlm.device import resolve_device
+
+    return device if isinstance(device, torch.device) else resolve_device(device)
+
+
+def _median_seconds(run, device, reps: int) -> float:
+    import torch
+
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    run()  # warm-up: kernel calibration, first-touch page faults, thread pools
+    sync()
+    samples = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        run()
+        sync()
+        samples.append(time.perf_counter() - start)
+    return max(statistics.median(samples), 1e-9)
+
+
+def _drop_pages(fd: int) -> bool:
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        return True
+    except (AttributeError, OSError):
+        return False
+
+
+def _timed_read(fd: int, buffer: bytearray) -> float:
+    view = memoryview(buffer)
+    offset = 0
+    start = time.perf_counter()
+    while count := os.preadv(fd, [view], offset):
+        offset += count
+    return max(time.perf_counter() - start, 1e-9)

@@ -1,0 +1,256 @@
+"""What a model costs in memory: weight bytes per block, and the charges that are not weights.
+
+Block bytes come from a compiled artifact's manifest (`sizes_from_artifact`), or are predicted
+from config.json alone (`sizes_from_config`), so `tierlm plan` works for a 14B model that is not
+on disk. The prediction encodes every tensor as `cache/codec.py` stores it and lays the parts
+out as `cache/artifact.py` does (each part at a 64-byte boundary of its block), so it equals the
+manifest's block sizes.
+
+Non-weight charges (bytes; c = compute dtype bytes: 4 on CPUs (fp32), 2 on accelerators):
+
+    KV cache     layers x 2 x kv_heads x head_dim x context x batch x kv bytes
+                 (context = min(profile.context_length, max_position_embeddings);
+                 kv bytes: the profile's kv_dtype, "auto" = c)
+    workspace    one prefill step of t = batch x min(512, context) tokens, the largest the
+                 engine runs (runtime/engine.py PREFILL_CHUNK), plus one decode's logits:
+                   activations   t x (2H + qkv + q + 3I) x c   residual, normed input, fused
+                                 q/k/v, attention output, gate|up (2I) and their product (I)
+                   kernel        CPU: t x max_out x 4 + 1 MiB (the BLAS int8 kernel's
+                                 transposed output and its dequantized block);
+                                 accelerator, int8: the largest 2-D weight (head included)
+                                 dequantized to c (torch-dequant kernel)
+                   attention     batch x heads x chunk x context x c (scores, math path)
+                                 + groups x chunk x context x (1 + c) (causal mask, bool and
+                                 additive)
+                   logits        batch x vocab x (c + 12)  (logits, fp32 copy, sampler's
+                                 probabilities and sorted copy)
+                   rope          2 x context x head_dim x c (cos/sin tables)
+    host workspace  (accelerator, blocks computed on the CPU) t x (widest + max_out) x 4
+                 + 1 MiB: the fp32 activations crossing over and the CPU kernel's scratch
+    hot cache    min(min(vocab, 4096) x H x c, the embedding's stored bytes): decoded
+                 embedding rows kept on the device when the embedding is not resident
+                 (tiered_store's EmbeddingRows sizes its table from this)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Mapping
+
+from tierlm.cache.artifact import PART_ALIGN, Artifact
+from tierlm.config import ModelConfig
+from tierlm.quant.modes import QuantMode, parse_quant_mode
+
+PREFILL_CHUNK = 512  # tokens per prefill step; runtime/engine.py PREFILL_CHUNK (runtime sits above)
+HOT_CACHE_ROWS = 4096  # embedding rows the hot cache may hold (Zipfian tokens: most lookups)
+KERNEL_BLOCK_BYTES = 1 << 20  # the CPU BLAS kernel's dequantization block (quant/torch_kernels.py)
+_FLOAT_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+_KV_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}
+
+
+@dataclass(frozen=True)
+class BlockSizes:
+    """Stored bytes per weight block, in execution order (embed, layers.0..N-1, norm, head).
+
+    `params`: elements of each block's 2-D (matmul) weights, for FLOP estimates.
+    `aliases`: block -> the block whose bytes it uses (a tied head -> "embed"); an aliased
+    block stores ~0 bytes of its own. `row_bytes`: one embedding row as stored (int8 + scale).
+    """
+
+    quant: str
+    nbytes: Mapping[str, int]
+    params: Mapping[str, int]
+    aliases: Mapping[str, str] = field(default_factory=dict)
+    row_bytes: int = 0
+    source: str = "config"
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(self.nbytes)
+
+    def source_block(self, block: str) -> str:
+        return self.aliases.get(block, block)
+
+    def bytes_used(self, block: str) -> int:
+        """Bytes that must be present to compute `block` (a tied head needs the embedding's)."""
+        return self.nbytes[self.source_block(block)]
+
+    @property
+    def total(self) -> int:
+        return sum(self.nbytes.values())
+
+
+def resolve_quant(quant: str | QuantMode, accelerator: bool = False) -> QuantMode:
+    """A QuantMode; "none" (weights as stored) is the compute dtype: bf16 on accelerators, else fp32."""
+    if isinstance(quant, QuantMode):
+        return quant
+    if quant == "none":
+        return parse_quant_mode("bf16" if accelerator else "fp32")
+    return parse_quant_mode(quant)
+
+
+def sizes_from_artifact(directory: Path) -> BlockSizes:
+    """Block sizes read from a compiled artifact's manifest (no weights are read)."""
+    artifact = Artifact.open(Path(directory))
+    nbytes, params, aliases = {}, {}, {}
+    for name, block in artifact.blocks.items():
+        nbytes[name] = block.nbytes
+        params[name] = sum(_matmul_elements(t.parts) for t in block.tensors.values())
+        if block.aliases and not block.tensors:
+            aliases[name] = next(iter(block.aliases.values())).split("/", 1)[0]
+    for name, target in aliases.items():
+        params[name] = params[target]
+    embed = artifact.blocks["embed"].tensors["embed"]
+    row_bytes = sum(part.nbytes // part.shape[0] for part in embed.parts.values())
+    quant = str(artifact.manifest.get("quant", "unknown"))
+    return BlockSizes(quant, nbytes, params, aliases, row_bytes, str(artifact.directory))
+
+
+def cached_artifact(model_dir: Path, quant: str) -> Path | None:
+    """The newest complete artifact in the cache built from `model_dir` in `quant` without
+    adapters (its manifest's sizes are exact), or `model_dir` itself if it is an artifact."""
+    from tierlm.cache.artifact import MANIFEST_NAME
+    from tierlm.cache.convert import artifacts_root
+
+    model_dir = Path(model_dir)
+    if (model_dir / MANIFEST_NAME).is_file():
+        return model_dir
+    found = []
+    for candidate in artifacts_root().glob(f"{model_dir.name}-{quant}-*"):
+        try:
+            manifest = Artifact.open(candidate).manifest
+        except Exception:  # noqa: BLE001 - unfinished or damaged entries are skipped
+            continue
+        same_source = manifest.get("source") == str(model_dir.resolve())
+        if same_source and manifest.get("quant") == quant and not manifest.get("adapters"):
+            found.append((candidate.stat().st_mtime, candidate))
+    return max(found)[1] if found else None
+
+
+def sizes_from_config(
+    config: ModelConfig, quant: str | QuantMode, *, accelerator: bool = False
+) -> BlockSizes:
+    """Predict the artifact's block sizes from config.json alone.
+
+    Mirrors `LlamaModel.checkpoint_layout` (offload may not import a model family): per layer
+    attn_norm [H], wqkv [qkv, H], wo [H, q], mlp_norm [H], w13 [2I, H], w2 [H, I], then biases
+    (Qwen2 always has bqkv; others per attention_bias / mlp_bias); embed [V, H]; norm [H];
+    head [V, H] or, tied, an alias of the embedding. tests/test_planner.py checks it against
+    converted artifacts.
+    """
+    mode = resolve_quant(quant, accelerator)
+    hidden, inter, vocab = config.hidden_size, config.intermediate_size, config.vocab_size
+    qkv = config.q_size + 2 * config.kv_size
+    layer = [("attn_norm", (hidden,)), ("wqkv", (qkv, hidden)), ("wo", (hidden, config.q_size)),
+             ("mlp_norm", (hidden,)), ("w13", (2 * inter, hidden)), ("w2", (hidden, inter))]  # fmt: skip
+    if config.attention_bias or config.model_type == "qwen2":
+        layer.append(("bqkv", (qkv,)))
+    if config.attention_bias and config.model_type != "qwen2":
+        layer.append(("bo", (hidden,)))
+    if config.mlp_bias:
+        layer += [("b13", (2 * inter,)), ("b2", (hidden,))]
+    blocks: dict[str, list[tuple[str, tuple[int, ...]]]] = {"embed": [("embed", (vocab, hidden))]}
+    for i in range(config.num_hidden_layers):
+        blocks[f"layers.{i}"] = layer
+    blocks["norm"] = [("norm", (hidden,))]
+    blocks["head"] = [] if config.tie_word_embeddings else [("head", (vocab, hidden))]
+    nbytes = {name: _block_bytes([p for _, shape in tensors for p in _stored_parts(shape, mode)])
+              for name, tensors in blocks.items()}  # fmt: skip
+    params = {name: sum(s[0] * s[1] for _, s in tensors if len(s) == 2) for name, tensors in blocks.items()}
+    aliases = {"head": "embed"} if config.tie_word_embeddings else {}
+    if aliases:
+        params["head"] = params["embed"]
+    row_bytes = sum(part // vocab for part in _stored_parts((vocab, hidden), mode))
+    return BlockSizes(mode.name, nbytes, params, aliases, row_bytes, "config")
+
+
+def _stored_parts(shape: tuple[int, ...], mode: QuantMode) -> list[int]:
+    """Bytes of each part `cache/codec.encode` writes for a tensor of `shape`."""
+    elements = 1
+    for dim in shape:
+        elements *= dim
+    if len(shape) != 2:
+        return [elements * 4]  # 1-D norms and biases stay fp32
+    if not mode.quantized:
+        return [elements * _FLOAT_BYTES[mode.weight_dtype]]
+    out_features, in_features = shape
+    groups = 1 if mode.group_size is None else -(-in_features // mode.group_size)
+    return [elements, out_features * groups * 4]  # int8 qweight, fp32 scales
+
+
+def _block_bytes(parts: list[int]) -> int:
+    """A block's byte range: parts in order, each starting on a PART_ALIGN boundary."""
+    end = 0
+    for nbytes in parts:
+        end = -(-end // PART_ALIGN) * PART_ALIGN + nbytes
+    return end
+
+
+def _matmul_elements(parts) -> int:
+    main = parts.get("qweight") or parts.get("data")
+    if main is None or len(main.shape) != 2:
+        return 0
+    return main.shape[0] * main.shape[1]
+
+
+# -- charges that are not weights -----------------------------------------------------------
+
+
+def compute_bytes(accelerator: bool) -> int:
+    """Bytes per activation element: fp32 on CPUs, bf16/fp16 on accelerators (device.compute_dtype)."""
+    return 2 if accelerator else 4
+
+
+def context_tokens(config: ModelConfig, profile) -> int:  # profile: tierlm.profile.Profile
+    """Positions reserved per sequence: the profile's context, capped by the model's maximum."""
+    return min(profile.context_length, config.max_position_embeddings)
+
+
+def kv_cache_bytes(config: ModelConfig, profile, accelerator: bool) -> int:
+    """Keys and values for the profile's whole context and batch, in its kv_dtype."""
+    per_element = compute_bytes(accelerator) if profile.kv_dtype == "auto" else _KV_BYTES[profile.kv_dtype]
+    return (config.num_hidden_layers * 2 * config.num_key_value_heads * config.head_dim
+            * context_tokens(config, profile) * profile.batch_size * per_element)  # fmt: skip
+
+
+def _widest(config: ModelConfig) -> tuple[int, int]:
+    """(activation elements per token, largest matmul output) of one decoder layer."""
+    hidden, inter = config.hidden_size, config.intermediate_size
+    qkv = config.q_size + 2 * config.kv_size
+    return 2 * hidden + qkv + config.q_size + 3 * inter, max(2 * inter, qkv, hidden)
+
+
+def workspace_bytes(config: ModelConfig, sizes: BlockSizes, profile, accelerator: bool) -> int:
+    """Activations and scratch of the largest step on the compute device (formula in the module doc)."""
+    c = compute_bytes(accelerator)
+    context = context_tokens(config, profile)
+    chunk = min(PREFILL_CHUNK, context)
+    tokens = profile.batch_size * chunk
+    widest, max_out = _widest(config)
+    activations = tokens * widest * c
+    if not accelerator:
+        kernel = tokens * max_out * 4 + KERNEL_BLOCK_BYTES
+    elif sizes.quant.startswith("int8"):
+        kernel = max(sizes.params.values()) * c
+    else:
+        kernel = 0
+    heads, groups = config.num_attention_heads, config.num_attention_heads // config.num_key_value_heads
+    attention = profile.batch_size * heads * chunk * context * c + groups * chunk * context * (1 + c)
+    logits = profile.batch_size * config.vocab_size * (c + 12)
+    rope = 2 * context * config.head_dim * c
+    return activations + kernel + attention + logits + rope
+
+
+def host_workspace_bytes(config: ModelConfig, profile) -> int:
+    """fp32 activations and kernel scratch for blocks computed on the CPU beside an accelerator."""
+    tokens = profile.batch_size * min(PREFILL_CHUNK, context_tokens(config, profile))
+    widest, max_out = _widest(config)
+    return tokens * (widest + max_out) * 4 + KERNEL_BLOCK_BYTES
+
+
+def hot_cache_bytes(config: ModelConfig, sizes: BlockSizes, accelerator: bool) -> int:
+    """Decoded embedding rows kept on the device for a non-resident embedding: 4096 rows in the
+    compute dtype, never more than the embedding's own stored bytes."""
+    rows = min(config.vocab_size, HOT_CACHE_ROWS) * config.hidden_size * compute_bytes(accelerator)
+    return min(rows, sizes.nbytes["embed"])
