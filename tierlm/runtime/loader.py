@@ -53,7 +53,7 @@ def load_model(
     pairs), weights come from the artifact for that combination, converted on first use.
     With a `profile`, the planner places every block within its budget (the process baseline
     is measured here, before any weight is loaded); blocks that do not fit are streamed by a
-    TieredStore. "none" loads the checkpoint as stored, fully resident, without planning.
+    TieredStore. "none" loads the checkpoint as stored when it fits resident.
     The context is the profile's (or `context_length`), capped by max_position_embeddings.
     """
     import torch
@@ -73,20 +73,31 @@ def load_model(
     family = family_class(config)
     quant = quant or (profile.quant if profile is not None else None) or "none"
     placement = None
-    if is_artifact(model_dir) or quant != "none" or adapters:
-        artifact_dir = model_dir if is_artifact(model_dir) else _artifact_for(
-            model_dir, quant, adapters, convert_progress
-        )
-        if profile is not None:
-            placement = _plan(config, artifact_dir, profile, device, bandwidths, baseline)
-        store = _artifact_store(artifact_dir, placement, device, dtype, read_delay_s, progress)
-    else:
+    as_stored = not is_artifact(model_dir) and quant == "none" and not adapters
+    if as_stored and profile is not None:
+        # Weights as stored still obey the budget: when they do not fit resident, they are
+        # converted to an fp32 artifact and tiered like any other.
+        from tierlm.offload.sizes import sizes_from_config
+
+        placement = _plan(config, sizes_from_config(config, "none", accelerator=device.type != "cpu"),
+                          profile, device, bandwidths, baseline)
+        as_stored = placement.fully_resident
+    if as_stored:
         from tierlm.weights.checkpoint import Checkpoint
         from tierlm.weights.store import load_resident
 
         checkpoint = Checkpoint(model_dir)
         store = load_resident(checkpoint, family.checkpoint_layout(config), device=device, dtype=dtype, progress=progress)
         check_shapes(config, store, family)  # conversion checks artifacts as it writes them
+    else:
+        artifact_dir = model_dir if is_artifact(model_dir) else _artifact_for(
+            model_dir, quant, adapters, convert_progress
+        )
+        if profile is not None:
+            from tierlm.offload.sizes import sizes_from_artifact
+
+            placement = _plan(config, sizes_from_artifact(artifact_dir), profile, device, bandwidths, baseline)
+        store = _artifact_store(artifact_dir, placement, device, dtype, read_delay_s, progress)
     model = family(config, store, max_len, device, dtype)
     return LoadedModel(config, model, store, max_len, device, dtype, placement)
 
@@ -105,14 +116,13 @@ def _artifact_for(model_dir: Path, quant: str, adapters, progress) -> Path:
     return ensure_artifact(ConversionRequest(model_dir, tuple(adapters), mode), progress)
 
 
-def _plan(config, artifact_dir: Path, profile, device, bandwidths, baseline: int):
+def _plan(config, sizes, profile, device, bandwidths, baseline: int):
     from tierlm.offload.planner import plan
     from tierlm.offload.probe import load_bandwidths
-    from tierlm.offload.sizes import sizes_from_artifact
 
     return plan(
         config,
-        sizes_from_artifact(artifact_dir),
+        sizes,
         profile,
         bandwidths or load_bandwidths(device),
         accelerator=device.type != "cpu",
