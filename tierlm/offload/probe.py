@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import statistics
 import time
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
@@ -146,7 +145,7 @@ def int8_bytes_per_s(device, dtype) -> float:
         for weight in weights:
             weight.linear(x)
 
-    seconds = _median_seconds(sweep, device, reps=5)
+    seconds = _best_seconds(sweep, device, reps=5)
     return sum(w.nbytes for w in weights) / seconds
 
 
@@ -157,7 +156,7 @@ def gemm_flops(device, dtype) -> float:
     m, k = (512, 2048) if device.type == "cpu" else (4096, 8192)
     a = torch.randn(m, k, device=device).to(dtype)
     b = torch.randn(k, k, device=device).to(dtype)
-    seconds = _median_seconds(lambda: a @ b, device, reps=3)
+    seconds = _best_seconds(lambda: a @ b, device, reps=3)
     return 2 * m * k * k / seconds
 
 
@@ -168,7 +167,7 @@ def link_bytes_per_s(device) -> float:
     accelerator = device.type != "cpu"
     source = torch.empty(COPY_BYTES, dtype=torch.uint8, pin_memory=accelerator).fill_(1)
     target = torch.empty(COPY_BYTES, dtype=torch.uint8, device=device)
-    seconds = _median_seconds(lambda: target.copy_(source, non_blocking=accelerator), device, reps=5)
+    seconds = _best_seconds(lambda: target.copy_(source, non_blocking=accelerator), device, reps=5)
     return COPY_BYTES / seconds
 
 
@@ -236,7 +235,7 @@ def block_overhead_s(device, dtype) -> float:
         for _ in range(loops):
             layer()
 
-    return _median_seconds(repeated, device, reps=3) / loops
+    return _best_seconds(repeated, device, reps=3) / loops
 
 
 # -- helpers ----------------------------------------------------------------------------------
@@ -250,7 +249,8 @@ def _device(device):
     return device if isinstance(device, torch.device) else resolve_device(device)
 
 
-def _median_seconds(run, device, reps: int) -> float:
+def _best_seconds(run, device, reps: int) -> float:
+    """The fastest of `reps` timed runs: the machine's capability, not its momentary load."""
     import torch
 
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
@@ -262,7 +262,7 @@ def _median_seconds(run, device, reps: int) -> float:
         run()
         sync()
         samples.append(time.perf_counter() - start)
-    return max(statistics.median(samples), 1e-9)
+    return max(min(samples), 1e-9)
 
 
 def _drop_pages(fd: int) -> bool:

@@ -1,0 +1,183 @@
+"""Offloaded decode under a memory cap: tierlm tiered vs resident vs the planner vs accelerate.
+
+Model: the embedded SmolLM2-135M-Instruct. tierlm runs its INT8 artifact under a profile whose
+device budget leaves about 40% of the weights resident (the rest streams from disk through the
+prefetch ring), and fully resident; the planner's predicted decode rate is printed beside the
+measured one. The peer is transformers + accelerate with `device_map="auto"`, a CPU
+`max_memory` cap and disk offload (`offload_folder`), fp32 as accelerate runs it.
+Each configuration is a fresh subprocess: 2 threads, a 16-token prompt, 32 greedy tokens,
+decode tokens/s = 31 / time of the 31 decode steps; peak RSS = VmHWM at the end.
+
+`--headline` instead writes a 6.7B-shaped synthetic INT8 model (Llama-2-7B shapes, random
+weights, ~7 GB, generated once into the cache) and runs it under `--profile 24gb` (resident)
+and `--profile 4gb` (streamed from disk).
+
+Run from the repo root: `.venv/bin/python benchmarks/bench_offload.py [--headline]`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+PROMPT = [1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 2, 198, 1, 4093, 198, 19556, 905]
+STEPS = 32
+LLAMA2_7B = {
+    "model_type": "llama", "vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 11008,
+    "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 32,
+    "max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+    "tie_word_embeddings": False,
+}
+
+
+def peak_rss() -> int:
+    return next(int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith("VmHWM"))
+
+
+def run_tierlm(model: str, profile: str) -> dict:
+    import torch
+
+    from tierlm.profile import load_profile
+    from tierlm.runtime.loader import load_model
+
+    torch.set_num_threads(2)
+    loaded = load_model(model, device="cpu", dtype=torch.float32, profile=load_profile(profile))
+    prompt = [t % loaded.config.vocab_size for t in PROMPT]
+    cache = loaded.new_cache()
+    logits = loaded.model.forward(torch.tensor([prompt]), cache)
+    token = int(logits[0, -1].argmax())
+    started = time.perf_counter()
+    for _ in range(STEPS - 1):
+        token = int(loaded.model.forward(torch.tensor([[token]]), cache)[0, -1].argmax())
+    elapsed = time.perf_counter() - started
+    placement = loaded.placement
+    ledger = getattr(loaded.store, "ledger", None)
+    tiers = {}
+    for block in placement.blocks:
+        tiers[block.tier] = tiers.get(block.tier, 0) + block.nbytes
+    result = {
+        "decode_tps": (STEPS - 1) / elapsed,
+        "predicted_tps": placement.predicted_decode_tokens_per_s,
+        "binding_limit": placement.binding_limit,
+        "bytes_by_tier": tiers,
+        "budget": load_profile(profile).device_memory,
+        "peak_rss": peak_rss(),
+        "overlap": ledger.overlap if ledger else None,
+        "stall_s": ledger.stall_s if ledger else None,
+    }
+    loaded.close()
+    return result
+
+
+def run_accelerate(model_dir: str, cap: str) -> dict:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.set_num_threads(2)
+    offload = tempfile.mkdtemp(prefix="accelerate-offload-")
+    model = AutoModelForCausalLM.from_pretrained(
+        model_dir, dtype=torch.float32, device_map="auto", max_memory={"cpu": cap}, offload_folder=offload
+    )
+    ids = torch.tensor([PROMPT])
+    with torch.no_grad():
+        out = model(ids, use_cache=True)
+        past, token = out.past_key_values, out.logits[0, -1].argmax()
+        started = time.perf_counter()
+        for _ in range(STEPS - 1):
+            out = model(token.view(1, 1), past_key_values=past, use_cache=True)
+            past, token = out.past_key_values, out.logits[0, -1].argmax()
+        elapsed = time.perf_counter() - started
+    return {"decode_tps": (STEPS - 1) / elapsed, "peak_rss": peak_rss()}
+
+
+def side(argv: list[str]) -> dict:
+    out = subprocess.run([sys.executable, __file__, "--side", *argv], capture_output=True, text=True, timeout=3600)
+    if out.returncode:
+        return {"error": out.stderr.strip().splitlines()[-1] if out.stderr.strip() else f"exit {out.returncode}"}
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def budget_profile(folder: Path, name: str, device_memory: int) -> Path:
+    path = folder / f"{name}.toml"
+    path.write_text(
+        f'description = "benchmark"\ndevice_memory = {device_memory}\nhost_memory = {device_memory}\n'
+        'disk_offload = true\nheadroom = "16MiB"\nquant = "int8"\nkv_dtype = "auto"\n'
+        "context_length = 512\nbatch_size = 1\nprefetch_depth = 2\n"
+    )
+    return path
+
+
+def smollm(folder: Path) -> None:
+    import torch
+
+    from tierlm.cache.convert import ConversionRequest, ensure_artifact
+    from tierlm.device import read_memory
+    from tierlm.offload.sizes import sizes_from_artifact
+    from tierlm.weights.embedded import ensure_embedded_model
+
+    model_dir = ensure_embedded_model()
+    artifact = ensure_artifact(ConversionRequest(model_dir, (), "int8"))
+    weights = sizes_from_artifact(artifact).total
+    # Budget: this process's baseline (torch + tierlm imported) + 40% of the INT8 weights + slack
+    # for KV cache, workspace and the ring, which the planner charges inside the same budget.
+    del torch
+    budget = read_memory().rss + int(0.4 * weights) + (48 << 20)
+    capped = side(["tierlm", str(artifact), str(budget_profile(folder, "capped", budget))])
+    resident = side(["tierlm", str(artifact), str(budget_profile(folder, "resident", 16 << 30))])
+    peer = side(["accelerate", str(model_dir), f"{max(int(0.4 * 4 * weights) >> 20, 1)}MB"])
+    print(f"SmolLM2-135M INT8 weights {weights / 2**20:.0f} MiB; capped budget {budget / 2**20:.0f} MiB\n")
+    print("| run | decode tok/s | predicted | binding limit | peak RSS MiB | vs accelerate |")
+    print("|---|---|---|---|---|---|")
+    for label, row in (("tierlm streamed (cap)", capped), ("tierlm resident", resident), ("accelerate disk offload (cap)", peer)):
+        if "error" in row:
+            print(f"| {label} | failed: {row['error']} | | | | |")
+            continue
+        ratio = row["decode_tps"] / peer["decode_tps"] if "decode_tps" in peer else float("nan")
+        print(f"| {label} | {row['decode_tps']:.1f} | {row.get('predicted_tps', float('nan')):.1f} | "
+              f"{row.get('binding_limit', '')} | {row['peak_rss'] / 2**20:.0f} | {ratio:.1f}x |")
+    print("\nraw:", json.dumps({"capped": capped, "resident": resident, "accelerate": peer}))
+
+
+def headline() -> None:
+    from tierlm.cache.synthetic import write_synthetic_artifact
+    from tierlm.paths import cache_root
+
+    target = cache_root() / "artifacts" / "synthetic-llama2-7b-int8"
+    started = time.perf_counter()
+    write_synthetic_artifact(LLAMA2_7B, target)
+    print(f"synthetic Llama-2-7B-shaped INT8 artifact ready in {time.perf_counter() - started:.0f} s: {target}\n")
+    print("| profile | decode tok/s | predicted | binding limit | resident / disk bytes | peak RSS GiB |")
+    print("|---|---|---|---|---|---|")
+    for profile in ("24gb", "4gb"):
+        row = side(["tierlm", str(target), profile])
+        if "error" in row:
+            print(f"| {profile} | failed: {row['error']} | | | | |")
+            continue
+        tiers = row["bytes_by_tier"]
+        print(f"| {profile} | {row['decode_tps']:.2f} | {row['predicted_tps']:.2f} | {row['binding_limit']} | "
+              f"{tiers.get('device', 0) / 2**30:.1f} / {tiers.get('disk', 0) / 2**30:.1f} GiB | {row['peak_rss'] / 2**30:.2f} |")
+
+
+def main() -> None:
+    if len(sys.argv) > 2 and sys.argv[1] == "--side":
+        kind, *rest = sys.argv[2:]
+        result = run_tierlm(*rest) if kind == "tierlm" else run_accelerate(*rest)
+        print(json.dumps(result))
+        return
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--headline", action="store_true", help="the 7B-shaped synthetic model instead")
+    args = parser.parse_args()
+    if args.headline:
+        headline()
+    else:
+        with tempfile.TemporaryDirectory() as folder:
+            smollm(Path(folder))
+
+
+if __name__ == "__main__":
+    main()
