@@ -1,0 +1,185 @@
+"""INT8 weight-only matmul kernels on the CPU against fp32 `F.linear`, per layer shape.
+
+For each shape [out x in] (Llama-7B's 4096x4096, 11008x4096, 4096x11008 and SmolLM2's
+576x1536, 1536x576, 49152x576) and each row count (1 = decode, 8 = small batch, 128 = prefill
+chunk) it prints ms per call, GB/s of weight bytes read (fp32 bytes for F.linear, int8 + scale
+bytes for the int8 kernels) and the speed-up over fp32 F.linear (t_fp32 / t_kernel).
+
+Candidates:
+  fp32             F.linear on the fp32 weight (the baseline)
+  native           tierlm's AVX-512 C++ W8A16 kernel (streams int8, fp32 FMA)
+  numba            tierlm's numba W8A16 kernel (if numba is installed)
+  native-deq+blas  tierlm: dequantize blocks of rows with the native code, then BLAS GEMM
+  torch-deq+blas   the same with torch ops for the dequantization (the no-compiler path)
+  int8pack-fp32    torch._weight_int8pack_mm with fp32 activations
+  int8pack-bf16    the same with bf16 activations (changes accuracy: bf16 inputs/outputs)
+  fbgemm-w8a8      torch.ops.quantized.linear_dynamic (quantizes activations to int8: W8A8)
+  chosen           Int8Weight.linear with the plan tierlm calibrated in this process
+
+Method: 2 threads (`--threads`), fp32 activations. Every candidate cycles through enough
+copies of its weight to read at least `--working-set` MiB (default 512, twice this machine's
+L3) so each call streams its weight from DRAM as decode of a large model does; `--hot`
+reuses one copy instead. Per (candidate, shape, rows): 2 warm-up calls, then calls for at least
+`--seconds` (and >= 5), median reported. The 1-min load average is printed before and after
+and the process's CPU use per wall second during the timed calls: under ~1.8 with 2 threads
+means something else shared the cores and the row is marked '!'.
+
+Run from the repo root: `.venv/bin/python benchmarks/bench_int8_kernels.py` (a few minutes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+
+SHAPES = [(4096, 4096), (11008, 4096), (4096, 11008), (576, 1536), (1536, 576), (49152, 576)]
+ROWS = (1, 8, 128)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--working-set", type=int, default=512, help="MiB read per cycle of copies")
+    parser.add_argument("--hot", action="store_true", help="one weight copy (cache-resident)")
+    parser.add_argument("--seconds", type=float, default=0.3, help="timed seconds per cell")
+    parser.add_argument("--shapes", default=None, help="e.g. 4096x4096,576x1536")
+    parser.add_argument("--rows", default=None, help="e.g. 1,8,128")
+    parser.add_argument("--only", default=None, help="candidates to run, comma-separated")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")] if args.shapes else SHAPES
+    rows_list = tuple(int(v) for v in args.rows.split(",")) if args.rows else ROWS
+
+    from tierlm.quant.dispatch import plan_for
+
+    print(f"load average before: {os.getloadavg()[0]:.2f}; threads {args.threads}; "
+          f"{'hot (one copy)' if args.hot else f'working set >= {args.working_set} MiB'}")  # fmt: skip
+    start = time.perf_counter()
+    plan = plan_for(torch.device("cpu"))
+    print(f"calibrated plan in {time.perf_counter() - start:.2f} s: gemv={plan.gemv.name}, "
+          f"gemm={plan.gemm.name}, crossover={plan.crossover} rows; skipped={list(plan.skipped)}")  # fmt: skip
+    candidates = _candidates(plan)
+    if args.only:
+        keep = set(args.only.split(",")) | {"fp32"}
+        candidates = [c for c in candidates if c[0] in keep]
+    for shape in shapes:
+        _bench_shape(shape, rows_list, candidates, args)
+    print(f"load average after: {os.getloadavg()[0]:.2f}")
+
+
+def _candidates(plan):
+    """(name, prepare(w) -> state, run(state, x) -> y, weight bytes of state)."""
+    from tierlm.quant.int8 import quantize_int8
+    from tierlm.quant.kernel_api import KernelUnavailable
+    from tierlm.quant.native import load_native
+    from tierlm.quant.torch_kernels import BlasKernel
+
+    def int8(w):
+        return quantize_int8(w)
+
+    def kernel_run(kernel):
+        return lambda qw, x: kernel.matmul(x, qw.qweight, qw.scales_2d, qw.group)
+
+    out = [("fp32", lambda w: w, lambda w, x: F.linear(x, w), lambda w: w.nbytes)]
+    try:
+        native = load_native()
+        out.append(("native", int8, kernel_run(native), _int8_bytes))
+    except KernelUnavailable as err:
+        print(f"native kernel unavailable: {err}")
+        native = None
+    try:
+        from tierlm.quant.numba_kernel import load_numba
+
+        out.append(("numba", int8, kernel_run(load_numba()), _int8_bytes))
+    except KernelUnavailable as err:
+        print(f"numba kernel unavailable: {err}")
+    if native is not None:
+        out.append(("native-deq+blas", int8, kernel_run(BlasKernel(native.dequantize_into)), _int8_bytes))
+    out.append(("torch-deq+blas", int8, kernel_run(BlasKernel()), _int8_bytes))
+
+    def int8pack(dtype):
+        def run(qw, x):
+            return torch._weight_int8pack_mm(x.to(dtype), qw.qweight, qw.scales.to(dtype))
+
+        return run
+
+    out.append(("int8pack-fp32", int8, int8pack(torch.float32), _int8_bytes))
+    out.append(("int8pack-bf16", int8, int8pack(torch.bfloat16), _int8_bytes))
+    out.append(("fbgemm-w8a8", _fbgemm_pack, _fbgemm_run, lambda p: p[1]))
+    out.append(("chosen", int8, lambda qw, x: plan.linear(x, qw), _int8_bytes))
+    return out
+
+
+def _int8_bytes(qw) -> int:
+    return qw.nbytes
+
+
+def _fbgemm_pack(w):
+    scales = w.abs().amax(dim=1).clamp_min(1e-12) / 127
+    zeros = torch.zeros(w.shape[0], dtype=torch.int64)
+    qweight = torch.quantize_per_channel(w, scales.double(), zeros, axis=0, dtype=torch.qint8)
+    return torch.ops.quantized.linear_prepack(qweight, None), w.numel() + scales.numel() * 4
+
+
+def _fbgemm_run(state, x):
+    return torch.ops.quantized.linear_dynamic(x, state[0], False)
+
+
+def _bench_shape(shape, rows_list, candidates, args) -> None:
+    out_features, in_features = shape
+    weight = torch.randn(shape, generator=torch.Generator().manual_seed(0)) * 0.02
+    print(f"\n[{out_features} x {in_features}]  (out x in)")
+    print(f"{'candidate':<17}" + "".join(f"{f'rows={r}: ms':>16}{'GB/s':>8}{'x fp32':>8}" for r in rows_list))
+    baseline = {}
+    for name, prepare, run, nbytes in candidates:
+        state = prepare(weight)
+        size = nbytes(state)
+        copies = 1 if args.hot else max(1, -(-args.working_set * 2**20 // size))
+        states = [state] + [_clone(state) for _ in range(copies - 1)]
+        cells = []
+        for rows in rows_list:
+            x = torch.randn(rows, in_features)
+            seconds, cpu = _time(lambda i: run(states[i % copies], x), args.seconds)
+            if name == "fp32":
+                baseline[rows] = seconds
+            flag = "!" if cpu < 0.9 * args.threads else " "
+            cells.append(f"{seconds * 1e3:>15.3f}{flag}{size / seconds / 1e9:>8.1f}{baseline[rows] / seconds:>8.2f}")
+        print(f"{name:<17}" + "".join(cells), flush=True)
+        del states, state
+
+
+def _clone(state):
+    """A distinct copy of a candidate's weight state (so calls read different memory)."""
+    if isinstance(state, torch.Tensor):
+        return state.clone()
+    if isinstance(state, tuple):  # fbgemm: repack a fresh copy from the unpacked weight
+        qweight, bias = torch.ops.quantized.linear_unpack(state[0])
+        return torch.ops.quantized.linear_prepack(qweight.clone(), bias), state[1]
+    from tierlm.quant.int8 import Int8Weight
+
+    return Int8Weight(state.qweight.clone(), state.scales.clone(), state.group_size)
+
+
+def _time(call, min_seconds: float) -> tuple[float, float]:
+    """Median seconds per call and CPU seconds per wall second over the timed calls."""
+    call(0)
+    call(1)
+    samples = []
+    cpu0, wall0 = time.process_time(), time.perf_counter()
+    i = 2
+    while len(samples) < 5 or time.perf_counter() - wall0 < min_seconds:
+        start = time.perf_counter()
+        call(i)
+        samples.append(time.perf_counter() - start)
+        i += 1
+    cpu = (time.process_time() - cpu0) / (time.perf_counter() - wall0)
+    return statistics.median(samples), cpu
+
+
+if __name__ == "__main__":
+    main()

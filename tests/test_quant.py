@@ -1,0 +1,286 @@
+"""INT8 weight-only quantization: error bounds, every kernel against dequantize-then-matmul,
+serialization, quant mode names, and the fallback when a preferred kernel cannot load."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tierlm.errors import TierlmError
+from tierlm.quant.dispatch import KernelPlan, calibrate
+from tierlm.quant.int8 import Int8Weight, quantize_int8
+from tierlm.quant.kernel_api import KernelUnavailable
+from tierlm.quant.modes import parse_quant_mode
+from tierlm.quant.native import load_native
+from tierlm.quant.torch_kernels import BlasKernel, TorchKernel, dequantize_into
+
+# Shapes that are no multiple of 16 or 64, so vector tails and ragged groups are exercised.
+ODD = (577, 1531)
+
+
+def _weight(out_features, in_features, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(out_features, in_features, generator=gen) * 0.05
+
+
+def _element_scales(weight: Int8Weight) -> torch.Tensor:
+    """The scale that applies to each element, [out, in]."""
+    return weight.scales_2d.repeat_interleave(weight.group, dim=1)[:, : weight.shape[1]]
+
+
+def _reference(x, weight: Int8Weight, bias=None):
+    """x @ dequantize().T (+ bias) in float64: what every kernel must reproduce."""
+    out = x.double() @ weight.dequantize().double().T
+    return out + bias.double() if bias is not None else out
+
+
+def _assert_matches(y, ref):
+    # fp32 accumulation over ~1.5k terms: 1e-5 of the output's magnitude is a tight bound.
+    scale = ref.abs().max().item()
+    torch.testing.assert_close(y.double(), ref, rtol=1e-5, atol=1e-5 * scale)
+
+
+# -- quantization -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("group_size", [None, 128, 64, 100])
+def test_round_trip_error_is_at_most_half_a_step(group_size):
+    w = _weight(*ODD)
+    w[3] = 0.0  # an all-zero row
+    w[7, 11] = 40.0  # an outlier
+    qw = quantize_int8(w, group_size)
+    scales = _element_scales(qw)
+    error = (w.double() - qw.dequantize().double()).abs()
+    # Half a step, plus the fp32 rounding of w / s and of q * s (a few ulps of |w|).
+    slack = 4 * torch.finfo(torch.float32).eps * w.double().abs()
+    assert (error <= scales.double() / 2 + slack).all()
+    assert qw.qweight.abs().max() <= 127
+    assert torch.equal(qw.dequantize()[3], torch.zeros(ODD[1]))
+    assert (qw.scales_2d[3] == 0).all()
+    # The largest magnitude of every non-zero row/group maps to +-127 exactly.
+    nonzero = qw.scales_2d > 0
+    padded = torch.nn.functional.pad(qw.qweight.float().abs(), (0, qw.scales_2d.shape[1] * qw.group - ODD[1]))
+    group_max = padded.unflatten(1, (-1, qw.group)).amax(-1)
+    assert (group_max[nonzero] == 127).all()
+
+
+def test_scale_shapes_and_ragged_last_group():
+    w = _weight(16, 576)
+    assert quantize_int8(w).scales.shape == (16,)
+    grouped = quantize_int8(w, 128)
+    assert grouped.scales.shape == (16, 5)  # 4 groups of 128 and one of 64
+    assert grouped.group_size == 128
+
+
+def test_groups_isolate_an_outlier():
+    w = _weight(4, 512)
+    w[0, 0] = 100.0
+    per_channel = quantize_int8(w)
+    grouped = quantize_int8(w, 128)
+    tail = slice(128, 512)  # groups without the outlier
+    err_channel = (w[0, tail] - per_channel.dequantize()[0, tail]).abs().max()
+    err_grouped = (w[0, tail] - grouped.dequantize()[0, tail]).abs().max()
+    assert err_grouped < err_channel / 50
+    assert (w[0, 0] - grouped.dequantize()[0, 0]).abs() <= grouped.scales[0, 0] / 2
+
+
+def test_quantize_refuses_non_finite_and_bad_shapes():
+    w = _weight(4, 32)
+    w[2, 5] = float("nan")
+    with pytest.raises(ValueError, match="inf or NaN"):
+        quantize_int8(w)
+    with pytest.raises(ValueError):
+        quantize_int8(torch.zeros(4))
+    with pytest.raises(ValueError):
+        quantize_int8(_weight(4, 32), group_size=0)
+
+
+def test_tensors_round_trip_without_copy_and_fp16_scales():
+    qw = quantize_int8(_weight(*ODD), 128)
+    parts = qw.tensors()
+    assert parts["qweight"].dtype == torch.int8 and parts["qweight"].shape == ODD
+    again = Int8Weight.from_tensors(parts, group_size=128)
+    assert again.qweight.data_ptr() == qw.qweight.data_ptr()
+    assert torch.equal(again.dequantize(), qw.dequantize())
+    assert again.nbytes == qw.qweight.nbytes + qw.scales.nbytes
+    half = Int8Weight.from_tensors({"qweight": parts["qweight"], "scales": parts["scales"].half()}, 128)
+    assert half.scales.dtype == torch.float16 and half.scales_2d.dtype == torch.float32
+    with pytest.raises(ValueError, match="scales must be"):
+        Int8Weight.from_tensors(parts)  # grouped scales read as per-channel
+
+
+def test_rows_equal_dequantized_rows():
+    qw = quantize_int8(_weight(300, 200), 64)
+    ids = torch.tensor([[0, 5, 299], [7, 7, 1]])
+    rows = qw.rows(ids)
+    assert rows.shape == (2, 3, 200) and rows.dtype == torch.float32
+    assert torch.equal(rows, qw.dequantize()[ids])
+    assert qw.rows(ids, dtype=torch.bfloat16).dtype == torch.bfloat16
+
+
+# -- kernels ----------------------------------------------------------------------------------
+
+
+def _kernels(tmp_path_factory):
+    """Every kernel that can load here, by name; the torch ones always can."""
+    kernels = {"blas-torch": BlasKernel(), "blas-small-blocks": BlasKernel(block_bytes=1 << 14), "torch": TorchKernel()}
+    build = tmp_path_factory.getbasetemp() / "kernels"
+    try:
+        native = load_native(build)
+        kernels["native"] = native
+        kernels["blas-native"] = BlasKernel(native.dequantize_into)
+    except KernelUnavailable:
+        pass
+    try:
+        from tierlm.quant.numba_kernel import load_numba
+
+        kernels["numba"] = load_numba(build)
+    except KernelUnavailable:
+        pass
+    return kernels
+
+
+@pytest.fixture(scope="module")
+def kernels(tmp_path_factory):
+    return _kernels(tmp_path_factory)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 8, 37])
+@pytest.mark.parametrize("group_size", [None, 128, 100])
+def test_every_kernel_matches_dequantize_then_matmul(kernels, rows, group_size):
+    qw = quantize_int8(_weight(*ODD, seed=rows), group_size)
+    x = torch.randn(rows, ODD[1], generator=torch.Generator().manual_seed(1))
+    bias = torch.randn(ODD[0])
+    for name, kernel in kernels.items():
+        for b in (None, bias):
+            y = kernel.matmul(x, qw.qweight, qw.scales_2d, qw.group, b)
+            assert y.shape == (rows, ODD[0]) and y.dtype == torch.float32, name
+            _assert_matches(y, _reference(x, qw, b))
+
+
+def test_native_kernel_builds_once_and_is_reused(tmp_path):
+    try:
+        first = load_native(tmp_path)
+    except KernelUnavailable as err:
+        pytest.skip(f"no native kernel here: {err}")
+    stamp = first.library.stat().st_mtime_ns
+    second = load_native(tmp_path)
+    assert second.library == first.library and second.library.stat().st_mtime_ns == stamp
+
+
+def test_missing_compiler_is_reported_not_raised_elsewhere(tmp_path, monkeypatch):
+    monkeypatch.delenv("CXX", raising=False)
+    monkeypatch.setenv("PATH", str(tmp_path))  # no compiler on PATH
+    with pytest.raises(KernelUnavailable, match="no C\\+\\+ compiler"):
+        load_native(tmp_path / "kernels")
+
+
+# -- the weight object and dispatch -----------------------------------------------------------
+
+
+def _fixed_plan(kernels, gemv="native", crossover=8):
+    small = kernels.get(gemv, kernels["blas-torch"])
+    return KernelPlan(gemv=small, gemm=kernels.get("blas-native", kernels["blas-torch"]), crossover=crossover)
+
+
+@pytest.mark.parametrize("group_size", [None, 128])
+def test_linear_on_3d_input_with_and_without_bias(kernels, group_size):
+    qw = quantize_int8(_weight(*ODD), group_size)
+    qw.plan = _fixed_plan(kernels)
+    bias = torch.randn(ODD[0])
+    for shape in ((1, 1, ODD[1]), (2, 3, ODD[1]), (2, 20, ODD[1])):  # decode, small, prefill
+        x = torch.randn(shape)
+        for b in (None, bias):
+            y = qw.linear(x, b)
+            assert y.shape == (*shape[:2], ODD[0])
+            _assert_matches(y, _reference(x, qw, b))
+
+
+def test_bf16_activations_come_back_bf16(kernels):
+    qw = quantize_int8(_weight(64, 96))
+    qw.plan = _fixed_plan(kernels)
+    x = torch.randn(2, 5, 96, dtype=torch.bfloat16)
+    y = qw.linear(x)
+    assert y.dtype == torch.bfloat16
+    torch.testing.assert_close(y.float(), _reference(x.float(), qw).float(), rtol=1e-2, atol=1e-2)
+
+
+def test_linear_through_model_base_uses_the_default_plan():
+    from tierlm.models import base
+
+    qw = quantize_int8(_weight(96, 160), 32)
+    x = torch.randn(1, 4, 160)
+    _assert_matches(base.linear(x, qw), _reference(x, qw))
+    ids = torch.tensor([[1, 2, 3]])
+    assert torch.equal(base.embed(qw, ids), qw.dequantize()[ids])
+
+
+def test_calibration_skips_a_kernel_that_cannot_load(tmp_path):
+    def broken(build_root):
+        raise KernelUnavailable("simulated: compiler missing")
+
+    plan = calibrate([("native", broken)], tmp_path, shape=(128, 256), reps=1)
+    assert plan.skipped == ("native: simulated: compiler missing",)
+    assert plan.gemv.name == "dequant-blas" and plan.gemm.name == "dequant-blas"
+    qw = quantize_int8(_weight(*ODD), 128)
+    qw.plan = plan
+    x = torch.randn(3, ODD[1])
+    _assert_matches(qw.linear(x), _reference(x, qw))
+
+
+def test_calibration_falls_back_to_the_next_candidate(tmp_path):
+    class Slow:
+        name = "second-choice"
+
+        def matmul(self, x, qweight, scales, group, bias=None):
+            return BlasKernel().matmul(x, qweight, scales, group, bias)
+
+    def broken(build_root):
+        raise KernelUnavailable("simulated: build failed")
+
+    plan = calibrate([("first", broken), ("second", lambda root: Slow())], tmp_path, shape=(128, 256), reps=1)
+    assert plan.skipped == ("first: simulated: build failed",)
+    measured = {name for name, _, _ in plan.timings}
+    assert measured >= {"second-choice", "dequant-blas"}
+    assert plan.crossover >= 1 and plan.kernel_for(10_000) is plan.gemm
+
+
+def test_calibration_picks_the_measured_fastest(tmp_path, kernels):
+    if "native" not in kernels:
+        pytest.skip("no native kernel here")
+    plan = calibrate([("native", lambda root: kernels["native"])], tmp_path, shape=(512, 1024), reps=3)
+    batch1 = {name: seconds for name, rows, seconds in plan.timings if rows == 1}
+    assert set(batch1) == {"native-avx512", "native-dequant+blas"} or set(batch1) == {"native-simd", "native-dequant+blas"}
+    assert plan.gemv.name == min(batch1, key=batch1.get)
+    assert plan.gemm.name == "native-dequant+blas"
+    # Every row count sent to gemv was measured no slower there than in the GEMM path.
+    for rows in {r for _, r, _ in plan.timings if 1 < r <= plan.crossover}:
+        at = {name: seconds for name, r, seconds in plan.timings if r == rows}
+        assert at[plan.gemv.name] <= at[plan.gemm.name]
+
+
+# -- mode names -------------------------------------------------------------------------------
+
+
+def test_parse_quant_mode():
+    assert parse_quant_mode("int8") == parse_quant_mode("INT8")
+    int8 = parse_quant_mode("int8")
+    assert int8.quantized and int8.group_size is None and int8.weight_dtype == "int8"
+    g128 = parse_quant_mode("int8-g128")
+    assert g128.group_size == 128 and g128.name == "int8-g128" and g128.key == "int8-g128"
+    assert parse_quant_mode("fp16").weight_dtype == "float16" and not parse_quant_mode("fp16").quantized
+    assert parse_quant_mode("fp32").weight_dtype == "float32"
+
+
+@pytest.mark.parametrize("name", ["int4", "int8-g", "int8-g100", "int8-g0", "q8_0", ""])
+def test_parse_quant_mode_errors(name):
+    with pytest.raises(TierlmError) as err:
+        parse_quant_mode(name)
+    assert err.value.hint and "int8-g128" in err.value.hint
+
+
+def test_dequantize_into_matches_broadcast_multiply():
+    qw = quantize_int8(_weight(5, 300), 128)
+    out = dequantize_into(qw.qweight, qw.scales_2d, 128, torch.empty(5, 300))
+    manual = qw.qweight.float() * _element_scales(qw)
+    assert torch.equal(out, manual)

@@ -1,0 +1,167 @@
+"""Which INT8 kernel runs where, decided by measuring the candidates once per process.
+
+A `KernelPlan` names two kernels: `gemv` for few activation rows (decode, small batches),
+where the int8 weight bytes stream from memory once, and `gemm` for many rows (prefill),
+where dequantizing blocks into BLAS wins; `crossover` is the largest row count still sent
+to `gemv`. On CPUs `calibrate` builds the plan: it loads each candidate (a loader that
+raises KernelUnavailable is skipped with its reason), times them at batch 1 on a
+representative layer, then finds the crossover against dequantize+BLAS. Accelerators use
+torch ops (dequantize to bf16/fp16 + the device GEMM).
+
+The per-process cache is `functools.lru_cache` on `cpu_plan(threads, build_root)` and
+`accelerator_plan(device_type)`; nothing else is kept.
+"""
+
+from __future__ import annotations
+
+import functools
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from tierlm.quant.kernel_api import Int8Kernel, KernelUnavailable
+from tierlm.quant.torch_kernels import BlasKernel, TorchKernel
+
+# Batch-1 calibration layer: 8 MiB of int8, larger than L2 and typical of a 1-3B model's layer.
+CALIBRATION_SHAPE = (2048, 4096)
+# Row counts tried for the gemv -> gemm crossover, in order; the first where gemm wins ends it.
+CROSSOVER_ROWS = (2, 4, 8, 16, 32, 64)
+
+Loader = Callable[[Path | None], Int8Kernel]
+
+
+@dataclass(frozen=True)
+class KernelPlan:
+    """The kernels for one device (and CPU thread count), with what calibration saw."""
+
+    gemv: Int8Kernel
+    gemm: Int8Kernel
+    crossover: int
+    fp32_only: bool = True  # CPU kernels take fp32 activations; other dtypes are converted
+    skipped: tuple[str, ...] = ()  # "name: reason" for candidates that could not load
+    timings: tuple[tuple[str, int, float], ...] = ()  # (kernel, rows, seconds) measured
+
+    def kernel_for(self, rows: int) -> Int8Kernel:
+        return self.gemv if rows <= self.crossover else self.gemm
+
+    def linear(self, x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """x [..., in] @ weight.dequantize().T (+ bias) -> [..., out] in x's dtype."""
+        out_features, in_features = weight.shape
+        if x.shape[-1] != in_features:
+            raise ValueError(f"x has {x.shape[-1]} features, weight {list(weight.shape)} wants {in_features}")
+        if weight.device != x.device:
+            # Guard the native kernels: they would read a foreign pointer.
+            raise ValueError(f"weight on {weight.device}, input on {x.device}")
+        rows = x.reshape(-1, in_features)
+        compute = torch.float32 if self.fp32_only else x.dtype
+        rows = rows.to(compute).contiguous()
+        if bias is not None:
+            bias = bias.to(compute).contiguous()
+        kernel = self.kernel_for(rows.shape[0])
+        out = kernel.matmul(rows, weight.qweight, weight.scales_2d, weight.group, bias)
+        return out.to(x.dtype).view(*x.shape[:-1], out_features)
+
+
+def plan_for(device: torch.device) -> KernelPlan:
+    """The calibrated plan for `device` at the current torch thread count."""
+    if device.type == "cpu":
+        return cpu_plan(torch.get_num_threads())
+    return accelerator_plan(device.type)
+
+
+@functools.lru_cache(maxsize=None)
+def cpu_plan(threads: int, build_root: Path | None = None) -> KernelPlan:
+    """Calibrate the CPU candidates once per (thread count, build dir) in this process.
+
+    `threads` must be torch's current thread count: the kernels run with that many.
+    """
+    return calibrate(default_cpu_loaders(), build_root)
+
+
+@functools.lru_cache(maxsize=None)
+def accelerator_plan(device_type: str) -> KernelPlan:
+    """Accelerators: dequantize to the activation dtype and use the device's GEMM."""
+    kernel = TorchKernel()
+    return KernelPlan(gemv=kernel, gemm=kernel, crossover=0, fp32_only=False)
+
+
+def default_cpu_loaders() -> list[tuple[str, Loader]]:
+    """CPU candidates in order of preference: native C++ first, numba when there is no compiler.
+
+    numba is only a stand-in for the native kernel: importing and loading it costs ~0.6 s per
+    process, and on the AVX-512 machine it was measured it lost on every shape
+    (benchmarks/bench_int8_kernels.py), so it is not loaded when the native kernel is.
+    """
+    from tierlm.quant.native import load_native
+    from tierlm.quant.numba_kernel import load_numba
+
+    return [("native", load_native), ("numba", load_numba)]
+
+
+def calibrate(
+    loaders: Sequence[tuple[str, Loader]],
+    build_root: Path | None = None,
+    *,
+    first_only: bool = True,
+    shape: tuple[int, int] = CALIBRATION_SHAPE,
+    reps: int = 5,
+    budget_s: float = 1.0,
+) -> KernelPlan:
+    """Load the candidates and time them; dequantize+BLAS is always a candidate.
+
+    With `first_only`, loading stops at the first candidate that loads (the list is a
+    preference order of interchangeable GEMV kernels); otherwise every loadable one is timed.
+    The crossover sweep stops once timing has taken `budget_s` (a busy machine makes every
+    OpenMP barrier cost a scheduler slice), keeping the largest row count verified so far.
+    """
+    skipped, loaded = [], []
+    for name, load in loaders:
+        try:
+            loaded.append(load(build_root))
+        except KernelUnavailable as err:
+            skipped.append(f"{name}: {err}")
+            continue
+        if first_only:
+            break
+    # BLAS needs a dequantizer; the native one is parallel and ~5x faster than torch ops.
+    dequantize = next((k.dequantize_into for k in loaded if hasattr(k, "dequantize_into")), None)
+    blas = BlasKernel(dequantize) if dequantize else BlasKernel()
+    if dequantize:
+        blas.name = "native-dequant+blas"
+
+    out_features, in_features = shape
+    gen = torch.Generator().manual_seed(0)
+    qweight = torch.randint(-127, 128, shape, dtype=torch.int8, generator=gen)
+    scales = torch.rand(out_features, 1, generator=gen) / 127
+    timings = []
+
+    def timed(kernel, rows: int) -> float:
+        x = torch.randn(rows, in_features, generator=gen)
+        seconds = _median_seconds(lambda: kernel.matmul(x, qweight, scales, in_features), reps)
+        timings.append((kernel.name, rows, seconds))
+        return seconds
+
+    started = time.perf_counter()
+    speeds = {kernel: timed(kernel, 1) for kernel in (*loaded, blas)}
+    gemv = min(speeds, key=speeds.get)
+    crossover = 1
+    if gemv is not blas:
+        for rows in CROSSOVER_ROWS:
+            if time.perf_counter() - started > budget_s or timed(blas, rows) < timed(gemv, rows):
+                break
+            crossover = rows
+    return KernelPlan(gemv, blas, crossover, True, tuple(skipped), tuple(timings))
+
+
+def _median_seconds(run: Callable[[], object], reps: int) -> float:
+    run()  # warm-up: first-touch page faults, OpenMP pool start
+    samples = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        run()
+        samples.append(time.perf_counter() - start)
+    return statistics.median(samples)

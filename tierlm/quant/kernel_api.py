@@ -1,0 +1,42 @@
+"""What every INT8 matmul kernel offers, and the one error a kernel that cannot load raises.
+
+A kernel computes y = x @ (q * s).T on plain tensors, so the weight object, the calibration
+and each implementation (native C++, numba, torch) stay independent of one another.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    import torch
+
+
+class KernelUnavailable(RuntimeError):
+    """A kernel cannot run here (missing compiler or package, failed build); try the next one."""
+
+
+def group_count(in_features: int, group_size: int) -> int:
+    """Scale groups per row: ceil(in / group); the last group of a row may be short."""
+    return -(-in_features // group_size)
+
+
+class Int8Kernel(Protocol):
+    """y = x @ (qweight * scales).T (+ bias): W8A16 with fp32 accumulation."""
+
+    name: str
+
+    def matmul(
+        self,
+        x: torch.Tensor,
+        qweight: torch.Tensor,
+        scales: torch.Tensor,
+        group: int,
+        bias: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """x [M, K] fp32, qweight [N, K] int8, scales [N, G] fp32, bias [N] -> [M, N] fp32.
+
+        `group` is the number of input columns one scale covers (K for per-channel);
+        G = ceil(K / group). Inputs are contiguous and on the kernel's device.
+        """
+        ...

@@ -1,0 +1,78 @@
+"""INT8 kernels made of torch ops: they run wherever torch runs and need no build.
+
+- `dequantize_into`: the reference dequantization, q * s broadcast per group (any device).
+- `BlasKernel`: dequantize a block of weight rows into a small scratch buffer and hand it to
+  the BLAS GEMM; the weight is never materialised in float as a whole. The right kernel for
+  many activation rows (prefill), where the GEMM's reuse of each weight dominates.
+- `TorchKernel`: dequantize to the activation dtype, then `F.linear`; for accelerators, where
+  activations are bf16/fp16 and the device's GEMM is fast.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def dequantize_into(
+    qweight: torch.Tensor, scales: torch.Tensor, group: int, out: torch.Tensor
+) -> torch.Tensor:
+    """out [N, K] (float dtype) = qweight [N, K] int8 * scales [N, G] broadcast per group.
+
+    The product is formed in fp32 (then cast to out's dtype), as `Int8Weight.dequantize` does.
+    """
+    n, k = qweight.shape
+    full = k // group
+    split = full * group
+    if full:
+        # Whole groups as a [N, full, group] view, so each scale broadcasts over its group.
+        torch.mul(
+            qweight[:, :split].unflatten(1, (full, group)),
+            scales[:, :full, None].float(),
+            out=out[:, :split].unflatten(1, (full, group)),
+        )
+    if split < k:  # the short last group of every row
+        torch.mul(qweight[:, split:], scales[:, full:].float(), out=out[:, split:])
+    return out
+
+
+class BlasKernel:
+    """Block-wise dequantize into a scratch buffer of ~`block_bytes`, one GEMM per block."""
+
+    def __init__(self, dequantize=dequantize_into, name: str = "dequant-blas", block_bytes=1 << 20):
+        self._dequantize = dequantize
+        self.name = name
+        self.block_bytes = block_bytes
+
+    def matmul(self, x, qweight, scales, group, bias=None):
+        """x [M, K] fp32 @ (qweight [N, K] * scales [N, G]).T (+ bias [N]) -> [M, N] fp32."""
+        m, k = x.shape
+        n = qweight.shape[0]
+        rows = min(n, max(16, self.block_bytes // (4 * k)))
+        buffer = torch.empty(rows, k, dtype=torch.float32, device=x.device)
+        if rows == n:
+            return F.linear(x, self._dequantize(qweight, scales, group, buffer), bias)
+        # GEMM into the transposed output: each block's [rows, M] slice is contiguous.
+        out_t = torch.empty(n, m, dtype=torch.float32, device=x.device)
+        for start in range(0, n, rows):
+            stop = min(n, start + rows)
+            block = self._dequantize(qweight[start:stop], scales[start:stop], group, buffer[: stop - start])
+            torch.mm(block, x.t(), out=out_t[start:stop])
+        out = out_t.t().contiguous()
+        return out.add_(bias) if bias is not None else out
+
+
+class TorchKernel:
+    """Dequantize to x's dtype and call `F.linear`: any device, any float activation dtype."""
+
+    name = "torch-dequant"
+
+    def matmul(self, x, qweight, scales, group, bias=None):
+        """x [M, K] (fp32/bf16/fp16) -> [M, N] in x's dtype."""
+        if scales.shape[1] == 1:
+            # Per channel: int8 values are exact in bf16/fp16, so scale the output instead of
+            # the weight (one [M, N] multiply rather than an [N, K] one).
+            out = F.linear(x, qweight.to(x.dtype)) * scales[:, 0].to(x.dtype)
+            return out.add_(bias.to(x.dtype)) if bias is not None else out
+        weight = torch.empty(qweight.shape, dtype=x.dtype, device=x.device)
+        return F.linear(x, dequantize_into(qweight, scales, group, weight), bias)
