@@ -69,3 +69,158 @@ class KVCache:
     @property
     def used_bytes(self) -> int:
         return self.nbytes * self.offset // self.max_len
+
+
+class SlotKVCache:
+    """Keys and values for `slots` independent sequences: [layers, slots, kv_heads, max_len, D].
+
+    Each slot has its own length, so sequences of different ages share one buffer and one
+    decode step (continuous batching). `slot(i)` is a single-sequence view with the KVCache
+    interface, used to prefill one sequence; `batch(slots)` describes one decode step over
+    several slots for `LlamaModel.forward_batch`. Allocated with `torch.empty`, like KVCache.
+    """
+
+    def __init__(
+        self,
+        layers: int,
+        kv_heads: int,
+        head_dim: int,
+        max_len: int,
+        slots: int,
+        *,
+        device="cpu",
+        dtype: torch.dtype = torch.float32,
+    ):
+        shape = (layers, slots, kv_heads, max_len, head_dim)
+        self.keys = torch.empty(shape, device=device, dtype=dtype)
+        self.values = torch.empty(shape, device=device, dtype=dtype)
+        self.max_len = max_len
+        self.lengths = [0] * slots
+        # Per slot, how many leading positions hold finite numbers (written once, or zeroed).
+        self.finite = [0] * slots
+
+    @classmethod
+    def for_model(cls, config, max_len: int, slots: int, *, device="cpu", dtype=torch.float32):
+        return cls(
+            config.num_hidden_layers,
+            config.num_key_value_heads,
+            config.head_dim,
+            max_len,
+            slots,
+            device=device,
+            dtype=dtype,
+        )
+
+    @property
+    def slots(self) -> int:
+        return len(self.lengths)
+
+    def slot(self, index: int) -> "SlotView":
+        return SlotView(self, index)
+
+    def batch(self, slots: list[int]) -> "SlotBatch":
+        return SlotBatch(self, slots)
+
+    def free(self, index: int) -> None:
+        """Forget slot `index` so a new sequence can start in it."""
+        self.lengths[index] = 0
+
+    def make_finite(self, slots: list[int], length: int) -> None:
+        """Zero the never-written positions below `length` of `slots`.
+
+        A batched step reads every slot up to the longest one. The mask gives the positions past
+        a slot's own length weight 0, but 0 * NaN is NaN, and `torch.empty` memory may hold NaN;
+        zeroing lazily touches only memory the batch reads, not the whole reserved context.
+        """
+        for slot in slots:
+            start = self.finite[slot]
+            if start < length:
+                self.keys[:, slot, :, start:length].zero_()
+                self.values[:, slot, :, start:length].zero_()
+                self.finite[slot] = length
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes reserved for every slot's whole context."""
+        return self.keys.nbytes + self.values.nbytes
+
+    @property
+    def used_bytes(self) -> int:
+        return self.nbytes * sum(self.lengths) // (self.max_len * self.slots)
+
+
+class SlotView:
+    """One slot of a SlotKVCache behind the single-sequence KVCache interface (batch 1)."""
+
+    def __init__(self, parent: SlotKVCache, index: int):
+        self.parent = parent
+        self.index = index
+        self.max_len = parent.max_len
+
+    @property
+    def offset(self) -> int:
+        return self.parent.lengths[self.index]
+
+    def update(
+        self, layer: int, keys: torch.Tensor, values: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store keys/values [1, T, kv_heads, D] at the slot's offset; return [1, kv_heads, S, D]."""
+        start, end = self.offset, self.offset + keys.shape[1]
+        rows = slice(self.index, self.index + 1)
+        self.parent.keys[layer, rows, :, start:end].copy_(keys.transpose(1, 2))
+        self.parent.values[layer, rows, :, start:end].copy_(values.transpose(1, 2))
+        self.parent.finite[self.index] = max(self.parent.finite[self.index], end)
+        return self.parent.keys[layer, rows, :, :end], self.parent.values[layer, rows, :, :end]
+
+    def advance(self, length: int) -> None:
+        self.parent.lengths[self.index] += length
+
+    def trim(self, length: int) -> None:
+        self.parent.lengths[self.index] = min(self.offset, max(0, length))
+
+    def reset(self) -> None:
+        self.parent.lengths[self.index] = 0
+
+
+class SlotBatch:
+    """One decode step over `slots` of a SlotKVCache: one new token per slot at its own position.
+
+    `positions` [n] (long, on the cache's device) is where each slot's new token goes;
+    `key_len` is how many positions the step's attention spans (the longest slot + 1);
+    a slot's positions past its own length are masked out by the model.
+    """
+
+    def __init__(self, parent: SlotKVCache, slots: list[int]):
+        if not slots:
+            raise ValueError("a decode step needs at least one slot")
+        lengths = [parent.lengths[s] for s in slots]
+        if max(lengths) >= parent.max_len:
+            raise ValueError(f"a slot is full: {max(lengths)} positions of {parent.max_len}")
+        device = parent.keys.device
+        self.parent = parent
+        self.slots = list(slots)
+        self.max_len = parent.max_len
+        self.key_len = max(lengths) + 1
+        parent.make_finite(self.slots, self.key_len)
+        self.positions = torch.tensor(lengths, dtype=torch.long, device=device)
+        self._index = torch.tensor(self.slots, dtype=torch.long, device=device)
+        first = self.slots[0]
+        # Adjacent slots are read as a view of the buffer; others are gathered (a copy per layer).
+        adjacent = self.slots == list(range(first, first + len(self.slots)))
+        self._rows = slice(first, first + len(self.slots)) if adjacent else self._index
+
+    def update(
+        self, layer: int, keys: torch.Tensor, values: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store keys/values [n, 1, kv_heads, D] at each slot's position; return [n, kv_heads, S, D]."""
+        self.parent.keys[layer][self._index, :, self.positions] = keys[:, 0]
+        self.parent.values[layer][self._index, :, self.positions] = values[:, 0]
+        span = slice(0, self.key_len)
+        return (
+            self.parent.keys[layer][self._rows, :, span],
+            self.parent.values[layer][self._rows, :, span],
+        )
+
+    def advance(self, length: int = 1) -> None:
+        for slot in self.slots:
+            self.parent.lengths[slot] += length

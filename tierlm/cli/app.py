@@ -266,22 +266,31 @@ def serve(
     lora: Optional[list[str]] = LoraOpt,
 ):
     """Serve the model over an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions)."""
+    import dataclasses
     import os
 
+    from tierlm.cli.progress import progress_factory
+    from tierlm.profile import load_profile
+    from tierlm.runtime.session import open_session
     from tierlm.server.options import ServerOptions
     from tierlm.server.run import serve as run_server
 
+    chosen = load_profile(profile)
+    if batch_size is not None:  # the planner then reserves KV memory for this many sequences
+        chosen = dataclasses.replace(chosen, batch_size=batch_size)
+    session = open_session(
+        model, chosen, device=device, dtype=dtype, quant=quant, loras=tuple(lora or ()), progress=progress_factory()
+    )
     options = ServerOptions(
         model_id=model_name,
         api_key=api_key,
-        batch_size=batch_size,
         max_queue=max_queue,
         default_timeout=timeout or None,
         stall_timeout=stall_timeout,
         # Fault injection for the server tests only: an explicit environment switch.
         debug_hooks=os.environ.get("TIERLM_SERVE_DEBUG_HOOKS") == "1",
     )
-    run_server(_open(model, profile, device, dtype, quant, lora), options, host=host, port=port)
+    run_server(session, options, host=host, port=port)
 
 
 def main() -> None:

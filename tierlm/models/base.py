@@ -79,6 +79,10 @@ class RotaryTable:
             self.sin[start : start + length, None, :],
         )
 
+    def at(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin for one position per sequence: positions [B] -> [B, 1, 1, head_dim] each."""
+        return self.cos[positions][:, None, None, :], self.sin[positions][:, None, None, :]
+
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate x [B, T, heads, D] by cos/sin [T, 1, D] (pairs are (i, i + D/2))."""
@@ -106,12 +110,27 @@ def attention_mask(
     return mask.repeat(groups, 1) if groups > 1 else mask
 
 
+def position_mask(positions: torch.Tensor, key_len: int, window: int | None) -> torch.Tensor:
+    """Boolean mask [B, 1, 1, key_len] (True = attend) for one query per sequence at `positions` [B].
+
+    Each sequence sees its own keys up to its position (and within the sliding window); the
+    positions past it belong to no one yet, or to a longer sequence in the batch.
+    """
+    k_pos = torch.arange(key_len, device=positions.device)[None, :]
+    q_pos = positions[:, None]
+    mask = k_pos <= q_pos
+    if window is not None:
+        mask &= k_pos > q_pos - window
+    return mask[:, None, None, :]
+
+
 def grouped_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None
 ) -> torch.Tensor:
     """Grouped-query attention without repeating K/V.
 
-    q [B, n_heads, T, D]; k, v [B, n_kv, S, D]; mask [groups*T, S] or None -> [B, n_heads, T, D].
+    q [B, n_heads, T, D]; k, v [B, n_kv, S, D]; mask [groups*T, S], [B, 1, 1, S] (one query per
+    sequence, see `position_mask`) or None -> [B, n_heads, T, D].
     Query heads sharing a KV head are folded into the query-row axis, so one SDPA call
     reads each KV head once.
     """

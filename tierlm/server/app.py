@@ -1,0 +1,284 @@
+"""The HTTP side: routes that validate, enqueue and stream. Built per server by `create_app`.
+
+Routes: GET /v1/models, POST /v1/chat/completions, POST /v1/completions, GET /metrics,
+GET /health (never behind the API key), and POST /debug/worker when test hooks are enabled.
+Errors are OpenAI-style bodies: 400 invalid or unsupported input, 401 API key, 404 unknown
+route, 413 body too large, 429 queue full (with Retry-After), 503 the worker failed.
+
+Finish reasons are OpenAI's "stop" and "length", plus "timeout": the request's deadline
+(its `timeout` field, else the server's default) passed, and the text is what was generated
+until then. A prompt that does not fit the context is refused (400 context_length_exceeded);
+`max_tokens` beyond the room left ends at the context's end with "length". Any `model` name
+is served by the one model loaded (responses name it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import time
+from contextlib import asynccontextmanager
+
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException
+
+from tierlm.errors import TierlmError
+from tierlm.server.jobs import DONE, ERROR, TEXT, Job
+from tierlm.server.metrics import Metrics, process_memory, store_metrics
+from tierlm.server.options import ServerOptions
+from tierlm.server.responses import EventStream, Shape, sse, usage
+from tierlm.server.schemas import ApiError, GenerationRequest, parse_chat, parse_completion
+from tierlm.server.worker import DEBUG_ACTIONS, Worker, WorkerSettings
+
+RETRY_AFTER_S = 1
+
+
+def create_app(session, options: ServerOptions) -> FastAPI:
+    """A FastAPI app serving `session` (runtime.session.Session); its worker starts with the app."""
+    engine = session.engine
+    tokenizer = engine.tokenizer
+    profile = session.profile
+    model_id = options.model_id or session.model_dir.name
+    created = int(time.time())
+    slots = options.batch_size or profile.batch_size
+    context = engine.loaded.max_len
+
+    def live() -> dict[str, float]:
+        readings = {
+            "tierlm_queue_depth": worker.queue_depth,
+            "tierlm_active_sequences": worker.active,
+            "tierlm_batch_slots": slots,
+            "tierlm_worker_healthy": 1.0 if worker.health()["status"] == "ok" else 0.0,
+            **process_memory(),
+            **store_metrics(engine.loaded.store),
+        }
+        kv = worker.kv_bytes()
+        if kv is not None:
+            readings['tierlm_kv_cache_bytes{state="reserved"}'], readings['tierlm_kv_cache_bytes{state="used"}'] = kv
+        return readings
+
+    metrics = Metrics(live)
+    worker = Worker(
+        engine.loaded,
+        tokenizer,
+        WorkerSettings(slots, options.max_queue, options.stall_timeout, options.restart_backoff),
+        on_step=metrics.step,
+        on_restart=lambda _problem: metrics.restarts.inc(),
+    )
+
+    @asynccontextmanager
+    async def lifespan(_app):
+        worker.start()
+        try:
+            yield
+        finally:
+            await run_in_threadpool(worker.stop)
+
+    app = FastAPI(title="tierlm", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.worker = worker
+    app.state.metrics = metrics
+    _install_error_handlers(app, metrics)
+
+    async def require_key(request: Request) -> None:
+        if options.api_key is None:
+            return
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), options.api_key.encode()):
+            raise ApiError(401, "invalid or missing API key (send `Authorization: Bearer <key>`)",
+                           code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+
+    api = APIRouter(dependencies=[Depends(require_key)])
+
+    @app.get("/health")
+    async def health():
+        report = worker.health()
+        report["model"] = model_id
+        report["profile"] = {"name": profile.name, "context_length": context, "batch_size": slots,
+                             "quant": profile.quant, "summary": profile.summary()}
+        return JSONResponse(report, status_code=200 if report["status"] == "ok" else 503)
+
+    @api.get("/v1/models")
+    async def list_models():
+        return {"object": "list", "data": [_model_card(model_id, created)]}
+
+    @api.get("/v1/models/{name:path}")
+    async def get_model(name: str):
+        if name != model_id:
+            raise ApiError(404, f"the model {name!r} does not exist (this server has {model_id!r})",
+                           param="model", code="model_not_found")
+        return _model_card(model_id, created)
+
+    @api.get("/metrics")
+    async def prometheus():
+        body, content_type = metrics.render()
+        return Response(body, media_type=content_type)
+
+    @api.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        req = parse_chat(await _read_json(request, options.max_body_bytes), max_messages=options.max_messages)
+        ids = await run_in_threadpool(_encode_chat, tokenizer, req.messages)
+        return await generate(request, req, ids, chat=True)
+
+    @api.post("/v1/completions")
+    async def completions(request: Request):
+        req = parse_completion(await _read_json(request, options.max_body_bytes))
+        if isinstance(req.prompt, str):
+            ids = await run_in_threadpool(tokenizer.encode, req.prompt, add_special_tokens=True)
+        else:
+            ids = list(req.prompt)
+            vocab = engine.loaded.config.vocab_size
+            if max(ids) >= vocab:
+                raise ApiError(400, f"prompt token id {max(ids)} is outside the vocabulary ({vocab} ids)",
+                               param="prompt", code="invalid_value")
+        return await generate(request, req, ids, chat=False)
+
+    async def generate(request: Request, req: GenerationRequest, ids: list[int], *, chat: bool):
+        if not ids:
+            raise ApiError(400, "the prompt is empty", param="prompt", code="invalid_value")
+        if len(ids) >= context:
+            raise ApiError(400, f"the prompt is {len(ids)} tokens but the context holds {context} "
+                                f"(profile {profile.name!r}); shorten it", param="messages" if chat else "prompt",
+                           code="context_length_exceeded")
+        job = Job(ids, _sampling(req, context), deadline=_deadline(req, options), loop=asyncio.get_running_loop(),
+                  on_end=metrics.ended)
+        if not worker.submit(job):
+            raise ApiError(429, f"the server is busy ({worker.queue_depth} requests queued); retry shortly",
+                           kind="rate_limit_error", code="queue_full", headers={"Retry-After": str(RETRY_AFTER_S)})
+        shape = Shape(chat, model_id, req.include_usage)
+        if req.stream:
+            return EventStream(_stream(job, shape, req), on_disconnect=job.cancel)
+        return await _collect(request, job, shape)
+
+    if options.debug_hooks:
+
+        @api.post("/debug/worker")
+        async def debug_worker(request: Request):
+            body = await _read_json(request, 4096)
+            action, seconds = body.get("action"), body.get("seconds", 0)
+            if action not in DEBUG_ACTIONS or not isinstance(seconds, (int, float)):
+                raise ApiError(400, f"action must be one of {', '.join(DEBUG_ACTIONS)}; seconds a number")
+            worker.debug(action, float(seconds))
+            return {"ok": True}
+
+    app.include_router(api)
+    return app
+
+
+def _model_card(model_id: str, created: int) -> dict:
+    return {"id": model_id, "object": "model", "created": created, "owned_by": "tierlm"}
+
+
+def _encode_chat(tokenizer, messages) -> list[int]:
+    try:
+        return tokenizer.encode_chat(list(messages), add_generation_prompt=True)
+    except TierlmError as err:
+        raise ApiError(400, str(err), param="messages", code="invalid_value") from None
+    except Exception as err:  # noqa: BLE001 - a template's own checks (e.g. role order) raise anything
+        raise ApiError(400, f"the model's chat template refused these messages: {err}", param="messages",
+                       code="invalid_value") from None
+
+
+def _sampling(req: GenerationRequest, context: int):
+    from tierlm.runtime.sampling import SamplingParams
+
+    try:
+        return SamplingParams(
+            # Without max_tokens, generation runs until EOS, a stop string or the context's end.
+            max_new_tokens=req.max_tokens or context,
+            temperature=req.temperature,
+            top_p=req.top_p,
+            top_k=req.top_k,
+            repetition_penalty=req.repetition_penalty,
+            seed=req.seed,
+            stop=req.stop,
+        )
+    except TierlmError as err:
+        raise ApiError(400, str(err), code="invalid_value") from None
+
+
+def _deadline(req: GenerationRequest, options: ServerOptions) -> float | None:
+    timeout = req.timeout if req.timeout is not None else options.default_timeout
+    return None if timeout is None else time.monotonic() + timeout
+
+
+async def _read_json(request: Request, limit: int):
+    """The body as JSON, refusing more than `limit` bytes (413) before reading them all."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise ApiError(413, f"the request body is {declared} bytes; this server accepts at most {limit}",
+                       code="request_too_large")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise ApiError(413, f"the request body exceeds this server's limit of {limit} bytes",
+                           code="request_too_large")
+        chunks.append(chunk)
+    try:
+        return json.loads(b"".join(chunks))
+    except (ValueError, UnicodeDecodeError) as err:
+        raise ApiError(400, f"the request body is not valid JSON: {err}", code="invalid_json") from None
+
+
+async def _stream(job: Job, shape: Shape, req: GenerationRequest):
+    if shape.chat:
+        yield sse(shape.chunk(None, first=True))
+    async for event in job.events():
+        if event.kind == TEXT:
+            yield sse(shape.chunk(event.value))
+        elif event.kind == DONE:
+            if event.value == "cancelled":
+                return  # the client is gone
+            yield sse(shape.chunk(None, event.value))
+            if req.include_usage:
+                yield sse(shape.usage_chunk(usage(len(job.prompt_ids), job.completion_tokens)))
+            yield sse("[DONE]")
+        elif event.kind == ERROR:
+            yield sse(ApiError(503, event.value, kind="server_error", code="worker_failed").body())
+
+
+async def _collect(request: Request, job: Job, shape: Shape):
+    async def watch():  # a client that leaves before the reply frees its slot at once
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+        job.cancel()
+
+    watcher = asyncio.ensure_future(watch())
+    parts: list[str] = []
+    try:
+        async for event in job.events():
+            if event.kind == TEXT:
+                parts.append(event.value)
+            elif event.kind == ERROR:
+                raise ApiError(503, event.value, kind="server_error", code="worker_failed")
+    finally:
+        watcher.cancel()
+    return JSONResponse(shape.whole("".join(parts), job.finish_reason, usage(len(job.prompt_ids), job.completion_tokens)))
+
+
+def _install_error_handlers(app: FastAPI, metrics: Metrics) -> None:
+    def reply(err: ApiError) -> JSONResponse:
+        metrics.refused("rejected" if err.status == 429 else "invalid")
+        return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
+
+    @app.exception_handler(ApiError)
+    async def api_error(_request, err: ApiError):
+        return reply(err)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(_request, err: HTTPException):
+        message = "no such route" if err.status_code == 404 else str(err.detail)
+        return reply(ApiError(err.status_code, message, code="not_found" if err.status_code == 404 else None))
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(_request, err: RequestValidationError):
+        return reply(ApiError(400, f"invalid request: {err.errors()}"))
+
+    @app.exception_handler(Exception)
+    async def internal_error(_request, err: Exception):
+        body = ApiError(500, f"internal error: {type(err).__name__}: {err}", kind="server_error").body()
+        return JSONResponse(body, status_code=500)

@@ -1,0 +1,181 @@
+"""Continuous batching over one model: each sequence in its own KV slot, decoded together.
+
+A new sequence is prefilled alone into its slot (one chunk per step, so running sequences
+keep decoding meanwhile), then joins the shared decode step: one forward over ids [n, 1] at
+each sequence's own position (`LlamaModel.forward_batch`). Every sequence keeps its own
+sampler (seed), stop matcher, stream decoder and token limit, so its tokens are the ones it
+would get decoded alone. Only the worker thread touches a runner.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from tierlm.runtime.engine import PREFILL_CHUNK
+from tierlm.runtime.sampling import Sampler
+from tierlm.runtime.stopping import StopMatcher
+from tierlm.server.jobs import Job
+
+
+@dataclass(eq=False)  # identity, not field equality (it holds tensors)
+class Sequence:
+    """A job's decoding state in slot `slot`."""
+
+    job: Job
+    slot: int
+    sampler: Sampler
+    stops: StopMatcher
+    decoder: object  # tokenizer.stream_decoder()
+    prefilled: int = 0  # prompt tokens already in the slot
+    pending: int | None = None  # the newest token, to be fed by the next decode step
+    token_ids: list[int] = field(default_factory=list)
+    seen: torch.Tensor | None = None  # prompt + output ids, for the repetition penalty
+
+    @property
+    def prefilling(self) -> bool:
+        return self.prefilled < len(self.job.prompt_ids)
+
+
+@dataclass
+class StepReport:
+    """What one `step()` did, for the metrics."""
+
+    prefill_tokens: int = 0
+    prefill_s: float = 0.0
+    batch: int = 0  # sequences in the decode step (0: no decode step ran)
+    decode_s: float = 0.0
+    sampled: int = 0  # tokens generated (a finished prefill samples one too)
+
+
+class BatchRunner:
+    """Up to `slots` sequences over one model and one SlotKVCache."""
+
+    def __init__(self, loaded, tokenizer, slots: int):
+        from tierlm.cache.kv import SlotKVCache
+
+        self.loaded = loaded
+        self.model = loaded.model
+        self.tokenizer = tokenizer
+        self.cache = SlotKVCache.for_model(
+            loaded.config, loaded.max_len, slots, device=loaded.device, dtype=loaded.dtype
+        )
+        self.active: list[Sequence] = []
+        self._free = list(range(slots))
+        self._sampled = 0
+
+    @property
+    def context_length(self) -> int:
+        return self.cache.max_len
+
+    @property
+    def has_room(self) -> bool:
+        return bool(self._free)
+
+    def jobs(self) -> list[Job]:
+        return [s.job for s in list(self.active)]
+
+    def admit(self, job: Job) -> Sequence:
+        """Give `job` a free slot (cheap: no model work until `step`)."""
+        slot = self._free.pop(0)
+        self.cache.free(slot)
+        params = job.params
+        seq = Sequence(job, slot, Sampler(params), StopMatcher(params.stop), self.tokenizer.stream_decoder())
+        if params.repetition_penalty != 1.0:
+            seq.seen = torch.tensor(job.prompt_ids, dtype=torch.long)
+        self.active.append(seq)
+        return seq
+
+    def step(self) -> StepReport:
+        """One prefill chunk for the oldest sequence still prefilling, then one decode step for
+        every sequence that has a token to feed."""
+        report = StepReport()
+        sampled_before = self._sampled
+        prefilling = next((s for s in self.active if s.prefilling), None)
+        if prefilling is not None:
+            started = time.perf_counter()
+            report.prefill_tokens = self._prefill_chunk(prefilling)
+            report.prefill_s = time.perf_counter() - started
+        ready = [s for s in self.active if s.pending is not None]
+        if ready:
+            started = time.perf_counter()
+            self._decode(ready)
+            report.batch = len(ready)
+            report.decode_s = time.perf_counter() - started
+        report.sampled = self._sampled - sampled_before
+        return report
+
+    def end(self, seq: Sequence, reason: str) -> None:
+        """End a sequence early (deadline: the text so far is flushed; cancel: nothing more)."""
+        if reason != "cancelled":
+            self._flush(seq)
+        seq.job.finish(reason, len(seq.token_ids))
+        self._release(seq)
+
+    def fail_all(self, message: str) -> None:
+        for seq in list(self.active):
+            seq.job.fail(message)
+            self._release(seq)
+
+    # -- internals -------------------------------------------------------------------------
+
+    def _prefill_chunk(self, seq: Sequence) -> int:
+        prompt = seq.job.prompt_ids
+        chunk = prompt[seq.prefilled : seq.prefilled + PREFILL_CHUNK]
+        ids = torch.tensor([chunk], dtype=torch.long, device=self.loaded.device)
+        logits = self.model.forward(ids, self.cache.slot(seq.slot), logits="last")
+        seq.prefilled += len(chunk)
+        if not seq.prefilling:
+            self._accept(seq, logits[0, -1])
+        return len(chunk)
+
+    def _decode(self, ready: list[Sequence]) -> None:
+        ready.sort(key=lambda s: s.slot)  # adjacent slots read the cache as a view
+        ids = torch.tensor([[s.pending] for s in ready], dtype=torch.long, device=self.loaded.device)
+        logits = self.model.forward_batch(ids, self.cache.batch([s.slot for s in ready]))
+        for seq, row in zip(ready, logits):
+            self._accept(seq, row)
+
+    def _accept(self, seq: Sequence, logits: torch.Tensor) -> None:
+        """Sample the next token from logits [V] and decide whether the sequence goes on.
+
+        The same decisions, in the same order, as `Engine._run`.
+        """
+        params = seq.job.params
+        token = seq.sampler(logits, seq.seen)
+        self._sampled += 1
+        if seq.job.first_token_at is None:
+            seq.job.first_token_at = time.monotonic()
+        seq.token_ids.append(token)
+        seq.pending = None
+        if token in self.tokenizer.eos_token_ids:
+            return self._finish(seq, "stop", flush=True)
+        text, stopped = seq.stops.feed(seq.decoder.push(token))
+        seq.job.emit_text(text)
+        if stopped:
+            return self._finish(seq, "stop", flush=False)
+        if len(seq.token_ids) >= params.max_new_tokens or self.cache.lengths[seq.slot] >= self.context_length:
+            return self._finish(seq, "length", flush=True)
+        if seq.seen is not None:
+            seq.seen = torch.cat((seq.seen, torch.tensor([token])))
+        seq.pending = token
+
+    def _finish(self, seq: Sequence, reason: str, *, flush: bool) -> None:
+        if flush:
+            self._flush(seq)
+        seq.job.finish(reason, len(seq.token_ids))
+        self._release(seq)
+
+    def _flush(self, seq: Sequence) -> None:
+        """Emit text still held back: an incomplete character, a possible stop-string prefix."""
+        tail, _ = seq.stops.feed(seq.decoder.flush())
+        seq.job.emit_text(tail + seq.stops.flush())
+
+    def _release(self, seq: Sequence) -> None:
+        if seq in self.active:
+            self.active.remove(seq)
+            self.cache.free(seq.slot)
+            self._free.append(seq.slot)
+            self._free.sort()

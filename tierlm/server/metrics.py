@@ -1,0 +1,166 @@
+"""Prometheus metrics for one server: its own registry, nothing global.
+
+Counters and histograms are updated as requests end and steps run; gauges that describe the
+present (queue, memory, the tiered store's ledger) are read when /metrics is scraped.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Callable, Iterator
+
+from tierlm.server.batch import StepReport
+from tierlm.server.jobs import Job
+
+OUTCOMES = ("stop", "length", "timeout", "cancelled", "error", "rejected", "invalid")
+LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+BATCH_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
+
+
+class Metrics:
+    """The server's metrics; `live()` supplies the scrape-time readings."""
+
+    def __init__(self, live: Callable[[], dict[str, float]]):
+        """`live` returns {metric name: value} for the gauges read at scrape time."""
+        from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.requests = Counter("tierlm_requests", "Requests by outcome (finish reason, or why refused)",
+                                ["outcome"], registry=r)
+        for outcome in OUTCOMES:
+            self.requests.labels(outcome)
+        self.ttft = Histogram("tierlm_time_to_first_token_seconds", "From request received to first token",
+                              buckets=LATENCY_BUCKETS, registry=r)
+        self.latency = Histogram("tierlm_request_duration_seconds", "From request received to its end",
+                                 buckets=LATENCY_BUCKETS, registry=r)
+        self.prompt_tokens = Counter("tierlm_prompt_tokens", "Prompt tokens of ended requests", registry=r)
+        self.generated_tokens = Counter("tierlm_generated_tokens", "Tokens generated", registry=r)
+        self.decode_rate = Gauge("tierlm_decode_tokens_per_second",
+                                 "Tokens/s of the latest decode step, all sequences together", registry=r)
+        self.prefill_rate = Gauge("tierlm_prefill_tokens_per_second", "Tokens/s of the latest prefill chunk",
+                                  registry=r)
+        self.batch_size = Histogram("tierlm_batch_size", "Sequences per decode step", buckets=BATCH_BUCKETS,
+                                    registry=r)
+        self.restarts = Counter("tierlm_worker_restarts", "Worker restarts by the watchdog", registry=r)
+        r.register(_LiveCollector(live))
+
+    def ended(self, job: Job) -> None:
+        """A job ended (any thread)."""
+        self.requests.labels(job.finish_reason or "error").inc()
+        self.prompt_tokens.inc(len(job.prompt_ids))
+        if job.first_token_at is not None:
+            self.ttft.observe(job.first_token_at - job.received)
+        if job.ended_at is not None:
+            self.latency.observe(job.ended_at - job.received)
+
+    def refused(self, outcome: str) -> None:
+        """A request refused before it became a job: "rejected" (queue full) or "invalid"."""
+        self.requests.labels(outcome).inc()
+
+    def step(self, report: StepReport) -> None:
+        self.generated_tokens.inc(report.sampled)
+        if report.batch:
+            self.batch_size.observe(report.batch)
+            if report.decode_s > 0:
+                self.decode_rate.set(report.batch / report.decode_s)
+        if report.prefill_tokens and report.prefill_s > 0:
+            self.prefill_rate.set(report.prefill_tokens / report.prefill_s)
+
+    def render(self) -> tuple[bytes, str]:
+        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+
+class _LiveCollector:
+    """Gauges computed at scrape time from `live()`; a name with {k="v"} carries labels."""
+
+    def __init__(self, live: Callable[[], dict[str, float]]):
+        self.live = live
+
+    def describe(self) -> list:
+        return []  # values appear and disappear with the store's figures
+
+    def collect(self) -> Iterator:
+        from prometheus_client.core import GaugeMetricFamily
+
+        families: dict[str, GaugeMetricFamily] = {}
+        for key, value in self.live().items():
+            name, labels = _split_labels(key)
+            if name not in families:
+                families[name] = GaugeMetricFamily(name, _HELP.get(name, name.replace("_", " ")),
+                                                   labels=list(labels))
+            families[name].add_metric(list(labels.values()), float(value))
+        yield from families.values()
+
+
+_HELP = {
+    "tierlm_queue_depth": "Requests waiting for a slot",
+    "tierlm_active_sequences": "Sequences holding a KV slot",
+    "tierlm_batch_slots": "KV slots (the most sequences decoded together)",
+    "tierlm_worker_healthy": "1 while the worker beats and runs, 0 otherwise",
+    "tierlm_process_resident_bytes": "Resident memory of the server process (VmRSS)",
+    "tierlm_process_peak_resident_bytes": "Peak resident memory of the server process (VmHWM)",
+    "tierlm_weight_bytes_held": "Model weight bytes the weight store holds in memory",
+    "tierlm_planned_bytes": "Bytes the planner charged to each memory tier",
+    "tierlm_weight_bytes_read": "Weight bytes streamed so far, by the tier read from (a counter)",
+    "tierlm_weight_bytes_read_per_forward": "Weight bytes streamed per forward pass, by source tier",
+    "tierlm_prefetch_stall_seconds": "Time compute waited for streamed blocks so far (a counter)",
+    "tierlm_prefetch_overlap_ratio": "Share of streaming time hidden behind compute",
+    "tierlm_hot_cache_hit_rate": "Embedding rows served from the hot-row cache",
+    "tierlm_kv_cache_bytes": "KV cache bytes: reserved for all slots, used by the live sequences",
+}
+_LABELED = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)\{(.*)\}$")
+
+
+def _split_labels(key: str) -> tuple[str, dict[str, str]]:
+    match = _LABELED.match(key)
+    if not match:
+        return key, {}
+    labels = dict(pair.split("=", 1) for pair in match.group(2).split(","))
+    return match.group(1), {k: v.strip('"') for k, v in labels.items()}
+
+
+def process_memory() -> dict[str, float]:
+    """VmRSS and VmHWM of this process in bytes, from /proc (psutil where /proc is absent)."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as status:
+            fields = dict(line.split(":", 1) for line in status if ":" in line)
+        return {
+            "tierlm_process_resident_bytes": int(fields["VmRSS"].split()[0]) * 1024,
+            "tierlm_process_peak_resident_bytes": int(fields["VmHWM"].split()[0]) * 1024,
+        }
+    except (OSError, KeyError, ValueError):
+        import psutil
+
+        return {"tierlm_process_resident_bytes": psutil.Process().memory_info().rss}
+
+
+def store_metrics(store) -> dict[str, float]:
+    """Weight bytes the store holds in memory and, for a tiered store, its ledger: planned bytes
+    per tier, weight bytes read (total and per forward) per source tier, prefetch stall and
+    overlap, hot-row cache hit rate. Bytes read per token = rate(read) / rate(tokens generated)."""
+    out: dict[str, float] = {}
+    try:
+        out["tierlm_weight_bytes_held"] = store.nbytes()
+    except (AttributeError, NotImplementedError):
+        pass
+    ledger = getattr(store, "ledger", None)
+    if ledger is None:
+        return out
+    try:
+        snapshot = ledger.snapshot()
+        read_total = dict(ledger.bytes_read)
+    except RuntimeError:  # a reader thread added a tier mid-read: skip this scrape's figures
+        return out
+    for tier, nbytes in snapshot["planned"].items():
+        out[f'tierlm_planned_bytes{{tier="{tier}"}}'] = nbytes
+    for tier, nbytes in read_total.items():
+        out[f'tierlm_weight_bytes_read{{tier="{tier}"}}'] = nbytes
+    for tier, nbytes in snapshot["bytes_read_per_forward"].items():
+        out[f'tierlm_weight_bytes_read_per_forward{{tier="{tier}"}}'] = nbytes
+    out["tierlm_prefetch_stall_seconds"] = snapshot["stall_s"]
+    out["tierlm_prefetch_overlap_ratio"] = snapshot["overlap"]
+    out["tierlm_hot_cache_hit_rate"] = snapshot["hot_cache_hit_rate"]
+    return out

@@ -1,0 +1,37 @@
+"""What `tierlm serve` can be told, with the defaults it uses."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tierlm.errors import TierlmError
+
+
+@dataclass(frozen=True)
+class ServerOptions:
+    """Server settings; the model, device and memory profile come with the session."""
+
+    model_id: str | None = None  # the name /v1/models reports (default: the model directory's name)
+    api_key: str | None = None  # when set, every route but /health needs `Authorization: Bearer KEY`
+    # Sequences decoded together; default the profile's batch_size. (`serve --batch-size` sets the
+    # profile's instead, so the planner reserves KV memory for that many.)
+    batch_size: int | None = None
+    max_queue: int = 64  # requests waiting for a slot before new ones get 429
+    default_timeout: float | None = 600.0  # a request's deadline in seconds unless it sends `timeout`
+    stall_timeout: float = 60.0  # seconds without a worker heartbeat before it is restarted
+    restart_backoff: float = 1.0  # seconds the server reports unhealthy before the restart
+    max_body_bytes: int = 1 << 20  # larger request bodies get 413
+    max_messages: int = 512  # chat messages per request
+    debug_hooks: bool = False  # POST /debug/worker (kill, stall, delay, pause): tests only
+
+    def __post_init__(self):
+        if self.batch_size is not None and self.batch_size < 1:
+            raise TierlmError("--batch-size must be at least 1")
+        if self.max_queue < 0:
+            raise TierlmError("--max-queue must not be negative")
+        if self.default_timeout is not None and self.default_timeout <= 0:
+            raise TierlmError("--timeout must be positive (0 on the command line means none)")
+        if self.stall_timeout <= 0:
+            raise TierlmError("--stall-timeout must be positive")
+        if self.api_key is not None and not self.api_key:
+            raise TierlmError("--api-key must not be empty")

@@ -1,0 +1,94 @@
+"""Running the app under uvicorn: in the foreground (`tierlm serve`) or on a background thread.
+
+The listening socket is bound before uvicorn starts, so `port=0` works and the real port is
+known (and announced) at once.
+"""
+
+from __future__ import annotations
+
+import socket
+import sys
+import threading
+import time
+
+from tierlm.errors import TierlmError
+from tierlm.server.options import ServerOptions
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """A listening TCP socket on host:port (port 0 = any free port)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as err:
+        sock.close()
+        raise TierlmError(f"cannot listen on {host}:{port}: {err.strerror}",
+                          "pick another --port (0 = any free port)") from None
+    sock.listen(128)
+    return sock
+
+
+def url_of(sock: socket.socket) -> str:
+    host, port = sock.getsockname()[:2]
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+def _uvicorn_server(app, log_level: str):
+    import uvicorn
+
+    config = uvicorn.Config(app, log_level=log_level, access_log=False, lifespan="on",
+                            timeout_graceful_shutdown=3, loop="asyncio", http="h11")
+    return uvicorn.Server(config)
+
+
+def serve(session, options: ServerOptions, host: str = "127.0.0.1", port: int = 8000,
+          log_level: str = "warning") -> None:
+    """Serve until interrupted; prints one line with the address to stderr once listening."""
+    from tierlm.server.app import create_app
+
+    app = create_app(session, options)
+    sock = bind(host, port)
+    slots = options.batch_size or session.profile.batch_size
+    print(f"tierlm serve: listening on {url_of(sock)} (model {options.model_id or session.model_dir.name}, "
+          f"profile {session.profile.name}, batch {slots}, loaded in {session.load_s:.1f} s)",
+          file=sys.stderr, flush=True)
+    try:
+        _uvicorn_server(app, log_level).run(sockets=[sock])
+    finally:
+        session.engine.loaded.close()  # reader threads, files; persists hot-row statistics
+
+
+class BackgroundServer:
+    """The server on a daemon thread of this process (tests, embedding); a context manager."""
+
+    def __init__(self, session, options: ServerOptions, host: str = "127.0.0.1", port: int = 0):
+        from tierlm.server.app import create_app
+
+        self.app = create_app(session, options)
+        self._sock = bind(host, port)
+        self.url = url_of(self._sock)
+        self._server = _uvicorn_server(self.app, "warning")
+        self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [self._sock]},
+                                        name="tierlm-http", daemon=True)
+
+    def start(self, timeout: float = 30.0) -> "BackgroundServer":
+        self._thread.start()
+        deadline = time.monotonic() + timeout
+        while not self._server.started and self._thread.is_alive() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        if not self._server.started:
+            raise TierlmError("the server did not start")
+        return self
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self._server.should_exit = True
+        self._thread.join(timeout)
+        self._sock.close()
+
+    def __enter__(self) -> "BackgroundServer":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

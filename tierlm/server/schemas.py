@@ -1,0 +1,296 @@
+"""Request bodies of the OpenAI API, validated by hand into plain dataclasses.
+
+Hand-written rather than pydantic so every refusal is an OpenAI-style 400 that names the
+parameter (`{"error": {"message", "type", "param", "code"}}`), never a 422 or a 500.
+
+Parameter policy: what tierlm honours is parsed; parameters that only have a meaning tierlm
+lacks (tools, logprobs, penalties, ...) are accepted at their neutral value and refused
+otherwise; a few informational ones (`user`, `metadata`, ...) are ignored; anything else is
+refused as unrecognized, as OpenAI does. Extensions: `timeout` (seconds, the request's
+deadline), `top_k`, `repetition_penalty`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+STOP_STRINGS_MAX = 4  # as OpenAI allows
+SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.Generator.manual_seed accepts
+
+
+class ApiError(Exception):
+    """An HTTP error with an OpenAI-style body."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        kind: str = "invalid_request_error",
+        headers: Mapping[str, str] | None = None,
+    ):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.kind = kind
+        self.headers = dict(headers or {})
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """What a chat or completion request asks for, validated; `messages` xor `prompt` is set."""
+
+    messages: tuple[dict, ...] | None
+    prompt: str | tuple[int, ...] | None
+    stream: bool
+    include_usage: bool
+    max_tokens: int | None
+    temperature: float
+    top_p: float
+    top_k: int
+    repetition_penalty: float
+    seed: int | None
+    stop: tuple[str, ...]
+    timeout: float | None
+
+
+# Accepted only at these neutral values (None = absent).
+_NEUTRAL: dict[str, tuple[Any, ...]] = {
+    "n": (None, 1),
+    "frequency_penalty": (None, 0, 0.0),
+    "presence_penalty": (None, 0, 0.0),
+    "logprobs": (None, False),
+    "top_logprobs": (None, 0),
+    "logit_bias": (None, {}),
+    "tools": (None, []),
+    "tool_choice": (None, "none", "auto"),
+    "functions": (None, []),
+    "function_call": (None, "none", "auto"),
+    "response_format": (None, {"type": "text"}),
+    "modalities": (None, ["text"]),
+    "audio": (None,),
+    "prediction": (None,),
+    "reasoning_effort": (None,),
+    "web_search_options": (None,),
+}
+_COMPLETION_NEUTRAL: dict[str, tuple[Any, ...]] = {
+    "n": (None, 1),
+    "best_of": (None, 1),
+    "echo": (None, False),
+    "suffix": (None, ""),
+    "logprobs": (None, 0),
+    "frequency_penalty": (None, 0, 0.0),
+    "presence_penalty": (None, 0, 0.0),
+    "logit_bias": (None, {}),
+}
+_IGNORED = frozenset({"user", "metadata", "store", "service_tier", "parallel_tool_calls",
+                      "prompt_cache_key", "safety_identifier"})
+_SAMPLING = frozenset({"model", "stream", "stream_options", "temperature", "top_p", "top_k", "seed",
+                       "stop", "repetition_penalty", "timeout"})
+_CHAT_KEYS = _SAMPLING | {"messages", "max_tokens", "max_completion_tokens"}
+_COMPLETION_KEYS = _SAMPLING | {"prompt", "max_tokens"}
+_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+
+
+def parse_chat(body: Any, *, max_messages: int) -> GenerationRequest:
+    """Validate a /v1/chat/completions body."""
+    body = _object(body)
+    _check_keys(body, _CHAT_KEYS, _NEUTRAL)
+    messages = _messages(body.get("messages"), max_messages)
+    max_tokens = _opt_int(body, "max_tokens", 1)
+    max_completion = _opt_int(body, "max_completion_tokens", 1)
+    return _generation(body, messages=messages, prompt=None,
+                       max_tokens=max_completion if max_completion is not None else max_tokens)
+
+
+def parse_completion(body: Any) -> GenerationRequest:
+    """Validate a /v1/completions body (one prompt: a string or token ids)."""
+    body = _object(body)
+    _check_keys(body, _COMPLETION_KEYS, _COMPLETION_NEUTRAL)
+    max_tokens = _opt_int(body, "max_tokens", 1)
+    return _generation(body, messages=None, prompt=_prompt(body.get("prompt")),
+                       max_tokens=COMPLETIONS_DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens)
+
+
+def _generation(body: dict, *, messages, prompt, max_tokens) -> GenerationRequest:
+    _model(body)
+    stream = _opt_bool(body, "stream") or False
+    options = body.get("stream_options")
+    if options is not None and not stream:
+        raise ApiError(400, "stream_options is only allowed when stream is true", param="stream_options")
+    include_usage = False
+    if options is not None:
+        options = _object(options, "stream_options")
+        unknown = sorted(set(options) - {"include_usage", "include_obfuscation"})
+        if unknown:
+            raise ApiError(400, f"unrecognized stream_options key {unknown[0]!r}", param="stream_options")
+        include_usage = _opt_bool(options, "include_usage", "stream_options.include_usage") or False
+    temperature = _opt_number(body, "temperature", 0.0, 2.0)
+    top_p = _opt_number(body, "top_p", 0.0, 1.0)
+    if top_p == 0:
+        raise ApiError(400, "top_p must be greater than 0 and at most 1", param="top_p", code="invalid_value")
+    repetition = _opt_number(body, "repetition_penalty", 0.0, 10.0)
+    if repetition == 0:
+        raise ApiError(400, "repetition_penalty must be greater than 0", param="repetition_penalty",
+                       code="invalid_value")
+    timeout = _opt_number(body, "timeout", 0.0, math.inf)
+    if timeout == 0:
+        raise ApiError(400, "timeout must be a positive number of seconds", param="timeout", code="invalid_value")
+    return GenerationRequest(
+        messages=messages,
+        prompt=prompt,
+        stream=stream,
+        include_usage=include_usage,
+        max_tokens=max_tokens,
+        temperature=1.0 if temperature is None else temperature,
+        top_p=1.0 if top_p is None else top_p,
+        top_k=_opt_int(body, "top_k", 0) or 0,
+        repetition_penalty=1.0 if repetition is None else repetition,
+        seed=_opt_int(body, "seed", SEED_RANGE[0], SEED_RANGE[1]),
+        stop=_stop(body.get("stop")),
+        timeout=timeout,
+    )
+
+
+def _object(value: Any, name: str | None = None) -> dict:
+    if not isinstance(value, dict):
+        where = f"{name} must be" if name else "the request body must be"
+        raise ApiError(400, f"{where} a JSON object", param=name, code="invalid_type")
+    return value
+
+
+def _check_keys(body: dict, known: frozenset, neutral: Mapping[str, tuple]) -> None:
+    for key, value in body.items():
+        if key in known or key in _IGNORED:
+            continue
+        if key in neutral:
+            if not any(value == ok and type(value) is type(ok) or value is ok for ok in neutral[key]):
+                allowed = ", ".join("null" if ok is None else repr(ok) for ok in neutral[key])
+                raise ApiError(400, f"{key} is not supported by tierlm (accepted: {allowed})",
+                               param=key, code="unsupported_parameter")
+            continue
+        raise ApiError(400, f"unrecognized request argument supplied: {key}", param=key,
+                       code="unrecognized_parameter")
+
+
+def _model(body: dict) -> None:
+    # One model per server: any name is served by it (the response says which).
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise ApiError(400, "model must be a string", param="model", code="invalid_type")
+
+
+def _messages(value: Any, max_messages: int) -> tuple[dict, ...]:
+    if value is None:
+        raise ApiError(400, "messages is required", param="messages", code="missing_required_parameter")
+    if not isinstance(value, list) or not value:
+        raise ApiError(400, "messages must be a non-empty array", param="messages", code="invalid_type")
+    if len(value) > max_messages:
+        raise ApiError(400, f"{len(value)} messages exceed this server's limit of {max_messages}",
+                       param="messages", code="too_many_messages")
+    return tuple(_message(m, i) for i, m in enumerate(value))
+
+
+def _message(message: Any, index: int) -> dict:
+    where = f"messages[{index}]"
+    message = _object(message, where)
+    role = message.get("role")
+    if role not in _ROLES:
+        shown = role if isinstance(role, str) else type(role).__name__
+        raise ApiError(400, f"{where}.role {shown!r} is not supported (use system, user or assistant)",
+                       param=f"{where}.role", code="invalid_value")
+    for key, value in message.items():
+        if key not in ("role", "content", "name") and value not in (None, [], ""):
+            raise ApiError(400, f"{where}.{key} is not supported by tierlm", param=f"{where}.{key}",
+                           code="unsupported_parameter")
+    return {"role": _ROLES[role], "content": _content(message.get("content"), where)}
+
+
+def _content(content: Any, where: str) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        texts = []
+        for j, part in enumerate(content):
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise ApiError(400, f"{where}.content[{j}]: only text parts are supported",
+                               param=f"{where}.content", code="unsupported_content")
+            texts.append(part["text"])
+        return "".join(texts)
+    raise ApiError(400, f"{where}.content must be a string or an array of text parts",
+                   param=f"{where}.content", code="invalid_type")
+
+
+def _prompt(value: Any) -> str | tuple[int, ...]:
+    if isinstance(value, list) and len(value) == 1 and isinstance(value[0], (str, list)):
+        value = value[0]  # a batch of one prompt
+    if isinstance(value, str):
+        if not value:
+            raise ApiError(400, "prompt must not be empty", param="prompt", code="invalid_value")
+        return value
+    if isinstance(value, list) and value and all(_is_int(t) and t >= 0 for t in value):
+        return tuple(value)
+    if isinstance(value, list) and len(value) > 1:
+        raise ApiError(400, "only one prompt per request is supported", param="prompt",
+                       code="unsupported_parameter")
+    raise ApiError(400, "prompt must be a non-empty string or an array of token ids", param="prompt",
+                   code="invalid_type")
+
+
+def _stop(value: Any) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    stops = [value] if isinstance(value, str) else value
+    if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
+        raise ApiError(400, "stop must be a string or an array of strings", param="stop", code="invalid_type")
+    if len(stops) > STOP_STRINGS_MAX:
+        raise ApiError(400, f"at most {STOP_STRINGS_MAX} stop sequences are allowed", param="stop",
+                       code="invalid_value")
+    return tuple(s for s in stops if s)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _opt_int(body: Mapping, key: str, low: int, high: int | None = None) -> int | None:
+    value = body.get(key)
+    if value is None:
+        return None
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if not _is_int(value):
+        raise ApiError(400, f"{key} must be an integer", param=key, code="invalid_type")
+    if value < low or (high is not None and value > high):
+        bound = f"at least {low}" if high is None else f"between {low} and {high}"
+        raise ApiError(400, f"{key} must be {bound}", param=key, code="invalid_value")
+    return value
+
+
+def _opt_number(body: Mapping, key: str, low: float, high: float) -> float | None:
+    value = body.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ApiError(400, f"{key} must be a number", param=key, code="invalid_type")
+    if not low <= value <= high:
+        bound = f"at least {low:g}" if math.isinf(high) else f"between {low:g} and {high:g}"
+        raise ApiError(400, f"{key} must be {bound}", param=key, code="invalid_value")
+    return float(value)
+
+
+def _opt_bool(body: Mapping, key: str, name: str | None = None) -> bool | None:
+    value = body.get(key)
+    if value is None or isinstance(value, bool):
+        return value
+    raise ApiError(400, f"{name or key} must be true or false", param=name or key, code="invalid_type")

@@ -1,0 +1,279 @@
+"""The worker: one thread owns the model and runs the batching loop; a watchdog restarts it.
+
+Handlers `submit` jobs to a bounded queue. Each turn of the loop beats the heartbeat, ends
+jobs whose client left or whose deadline passed, admits queued jobs into free KV slots and
+runs one `BatchRunner.step()`. The watchdog declares the worker dead when its thread has
+ended or its heartbeat is older than `stall_timeout`; it then fails the jobs in flight with
+a clear error, waits `restart_backoff` (health reports "unhealthy" meanwhile) and starts a
+fresh worker on a fresh KV cache; queued jobs wait for it. A superseded thread that wakes
+up later finds its generation outdated and exits without touching anything shared.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Callable
+
+from tierlm.server.batch import BatchRunner, StepReport
+from tierlm.server.jobs import Job
+
+IDLE_WAIT_S = 0.1  # an idle worker still beats this often
+DEBUG_ACTIONS = ("kill", "stall", "delay", "pause", "resume")
+
+
+class WorkerKilled(BaseException):
+    """Raised in the worker thread by the `kill` debug hook: it ends the thread as a crash would."""
+
+
+@dataclass(frozen=True)
+class WorkerSettings:
+    slots: int  # sequences decoded together (KV slots)
+    max_queue: int  # jobs waiting for a slot; more are refused (429)
+    stall_timeout: float = 60.0  # seconds without a heartbeat before the worker counts as dead
+    restart_backoff: float = 1.0  # seconds between declaring it dead and starting a new one
+    watchdog_interval: float = 0.25
+
+
+class Worker:
+    """Owns `loaded` (a LoadedModel) and `tokenizer`; every model call happens in its thread."""
+
+    def __init__(
+        self,
+        loaded,
+        tokenizer,
+        settings: WorkerSettings,
+        *,
+        on_step: Callable[[StepReport], None] | None = None,
+        on_restart: Callable[[str], None] | None = None,
+    ):
+        self.loaded = loaded
+        self.tokenizer = tokenizer
+        self.settings = settings
+        self._on_step = on_step
+        self._on_restart = on_restart
+        self._cond = threading.Condition()
+        self._stop = threading.Event()
+        self._queue: deque[Job] = deque()
+        self._generation = 0
+        self._thread: threading.Thread | None = None
+        self._watchdog: threading.Thread | None = None
+        self._runner: BatchRunner | None = None
+        self._beat = time.monotonic()
+        self._death: str | None = None
+        self._restarting = False
+        self._restarts = 0
+        self._last_error: str | None = None
+        self._hooks: deque[tuple[str, float]] = deque()
+        self._paused = False
+        self._step_delay = 0.0
+        self.peak_batch = 0
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._spawn()
+        self._watchdog = threading.Thread(target=self._watch, name="tierlm-watchdog", daemon=True)
+        self._watchdog.start()
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """Stop both threads; jobs still queued or running end with an error."""
+        with self._cond:
+            self._stop.set()
+            self._cond.notify_all()
+            queued, self._queue = list(self._queue), deque()
+            runner = self._runner
+        for thread in (self._watchdog, self._thread):
+            if thread is not None:
+                thread.join(timeout)
+        for job in queued + (runner.jobs() if runner else []):
+            job.fail("the server is shutting down")
+
+    # -- handler side ----------------------------------------------------------------------
+
+    def submit(self, job: Job) -> bool:
+        """Queue a job; False when the queue is full (or the server is stopping)."""
+        with self._cond:
+            if self._stop.is_set() or len(self._queue) >= self.settings.max_queue:
+                return False
+            job.wake = self.wake
+            self._queue.append(job)
+            self._cond.notify_all()
+        return True
+
+    def wake(self) -> None:
+        with self._cond:
+            self._cond.notify_all()
+
+    @property
+    def queue_depth(self) -> int:
+        return len(self._queue)
+
+    @property
+    def active(self) -> int:
+        runner = self._runner
+        return len(runner.active) if runner else 0
+
+    def kv_bytes(self) -> tuple[int, int] | None:
+        """(reserved, used) bytes of the current worker's KV cache; None between workers."""
+        runner = self._runner
+        return (runner.cache.nbytes, runner.cache.used_bytes) if runner else None
+
+    def health(self) -> dict:
+        with self._cond:
+            thread = self._thread
+            alive = thread is not None and thread.is_alive()
+            age = time.monotonic() - self._beat
+            healthy = alive and not self._restarting and age <= self.settings.stall_timeout
+            return {
+                "status": "ok" if healthy else "unhealthy",
+                "worker": {
+                    "alive": alive,
+                    "heartbeat_age_s": round(age, 3),
+                    "restarting": self._restarting,
+                    "restarts": self._restarts,
+                    "last_error": self._last_error,
+                },
+                "queue_depth": len(self._queue),
+                "active": self.active,
+                "slots": self.settings.slots,
+                "peak_batch": self.peak_batch,
+            }
+
+    def debug(self, action: str, seconds: float = 0.0) -> None:
+        """Test hooks (only reachable when the server enables them): kill or stall the worker
+        thread, slow each step by `seconds` (delay), hold admission and decoding (pause/resume)."""
+        with self._cond:
+            if action in ("kill", "stall"):
+                self._hooks.append((action, seconds))
+            elif action == "delay":
+                self._step_delay = seconds
+            elif action in ("pause", "resume"):
+                self._paused = action == "pause"
+            else:
+                raise ValueError(f"unknown debug action {action!r}")
+            self._cond.notify_all()
+
+    # -- the worker thread -----------------------------------------------------------------
+
+    def _spawn(self) -> None:
+        with self._cond:
+            self._generation += 1
+            self._beat = time.monotonic()
+            self._death = None
+            self._thread = threading.Thread(
+                target=self._main, args=(self._generation,), name=f"tierlm-worker-{self._generation}", daemon=True
+            )
+            self._thread.start()
+
+    def _main(self, generation: int) -> None:
+        try:
+            self._loop(generation)
+        except BaseException as err:  # noqa: BLE001 - record why; the watchdog restarts it
+            if generation == self._generation:
+                self._death = f"{type(err).__name__}: {err}"
+            if not isinstance(err, WorkerKilled):
+                logging.getLogger("tierlm.server").exception("the worker crashed")
+
+    def _current(self, generation: int) -> bool:
+        return generation == self._generation and not self._stop.is_set()
+
+    def _loop(self, generation: int) -> None:
+        runner = BatchRunner(self.loaded, self.tokenizer, self.settings.slots)
+        with self._cond:
+            if not self._current(generation):
+                return
+            self._runner = runner
+        while True:
+            with self._cond:
+                if not self._current(generation):
+                    return
+                self._beat = time.monotonic()
+                hook = self._hooks.popleft() if self._hooks else None
+                paused, delay = self._paused, self._step_delay
+            if hook is not None:
+                self._apply(hook)
+                continue
+            self._end_gone(runner)
+            with self._cond:
+                if not self._current(generation):
+                    return
+                self._admit(runner, paused)
+                if paused or not runner.active:
+                    self._cond.wait(IDLE_WAIT_S)
+                    continue
+            try:
+                report = runner.step()
+            except Exception as err:  # noqa: BLE001 - a failed step fails its jobs, not the server
+                logging.getLogger("tierlm.server").exception("a generation step failed")
+                runner.fail_all(f"generation failed: {type(err).__name__}: {err}")
+                continue
+            self.peak_batch = max(self.peak_batch, report.batch)
+            if self._on_step is not None:
+                self._on_step(report)
+            if delay:
+                time.sleep(delay)
+
+    def _apply(self, hook: tuple[str, float]) -> None:
+        action, seconds = hook
+        if action == "kill":
+            raise WorkerKilled("killed by the debug hook")
+        time.sleep(seconds)  # "stall": no heartbeat meanwhile
+
+    def _end_gone(self, runner: BatchRunner) -> None:
+        """End sequences whose client left (frees the slot) or whose deadline passed."""
+        now = time.monotonic()
+        for seq in list(runner.active):
+            if seq.job.cancelled or seq.job.closed:
+                runner.end(seq, "cancelled")
+            elif seq.job.expired(now):
+                runner.end(seq, "timeout")
+
+    def _admit(self, runner: BatchRunner, paused: bool) -> None:
+        """Drop queued jobs that ended or expired, then move queued jobs into free slots
+        (under the lock, so the watchdog sees every job)."""
+        now = time.monotonic()
+        for job in [j for j in self._queue if j.closed or j.cancelled or j.expired(now)]:
+            self._queue.remove(job)
+            job.finish("timeout", 0)  # a no-op for a job that already ended
+        while self._queue and runner.has_room and not paused:
+            runner.admit(self._queue.popleft())
+
+    # -- the watchdog ----------------------------------------------------------------------
+
+    def _watch(self) -> None:
+        while not self._stop.wait(self.settings.watchdog_interval):
+            problem = self._problem()
+            if problem is not None:
+                self._restart(problem)
+
+    def _problem(self) -> str | None:
+        thread = self._thread
+        if thread is None or not thread.is_alive():
+            return f"died ({self._death or 'its thread ended'})"
+        age = time.monotonic() - self._beat
+        if age > self.settings.stall_timeout:
+            return f"stalled (no heartbeat for {age:.1f} s)"
+        return None
+
+    def _restart(self, problem: str) -> None:
+        with self._cond:
+            self._restarting = True
+            self._restarts += 1
+            self._last_error = problem
+            self._generation += 1  # supersedes the old thread, should it ever wake up
+            runner, self._runner = self._runner, None
+        logging.getLogger("tierlm.server").error("the worker %s; restarting it", problem)
+        message = f"the server's worker {problem} and was restarted; this request was aborted, retry it"
+        for job in runner.jobs() if runner else []:
+            job.fail(message)
+        if self._on_restart is not None:
+            self._on_restart(problem)
+        if self._stop.wait(self.settings.restart_backoff):
+            return
+        self._spawn()
+        with self._cond:
+            self._restarting = False
