@@ -21,6 +21,7 @@ from collections.abc import Mapping
 import torch
 import torch.nn.functional as F
 
+from tierlm.quant.dispatch import plan_for
 from tierlm.quant.kernel_api import group_count
 from tierlm.quant.torch_kernels import dequantize_into
 
@@ -82,11 +83,7 @@ class Int8Weight:
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """x [..., in] @ W.T (+ bias [out]) -> [..., out] in x's dtype, with W = dequantize()."""
-        plan = self.plan
-        if plan is None:
-            from tierlm.quant.dispatch import plan_for
-
-            plan = plan_for(x.device)
+        plan = self.plan or plan_for(x.device)
         return plan.linear(x, self, bias)
 
     def rows(self, ids: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:

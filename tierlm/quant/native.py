@@ -57,6 +57,9 @@ namespace {
 #ifndef TL_PREFETCH
 #define TL_PREFETCH 2048
 #endif
+#ifndef TL_PF_MODE
+#define TL_PF_MODE 1
+#endif
 
 // One 16-column step of a tile: widen R x 16 int8 to fp32 (times the group scale when
 // GROUPED), FMA with MB activation rows. MASKED reads only the first popcount(mask) columns.
@@ -97,9 +100,16 @@ void tile(const float* x, int64_t K, const int8_t* w, const float* s, int64_t G,
       for (int r = 0; r < R; ++r) sv[r] = _mm512_set1_ps(s[r * G + g]);
     int64_t k = g * group;
     for (; k + 64 <= k1; k += 64) {  // one cache line per row per iteration
-      if (TL_PREFETCH)
-        for (int r = 0; r < R; ++r)
-          _mm_prefetch(reinterpret_cast<const char*>(w + r * K + k + TL_PREFETCH), _MM_HINT_T0);
+#if TL_PF_MODE == 1
+      for (int r = 0; r < R; ++r)
+        _mm_prefetch(reinterpret_cast<const char*>(w + r * K + k + TL_PREFETCH), _MM_HINT_T0);
+#elif TL_PF_MODE == 2
+      for (int r = 0; r < R; ++r)
+        _mm_prefetch(reinterpret_cast<const char*>(w + (r + R) * K + k), _MM_HINT_T0);
+#elif TL_PF_MODE == 3
+      for (int r = 0; r < R; ++r)
+        _mm_prefetch(reinterpret_cast<const char*>(w + (r + R) * K + k), _MM_HINT_T1);
+#endif
       for (int u = 0; u < 64; u += 16) step<R, MB, GROUPED, false>(acc, sv, x, K, w, k + u, 0);
     }
     for (; k + 16 <= k1; k += 16) step<R, MB, GROUPED, false>(acc, sv, x, K, w, k, 0);
