@@ -100,6 +100,7 @@ class Engine:
         eos = self.tokenizer.eos_token_ids
         seen = torch.tensor(prompt, dtype=torch.long)
         decode_started = time.perf_counter()
+        stopped = False
         while True:
             token = sampler(logits, seen if params.repetition_penalty != 1.0 else None)
             if not out.token_ids:
@@ -123,7 +124,9 @@ class Engine:
                 seen = torch.cat((seen, torch.tensor([token])))
             logits = self._step([token])
         stats.decode_s = time.perf_counter() - decode_started
-        if stats.finish_reason == "length":
+        if not stopped:
+            # EOS or a limit: release text still held for an incomplete character or a
+            # possible stop string (after a stop string, what follows is dropped on purpose).
             tail, _ = stops.feed(decoder.flush())
             tail += stops.flush()
             if tail:
