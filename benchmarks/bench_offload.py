@@ -126,7 +126,7 @@ def smollm(folder: Path) -> None:
     # Budget: this process's baseline (torch + tierlm imported) + 40% of the INT8 weights + slack
     # for KV cache, workspace and the ring, which the planner charges inside the same budget.
     del torch
-    budget = read_memory().rss + int(0.4 * weights) + (48 << 20)
+    budget = read_memory().rss + int(0.4 * weights) + (96 << 20)
     capped = side(["tierlm", str(artifact), str(budget_profile(folder, "capped", budget))])
     resident = side(["tierlm", str(artifact), str(budget_profile(folder, "resident", 16 << 30))])
     peer = side(["accelerate", str(model_dir), f"{max(int(0.4 * 4 * weights) >> 20, 1)}MB"])
