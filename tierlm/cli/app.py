@@ -116,10 +116,13 @@ def generate(
             {"role": "user", "content": prompt}
         ]
         ids = tokenizer.encode_chat(messages, add_generation_prompt=True)
-    for delta in session.engine.generate(ids, params):
-        sys.stdout.write(delta)
-        sys.stdout.flush()
-    sys.stdout.write("\n")
+    try:
+        for delta in session.engine.generate(ids, params):
+            sys.stdout.write(delta)
+            sys.stdout.flush()
+        sys.stdout.write("\n")
+    finally:
+        session.engine.loaded.close()  # persists hot-row statistics for the next start
 
 
 @app.command()
