@@ -3,6 +3,8 @@ serialization, quant mode names, and the fallback when a preferred kernel cannot
 
 from __future__ import annotations
 
+import platform
+
 import pytest
 import torch
 
@@ -11,7 +13,7 @@ from tierlm.quant.dispatch import KernelPlan, calibrate
 from tierlm.quant.int8 import Int8Weight, quantize_int8
 from tierlm.quant.kernel_api import KernelUnavailable
 from tierlm.quant.modes import parse_quant_mode
-from tierlm.quant.native import load_native
+from tierlm.quant.native import FLAGS, load_native
 from tierlm.quant.torch_kernels import BlasKernel, TorchKernel, dequantize_into
 
 # Shapes that are no multiple of 16 or 64, so vector tails and ragged groups are exercised.
@@ -131,6 +133,14 @@ def _kernels(tmp_path_factory):
         kernels["blas-native"] = BlasKernel(native.dequantize_into)
     except KernelUnavailable:
         pass
+    if platform.machine() in ("x86_64", "AMD64"):
+        # The portable loop (what CPUs without AVX-512 run), built for plain AVX2 here.
+        portable = tuple("-march=x86-64-v3" if f == "-march=native" else f for f in FLAGS)
+        try:
+            kernels["native-portable"] = load_native(build, portable)
+            assert kernels["native-portable"].name == "native-simd"
+        except KernelUnavailable:
+            pass
     try:
         from tierlm.quant.numba_kernel import load_numba
 

@@ -57,6 +57,8 @@ class KernelPlan:
         out_features, in_features = weight.qweight.shape
         if x.shape[-1] != in_features:
             raise ValueError(f"x has {x.shape[-1]} features, weight {list(weight.shape)} wants {in_features}")
+        if bias is not None and bias.shape != (out_features,):
+            raise ValueError(f"bias {list(bias.shape)} does not match {out_features} outputs")
         rows = x.reshape(-1, in_features)
         if self.fp32_only:
             # The CPU kernels read raw pointers: a tensor on another device must not reach them.

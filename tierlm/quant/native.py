@@ -227,7 +227,8 @@ int tierlm_i8_dequant(const int8_t* w, const float* s, int64_t N, int64_t K, int
 }  // extern "C"
 """
 
-_FLAGS = ("-O3", "-march=native", "-fopenmp", "-std=c++17", "-shared", "-fPIC")
+# -march=native: the AVX-512 path where the CPU has it, else the portable loop tuned for this CPU.
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-std=c++17", "-shared", "-fPIC")
 
 
 class NativeKernel:
@@ -268,19 +269,21 @@ class NativeKernel:
         return out
 
 
-def load_native(build_root: Path | None = None) -> NativeKernel:
+def load_native(build_root: Path | None = None, flags: tuple[str, ...] = FLAGS) -> NativeKernel:
     """The native kernel, compiled into `build_root` (default `cache_root()/kernels`) if needed.
 
-    Raises KernelUnavailable when there is no C++ compiler or the build fails.
+    `flags` are the compiler flags (tests pass e.g. `-march=x86-64-v3` to build the portable
+    path on an AVX-512 machine). Raises KernelUnavailable when there is no C++ compiler or the
+    build fails.
     """
     if build_root is None:
         from tierlm.paths import cache_root
 
         build_root = cache_root() / "kernels"
     compiler = _compiler()
-    library = build_root / f"int8_cpu-{_build_key(compiler)}.so"
+    library = build_root / f"int8_cpu-{_build_key(compiler, flags)}.so"
     if not library.exists():
-        _compile(compiler, library)
+        _compile(compiler, flags, library)
     try:
         return NativeKernel(library)
     except OSError as err:  # a truncated or foreign library: report, the caller falls back
@@ -294,7 +297,7 @@ def _compiler() -> str:
     raise KernelUnavailable("no C++ compiler found (set $CXX or install g++)")
 
 
-def _build_key(compiler: str) -> str:
+def _build_key(compiler: str, flags: tuple[str, ...]) -> str:
     """Hash of everything the library's bytes depend on: source, flags, compiler, CPU."""
     try:
         version = subprocess.run(
@@ -302,7 +305,7 @@ def _build_key(compiler: str) -> str:
         ).stdout
     except (OSError, subprocess.SubprocessError) as err:
         raise KernelUnavailable(f"{compiler} --version failed: {err}") from None
-    parts = [_SOURCE, " ".join(_FLAGS), version, platform.machine(), _cpu_identity()]
+    parts = [_SOURCE, " ".join(flags), version, platform.machine(), _cpu_identity()]
     return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
 
 
@@ -316,7 +319,7 @@ def _cpu_identity() -> str:
     return "\n".join(dict.fromkeys(keep))
 
 
-def _compile(compiler: str, library: Path) -> None:
+def _compile(compiler: str, flags: tuple[str, ...], library: Path) -> None:
     library.parent.mkdir(parents=True, exist_ok=True)
     # Build under a unique name and rename: concurrent builders never expose a partial file.
     with tempfile.TemporaryDirectory(dir=library.parent, prefix=".build-") as tmp:
@@ -325,7 +328,7 @@ def _compile(compiler: str, library: Path) -> None:
         output = Path(tmp) / library.name
         try:
             done = subprocess.run(
-                [compiler, *_FLAGS, str(source), "-o", str(output)],
+                [compiler, *flags, str(source), "-o", str(output)],
                 capture_output=True, text=True, timeout=300,
             )  # fmt: skip
         except (OSError, subprocess.SubprocessError) as err:
