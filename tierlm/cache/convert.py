@@ -95,28 +95,18 @@ def convert(request: ConversionRequest, out_dir: Path, key: str, merger=None, pr
         base = checkpoint.get(name)
         return merger.merge(name, base) if merger is not None else base.float()
 
+    def tensor_for(block: str, name: str, sources: tuple[str, ...]) -> torch.Tensor:
+        tensor = torch.cat([merged(s) for s in sources]) if len(sources) > 1 else merged(sources[0])
+        if tuple(tensor.shape) != shapes[name]:
+            raise TierlmError(
+                f"weight {block}.{name} has shape {tuple(tensor.shape)}, config.json implies {shapes[name]}",
+                "the checkpoint does not match its config.json",
+            )
+        return tensor
+
     writer = ArtifactWriter(out_dir)
-    written: dict[tuple[str, ...], tuple[str, str]] = {}
     try:
-        for done, (block, entries) in enumerate(layout.items(), start=1):
-            writer.begin_block(block)
-            for name, sources in entries.items():
-                if sources in written:
-                    writer.add_alias(name, *written[sources])
-                    continue
-                tensor = torch.cat([merged(s) for s in sources]) if len(sources) > 1 else merged(sources[0])
-                if tuple(tensor.shape) != shapes[name]:
-                    raise TierlmError(
-                        f"weight {block}.{name} has shape {tuple(tensor.shape)}, config.json implies {shapes[name]}",
-                        "the checkpoint does not match its config.json",
-                    )
-                encoding, parts, meta = codec.encode(tensor, mode)
-                del tensor
-                writer.add_tensor(name, encoding, parts, meta)
-                written[sources] = (block, name)
-            writer.end_block()
-            if progress:
-                progress(done, len(layout))
+        write_layout(writer, layout, tensor_for, mode, progress)
         writer.finish(
             {
                 "key": key,
@@ -131,6 +121,27 @@ def convert(request: ConversionRequest, out_dir: Path, key: str, merger=None, pr
     for name in MODEL_FILES:
         if (model_dir / name).is_file():
             shutil.copyfile(model_dir / name, out_dir / name)
+
+
+def write_layout(writer: ArtifactWriter, layout, tensor_for, mode, progress: Progress | None = None) -> None:
+    """Append every block of `layout` to `writer`, one encoded tensor per distinct source tuple.
+
+    `tensor_for(block, name, sources)` makes the fp32 tensor; entries whose sources were already
+    written (a tied head) become aliases. Each tensor is released once encoded, so at most one
+    fp32 tensor is alive at a time.
+    """
+    written: dict[tuple[str, ...], tuple[str, str]] = {}
+    for done, (block, entries) in enumerate(layout.items(), start=1):
+        writer.begin_block(block)
+        for name, sources in entries.items():
+            if sources in written:
+                writer.add_alias(name, *written[sources])
+                continue
+            writer.add_tensor(name, *codec.encode(tensor_for(block, name, sources), mode))
+            written[sources] = (block, name)
+        writer.end_block()
+        if progress:
+            progress(done, len(layout))
 
 
 def _merger(adapters: Sequence[tuple[Path, float]]):

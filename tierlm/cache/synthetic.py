@@ -14,6 +14,7 @@ from typing import Any, Callable, Mapping
 from tierlm.atomic import atomic_directory, directory_lock
 from tierlm.cache import codec
 from tierlm.cache.artifact import MANIFEST_NAME, ArtifactWriter
+from tierlm.cache.convert import write_layout
 from tierlm.config import ModelConfig
 
 WEIGHT_STD = 0.02
@@ -45,25 +46,15 @@ def write_synthetic_artifact(
         generator = torch.Generator().manual_seed(seed)
         with atomic_directory(target) as tmp:
             writer = ArtifactWriter(tmp)
-            written: dict[tuple[str, ...], tuple[str, str]] = {}
+
+            def tensor_for(block: str, name: str, sources: tuple[str, ...]):
+                shape = shapes[name]
+                if "norm" in name:
+                    return 1.0 + 0.1 * torch.randn(shape, generator=generator)
+                return WEIGHT_STD * torch.randn(shape, generator=generator)
+
             try:
-                for done, (block, entries) in enumerate(layout.items(), start=1):
-                    writer.begin_block(block)
-                    for name, sources in entries.items():
-                        if sources in written:
-                            writer.add_alias(name, *written[sources])
-                            continue
-                        shape = shapes[name]
-                        if len(shape) == 1:
-                            tensor = 1.0 + 0.1 * torch.randn(shape, generator=generator) if "norm" in name else \
-                                WEIGHT_STD * torch.randn(shape, generator=generator)  # fmt: skip
-                        else:
-                            tensor = WEIGHT_STD * torch.randn(shape, generator=generator)
-                        writer.add_tensor(name, *codec.encode(tensor, mode))
-                        written[sources] = (block, name)
-                    writer.end_block()
-                    if progress:
-                        progress(done, len(layout))
+                write_layout(writer, layout, tensor_for, mode, progress)
                 writer.finish({"key": key, "model_type": config.model_type, "source": "synthetic", "quant": mode.name, "adapters": []})
             finally:
                 writer.close()
