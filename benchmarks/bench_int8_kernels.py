@@ -33,6 +33,7 @@ import argparse
 import os
 import statistics
 import time
+import warnings
 
 import torch
 import torch.nn.functional as F
@@ -52,17 +53,21 @@ def main() -> None:
     parser.add_argument("--only", default=None, help="candidates to run, comma-separated")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")] if args.shapes else SHAPES
+    shapes = SHAPES
+    if args.shapes:
+        shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
     rows_list = tuple(int(v) for v in args.rows.split(",")) if args.rows else ROWS
 
     from tierlm.quant.dispatch import plan_for
 
-    print(f"load average before: {os.getloadavg()[0]:.2f}; threads {args.threads}; "
-          f"{'hot (one copy)' if args.hot else f'working set >= {args.working_set} MiB'}")  # fmt: skip
+    reads = "hot (one copy)" if args.hot else f"working set >= {args.working_set} MiB"
+    print(f"load average before: {os.getloadavg()[0]:.2f}; threads {args.threads}; {reads}")
     start = time.perf_counter()
     plan = plan_for(torch.device("cpu"))
-    print(f"calibrated plan in {time.perf_counter() - start:.2f} s: gemv={plan.gemv.name}, "
-          f"gemm={plan.gemm.name}, crossover={plan.crossover} rows; skipped={list(plan.skipped)}")  # fmt: skip
+    print(
+        f"calibrated plan in {time.perf_counter() - start:.2f} s: gemv={plan.gemv.name}, "
+        f"gemm={plan.gemm.name}, crossover={plan.crossover} rows; skipped={list(plan.skipped)}"
+    )
     candidates = _candidates(plan)
     if args.only:
         keep = set(args.only.split(",")) | {"fp32"}
@@ -99,7 +104,8 @@ def _candidates(plan):
     except KernelUnavailable as err:
         print(f"numba kernel unavailable: {err}")
     if native is not None:
-        out.append(("native-deq+blas", int8, kernel_run(BlasKernel(native.dequantize_into)), _int8_bytes))
+        blas = BlasKernel(native.dequantize_into)
+        out.append(("native-deq+blas", int8, kernel_run(blas), _int8_bytes))
     out.append(("torch-deq+blas", int8, kernel_run(BlasKernel()), _int8_bytes))
 
     def int8pack(dtype):
@@ -120,6 +126,7 @@ def _int8_bytes(qw) -> int:
 
 
 def _fbgemm_pack(w):
+    warnings.filterwarnings("ignore", message=".*quantize_per_tensor.*deprecated")
     scales = w.abs().amax(dim=1).clamp_min(1e-12) / 127
     zeros = torch.zeros(w.shape[0], dtype=torch.int64)
     qweight = torch.quantize_per_channel(w, scales.double(), zeros, axis=0, dtype=torch.qint8)
@@ -134,7 +141,8 @@ def _bench_shape(shape, rows_list, candidates, args) -> None:
     out_features, in_features = shape
     weight = torch.randn(shape, generator=torch.Generator().manual_seed(0)) * 0.02
     print(f"\n[{out_features} x {in_features}]  (out x in)")
-    print(f"{'candidate':<17}" + "".join(f"{f'rows={r}: ms':>16}{'GB/s':>8}{'x fp32':>8}" for r in rows_list))
+    header = "".join(f"{f'rows={r}: ms':>16}{'GB/s':>8}{'x fp32':>8}" for r in rows_list)
+    print(f"{'candidate':<17}{header}")
     baseline = {}
     for name, prepare, run, nbytes in candidates:
         state = prepare(weight)
@@ -148,7 +156,8 @@ def _bench_shape(shape, rows_list, candidates, args) -> None:
             if name == "fp32":
                 baseline[rows] = seconds
             flag = "!" if cpu < 0.9 * args.threads else " "
-            cells.append(f"{seconds * 1e3:>15.3f}{flag}{size / seconds / 1e9:>8.1f}{baseline[rows] / seconds:>8.2f}")
+            speed, ratio = size / seconds / 1e9, baseline[rows] / seconds
+            cells.append(f"{seconds * 1e3:>15.3f}{flag}{speed:>8.1f}{ratio:>8.2f}")
         print(f"{name:<17}" + "".join(cells), flush=True)
         del states, state
 

@@ -48,15 +48,20 @@ class Int8Weight:
         plan=None,
     ):
         if qweight.dtype != torch.int8 or qweight.dim() != 2:
-            raise ValueError(f"qweight must be a 2-D int8 tensor, got {qweight.dtype} {tuple(qweight.shape)}")
+            raise ValueError(
+                f"qweight must be a 2-D int8 tensor, got {qweight.dtype} {tuple(qweight.shape)}"
+            )
         out_features, in_features = qweight.shape
         group = in_features if group_size is None else group_size
         if group < 1:
             raise ValueError(f"group_size must be positive, got {group_size}")
-        want = (out_features,) if group_size is None else (out_features, group_count(in_features, group))
+        groups = group_count(in_features, group)
+        want = (out_features,) if group_size is None else (out_features, groups)
         if tuple(scales.shape) != want or not scales.is_floating_point():
-            raise ValueError(f"scales must be float {want} for qweight {tuple(qweight.shape)}, "
-                             f"group_size {group_size}; got {scales.dtype} {tuple(scales.shape)}")  # fmt: skip
+            raise ValueError(
+                f"scales must be float {want} for qweight {tuple(qweight.shape)}, group_size "
+                f"{group_size}; got {scales.dtype} {tuple(scales.shape)}"
+            )
         self.qweight = qweight.contiguous()
         self.scales = scales
         self.group_size = group_size
@@ -101,10 +106,13 @@ class Int8Weight:
         return dequantize_into(self.qweight, self.scales_2d, self.group, out)
 
     def to(self, device, dtype: torch.dtype | None = None) -> Int8Weight:
-        """The same weight on `device` (rows() then in `dtype`, default unchanged)."""
+        """The same weight on `device` (rows() then in `dtype`, default unchanged).
+
+        A pinned plan is dropped: it belongs to the old device.
+        """
         return Int8Weight(
             self.qweight.to(device), self.scales.to(device), self.group_size,
-            dtype=dtype or self.dtype, plan=self.plan,
+            dtype=dtype or self.dtype,
         )  # fmt: skip
 
     # -- serialization ----------------------------------------------------------------------
@@ -137,13 +145,15 @@ class Int8Weight:
 
 
 def quantize_int8(weight: torch.Tensor, group_size: int | None = None) -> Int8Weight:
-    """Symmetric round-to-nearest INT8 of weight [out, in]: per channel, or per `group_size` columns.
+    """Symmetric round-to-nearest INT8 of weight [out, in], per channel or per `group_size` columns.
 
     Scales are fp32 max|w| / 127 per row or group; an all-zero row or group gets scale 0 and
     q = 0, so it dequantizes to exact zeros. Non-finite weights are refused (ValueError).
     """
     if weight.dim() != 2 or not weight.is_floating_point():
-        raise ValueError(f"expected a 2-D float weight [out, in], got {weight.dtype} {tuple(weight.shape)}")
+        raise ValueError(
+            f"expected a 2-D float weight [out, in], got {weight.dtype} {tuple(weight.shape)}"
+        )
     out_features, in_features = weight.shape
     group = in_features if group_size is None else group_size
     if group < 1:
@@ -163,4 +173,6 @@ def quantize_int8(weight: torch.Tensor, group_size: int | None = None) -> Int8We
         q = torch.round(block / safe[..., None]).clamp_(-127, 127)
         qweight[start:stop] = q.flatten(1)[:, :in_features].to(torch.int8)
         scales[start:stop] = scale
-    return Int8Weight(qweight, scales[:, 0].contiguous() if group_size is None else scales, group_size)
+    if group_size is None:
+        scales = scales[:, 0].contiguous()  # per channel: [out], as `tensors()` stores it
+    return Int8Weight(qweight, scales, group_size)

@@ -4,11 +4,12 @@ One owner: this module holds the C++ source, builds it into a shared library cac
 `cache_root()/kernels`, and wraps its two entry points:
 
 - `matmul`: y[M, N] = x[M, K] @ (q[N, K] * s[N, G]).T (+ bias), for small M (decode). Each
-  int8 weight vector is widened to fp32 and multiplied by its scale in registers (the same
-  fp32 product `dequantize()` makes), then FMA'd with up to 4 activation rows: only the int8
-  bytes cross the memory bus, and accumulation is fp32 (W8A16 semantics, no activation
-  quantization). AVX-512 intrinsics where the compiler targets them, else a portable loop
-  the compiler vectorises (`omp simd`).
+  16 int8 weights are widened to fp32 in registers (and multiplied by their group's scale;
+  per channel the scale multiplies the finished sum), then FMA'd with up to 4 activation
+  rows; 8 weight rows at a time at M = 1, each step prefetching the next tile into L2. Only
+  the int8 bytes cross the memory bus and accumulation is fp32: W8A16, activations are never
+  quantized. AVX-512 intrinsics where the compiler targets them, else a portable loop the
+  compiler vectorises (`omp simd`).
 - `dequantize_into`: fp32 rows of a weight block, for the dequantize-then-BLAS path (prefill).
 
 The library is compiled with `-march=native`, so its cache key includes the CPU's identity as
@@ -44,10 +45,12 @@ _SOURCE = r"""
 namespace {
 
 #ifdef TIERLM_AVX512
-// Tuning constants (measured on a 2-core AVX-512 Xeon, benchmarks/bench_int8_kernels.py);
-// overridable with -D for experiments. Weight rows per tile at M == 1 and at M > 1 (where a
-// tile is R rows x 4 activation rows: 16 accumulators), and the software prefetch distance in
-// bytes along each weight row (0: off).
+// Tuning constants, measured on a 2-core AVX-512 Xeon (benchmarks/bench_int8_kernels.py) and
+// overridable with -D for experiments: weight rows per tile at M == 1, and at M > 1 (where a
+// tile is R rows x 4 activation rows: 16 accumulators). TL_PREFETCH: each step also prefetches
+// the same line of the next tile into L2. One tile ahead keeps enough misses in flight per
+// core; without it decode GEMV read 10-23 GB/s, with it 20-28 GB/s (fixed distances of
+// 1-4 KiB along a row did worse on short rows such as K = 576).
 #ifndef TL_ROWS1
 #define TL_ROWS1 8
 #endif
@@ -55,10 +58,7 @@ namespace {
 #define TL_ROWSM 4
 #endif
 #ifndef TL_PREFETCH
-#define TL_PREFETCH 2048
-#endif
-#ifndef TL_PF_MODE
-#define TL_PF_MODE 1
+#define TL_PREFETCH 1
 #endif
 
 // One 16-column step of a tile: widen R x 16 int8 to fp32 (times the group scale when
@@ -100,16 +100,9 @@ void tile(const float* x, int64_t K, const int8_t* w, const float* s, int64_t G,
       for (int r = 0; r < R; ++r) sv[r] = _mm512_set1_ps(s[r * G + g]);
     int64_t k = g * group;
     for (; k + 64 <= k1; k += 64) {  // one cache line per row per iteration
-#if TL_PF_MODE == 1
-      for (int r = 0; r < R; ++r)
-        _mm_prefetch(reinterpret_cast<const char*>(w + r * K + k + TL_PREFETCH), _MM_HINT_T0);
-#elif TL_PF_MODE == 2
-      for (int r = 0; r < R; ++r)
-        _mm_prefetch(reinterpret_cast<const char*>(w + (r + R) * K + k), _MM_HINT_T0);
-#elif TL_PF_MODE == 3
-      for (int r = 0; r < R; ++r)
-        _mm_prefetch(reinterpret_cast<const char*>(w + (r + R) * K + k), _MM_HINT_T1);
-#endif
+      if (TL_PREFETCH)
+        for (int r = 0; r < R; ++r)
+          _mm_prefetch(reinterpret_cast<const char*>(w + (r + R) * K + k), _MM_HINT_T1);
       for (int u = 0; u < 64; u += 16) step<R, MB, GROUPED, false>(acc, sv, x, K, w, k + u, 0);
     }
     for (; k + 16 <= k1; k += 16) step<R, MB, GROUPED, false>(acc, sv, x, K, w, k, 0);

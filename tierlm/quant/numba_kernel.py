@@ -5,7 +5,10 @@ step so each activation load feeds two FMAs, fp32 accumulation per group, then t
 group's scale. `fastmath` only lets LLVM
 reorder the fp32 sum into vector lanes (as the native kernel's lanes do); there are no NaN/inf
 shortcuts that change results for finite inputs. Compiled machine code is cached under
-`cache_root()/kernels/numba`, so later processes load it instead of recompiling.
+`cache_root()/kernels/numba-<version>`, so later processes load it instead of recompiling.
+
+numba's OpenMP threading layer loads its own copy of libgomp beside torch's, so two thread
+pools take turns on the cores; the native kernel shares torch's pool and is preferred.
 """
 
 from __future__ import annotations
@@ -47,7 +50,6 @@ def load_numba(build_root: Path | None = None) -> NumbaKernel:
     cache_dir = build_root / f"numba-{numba.__version__}"
     cache_dir.mkdir(parents=True, exist_ok=True)
     matmul_fn = _compile(numba, cache_dir)
-    threads = min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS)
 
     def set_threads(count: int) -> None:
         # numba's pool is sized at first use; it can run fewer threads than that, not more.
@@ -59,7 +61,6 @@ def load_numba(build_root: Path | None = None) -> NumbaKernel:
         kernel.matmul(probe, torch.ones(2, 3, dtype=torch.int8), torch.ones(2, 1), 3)
     except Exception as err:  # a numba build that cannot compile this: fall back
         raise KernelUnavailable(f"numba failed to compile the int8 kernel: {err}") from None
-    set_threads(threads)
     return kernel
 
 
