@@ -261,7 +261,8 @@ def test_refusal_suggests_a_smaller_quant_for_the_same_profile(model_dirs):
 
 @pytest.mark.parametrize(
     "family, tied, quant, extra",
-    [("llama", False, "int8", {}), ("qwen2", True, "int8-g32", {}), ("llama", True, "fp16", {"attention_bias": True, "mlp_bias": True})],
+    [("llama", False, "int8", {}), ("qwen2", True, "int8-g32", {}), ("llama", False, "int8-g32-asym", {}),
+     ("llama", True, "fp16", {"attention_bias": True, "mlp_bias": True})],
 )
 def test_sizes_from_config_match_the_converted_artifact(tmp_path, family, tied, quant, extra):
     from tests.tiny import make_model

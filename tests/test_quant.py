@@ -323,3 +323,89 @@ def test_dequantize_into_matches_broadcast_multiply():
     out = dequantize_into(qw.qweight, qw.scales_2d, 128, torch.empty(5, 300))
     manual = qw.qweight.float() * _element_scales(qw)
     assert torch.equal(out, manual)
+
+
+# -- asymmetric (zero-point) modes ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("group_size", [None, 128, 32, 100])
+def test_asymmetric_round_trip_error_is_at_most_half_a_step(group_size):
+    w = _weight(*ODD) + 0.03  # skewed: symmetric ranges waste levels on the side never used
+    w[3] = 0.25  # a constant row: scale 0, the value kept exactly as offset
+    w[7, 11] = 40.0
+    qw = quantize_int8(w, group_size, asymmetric=True)
+    assert qw.offsets is not None and qw.offsets.shape == qw.scales.shape
+    error = (w.double() - qw.dequantize().double()).abs()
+    slack = 8 * torch.finfo(torch.float32).eps * w.double().abs().clamp_min(1.0)
+    assert (error <= _element_scales(qw).double() / 2 + slack).all()
+    assert torch.equal(qw.dequantize()[3], torch.full((ODD[1],), 0.25))
+    # Each affine group (offset != 0) spans the whole int8 range: its minimum maps to -128.
+    pad = qw.scales_2d.shape[1] * qw.group - ODD[1]
+    padded = torch.cat([qw.qweight.float(), qw.qweight.float()[:, -1:].expand(-1, pad)], 1)
+    grouped = padded.unflatten(1, (-1, qw.group))
+    affine = (qw.scales_2d > 0) & (qw.offsets_2d != 0)
+    assert affine.float().mean() > 0.5  # skewed weights: affine wins most groups
+    assert (grouped.amin(-1)[affine] == -128).all() and (grouped.amax(-1)[affine] == 127).all()
+    symmetric = quantize_int8(w, group_size)
+    assert (w - qw.dequantize()).square().sum() < 0.9 * (w - symmetric.dequantize()).square().sum()
+
+
+def test_asymmetric_keeps_a_symmetric_grid_exactly():
+    """GGUF Q8_0-style weights (w = d*q, q in -127..127 per 32 columns) also survive -asym."""
+    gen = torch.Generator().manual_seed(4)
+    q8 = torch.randint(-127, 128, (64, 576), generator=gen).float()
+    q8[:, ::32] = 127  # every group reaches the top of the grid, as Q8_0's own scales make it
+    d = torch.rand(64, 18, 1, generator=gen) * 0.001 + 1e-4
+    w = (q8.unflatten(1, (18, 32)) * d).flatten(1)
+    qw = quantize_int8(w, 32, asymmetric=True)
+    torch.testing.assert_close(qw.dequantize(), w, rtol=0, atol=1e-8)
+    assert (qw.offsets == 0).all()
+
+
+def test_asymmetric_groups_reproduce_a_4bit_affine_grid_exactly():
+    """GGUF Q4_1-style weights (w = d*q + m, q in 0..15 per 32 columns) survive int8-g32-asym."""
+    gen = torch.Generator().manual_seed(3)
+    q4 = torch.randint(0, 16, (64, 576), generator=gen).float()
+    q4[:, ::32], q4[:, 1::32] = 0, 15  # every group spans the full 4-bit range
+    d = torch.rand(64, 18, 1, generator=gen) * 0.01 + 0.001
+    m = -torch.rand(64, 18, 1, generator=gen) * 0.05
+    w = (q4.unflatten(1, (18, 32)) * d + m).flatten(1)
+    asym = quantize_int8(w, 32, asymmetric=True).dequantize()
+    torch.testing.assert_close(asym, w, rtol=0, atol=1e-7)
+    assert (quantize_int8(w, 32).dequantize() - w).abs().max() > 1e-5  # symmetric cannot
+
+
+@pytest.mark.parametrize("group_size", [None, 64, 100])
+@pytest.mark.parametrize("rows", [1, 3, 40])
+def test_asymmetric_linear_matches_dequantize_then_matmul(group_size, rows):
+    qw = quantize_int8(_weight(*ODD) + 0.02, group_size, asymmetric=True)
+    x = torch.randn(rows, ODD[1], generator=torch.Generator().manual_seed(rows))
+    bias = torch.randn(ODD[0])
+    _assert_matches(qw.linear(x, bias), _reference(x, qw, bias))
+    y3 = qw.linear(x.view(1, rows, -1))
+    assert y3.shape == (1, rows, ODD[0])
+    _assert_matches(y3[0], _reference(x, qw))
+
+
+def test_asymmetric_rows_tensors_and_device_copy():
+    qw = quantize_int8(_weight(300, 200) - 0.01, 64, asymmetric=True)
+    ids = torch.tensor([[0, 5, 299], [7, 7, 1]])
+    assert torch.equal(qw.rows(ids), qw.dequantize()[ids])
+    parts = qw.tensors()
+    assert set(parts) == {"qweight", "scales", "offsets"}
+    again = Int8Weight.from_tensors(parts, 64)
+    assert torch.equal(again.dequantize(), qw.dequantize())
+    assert again.nbytes == qw.qweight.nbytes + 2 * qw.scales.nbytes
+    assert torch.equal(qw.to("cpu").dequantize(), qw.dequantize())
+    with pytest.raises(ValueError, match="offsets must be"):
+        Int8Weight(qw.qweight, qw.scales, 64, offsets=qw.offsets[:, :1])
+
+
+def test_parse_asymmetric_modes():
+    g32 = parse_quant_mode("INT8-g32-asym")
+    assert (g32.name, g32.group_size, g32.asymmetric, g32.quantized) == ("int8-g32-asym", 32, True, True)
+    assert parse_quant_mode("int8-asym").group_size is None
+    assert not parse_quant_mode("int8-g32").asymmetric
+    assert g32.key != parse_quant_mode("int8-g32").key
+    with pytest.raises(TierlmError, match="group size"):
+        parse_quant_mode("int8-g100-asym")

@@ -1,7 +1,7 @@
 """How block tensors are encoded in an artifact and decoded for compute.
 
-2-D weights (projections, embedding, head) take the quant mode's format: INT8 with scales, or a
-float dtype. 1-D tensors (norms, biases) always stay fp32: they are tiny and precision-critical.
+2-D weights (projections, embedding, head) take the quant mode's format: INT8 with scales (and
+offsets when asymmetric), or a float dtype. 1-D tensors (norms, biases) always stay fp32: they are tiny and precision-critical.
 """
 
 from __future__ import annotations
@@ -22,7 +22,8 @@ def encode(tensor, mode: QuantMode) -> tuple[str, dict[str, Any], dict[str, Any]
     if tensor.dim() == 2 and mode.quantized:
         from tierlm.quant.int8 import quantize_int8
 
-        return "int8", quantize_int8(tensor, mode.group_size).tensors(), {"group_size": mode.group_size}
+        weight = quantize_int8(tensor, mode.group_size, asymmetric=mode.asymmetric)
+        return "int8", weight.tensors(), {"group_size": mode.group_size}
     dtype = getattr(torch, mode.weight_dtype) if tensor.dim() == 2 else torch.float32
     return "plain", {"data": tensor.to(dtype)}, {}
 

@@ -135,8 +135,9 @@ def sizes_from_config(
 
     Mirrors `LlamaModel.checkpoint_layout` (offload may not import a model family): per layer
     attn_norm [H], wqkv [qkv, H], wo [H, q], mlp_norm [H], w13 [2I, H], w2 [H, I], then biases
-    (Qwen2 always has bqkv; others per attention_bias / mlp_bias); embed [V, H]; norm [H];
-    head [V, H] or, tied, an alias of the embedding. tests/test_planner.py checks it against
+    (Qwen2 always has bqkv; others per attention_bias / mlp_bias, GLM and ChatGLM without bo),
+    then Qwen3's q_norm, k_norm [head_dim]; embed [V, H]; norm [H]; head [V, H] or, tied, an
+    alias of the embedding. tests/test_planner.py checks it against
     converted artifacts.
     """
     mode = resolve_quant(quant, accelerator)
@@ -146,10 +147,13 @@ def sizes_from_config(
              ("mlp_norm", (hidden,)), ("w13", (2 * inter, hidden)), ("w2", (hidden, inter))]  # fmt: skip
     if config.attention_bias or config.model_type == "qwen2":
         layer.append(("bqkv", (qkv,)))
-    if config.attention_bias and config.model_type != "qwen2":
+    # Qwen2's and the GLM families' attention biases stop at q/k/v: o_proj has none.
+    if config.attention_bias and config.model_type not in ("qwen2", "glm", "chatglm"):
         layer.append(("bo", (hidden,)))
     if config.mlp_bias:
         layer += [("b13", (2 * inter,)), ("b2", (hidden,))]
+    if config.model_type == "qwen3":  # an RMSNorm weight over each query / key head
+        layer += [("q_norm", (config.head_dim,)), ("k_norm", (config.head_dim,))]
     blocks: dict[str, list[tuple[str, tuple[int, ...]]]] = {"embed": [("embed", (vocab, hidden))]}
     for i in range(config.num_hidden_layers):
         blocks[f"layers.{i}"] = layer
@@ -176,7 +180,8 @@ def _stored_parts(shape: tuple[int, ...], mode: QuantMode) -> list[int]:
         return [elements * _FLOAT_BYTES[mode.weight_dtype]]
     out_features, in_features = shape
     groups = 1 if mode.group_size is None else -(-in_features // mode.group_size)
-    return [elements, out_features * groups * 4]  # int8 qweight, fp32 scales
+    scales = [out_features * groups * 4] * (2 if mode.asymmetric else 1)  # fp32 scales, offsets
+    return [elements, *scales]  # int8 qweight first
 
 
 def _block_bytes(parts: list[int]) -> int:
