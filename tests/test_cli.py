@@ -62,3 +62,21 @@ def test_import_gguf_prints_a_reusable_model_dir():
     assert second.stdout.strip() == model_dir
     reply = tierlm("generate", "Say hi", "--model", model_dir, "-t", "0", "-n", "8")
     assert reply.returncode == 0 and reply.stdout.strip()
+
+
+def test_bench_reports_speed_memory_and_the_plan(tmp_path):
+    import json
+
+    make_model(tmp_path)
+    result = tierlm("bench", "--model", str(tmp_path), "--prompt-tokens", "20", "--tokens", "9", "--runs", "2", "--json")
+    assert result.returncode == 0, result.stderr
+    figures = json.loads(result.stdout)
+    assert figures["profile"] == "24gb" and figures["runs"] == 2
+    assert figures["prefill_tokens_per_s"] > 0 and figures["decode_tokens_per_s"] > 0
+    assert figures["predicted_decode_tokens_per_s"] > 0 and figures["binding_limit"]
+    assert set(figures["placement_bytes"]) == {"device"}  # a tiny model is resident under 24gb
+    assert 0 < figures["peak_rss_bytes"] <= figures["budget_bytes"]
+    text = tierlm("bench", "--model", str(tmp_path), "--prompt-tokens", "20", "--tokens", "9", "--runs", "1")
+    assert "decode" in text.stdout and "within the profile's" in text.stdout
+    too_long = tierlm("bench", "--model", str(tmp_path), "--prompt-tokens", "5000", "--tokens", "9")
+    assert too_long.returncode != 0 and "context" in too_long.stderr and "Traceback" not in too_long.stderr

@@ -139,3 +139,22 @@ def test_chat_history_is_kept_and_truncated_oldest_first(tiny):
     with pytest.raises(TierlmError, match="context"):
         chat.send("fox " * 200, params)
     assert chat.messages[-1]["role"] == "assistant", "a refused message does not enter the history"
+
+
+def test_ignore_eos_decodes_exactly_max_new_tokens(tiny):
+    model_dir, _ = tiny
+    engine = engine_for(model_dir)
+    prompt = engine.tokenizer.encode("the quick brown fox")
+    first = engine.generate(prompt, SamplingParams(temperature=0, max_new_tokens=1))
+    first.text()
+    # Make the greedy first token an end-of-sequence token: normally generation stops at once.
+    engine.tokenizer.eos_token_ids = frozenset({first.token_ids[0]})
+    engine.reset()
+    stopped = engine.generate(prompt, SamplingParams(temperature=0, max_new_tokens=6))
+    stopped.text()
+    assert stopped.token_ids == first.token_ids and stopped.stats.finish_reason == "stop"
+    engine.reset()
+    forced = engine.generate(prompt, SamplingParams(temperature=0, max_new_tokens=6, ignore_eos=True))
+    forced.text()
+    assert len(forced.token_ids) == 6 and forced.stats.finish_reason == "length"
+    assert forced.token_ids[0] == first.token_ids[0]

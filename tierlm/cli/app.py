@@ -248,6 +248,32 @@ def plan(
 
 
 @app.command()
+def bench(
+    model: Optional[str] = ModelOpt,
+    profile: str = ProfileOpt,
+    device: Optional[str] = DeviceOpt,
+    dtype: Optional[str] = DtypeOpt,
+    quant: Optional[str] = QuantOpt,
+    lora: Optional[list[str]] = LoraOpt,
+    prompt_tokens: int = typer.Option(128, "--prompt-tokens", min=1, help="Prompt length (real English text)"),
+    tokens: int = typer.Option(64, "--tokens", min=2, help="Tokens to decode per run"),
+    runs: int = typer.Option(3, "--runs", min=1, help="Runs; the median is reported"),
+    as_json: bool = typer.Option(False, "--json", help="Print the figures as JSON"),
+):
+    """Measure prefill and decode speed and memory under a profile, next to the planner's prediction."""
+    import json
+
+    from tierlm.cli.bench import format_bench, run_bench
+
+    session = _open(model, profile, device, dtype, quant, lora)
+    try:
+        result = run_bench(session, prompt_tokens, tokens, runs)
+    finally:
+        session.engine.loaded.close()
+    print(json.dumps(result, indent=1) if as_json else format_bench(result))
+
+
+@app.command()
 def serve(
     model: Optional[str] = ModelOpt,
     profile: str = ProfileOpt,

@@ -97,7 +97,7 @@ class Engine:
         sampler = Sampler(params)
         decoder = self.tokenizer.stream_decoder()
         stops = StopMatcher(params.stop)
-        eos = self.tokenizer.eos_token_ids
+        eos = frozenset() if params.ignore_eos else self.tokenizer.eos_token_ids
         seen = torch.tensor(prompt, dtype=torch.long)
         decode_started = time.perf_counter()
         stopped = False

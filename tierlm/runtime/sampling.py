@@ -20,6 +20,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     seed: int | None = None
     stop: tuple[str, ...] = ()
+    ignore_eos: bool = False  # decode to max_new_tokens regardless (benchmarks: equal-length runs)
 
     def __post_init__(self):
         if self.max_new_tokens < 1:

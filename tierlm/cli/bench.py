@@ -1,0 +1,116 @@
+"""`tierlm bench`: measured prefill/decode speed and memory of a model under a profile.
+
+The prompt is a fixed public text (the Python docs' topic pages shipped with CPython, so
+every machine measures the same tokens), cut to `--prompt-tokens`. Each run starts from an
+empty KV cache and decodes greedily for `--tokens` tokens without stopping at EOS, so runs are
+alike; the median run is reported beside the planner's prediction, the memory the profile
+allows, what the process measured, and the memory manager's ledger when blocks stream.
+"""
+
+from __future__ import annotations
+
+import statistics
+
+
+def prompt_ids(tokenizer, count: int) -> list[int]:
+    """`count` tokens of real English text, the same on every machine."""
+    from pydoc_data.topics import topics
+
+    ids: list[int] = []
+    for key in sorted(topics):
+        ids += tokenizer.encode(topics[key])
+        if len(ids) >= count:
+            return ids[:count]
+    return (ids * (count // max(len(ids), 1) + 1))[:count]
+
+
+def run_bench(session, prompt_tokens: int, new_tokens: int, runs: int) -> dict:
+    """Time `runs` greedy generations; return the figures `format_bench` prints."""
+    from tierlm.device import read_memory
+    from tierlm.errors import TierlmError
+    from tierlm.runtime.sampling import SamplingParams
+
+    engine = session.engine
+    if prompt_tokens + new_tokens > engine.context_length:
+        raise TierlmError(
+            f"{prompt_tokens} prompt + {new_tokens} new tokens exceed the context of "
+            f"{engine.context_length}",
+            "lower --prompt-tokens/--tokens, or use a profile with a larger context_length",
+        )
+    ids = prompt_ids(engine.tokenizer, prompt_tokens)
+    # EOS ignored, no stop strings: every run decodes exactly `new_tokens` tokens.
+    params = SamplingParams(max_new_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+    samples = []
+    for _ in range(runs):
+        engine.reset()  # no KV prefix reuse: each run prefills the whole prompt
+        generation = engine.generate(ids, params)
+        for _ in generation:
+            pass
+        samples.append(generation.stats)
+    loaded = engine.loaded
+    memory = read_memory(loaded.device)
+    result = {
+        "model": str(session.model_dir),
+        "profile": session.profile.name,
+        "device": str(loaded.device),
+        "runs": runs,
+        "prompt_tokens": prompt_tokens,
+        "new_tokens": new_tokens,
+        "prefill_tokens_per_s": statistics.median(s.prefill_tokens_per_s for s in samples),
+        "decode_tokens_per_s": statistics.median(s.decode_tokens_per_s for s in samples),
+        "ttft_s": statistics.median(s.ttft_s for s in samples),
+        "load_s": session.load_s,
+        "budget_bytes": session.profile.device_memory,
+        "rss_bytes": memory.rss,
+        "peak_rss_bytes": memory.peak_rss,
+        "device_peak_bytes": memory.device_peak,
+    }
+    placement = loaded.placement
+    if placement is not None:
+        tiers: dict[str, int] = {}
+        for block in placement.blocks:
+            tiers[block.tier] = tiers.get(block.tier, 0) + block.nbytes
+        result["placement_bytes"] = tiers
+        result["predicted_decode_tokens_per_s"] = placement.predicted_decode_tokens_per_s
+        result["predicted_prefill_tokens_per_s"] = placement.predicted_prefill_tokens_per_s
+        result["binding_limit"] = placement.binding_limit
+    ledger = getattr(loaded.store, "ledger", None)
+    if ledger is not None:
+        result["ledger"] = ledger.snapshot(loaded.device)
+    return result
+
+
+def format_bench(result: dict) -> str:
+    from tierlm.profile import format_size
+
+    lines = [
+        f"model     {result['model']} on {result['device']}, profile {result['profile']}",
+        f"runs      {result['runs']} x ({result['prompt_tokens']} prompt + {result['new_tokens']} new "
+        f"tokens), greedy, median run",
+        f"prefill   {result['prefill_tokens_per_s']:.1f} tok/s, time to first token "
+        f"{result['ttft_s'] * 1000:.0f} ms",
+        f"decode    {result['decode_tokens_per_s']:.2f} tok/s",
+    ]
+    if "predicted_decode_tokens_per_s" in result:
+        ratio = result["decode_tokens_per_s"] / result["predicted_decode_tokens_per_s"]
+        lines.append(
+            f"predicted decode {result['predicted_decode_tokens_per_s']:.2f} tok/s "
+            f"(measured {ratio:.0%} of it), prefill {result['predicted_prefill_tokens_per_s']:.1f} tok/s"
+            + (f"; bound by {result['binding_limit']}" if result.get("binding_limit") else "")
+        )
+        lines.append("placement " + ", ".join(
+            f"{tier} {format_size(n)}" for tier, n in result["placement_bytes"].items()
+        ))  # fmt: skip
+    within = "within" if result["peak_rss_bytes"] <= result["budget_bytes"] else "OVER"
+    lines.append(
+        f"memory    peak RSS {format_size(result['peak_rss_bytes'])} ({within} the profile's "
+        f"{format_size(result['budget_bytes'])}), load {result['load_s']:.1f} s"
+    )
+    ledger = result.get("ledger")
+    if ledger:
+        read = ", ".join(f"{tier} {format_size(int(n))}" for tier, n in ledger["bytes_read_per_forward"].items())
+        lines.append(
+            f"streaming {read or 'nothing'} read per forward, stall {ledger['stall_s']:.2f} s, "
+            f"overlap {ledger['overlap']:.0%}, hot-row hit rate {ledger['hot_cache_hit_rate']:.0%}"
+        )
+    return "\n".join(lines)
