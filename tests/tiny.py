@@ -56,7 +56,8 @@ def make_model(
     with_tokenizer: bool = True,
     **extra,
 ):
-    """Save a random model of `family` (llama, qwen2, mistral) to model_dir; returns the HF model.
+    """Save a random model of `family` (llama, qwen2, qwen3, mistral, glm) to model_dir; returns
+    the HF model.
 
     Every parameter (biases and norms included) is drawn at random so none is trivially zero
     or one, which would hide a missing bias or a mis-mapped norm.
@@ -67,8 +68,14 @@ def make_model(
         "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
         "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
         "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
+        "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+        "glm": (transformers.GlmConfig, transformers.GlmForCausalLM),
     }
     config_cls, model_cls = classes[family]
+    if family in ("qwen3", "glm"):
+        extra.setdefault("head_dim", hidden // heads)  # their configs default to 128
+    if family == "glm":
+        extra.setdefault("pad_token_id", None)  # GlmConfig's default lies outside a tiny vocab
     config = config_cls(
         vocab_size=vocab,
         hidden_size=hidden,
@@ -83,15 +90,129 @@ def make_model(
         **extra,
     )
     torch.manual_seed(seed)
-    model = model_cls(config).eval()
+    model = randomize(model_cls(config).eval()).to(dtype)
+    model.save_pretrained(model_dir)
+    if with_tokenizer:
+        write_tokenizer(Path(model_dir), vocab)
+    return model
+
+
+def randomize(model):
+    """Draw every parameter at random: norms near 1, the rest small."""
     with torch.no_grad():
         for name, param in model.named_parameters():
             if "norm" in name:
                 param.copy_(1.0 + 0.1 * torch.randn_like(param))
             else:
                 param.copy_(0.08 * torch.randn_like(param))
-    model = model.to(dtype)
-    model.save_pretrained(model_dir)
-    if with_tokenizer:
-        write_tokenizer(Path(model_dir), vocab)
+    return model
+
+
+def chatglm_config(
+    *,
+    hidden: int = 64,
+    layers: int = 2,
+    heads: int = 4,
+    groups: int = 2,
+    kv_channels: int = 16,
+    ffn: int = 96,
+    vocab: int = 320,
+    seq_length: int = 512,
+    rope_ratio: float = 1.0,
+    qkv_bias: bool = True,
+    **overrides,
+) -> dict:
+    """A ChatGLM2/3 config.json (its own keys, as THUDM ships them) for a tiny model."""
+    return {
+        "model_type": "chatglm",
+        "architectures": ["ChatGLMModel"],
+        "auto_map": {"AutoModelForCausalLM": "modeling_chatglm.ChatGLMForConditionalGeneration"},
+        "num_layers": layers,
+        "padded_vocab_size": vocab,
+        "hidden_size": hidden,
+        "ffn_hidden_size": ffn,
+        "kv_channels": kv_channels,
+        "num_attention_heads": heads,
+        "multi_query_attention": True,
+        "multi_query_group_num": groups,
+        "add_bias_linear": False,
+        "add_qkv_bias": qkv_bias,
+        "apply_query_key_layer_scaling": True,
+        "apply_residual_connection_post_layernorm": False,
+        "attention_softmax_in_fp32": True,
+        "fp32_residual_connection": False,
+        "layernorm_epsilon": 1e-5,
+        "rmsnorm": True,
+        "post_layer_norm": True,
+        "original_rope": True,
+        "rope_ratio": rope_ratio,
+        "seq_length": seq_length,
+        "hidden_dropout": 0.0,
+        "attention_dropout": 0.0,
+        "tie_word_embeddings": False,
+        "eos_token_id": 2,
+        "pad_token_id": 0,
+        "torch_dtype": "float32",
+        **overrides,
+    }
+
+
+def make_chatglm(model_dir: Path, *, seed: int = 0, **config_args):
+    """Save a random ChatGLM2/3-layout checkpoint (config keys and tensor names as THUDM's) to
+    model_dir; return transformers' GlmForCausalLM holding the same weights under GLM's names.
+
+    The GLM reference is built only from the documented mapping (transformers' own GLM
+    conversion): config keys renamed, rope_theta = 10000 * rope_ratio, half of each head
+    rotating; query_key_value split into q/k/v, dense_h_to_4h kept fused as gate_up_proj.
+    """
+    import transformers
+    from safetensors.torch import save_file
+
+    raw = chatglm_config(**config_args)
+    heads, groups, dim = raw["num_attention_heads"], raw["multi_query_group_num"], raw["kv_channels"]
+    reference = transformers.GlmConfig(
+        vocab_size=raw["padded_vocab_size"],
+        hidden_size=raw["hidden_size"],
+        intermediate_size=raw["ffn_hidden_size"],
+        num_hidden_layers=raw["num_layers"],
+        num_attention_heads=heads,
+        num_key_value_heads=groups,
+        head_dim=dim,
+        max_position_embeddings=raw["seq_length"],
+        rms_norm_eps=raw["layernorm_epsilon"],
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0 * raw["rope_ratio"],
+                         "partial_rotary_factor": 0.5},
+        attention_bias=raw["add_qkv_bias"],
+        tie_word_embeddings=False,
+        pad_token_id=None,
+        eos_token_id=raw["eos_token_id"],
+    )
+    torch.manual_seed(seed)
+    model = randomize(transformers.GlmForCausalLM(reference).eval())
+    glm = {name: tensor.detach().clone() for name, tensor in model.state_dict().items()}
+    tensors = {
+        "transformer.embedding.word_embeddings.weight": glm["model.embed_tokens.weight"],
+        "transformer.encoder.final_layernorm.weight": glm["model.norm.weight"],
+        "transformer.output_layer.weight": glm["lm_head.weight"],
+        # ChatGLM stores its rotary frequencies; tierlm must recompute rather than read them.
+        "transformer.rotary_pos_emb.inv_freq": torch.full((dim // 4,), float("nan")),
+    }
+    for i in range(raw["num_layers"]):
+        src, dst = f"model.layers.{i}.", f"transformer.encoder.layers.{i}."
+        attn = f"{src}self_attn."
+        tensors[f"{dst}input_layernorm.weight"] = glm[f"{src}input_layernorm.weight"]
+        tensors[f"{dst}post_attention_layernorm.weight"] = glm[f"{src}post_attention_layernorm.weight"]
+        tensors[f"{dst}self_attention.query_key_value.weight"] = torch.cat(
+            [glm[f"{attn}{p}_proj.weight"] for p in "qkv"])
+        if raw["add_qkv_bias"]:
+            tensors[f"{dst}self_attention.query_key_value.bias"] = torch.cat(
+                [glm[f"{attn}{p}_proj.bias"] for p in "qkv"])
+        tensors[f"{dst}self_attention.dense.weight"] = glm[f"{attn}o_proj.weight"]
+        tensors[f"{dst}mlp.dense_h_to_4h.weight"] = glm[f"{src}mlp.gate_up_proj.weight"]
+        tensors[f"{dst}mlp.dense_4h_to_h.weight"] = glm[f"{src}mlp.down_proj.weight"]
+    model_dir = Path(model_dir)
+    model_dir.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(model_dir / "model.safetensors"),
+              metadata={"format": "pt"})
+    (model_dir / "config.json").write_text(json.dumps(raw, indent=1))
     return model

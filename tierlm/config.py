@@ -16,6 +16,9 @@ FAMILIES: Mapping[str, str] = MappingProxyType(
         "llama": "tierlm.models.llama",
         "mistral": "tierlm.models.llama",
         "qwen2": "tierlm.models.qwen2",
+        "qwen3": "tierlm.models.qwen3",
+        "glm": "tierlm.models.glm",
+        "chatglm": "tierlm.models.chatglm",
     }
 )
 
@@ -32,6 +35,8 @@ class RopeConfig:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    # Share of each head's channels that rotate; only the GLM families read it, as transformers does.
+    partial_rotary_factor: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -75,6 +80,8 @@ class ModelConfig:
                 f"tierlm supports: {', '.join(sorted(FAMILIES))}",
             )
         try:
+            if model_type == "chatglm":
+                raw = _chatglm_as_glm(raw)
             hidden = int(raw["hidden_size"])
             heads = int(raw["num_attention_heads"])
             config = cls(
@@ -123,6 +130,57 @@ class ModelConfig:
         return cls.from_dict(raw)
 
 
+# ChatGLM2/3 switches tierlm cannot honour: (key, ChatGLMConfig's default, the value it needs).
+_CHATGLM_REQUIRED = (
+    ("multi_query_attention", False, True),
+    ("rmsnorm", True, True),
+    ("post_layer_norm", True, True),
+    ("apply_residual_connection_post_layernorm", False, False),
+    ("add_bias_linear", False, False),
+)
+
+
+def _chatglm_as_glm(raw: Mapping[str, Any]) -> dict[str, Any]:
+    """A ChatGLM2/3 (or GLM-4 in ChatGLM layout) config.json under the keys GlmConfig uses.
+
+    ChatGLM keeps its own names (num_layers, padded_vocab_size, ffn_hidden_size, kv_channels,
+    multi_query_group_num, add_qkv_bias, layernorm_epsilon, seq_length); its RoPE is GLM's with
+    half of each head rotating and base 10000 * rope_ratio (models/chatglm.py says why).
+    """
+    if "position_encoding_2d" in raw or "padded_vocab_size" not in raw:
+        raise TierlmError(
+            "config.json describes the first ChatGLM-6B (2-D positions, GELU), which tierlm does not run",
+            "tierlm runs ChatGLM2/3 and GLM-4 checkpoints",
+        )
+    for key, default, needed in _CHATGLM_REQUIRED:
+        if bool(raw.get(key, default)) != needed:
+            raise TierlmError(
+                f"config.json sets {key} = {str(not needed).lower()}, which tierlm does not support",
+                f"tierlm runs ChatGLM checkpoints with {key} = {str(needed).lower()} (as ChatGLM2/3 ship)",
+            )
+    heads = int(raw["num_attention_heads"])
+    return {
+        "model_type": "chatglm",
+        "vocab_size": raw["padded_vocab_size"],
+        "hidden_size": raw["hidden_size"],
+        "intermediate_size": raw["ffn_hidden_size"],
+        "num_hidden_layers": raw["num_layers"],
+        "num_attention_heads": heads,
+        "num_key_value_heads": raw.get("multi_query_group_num", 1),
+        "head_dim": raw.get("kv_channels") or int(raw["hidden_size"]) // heads,
+        "rms_norm_eps": raw.get("layernorm_epsilon", 1e-5),
+        "max_position_embeddings": raw.get("seq_length", 2048),
+        # ChatGLM never ties: output_layer is its own tensor whatever the config says.
+        "tie_word_embeddings": False,
+        "attention_bias": raw.get("add_qkv_bias", False),
+        "rope_theta": 10000.0 * float(raw.get("rope_ratio", 1)),
+        "partial_rotary_factor": 0.5,
+        "bos_token_id": raw.get("bos_token_id"),
+        "eos_token_id": raw.get("eos_token_id"),
+        "torch_dtype": raw.get("torch_dtype") or raw.get("dtype"),
+    }
+
+
 def _as_tuple(value: Any) -> tuple[int, ...]:
     if value is None:
         return ()
@@ -132,11 +190,26 @@ def _as_tuple(value: Any) -> tuple[int, ...]:
 
 
 def _sliding_window(raw: Mapping[str, Any]) -> int | None:
-    # Qwen2 configs carry a sliding_window that is inactive unless use_sliding_window is set.
-    if raw.get("model_type") == "qwen2" and not raw.get("use_sliding_window", False):
-        return None
     window = raw.get("sliding_window")
-    return int(window) if window else None
+    qwen = raw.get("model_type") in ("qwen2", "qwen3")
+    # Qwen configs carry a sliding_window that is inactive unless use_sliding_window is set.
+    if not window or (qwen and not raw.get("use_sliding_window", False)):
+        return None
+    layers = int(raw["num_hidden_layers"])
+    kinds = raw.get("layer_types")
+    if not kinds and qwen:
+        # ...and then it applies only to the layers from max_window_layers on.
+        first = int(raw.get("max_window_layers", 28))  # Qwen2Config's and Qwen3Config's default
+        kinds = ["full_attention"] * min(first, layers) + ["sliding_attention"] * max(layers - first, 0)
+    sliding = sum(kind == "sliding_attention" for kind in kinds) if kinds else layers
+    if sliding == 0:
+        return None
+    if sliding < layers:
+        raise TierlmError(
+            f"config.json slides the attention window in {sliding} of {layers} layers",
+            "tierlm applies one sliding window to every layer or to none",
+        )
+    return int(window)
 
 
 def _rope_config(raw: Mapping[str, Any]) -> RopeConfig:
@@ -152,6 +225,8 @@ def _rope_config(raw: Mapping[str, Any]) -> RopeConfig:
             f"unsupported rope scaling {rope_type!r} in config.json",
             f"tierlm supports: {', '.join(SUPPORTED_ROPE_TYPES)}",
         )
+    # GlmConfig rotates half of each head unless told otherwise.
+    partial = 0.5 if raw.get("model_type") == "glm" else 1.0
     return RopeConfig(
         theta=theta,
         rope_type=rope_type,
@@ -161,5 +236,6 @@ def _rope_config(raw: Mapping[str, Any]) -> RopeConfig:
         original_max_position_embeddings=int(
             merged.get("original_max_position_embeddings", 8192)
         ),
+        partial_rotary_factor=float(merged.get("partial_rotary_factor", raw.get("partial_rotary_factor", partial))),
     )
 

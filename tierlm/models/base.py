@@ -36,13 +36,13 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * normed
 
 
-def rope_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:
-    """Inverse frequencies [head_dim // 2] in fp32, scaled as `rope.rope_type` says.
+def rope_inv_freq(rope: RopeConfig, dim: int) -> torch.Tensor:
+    """Inverse frequencies [dim // 2] for `dim` rotated channels, in fp32, scaled as `rope.rope_type` says.
 
     Computed with the same fp32 operations as transformers so positions far into the
     context rotate identically.
     """
-    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
     inv_freq = 1.0 / (rope.theta**exponents)
     if rope.rope_type == "linear":
         return inv_freq / rope.factor
@@ -62,33 +62,65 @@ def rope_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:
 
 
 class RotaryTable:
-    """Precomputed cos/sin [max_len, head_dim] for the half-split (rotate_half) RoPE layout."""
+    """Precomputed cos/sin [max_len, rotary_dim] for RoPE.
 
-    def __init__(self, rope: RopeConfig, head_dim: int, max_len: int, device, dtype):
-        inv_freq = rope_inv_freq(rope, head_dim)
+    `rotary_dim` (default: all of `head_dim`) is how many leading channels of each head rotate;
+    the rest pass through (GLM's partial rotary). Pairs are (i, i + rotary_dim/2) (rotate_half,
+    Llama) or, with `interleaved`, (2i, 2i + 1) (GLM, ChatGLM), so cos/sin repeat each frequency
+    as [f0..fn, f0..fn] or [f0, f0, f1, f1, ...] to match.
+    """
+
+    def __init__(
+        self,
+        rope: RopeConfig,
+        head_dim: int,
+        max_len: int,
+        device,
+        dtype,
+        *,
+        rotary_dim: int | None = None,
+        interleaved: bool = False,
+    ):
+        self.rotary_dim = rotary_dim or head_dim
+        self.interleaved = interleaved
+        inv_freq = rope_inv_freq(rope, self.rotary_dim)
         positions = torch.arange(max_len, dtype=torch.float32)
         freqs = positions[:, None] * inv_freq[None, :]
-        angles = torch.cat((freqs, freqs), dim=-1)
+        if interleaved:
+            angles = freqs.repeat_interleave(2, dim=-1)
+        else:
+            angles = torch.cat((freqs, freqs), dim=-1)
         self.cos = angles.cos().to(device=device, dtype=dtype)
         self.sin = angles.sin().to(device=device, dtype=dtype)
 
     def slice(self, start: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin for positions start..start+length-1, shaped [length, 1, head_dim]."""
+        """cos, sin for positions start..start+length-1, shaped [length, 1, rotary_dim]."""
         return (
             self.cos[start : start + length, None, :],
             self.sin[start : start + length, None, :],
         )
 
     def at(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin for one position per sequence: positions [B] -> [B, 1, 1, head_dim] each."""
+        """cos, sin for one position per sequence: positions [B] -> [B, 1, 1, rotary_dim] each."""
         return self.cos[positions][:, None, None, :], self.sin[positions][:, None, None, :]
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate x [B, T, heads, D] by cos/sin [T, 1, D] (pairs are (i, i + D/2))."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+def apply_rope(
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool = False
+) -> torch.Tensor:
+    """Rotate x [B, T, heads, D] by cos/sin [T, 1, R] (R <= D; channels R.. pass unrotated).
+
+    Pairs are (i, i + R/2), or (2i, 2i + 1) when `interleaved`, as `RotaryTable` laid out cos/sin.
+    """
+    dim = cos.shape[-1]
+    rot = x if dim == x.shape[-1] else x[..., :dim]
+    if interleaved:
+        rotated = torch.stack((-rot[..., 1::2], rot[..., 0::2]), dim=-1).flatten(-2)
+    else:
+        half = dim // 2
+        rotated = torch.cat((-rot[..., half:], rot[..., :half]), dim=-1)
+    out = rot * cos + rotated * sin
+    return out if rot is x else torch.cat((out, x[..., dim:]), dim=-1)
 
 
 def attention_mask(

@@ -1,6 +1,7 @@
-"""The Llama family: Llama 2/3 (incl. llama3 RoPE scaling), SmolLM2, Mistral.
+"""The Llama family: Llama 2/3 (incl. llama3 RoPE scaling), SmolLM2, Mistral (sliding window).
 
-Other families subclass `LlamaModel` and change code, not flags (see qwen2.py).
+Other families subclass `LlamaModel` and change code, not flags (qwen2.py, qwen3.py, glm.py,
+chatglm.py): the checkpoint layout, the rotary table, what happens to q/k before attention.
 """
 
 from __future__ import annotations
@@ -24,8 +25,8 @@ class LlamaModel:
     """A decoder whose forward pass borrows every block's tensors from a weight store.
 
     Block tensors use tierlm's canonical names: per layer `attn_norm`, `wqkv` [(Hq+2Hkv)*D, H]
-    (`bqkv`), `wo` (`bo`), `mlp_norm`, `w13` [2I, H] (`b13`), `w2` (`b2`); `embed`, `norm`,
-    `head` for the other blocks.
+    (`bqkv`), `wo` (`bo`), `mlp_norm`, `w13` [2I, H] (`b13`), `w2` (`b2`), and Qwen3's
+    `q_norm`, `k_norm` [D]; `embed`, `norm`, `head` for the other blocks.
     """
 
     def __init__(self, config: ModelConfig, store, max_len: int, device, dtype: torch.dtype):
@@ -34,7 +35,12 @@ class LlamaModel:
         self.device = torch.device(device)
         self.dtype = dtype
         self.max_len = max_len
-        self.rotary = base.RotaryTable(config.rope, config.head_dim, max_len, device, dtype)
+        self.rotary = self.rotary_table(config, max_len, device, dtype)
+
+    @staticmethod
+    def rotary_table(config: ModelConfig, max_len: int, device, dtype) -> base.RotaryTable:
+        """RoPE over all of each head, pairs (i, i + D/2)."""
+        return base.RotaryTable(config.rope, config.head_dim, max_len, device, dtype)
 
     @classmethod
     def checkpoint_layout(cls, config: ModelConfig) -> Layout:
@@ -45,22 +51,27 @@ class LlamaModel:
         """
         layout: Layout = {"embed": {"embed": ("model.embed_tokens.weight",)}}
         for i in range(config.num_hidden_layers):
-            attn = f"model.layers.{i}.self_attn."
-            mlp = f"model.layers.{i}.mlp."
-            block = {
-                "attn_norm": (f"model.layers.{i}.input_layernorm.weight",),
-                "wqkv": tuple(f"{attn}{p}_proj.weight" for p in "qkv"),
-                "wo": (f"{attn}o_proj.weight",),
-                "mlp_norm": (f"model.layers.{i}.post_attention_layernorm.weight",),
-                "w13": (f"{mlp}gate_proj.weight", f"{mlp}up_proj.weight"),
-                "w2": (f"{mlp}down_proj.weight",),
-            }
-            block.update(cls.bias_layout(config, attn, mlp))
-            layout[layer_block(i)] = block
+            layout[layer_block(i)] = cls.layer_layout(config, i)
         layout["norm"] = {"norm": ("model.norm.weight",)}
         head = "model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"
         layout["head"] = {"head": (head,)}
         return layout
+
+    @classmethod
+    def layer_layout(cls, config: ModelConfig, i: int) -> dict[str, tuple[str, ...]]:
+        """Layer `i`'s canonical tensors and their checkpoint sources (HF Llama names)."""
+        attn = f"model.layers.{i}.self_attn."
+        mlp = f"model.layers.{i}.mlp."
+        block = {
+            "attn_norm": (f"model.layers.{i}.input_layernorm.weight",),
+            "wqkv": tuple(f"{attn}{p}_proj.weight" for p in "qkv"),
+            "wo": (f"{attn}o_proj.weight",),
+            "mlp_norm": (f"model.layers.{i}.post_attention_layernorm.weight",),
+            "w13": (f"{mlp}gate_proj.weight", f"{mlp}up_proj.weight"),
+            "w2": (f"{mlp}down_proj.weight",),
+        }
+        block.update(cls.bias_layout(config, attn, mlp))
+        return block
 
     @staticmethod
     def canonical_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -161,16 +172,16 @@ class LlamaModel:
         batch, length, _ = h.shape
         n_q, n_kv, dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         qkv = base.linear(h, w["wqkv"], w.get("bqkv")).view(batch, length, n_q + 2 * n_kv, dim)
-        qk = self.position_encode(qkv[:, :, : n_q + n_kv], cos, sin)
+        qk = self.position_encode(w, qkv[:, :, : n_q + n_kv], cos, sin)
         q = qk[:, :, :n_q].transpose(1, 2)
         keys, values = cache.update(index, qk[:, :, n_q:], qkv[:, :, n_q + n_kv :])
         out = base.grouped_attention(q, keys, values, mask)
         out = out.transpose(1, 2).reshape(batch, length, n_q * dim)
         return base.linear(out, w["wo"], w.get("bo"))
 
-    def position_encode(self, qk: torch.Tensor, cos, sin) -> torch.Tensor:
-        """Apply RoPE to queries and keys together: qk [B, T, Hq+Hkv, D]."""
-        return base.apply_rope(qk, cos, sin)
+    def position_encode(self, w, qk: torch.Tensor, cos, sin) -> torch.Tensor:
+        """Apply RoPE to queries and keys together: qk [B, T, Hq+Hkv, D] (w: the layer's tensors)."""
+        return base.apply_rope(qk, cos, sin, self.rotary.interleaved)
 
 
 Model = LlamaModel

@@ -247,9 +247,14 @@ def _missing_tokenizer_json(root: Path, config: Mapping[str, Any]) -> TierlmErro
                "AutoTokenizer.from_pretrained(dir).save_pretrained(dir) writes tokenizer.json")
     auto_map = config.get("auto_map")
     remote = (isinstance(auto_map, Mapping) and "AutoTokenizer" in auto_map) or isinstance(auto_map, list)
-    if remote:
-        return TierlmError(message + "; this model's tokenizer is custom code (auto_map in tokenizer_config.json), "
-                           "which tierlm does not run", hint="use a checkpoint that ships a tokenizer.json")
+    # ChatGLM2/3 and other remote-code checkpoints ship their tokenizer as tokenization_*.py.
+    code = sorted(p.name for p in root.glob("tokenization_*.py"))
+    if remote or code:
+        where = ", ".join(code) if code else "auto_map in tokenizer_config.json"
+        return TierlmError(message + f"; this model's tokenizer is custom code ({where}), "
+                           "which tierlm never runs",
+                           hint="use a checkpoint that ships a tokenizer.json: a transformers-native "
+                                "release of the model, like GLM-4's -hf repositories")
     if (root / "tokenizer.model").is_file():
         return TierlmError(message + "; only a SentencePiece tokenizer.model was found", hint=convert)
     if (root / "vocab.json").is_file():
