@@ -409,3 +409,14 @@ def test_parse_asymmetric_modes():
     assert g32.key != parse_quant_mode("int8-g32").key
     with pytest.raises(TierlmError, match="group size"):
         parse_quant_mode("int8-g100-asym")
+
+
+@pytest.mark.parametrize("rows", [1, 3, 37])
+@pytest.mark.parametrize("group_size", [None, 64, 100])
+def test_every_kernel_adds_asymmetric_offsets(kernels, rows, group_size):
+    qw = quantize_int8(_weight(*ODD, seed=rows) - 0.02, group_size, asymmetric=True)
+    x = torch.randn(rows, ODD[1], generator=torch.Generator().manual_seed(2))
+    bias = torch.randn(ODD[0])
+    for name, kernel in kernels.items():
+        y = kernel.matmul(x, qw.qweight, qw.scales_2d, qw.group, bias, offsets=qw.offsets_2d)
+        _assert_matches(y, _reference(x, qw, bias))  # a failure shows `name` among the locals

@@ -74,7 +74,8 @@ class KernelPlan:
         if bias is not None and not bias.is_contiguous():
             bias = bias.contiguous()
         kernel = self.gemv if rows.shape[0] <= self.crossover else self.gemm
-        out = kernel.matmul(rows, weight.qweight, weight.scales_2d, weight.group, bias)
+        out = kernel.matmul(rows, weight.qweight, weight.scales_2d, weight.group, bias,
+                            offsets=weight.offsets_2d)  # fmt: skip
         if out.dtype != x.dtype:
             out = out.to(x.dtype)
         return out if x.dim() == 2 else out.view(*x.shape[:-1], out_features)

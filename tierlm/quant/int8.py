@@ -13,8 +13,8 @@ Asymmetric modes add a float offset o per row or group (a zero point): the 256 l
 or, where it reconstructs the group better, its symmetric quantization with o = 0 (so a source
 already on either grid, GGUF Q4_1 or Q8_0 with groups of 32, comes through exactly).
 
-and x @ W.T = x @ (q*s).T + (x summed per group) @ o.T: the symmetric kernels run unchanged
-and the offsets add one small matmul ([rows, G] @ [G, out]).
+and x @ W.T = x @ (q*s).T + (x summed per group) @ o.T: the kernels add the second term (the
+native one inside its loop, a G-long dot per output).
 
 Groups run along the input dim. When `in` is not a multiple of `group_size`, the last group of
 each row is simply shorter (scales are [out, ceil(in / group_size)]): every layer of every model
@@ -111,11 +111,7 @@ class Int8Weight:
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """x [..., in] @ W.T (+ bias [out]) -> [..., out] in x's dtype, with W = dequantize()."""
         plan = self.plan or plan_for(x.device)
-        y = plan.linear(x, self, bias)
-        if self.offsets_2d is not None:
-            sums = group_sums(x.to(self.offsets_2d.dtype), self.group)
-            y = y + (sums @ self.offsets_2d.T).to(y.dtype)
-        return y
+        return plan.linear(x, self, bias)
 
     def rows(self, ids: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
         """Embedding lookup: ids [B, T] (any shape) -> dequantized rows [B, T, in] in `dtype`."""
@@ -123,18 +119,14 @@ class Int8Weight:
         q = self.qweight.index_select(0, flat)
         s = self.scales_2d.index_select(0, flat)
         out = torch.empty(q.shape, dtype=dtype or self.dtype, device=q.device)
-        dequantize_into(q, s, self.group, out)
-        if self.offsets_2d is not None:
-            add_group_offsets(out, self.offsets_2d.index_select(0, flat), self.group)
+        o = self.offsets_2d.index_select(0, flat) if self.offsets_2d is not None else None
+        dequantize_into(q, s, self.group, out, o)
         return out.view(*ids.shape, q.shape[1])
 
     def dequantize(self) -> torch.Tensor:
         """The float weight q * s as fp32 [out, in] (the reference every kernel must match)."""
         out = torch.empty(self.qweight.shape, dtype=torch.float32, device=self.device)
-        dequantize_into(self.qweight, self.scales_2d, self.group, out)
-        if self.offsets_2d is not None:
-            add_group_offsets(out, self.offsets_2d, self.group)
-        return out
+        return dequantize_into(self.qweight, self.scales_2d, self.group, out, self.offsets_2d)
 
     def to(self, device, dtype: torch.dtype | None = None) -> Int8Weight:
         """The same weight on `device` (rows() then in `dtype`, default unchanged).
@@ -253,26 +245,3 @@ def _closer_of_symmetric_and_affine(block, q_sym, scale_sym):
         torch.where(use_symmetric, scale_sym, scale),
         torch.where(use_symmetric, torch.zeros_like(offset), offset),
     )
-
-
-def group_sums(x: torch.Tensor, group: int) -> torch.Tensor:
-    """x [..., K] -> [..., G]: each group of `group` columns summed (the last may be short)."""
-    k = x.shape[-1]
-    full = k // group
-    split = full * group
-    sums = x[..., :split].unflatten(-1, (full, group)).sum(-1)
-    if split < k:
-        sums = torch.cat([sums, x[..., split:].sum(-1, keepdim=True)], dim=-1)
-    return sums
-
-
-def add_group_offsets(out: torch.Tensor, offsets: torch.Tensor, group: int) -> torch.Tensor:
-    """out [N, K] += offsets [N, G] broadcast over each group of `group` columns, in place."""
-    k = out.shape[1]
-    full = k // group
-    split = full * group
-    if full:
-        out[:, :split].unflatten(1, (full, group)).add_(offsets[:, :full, None])
-    if split < k:
-        out[:, split:].add_(offsets[:, full:])
-    return out

@@ -33,10 +33,12 @@ class Int8Kernel(Protocol):
         scales: torch.Tensor,
         group: int,
         bias: torch.Tensor | None = None,
+        offsets: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """x [M, K] fp32, qweight [N, K] int8, scales [N, G] fp32, bias [N] -> [M, N] fp32.
 
         `group` is the number of input columns one scale covers (K for per-channel);
-        G = ceil(K / group). Inputs are contiguous and on the kernel's device.
+        G = ceil(K / group). `offsets` [N, G] fp32 (asymmetric weights) add to every weight of
+        their group. Inputs are contiguous and on the kernel's device.
         """
         ...

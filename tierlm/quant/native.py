@@ -3,7 +3,8 @@
 One owner: this module holds the C++ source, builds it into a shared library cached under
 `cache_root()/kernels`, and wraps its two entry points:
 
-- `matmul`: y[M, N] = x[M, K] @ (q[N, K] * s[N, G]).T (+ bias), for small M (decode). Each
+- `matmul`: y[M, N] = x[M, K] @ (q[N, K] * s[N, G] (+ o[N, G])).T (+ bias), for small M
+  (decode); asymmetric offsets o add each output's dot with x summed per group. Each
   16 int8 weights are widened to fp32 in registers (and multiplied by their group's scale;
   per channel the scale multiplies the finished sum), then FMA'd with up to 4 activation
   rows; 8 weight rows at a time at M = 1, each step prefetching the next tile into L2. Only
@@ -36,6 +37,7 @@ from tierlm.quant.kernel_api import KernelUnavailable, group_count
 _SOURCE = r"""
 #include <cstdint>
 #include <algorithm>
+#include <vector>
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #include <immintrin.h>
@@ -160,10 +162,29 @@ int tierlm_i8_isa() {
 #endif
 }
 
-// y[M, N] = x[M, K] @ (w[N, K] * s[N, G]).T (+ bias[N]); all row-major and contiguous.
+// Asymmetric weights add o[N, G]: W = w * s + o per group, so x @ W.T gains, for every output,
+// the dot of its offsets with x summed per group (xs[M, G], computed once per call).
+static inline float offset_term(const float* o, const float* xs, int64_t G) {
+  float acc = 0.0f;
+#pragma omp simd reduction(+ : acc)
+  for (int64_t g = 0; g < G; ++g) acc += o[g] * xs[g];
+  return acc;
+}
+
+// y[M, N] = x[M, K] @ (w[N, K] * s[N, G] (+ o[N, G])).T (+ bias[N]); all row-major and
+// contiguous; o may be null (symmetric weights).
 int tierlm_i8_matmul(const float* x, int64_t M, int64_t K, const int8_t* w, const float* s,
-                     int64_t N, int64_t group, const float* bias, float* y, int threads) {
+                     const float* o, int64_t N, int64_t group, const float* bias, float* y,
+                     int threads) {
   const int64_t G = (K + group - 1) / group;
+  std::vector<float> xs(o ? M * G : 0);
+  if (o)
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t g = 0; g < G; ++g) {
+        float acc = 0.0f;
+        for (int64_t k = g * group; k < std::min(K, (g + 1) * group); ++k) acc += x[m * K + k];
+        xs[m * G + g] = acc;
+      }
 #ifdef TIERLM_AVX512
   const bool grouped = G > 1;
   const int64_t rows = M == 1 ? TL_ROWS1 : TL_ROWSM;
@@ -177,6 +198,10 @@ int tierlm_i8_matmul(const float* x, int64_t M, int64_t K, const int8_t* w, cons
       const TileFn fn = grouped ? pick<true>(r, mb) : pick<false>(r, mb);
       fn(x + m0 * K, K, w + n0 * K, s + n0 * G, G, group, y + m0 * N + n0, N);
     }
+    if (o)
+      for (int64_t m = 0; m < M; ++m)
+        for (int i = 0; i < r; ++i)
+          y[m * N + n0 + i] += offset_term(o + (n0 + i) * G, xs.data() + m * G, G);
     if (bias)
       for (int64_t m = 0; m < M; ++m)
         for (int i = 0; i < r; ++i) y[m * N + n0 + i] += bias[n0 + i];
@@ -193,6 +218,7 @@ int tierlm_i8_matmul(const float* x, int64_t M, int64_t K, const int8_t* w, cons
         for (int64_t k = g * group; k < k1; ++k)
           acc += (static_cast<float>(w[n * K + k]) * sg) * x[m * K + k];
       }
+      if (o) acc += offset_term(o + n * G, xs.data() + m * G, G);
       y[m * N + n] = bias ? acc + bias[n] : acc;
     }
   }
@@ -200,18 +226,19 @@ int tierlm_i8_matmul(const float* x, int64_t M, int64_t K, const int8_t* w, cons
   return 0;
 }
 
-// out[N, K] = w[N, K] * s[N, G] (scale broadcast over each group of `group` columns).
-int tierlm_i8_dequant(const int8_t* w, const float* s, int64_t N, int64_t K, int64_t group,
-                      float* out, int threads) {
+// out[N, K] = w[N, K] * s[N, G] (+ o[N, G]), broadcast over each group of `group` columns.
+int tierlm_i8_dequant(const int8_t* w, const float* s, const float* o, int64_t N, int64_t K,
+                      int64_t group, float* out, int threads) {
   const int64_t G = (K + group - 1) / group;
 #pragma omp parallel for num_threads(threads) schedule(static)
   for (int64_t n = 0; n < N; ++n) {
     for (int64_t g = 0; g < G; ++g) {
       const float sg = s[n * G + g];
+      const float og = o ? o[n * G + g] : 0.0f;
       const int64_t k1 = std::min(K, (g + 1) * group);
 #pragma omp simd
       for (int64_t k = g * group; k < k1; ++k)
-        out[n * K + k] = static_cast<float>(w[n * K + k]) * sg;
+        out[n * K + k] = static_cast<float>(w[n * K + k]) * sg + og;
     }
   }
   return 0;
@@ -230,33 +257,36 @@ class NativeKernel:
     def __init__(self, library: Path):
         lib = ctypes.CDLL(str(library))
         ptr, i64 = ctypes.c_void_p, ctypes.c_int64
-        lib.tierlm_i8_matmul.argtypes = [ptr, i64, i64, ptr, ptr, i64, i64, ptr, ptr, ctypes.c_int]
+        lib.tierlm_i8_matmul.argtypes = [ptr, i64, i64, ptr, ptr, ptr, i64, i64, ptr, ptr, ctypes.c_int]
         lib.tierlm_i8_matmul.restype = ctypes.c_int
-        lib.tierlm_i8_dequant.argtypes = [ptr, ptr, i64, i64, i64, ptr, ctypes.c_int]
+        lib.tierlm_i8_dequant.argtypes = [ptr, ptr, ptr, i64, i64, i64, ptr, ctypes.c_int]
         lib.tierlm_i8_dequant.restype = ctypes.c_int
         self._lib = lib
         self.library = library
         self.name = "native-avx512" if lib.tierlm_i8_isa() == 512 else "native-simd"
 
-    def matmul(self, x, qweight, scales, group, bias=None):
+    def matmul(self, x, qweight, scales, group, bias=None, offsets=None):
         """x [M, K] fp32 @ dequantized qweight [N, K].T (+ bias [N]) -> [M, N] fp32.
 
-        All inputs contiguous, on the CPU; scales fp32 [N, G] with G = ceil(K / group).
+        All inputs contiguous, on the CPU; scales (and offsets) fp32 [N, G], G = ceil(K / group).
         """
         m, k = x.shape
         n = qweight.shape[0]
         y = torch.empty(m, n, dtype=torch.float32)
         self._lib.tierlm_i8_matmul(
-            x.data_ptr(), m, k, qweight.data_ptr(), scales.data_ptr(), n, group,
+            x.data_ptr(), m, k, qweight.data_ptr(), scales.data_ptr(),
+            offsets.data_ptr() if offsets is not None else None, n, group,
             bias.data_ptr() if bias is not None else None, y.data_ptr(), torch.get_num_threads(),
         )  # fmt: skip
         return y
 
-    def dequantize_into(self, qweight, scales, group, out):
-        """out [N, K] fp32 = qweight [N, K] * scales [N, G] broadcast per group (all contiguous)."""
+    def dequantize_into(self, qweight, scales, group, out, offsets=None):
+        """out [N, K] fp32 = qweight [N, K] * scales [N, G] (+ offsets [N, G]) broadcast per
+        group (all contiguous)."""
         n, k = qweight.shape
         self._lib.tierlm_i8_dequant(
-            qweight.data_ptr(), scales.data_ptr(), n, k, group, out.data_ptr(),
+            qweight.data_ptr(), scales.data_ptr(), offsets.data_ptr() if offsets is not None else None,
+            n, k, group, out.data_ptr(),
             torch.get_num_threads(),
         )  # fmt: skip
         return out

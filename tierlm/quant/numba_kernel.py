@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from tierlm.quant.kernel_api import KernelUnavailable
+from tierlm.quant.torch_kernels import offset_term
 
 
 class NumbaKernel:
@@ -29,11 +30,17 @@ class NumbaKernel:
         self._matmul = matmul_fn
         self._set_threads = set_threads
 
-    def matmul(self, x, qweight, scales, group, bias=None):
-        """x [M, K] fp32, qweight [N, K] int8, scales [N, G] fp32 -> [M, N] fp32 (+ bias)."""
+    def matmul(self, x, qweight, scales, group, bias=None, offsets=None):
+        """x [M, K] fp32, qweight [N, K] int8, scales [N, G] fp32 -> [M, N] fp32 (+ bias).
+
+        Asymmetric offsets are added after the compiled loop (torch ops): numba is the fallback
+        kernel, kept simple rather than fastest.
+        """
         y = torch.empty(x.shape[0], qweight.shape[0], dtype=torch.float32)
         self._set_threads(torch.get_num_threads())
         self._matmul(x.numpy(), qweight.numpy(), scales.numpy(), group, y.numpy())
+        if offsets is not None:
+            y.add_(offset_term(x, offsets, group))
         return y.add_(bias) if bias is not None else y
 
 
