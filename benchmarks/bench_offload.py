@@ -10,7 +10,10 @@ decode tokens/s = 31 / time of the 31 decode steps; peak RSS = VmHWM at the end.
 
 `--headline` instead writes a 6.7B-shaped synthetic INT8 model (Llama-2-7B shapes, random
 weights, ~7 GB, generated once into the cache) and runs it under `--profile 24gb` (resident)
-and `--profile 4gb` (streamed from disk).
+and `--profile 4gb` (streamed from disk), `HEADLINE_STEPS` decode steps each. Where cgroup v1
+memory control is writable, the 4gb run executes inside a memory cgroup capped at the
+profile's 4 GiB with the artifact evicted from the page cache first: the page cache is charged
+to the cgroup, so streamed blocks really come from disk, as on a 4 GB machine.
 
 Run from the repo root: `.venv/bin/python benchmarks/bench_offload.py [--headline]`.
 """
@@ -39,7 +42,10 @@ def peak_rss() -> int:
     return next(int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith("VmHWM"))
 
 
-def run_tierlm(model: str, profile: str) -> dict:
+HEADLINE_STEPS = 8
+
+
+def run_tierlm(model: str, profile: str, steps: str = str(STEPS)) -> dict:
     import torch
 
     from tierlm.profile import load_profile
@@ -52,7 +58,7 @@ def run_tierlm(model: str, profile: str) -> dict:
     logits = loaded.model.forward(torch.tensor([prompt]), cache)
     token = int(logits[0, -1].argmax())
     started = time.perf_counter()
-    for _ in range(STEPS - 1):
+    for _ in range(int(steps) - 1):
         token = int(loaded.model.forward(torch.tensor([[token]]), cache)[0, -1].argmax())
     elapsed = time.perf_counter() - started
     placement = loaded.placement
@@ -61,7 +67,7 @@ def run_tierlm(model: str, profile: str) -> dict:
     for block in placement.blocks:
         tiers[block.tier] = tiers.get(block.tier, 0) + block.nbytes
     result = {
-        "decode_tps": (STEPS - 1) / elapsed,
+        "decode_tps": (int(steps) - 1) / elapsed,
         "predicted_tps": placement.predicted_decode_tokens_per_s,
         "binding_limit": placement.binding_limit,
         "bytes_by_tier": tiers,
@@ -95,8 +101,11 @@ def run_accelerate(model_dir: str, cap: str) -> dict:
     return {"decode_tps": (STEPS - 1) / elapsed, "peak_rss": peak_rss()}
 
 
-def side(argv: list[str]) -> dict:
-    out = subprocess.run([sys.executable, __file__, "--side", *argv], capture_output=True, text=True, timeout=3600)
+def side(argv: list[str], cgroup: Path | None = None) -> dict:
+    command = [sys.executable, __file__, "--side", *argv]
+    if cgroup is not None:  # join before Python starts, so every byte the child touches is charged
+        command = ["sh", "-c", f'echo $$ > {cgroup}/cgroup.procs && exec "$@"', "sh", *command]
+    out = subprocess.run(command, capture_output=True, text=True, timeout=3600)
     if out.returncode:
         return {"error": out.stderr.strip().splitlines()[-1] if out.stderr.strip() else f"exit {out.returncode}"}
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -151,16 +160,65 @@ def headline() -> None:
     started = time.perf_counter()
     write_synthetic_artifact(LLAMA2_7B, target)
     print(f"synthetic Llama-2-7B-shaped INT8 artifact ready in {time.perf_counter() - started:.0f} s: {target}\n")
-    print("| profile | decode tok/s | predicted | binding limit | resident / disk bytes | peak RSS GiB |")
-    print("|---|---|---|---|---|---|")
+    from tierlm.profile import load_profile
+
+    print("| profile | decode tok/s | predicted | binding limit | resident / disk bytes | peak RSS GiB | cap |")
+    print("|---|---|---|---|---|---|---|")
     for profile in ("24gb", "4gb"):
-        row = side(["tierlm", str(target), profile])
+        group = memory_cgroup(load_profile(profile).device_memory) if profile == "4gb" else None
+        if group is not None:
+            evict_from_page_cache(target / "weights.bin")
+        try:
+            row = side(["tierlm", str(target), profile, str(HEADLINE_STEPS)], cgroup=group)
+        finally:
+            if group is not None:
+                remove_cgroup(group)
+        cap = f"cgroup {load_profile(profile).device_memory / 2**30:.0f} GiB, cold page cache" if group else "none"
         if "error" in row:
-            print(f"| {profile} | failed: {row['error']} | | | | |")
+            print(f"| {profile} | failed: {row['error']} | | | | | {cap} |")
             continue
         tiers = row["bytes_by_tier"]
         print(f"| {profile} | {row['decode_tps']:.2f} | {row['predicted_tps']:.2f} | {row['binding_limit']} | "
-              f"{tiers.get('device', 0) / 2**30:.1f} / {tiers.get('disk', 0) / 2**30:.1f} GiB | {row['peak_rss'] / 2**30:.2f} |")
+              f"{tiers.get('device', 0) / 2**30:.1f} / {tiers.get('disk', 0) / 2**30:.1f} GiB | "
+              f"{row['peak_rss'] / 2**30:.2f} | {cap} |")
+
+
+def memory_cgroup(limit: int) -> Path | None:
+    """A fresh cgroup v1 memory group capped at `limit` bytes (swap included), or None."""
+    import os
+    import uuid
+
+    root = Path("/sys/fs/cgroup/memory")
+    if not (root / "memory.limit_in_bytes").exists() or not os.access(root, os.W_OK):
+        print("(no writable cgroup v1 memory controller: the 4gb run is not capped)\n")
+        return None
+    group = root / f"tierlm-bench-{uuid.uuid4().hex[:8]}"
+    group.mkdir()
+    (group / "memory.limit_in_bytes").write_text(str(limit))
+    if (group / "memory.memsw.limit_in_bytes").exists():
+        (group / "memory.memsw.limit_in_bytes").write_text(str(limit))
+    return group
+
+
+def remove_cgroup(group: Path) -> None:
+    for _ in range(50):
+        try:
+            group.rmdir()
+            return
+        except OSError:
+            time.sleep(0.1)
+
+
+def evict_from_page_cache(path: Path) -> None:
+    """Drop the file's clean pages from the page cache, so the next reads go to the disk."""
+    import os
+
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
 
 
 def main() -> None:
