@@ -1,3 +1,9 @@
 """tierlm: run large language models inside a fixed memory budget."""
 
+import os
+
+# torch >= 2.5 imports every installed device backend (torch_npu, ...) inside `import torch`; a
+# broken one would break CPU users too. tierlm imports torch_npu itself, only for an NPU.
+os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")
+
 __version__ = "0.1.0"

@@ -27,7 +27,7 @@ RepOpt = typer.Option(1.0, "--repetition-penalty", min=0.01, help="Penalty for r
 SeedOpt = typer.Option(None, "--seed", help="Random seed, for reproducible sampling")
 SystemOpt = typer.Option(None, "--system", "-s", help="System message")
 StopOpt = typer.Option(None, "--stop", help="Stop string (repeatable)")
-DeviceOpt = typer.Option(None, "--device", help="auto, cpu, cuda or mps")
+DeviceOpt = typer.Option(None, "--device", help="auto, cpu, cuda, npu or mps (cuda:1, npu:1 pick a card)")
 DtypeOpt = typer.Option(None, "--dtype", help="Compute dtype: auto, fp32, fp16, bf16")
 QuantOpt = typer.Option(None, "--quant", "-q", help="Weight format: int8, int8-g128, fp16, fp32, none (default: the profile's)")
 LoraOpt = typer.Option(None, "--lora", help="PEFT LoRA adapter directory, optionally :weight (repeatable)")
@@ -320,6 +320,18 @@ def serve(
         debug_hooks=os.environ.get("TIERLM_SERVE_DEBUG_HOOKS") == "1",
     )
     run_server(session, options, host=host, port=port)
+
+
+@app.command()
+def doctor(as_json: bool = typer.Option(False, "--json", help="Print the report as JSON")):
+    """What this machine offers: torch build, devices and memory, CPU features, the INT8 kernel
+    chosen, optional packages, cgroup limit, cache; and why each missing option is missing."""
+    import json
+
+    from tierlm.cli.doctor import collect, render
+
+    report = collect()
+    print(json.dumps(report, indent=1) if as_json else render(report))
 
 
 def main() -> None:

@@ -71,11 +71,11 @@ class Ledger:
     def snapshot(self, device=None) -> dict:
         """Everything /stats, bench and /metrics show, measured now."""
         measured = proc_memory()
-        if device is not None and getattr(device, "type", "cpu") == "cuda":
-            import torch
+        if device is not None and getattr(device, "type", "cpu") != "cpu":
+            from tierlm.device import DeviceBackend
 
-            measured["device_allocated"] = torch.cuda.memory_allocated(device)
-            measured["device_peak"] = torch.cuda.max_memory_allocated(device)
+            stats = DeviceBackend(device).memory()
+            measured["device_allocated"], measured["device_peak"] = stats.allocated, stats.peak
         return {
             "planned": {tier: sum(items.values()) for tier, items in self.planned.items()},
             "measured": measured,

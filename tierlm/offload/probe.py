@@ -62,10 +62,12 @@ def bandwidths_path(device=None) -> Path:
     """The cache file for `device` at torch's current thread count."""
     import torch
 
+    from tierlm.device import DeviceBackend
+
     device = _device(device)
     name = device.type
-    if device.type == "cuda":
-        name += "-" + torch.cuda.get_device_name(device)
+    if device.type != "cpu":
+        name += "-" + DeviceBackend(device).name()
     key = re.sub(r"[^A-Za-z0-9_.-]+", "_", f"{name}-{torch.get_num_threads()}t-v{PROBE_VERSION}")
     return cache_root() / "probe" / f"{key}.json"
 
@@ -164,10 +166,12 @@ def link_bytes_per_s(device) -> float:
     """Host -> device copy bytes/s: pinned H2D on accelerators, RAM-to-RAM `copy_` on CPUs."""
     import torch
 
-    accelerator = device.type != "cpu"
-    source = torch.empty(COPY_BYTES, dtype=torch.uint8, pin_memory=accelerator).fill_(1)
+    from tierlm.device import DeviceBackend
+
+    backend = DeviceBackend(device)
+    source = backend.empty_host(COPY_BYTES).fill_(1)  # pinned where the tiered store pins too
     target = torch.empty(COPY_BYTES, dtype=torch.uint8, device=device)
-    seconds = _best_seconds(lambda: target.copy_(source, non_blocking=accelerator), device, reps=5)
+    seconds = _best_seconds(lambda: target.copy_(source, non_blocking=backend.pinned), device, reps=5)
     return COPY_BYTES / seconds
 
 
@@ -251,9 +255,9 @@ def _device(device):
 
 def _best_seconds(run, device, reps: int) -> float:
     """The fastest of `reps` timed runs: the machine's capability, not its momentary load."""
-    import torch
+    from tierlm.device import DeviceBackend
 
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    sync = DeviceBackend(device).synchronize  # a whole-device wait: this is a measurement
     run()  # warm-up: kernel calibration, first-touch page faults, thread pools
     sync()
     samples = []

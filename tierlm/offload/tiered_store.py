@@ -4,7 +4,9 @@ Implements the WeightStore contract (acquire/release), so model code is unchange
 - device blocks are decoded once and handed out as they are;
 - host blocks keep their raw bytes in host RAM (pinned where an accelerator exists) and are
   either copied into a device ring slot ahead of use, or computed where they lie;
-- disk blocks are read from the artifact's contiguous byte range into a ring slot ahead of use;
+- disk blocks are read from the artifact's contiguous byte range into a ring slot ahead of use
+  (on an accelerator, into the slot's pinned staging buffer first);
+- host -> device copies run on the ring's copy stream, ordered by per-slot events (prefetch.py);
 - an embedding that is not resident serves rows on demand through the hot-row cache.
 """
 
@@ -19,6 +21,7 @@ import torch
 
 from tierlm.cache import codec
 from tierlm.cache.artifact import Artifact
+from tierlm.device import backend_for
 from tierlm.errors import TierlmError
 from tierlm.offload.hot_cache import COUNTS_NAME, HotRowCache
 from tierlm.offload.ledger import Ledger
@@ -39,15 +42,18 @@ class TieredStore(WeightStore):
         dtype=None,
         ledger: Ledger | None = None,
         read_delay_s: float = 0.0,
+        backend=None,
     ):
+        """`backend`: streams, events and pinning for `device` (backend_for(device) unless a
+        test injects one)."""
         self.artifact = artifact
         self.placement = placement
         self.device = torch.device(device or "cpu")
+        self.backend = backend or backend_for(self.device)
         self.dtype = dtype or torch.float32
         self.ledger = ledger or Ledger()
         self.ledger.planned = {tier: dict(items) for tier, items in placement.charges.items()}
         self.read_delay_s = read_delay_s  # injected latency per streamed read (tests)
-        accelerator = self.device.type != "cpu"
         self.resident: dict[str, dict] = {}
         self.host_bytes: dict[str, torch.Tensor] = {}
         self._fd = os.open(artifact.weights_path, os.O_RDONLY)
@@ -56,7 +62,7 @@ class TieredStore(WeightStore):
             source = self._source_block(placed.name)
             if placed.name == EMBED_BLOCK and placed.tier != DEVICE:
                 if placed.tier == HOST:
-                    self.host_bytes[source] = self._read_raw(source, pin=accelerator)
+                    self.host_bytes[source] = self._read_raw(source)
                 continue  # served row by row, below
             if placed.tier == DEVICE:
                 if source in self.resident and source != placed.name:
@@ -65,7 +71,7 @@ class TieredStore(WeightStore):
                     self.resident[placed.name] = self._decode(placed.name, artifact.read_block(source), self.device)
             elif placed.tier == HOST:
                 if source not in self.host_bytes:
-                    self.host_bytes[source] = self._read_raw(source, pin=accelerator)
+                    self.host_bytes[source] = self._read_raw(source)
                 if placed.compute == HOST:
                     self.resident[placed.name] = self._decode(
                         placed.name, self._views(source, self.host_bytes[source]), torch.device("cpu")
@@ -79,13 +85,18 @@ class TieredStore(WeightStore):
         streamed = [b.name for b in placement.blocks if b.streamed and b.name != EMBED_BLOCK]
         self.ring = None
         if streamed:
+            sizes = {n: artifact.blocks[self._source_block(n)].nbytes for n in streamed}
+            # Only disk reads need host staging; host-tier bytes are copied from where they lie.
+            from_disk = [n for b, n in sizes.items() if self._source_block(b) not in self.host_bytes]
             self.ring = PrefetchRing(
                 streamed,
                 self._fill_slot,
                 slots=max(placement.ring_slots, 1),
-                slot_bytes=max(artifact.blocks[self._source_block(n)].nbytes for n in streamed),
-                device=self.device,
+                slot_bytes=max(sizes.values()),
+                staging_bytes=max(from_disk, default=0),
+                backend=self.backend,
                 on_stall=self.ledger.record_stall,
+                on_upload=self._record_upload,
             )
 
     # -- the WeightStore contract -------------------------------------------------------------
@@ -132,9 +143,10 @@ class TieredStore(WeightStore):
             return next(iter(aliases.values())).split("/", 1)[0]
         return block
 
-    def _read_raw(self, source: str, pin: bool = False) -> torch.Tensor:
+    def _read_raw(self, source: str) -> torch.Tensor:
+        """Block `source`'s bytes in a host buffer (pinned where an accelerator copies from it)."""
         record = self.artifact.blocks[source]
-        buffer = torch.empty(record.nbytes, dtype=torch.uint8, pin_memory=pin)
+        buffer = self.backend.empty_host(record.nbytes)
         self._pread_into(buffer, record.offset)
         return buffer
 
@@ -147,10 +159,10 @@ class TieredStore(WeightStore):
                 raise OSError(f"{self.artifact.weights_path} ended at byte {offset + done}")
             done += count
 
-    def _fill_slot(self, block: str, slot: torch.Tensor) -> None:
-        """Worker thread: bring block's bytes into a ring slot (disk read or host copy)."""
+    def _fill_slot(self, block: str, staging: torch.Tensor) -> torch.Tensor:
+        """Worker thread: block's bytes in host memory (ring loader; see PrefetchRing)."""
         try:
-            self._copy_block(block, slot)
+            return self._in_host_memory(block, staging)
         except OSError as err:
             raise TierlmError(
                 f"reading block {block!r} from {self.artifact.weights_path} failed: {err}",
@@ -158,23 +170,25 @@ class TieredStore(WeightStore):
                 f"{self.artifact.directory.name}` rebuilds it on next use",
             ) from None
 
-    def _copy_block(self, block: str, slot: torch.Tensor) -> None:
+    def _in_host_memory(self, block: str, staging: torch.Tensor) -> torch.Tensor:
+        """Host-tier bytes as they lie, or a disk read into `staging` (the ring slot on the CPU)."""
         source = self._source_block(block)
         record = self.artifact.blocks[source]
         started = time.perf_counter()
         if self.read_delay_s:
             time.sleep(self.read_delay_s)
-        if source in self.host_bytes:
-            slot[: record.nbytes].copy_(self.host_bytes[source], non_blocking=False)
-            tier = HOST
-        else:
-            target = slot[: record.nbytes]
-            if slot.device.type == "cpu":
-                self._pread_into(target, record.offset)
-            else:
-                target.copy_(self._read_raw(source, pin=True))
-            tier = DISK
+        host = self.host_bytes.get(source)
+        tier = HOST if host is not None else DISK
+        if host is None:
+            host = staging[: record.nbytes]
+            self._pread_into(host, record.offset)
         self.ledger.record_read(tier, record.nbytes, time.perf_counter() - started)
+        return host
+
+    def _record_upload(self, block: str, nbytes: int, seconds: float) -> None:
+        """Copy time (issue time, where the copy is asynchronous); its bytes counted at the read."""
+        tier = HOST if self._source_block(block) in self.host_bytes else DISK
+        self.ledger.record_read(tier, 0, seconds)
 
     def _views(self, source: str, buffer: torch.Tensor) -> dict:
         """{tensor: (record, {part: view})} over a buffer holding block `source`'s bytes."""
