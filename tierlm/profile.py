@@ -152,8 +152,9 @@ def shipped_profiles() -> list[str]:
 def auto_profile(ram_available: int | None = None, device_free: int | None = None) -> Profile:
     """A profile sized from what this machine has free now (`--profile auto`).
 
-    RAM: psutil's available memory; device: `torch.cuda.mem_get_info` free bytes when CUDA is
-    present (torch is imported only if it already is, or to ask CUDA). The process takes 85%
+    RAM: psutil's available memory; device: the free memory of the accelerator `--device auto`
+    would pick (CUDA, Ascend NPU, ...) through the device module (torch is imported only when
+    it is installed). The process takes 85%
     of available RAM (90% of free device memory) and keeps 5% (at least 256 MiB) as headroom.
     Pass the two numbers to size one without asking the machine (tests).
     """
@@ -162,11 +163,11 @@ def auto_profile(ram_available: int | None = None, device_free: int | None = Non
 
         ram_available = psutil.virtual_memory().available
     if device_free is None:
-        device_free = _cuda_free_bytes()
+        device_free = _accelerator_free_bytes()
     ram_share = int(ram_available * 0.85)
     if device_free:
         device, host = int(device_free * 0.90), ram_share
-        described = f"{format_size(device_free)} free on the GPU, {format_size(ram_available)} RAM available"
+        described = f"{format_size(device_free)} free on the accelerator, {format_size(ram_available)} RAM available"
     else:
         device = host = ram_share
         described = f"CPU only, {format_size(ram_available)} RAM available"
@@ -190,18 +191,18 @@ def auto_profile(ram_available: int | None = None, device_free: int | None = Non
     return profile_from_dict(AUTO, raw)
 
 
-def _cuda_free_bytes() -> int:
-    """Free CUDA memory in bytes, 0 without CUDA; asks torch only when it can be imported."""
+def _accelerator_free_bytes() -> int:
+    """Free memory on the accelerator auto-detection picks, 0 on a CPU-only machine."""
     import importlib.util
 
     if "torch" not in sys.modules and importlib.util.find_spec("torch") is None:
         return 0
-    import torch
+    from tierlm.device import backend_for, resolve_device
 
-    if not torch.cuda.is_available():
+    device = resolve_device(None)
+    if device.type == "cpu":
         return 0
-    free, _total = torch.cuda.mem_get_info()
-    return int(free)
+    return int(backend_for(device).memory().free)
 
 
 def profile_from_dict(name: str, raw: dict[str, Any]) -> Profile:
