@@ -121,6 +121,48 @@ def budget_profile(folder: Path, name: str, device_memory: int) -> Path:
     return path
 
 
+def child_baseline() -> int:
+    """The RSS a fresh run process reaches before loading weights (torch, tierlm, kernels)."""
+    return side(["baseline"])["rss"]
+
+
+def run_baseline() -> dict:
+    """What `run_tierlm`'s process holds when the loader reads its baseline."""
+    import torch
+
+    from tierlm.profile import load_profile  # noqa: F401 - imported as run_tierlm does
+    from tierlm.runtime.loader import runtime_baseline
+
+    torch.set_num_threads(2)
+    return {"rss": runtime_baseline(torch.device("cpu"), int8=True, planned=True)}
+
+
+def budget_for_resident_share(artifact: Path, folder: Path, share: float) -> int:
+    """The smallest device budget whose plan keeps `share` of the weights resident: the rest of
+    the budget is what the planner charges besides weights (baseline, KV, workspace, ring)."""
+    from tierlm.config import ModelConfig
+    from tierlm.errors import TierlmError
+    from tierlm.offload.planner import plan
+    from tierlm.offload.probe import load_bandwidths
+    from tierlm.offload.sizes import sizes_from_artifact
+    from tierlm.profile import load_profile
+
+    baseline = child_baseline() + (16 << 20)  # margin for run-to-run drift
+    config, sizes = ModelConfig.from_dir(artifact), sizes_from_artifact(artifact)
+    bandwidths = load_bandwidths("cpu")
+    low, high = baseline, baseline + 2 * sizes.total
+    while high - low > (1 << 20):
+        mid = (low + high) // 2
+        try:
+            placed = plan(config, sizes, load_profile(str(budget_profile(folder, "probe", mid))),
+                          bandwidths, accelerator=False, baseline_bytes=baseline)  # fmt: skip
+            resident = placed.charges["device"].get("weights", 0)
+        except TierlmError:
+            resident = -1
+        low, high = (low, mid) if resident >= share * sizes.total else (mid, high)
+    return high
+
+
 def smollm(folder: Path) -> None:
     import torch
 
@@ -132,14 +174,22 @@ def smollm(folder: Path) -> None:
     model_dir = ensure_embedded_model()
     artifact = ensure_artifact(ConversionRequest(model_dir, (), "int8"))
     weights = sizes_from_artifact(artifact).total
-    # Budget: this process's baseline (torch + tierlm imported) + 40% of the INT8 weights + slack
-    # for KV cache, workspace and the ring, which the planner charges inside the same budget.
-    del torch
-    budget = read_memory().rss + int(0.4 * weights) + (96 << 20)
-    capped = side(["tierlm", str(artifact), str(budget_profile(folder, "capped", budget))])
+    del torch, read_memory
+    budget = budget_for_resident_share(artifact, folder, 0.4)
+    # The capped run gets a real cap: a cgroup at the budget (page cache included) and a cold
+    # page cache, so its streamed blocks come from the disk and not from RAM left over.
+    group = memory_cgroup(budget)
+    if group is not None:
+        evict_from_page_cache(artifact / "weights.bin")
+    try:
+        capped = side(["tierlm", str(artifact), str(budget_profile(folder, "capped", budget))], cgroup=group)
+    finally:
+        if group is not None:
+            remove_cgroup(group)
     resident = side(["tierlm", str(artifact), str(budget_profile(folder, "resident", 16 << 30))])
     peer = side(["accelerate", str(model_dir), f"{max(int(0.4 * 4 * weights) >> 20, 1)}MB"])
-    print(f"SmolLM2-135M INT8 weights {weights / 2**20:.0f} MiB; capped budget {budget / 2**20:.0f} MiB\n")
+    print(f"SmolLM2-135M INT8 weights {weights / 2**20:.0f} MiB; capped budget {budget / 2**20:.0f} MiB"
+          + (" (enforced by a cgroup, cold page cache)" if group is not None else " (no cgroup here)") + "\n")
     print("| run | decode tok/s | predicted | binding limit | peak RSS MiB | vs accelerate |")
     print("|---|---|---|---|---|---|")
     for label, row in (("tierlm streamed (cap)", capped), ("tierlm resident", resident), ("accelerate disk offload (cap)", peer)):
@@ -190,7 +240,7 @@ def memory_cgroup(limit: int) -> Path | None:
 
     root = Path("/sys/fs/cgroup/memory")
     if not (root / "memory.limit_in_bytes").exists() or not os.access(root, os.W_OK):
-        print("(no writable cgroup v1 memory controller: the 4gb run is not capped)\n")
+        print("(no writable cgroup v1 memory controller: the run is not capped)\n")
         return None
     group = root / f"tierlm-bench-{uuid.uuid4().hex[:8]}"
     group.mkdir()
@@ -224,7 +274,8 @@ def evict_from_page_cache(path: Path) -> None:
 def main() -> None:
     if len(sys.argv) > 2 and sys.argv[1] == "--side":
         kind, *rest = sys.argv[2:]
-        result = run_tierlm(*rest) if kind == "tierlm" else run_accelerate(*rest)
+        runs = {"tierlm": run_tierlm, "accelerate": run_accelerate, "baseline": run_baseline}
+        result = runs[kind](*rest)
         print(json.dumps(result))
         return
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])

@@ -7,7 +7,7 @@ before it is needed.
 """
 
 from tierlm.device.backend import DeviceBackend, DeviceMemory, backend_for
-from tierlm.device.memory import MemoryReading, read_memory
+from tierlm.device.memory import MemoryReading, read_memory, trim_heap
 from tierlm.device.resolve import DeviceStatus, compute_dtype, device_status, import_torch_npu, resolve_device
 
 __all__ = [
@@ -21,4 +21,5 @@ __all__ = [
     "import_torch_npu",
     "read_memory",
     "resolve_device",
+    "trim_heap",
 ]

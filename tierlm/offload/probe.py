@@ -1,7 +1,8 @@
 """Measured speeds the planner's cost model needs, probed once per machine and cached.
 
 `load_bandwidths(device)` returns the cached `Bandwidths` for (device, torch thread count) from
-`<cache>/probe/`, probing first when there is none (a few seconds). Tests pass fixed
+`<cache>/probe/`, probing first when there is none (a few seconds, in a child process: the
+probe's buffers must not count against the caller's memory budget). Tests pass fixed
 `Bandwidths` to the planner instead, or write the cache file with `save_bandwidths`.
 """
 
@@ -10,15 +11,19 @@ from __future__ import annotations
 import json
 import os
 import re
+import subprocess
+import sys
 import time
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 from tierlm.paths import cache_root
 
-PROBE_VERSION = 1
+PROBE_VERSION = 2  # 2: weights cycled past the last-level cache (v1's 64 MiB sat in a 260 MiB L3)
 MATRIX = 4096  # the int8 bandwidth probe's weight: 4096 x 4096 (16 MiB), as a 7B layer's wo
-WEIGHT_COPIES = 4  # cycled, so 64 MiB of weights defeat the last-level cache
+# Weights cycled: twice the CPU's last-level cache, so each pass streams from memory as a
+# model's layers do; at least 64 MiB, at most 1 GiB (accelerators: 256 MiB, beyond any L2).
+MIN_WEIGHT_BYTES, MAX_WEIGHT_BYTES, ACCELERATOR_WEIGHT_BYTES = 64 << 20, 1 << 30, 256 << 20
 COPY_BYTES = 64 << 20  # link probe: one 64 MiB host -> device copy
 DISK_BYTES = 128 << 20  # disk probe: a 128 MiB temporary file, read cold
 READ_CHUNK = 16 << 20
@@ -80,9 +85,26 @@ def load_bandwidths(device=None, *, refresh: bool = False) -> Bandwidths:
             return Bandwidths.from_dict(json.loads(path.read_text()))
         except (OSError, ValueError, TypeError, KeyError):
             pass  # missing or damaged: probe again
-    measured = probe(device)
-    save_bandwidths(measured, device)
-    return measured
+    _probe_in_child(_device(device))
+    return Bandwidths.from_dict(json.loads(path.read_text()))
+
+
+def _probe_in_child(device) -> None:
+    """Run `probe` in a child process with this process's thread count; it saves the cache file."""
+    import torch
+
+    from tierlm.errors import TierlmError
+
+    done = subprocess.run(
+        [sys.executable, "-m", "tierlm.offload.probe", str(device), str(torch.get_num_threads())],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    if done.returncode != 0:
+        tail = (done.stderr or done.stdout).strip().splitlines()[-3:]
+        raise TierlmError(
+            f"measuring this machine's bandwidths failed: {' | '.join(tail)}",
+            "run `python -m tierlm.offload.probe cpu` to see the whole error",
+        )
 
 
 def save_bandwidths(bandwidths: Bandwidths, device=None) -> Path:
@@ -130,16 +152,21 @@ def probe(device=None) -> Bandwidths:
 
 
 def int8_bytes_per_s(device, dtype) -> float:
-    """Weight bytes/s of `quantize_int8(W).linear(x)` at batch 1, W 4096 x 4096, 4 copies cycled."""
+    """Weight bytes/s of `quantize_int8(W).linear(x)` at batch 1, W 4096 x 4096, copies cycled
+    (see MIN_WEIGHT_BYTES)."""
     import torch
 
     from tierlm.quant.int8 import Int8Weight, quantize_int8
 
     gen = torch.Generator().manual_seed(0)
     base = quantize_int8(torch.randn(MATRIX, MATRIX, generator=gen))
+    if device.type == "cpu":
+        working = min(max(2 * last_level_cache_bytes(), MIN_WEIGHT_BYTES), MAX_WEIGHT_BYTES)
+    else:
+        working = ACCELERATOR_WEIGHT_BYTES
     weights = [
         Int8Weight(base.qweight.clone(), base.scales.clone(), dtype=dtype).to(device)
-        for _ in range(WEIGHT_COPIES)
+        for _ in range(-(-working // base.qweight.nbytes))
     ]
     x = torch.randn(1, MATRIX, generator=gen).to(device=device, dtype=dtype)
 
@@ -245,6 +272,16 @@ def block_overhead_s(device, dtype) -> float:
 # -- helpers ----------------------------------------------------------------------------------
 
 
+def last_level_cache_bytes() -> int:
+    """The largest CPU cache (bytes) sysfs reports for cpu0; 0 where it cannot be read."""
+    largest = 0
+    for entry in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
+        match = re.fullmatch(r"(\d+)([KMG]?)", entry.read_text().strip())
+        if match:
+            largest = max(largest, int(match.group(1)) << {"": 0, "K": 10, "M": 20, "G": 30}[match.group(2)])
+    return largest
+
+
 def _device(device):
     import torch
 
@@ -284,3 +321,14 @@ def _timed_read(fd: int, buffer: bytearray) -> float:
     while count := os.preadv(fd, [view], offset):
         offset += count
     return max(time.perf_counter() - start, 1e-9)
+
+
+if __name__ == "__main__":
+    # `python -m tierlm.offload.probe DEVICE [THREADS]`: probe and cache (what load_bandwidths runs).
+    import torch
+
+    if len(sys.argv) > 2:
+        torch.set_num_threads(int(sys.argv[2]))
+    chosen = _device(sys.argv[1] if len(sys.argv) > 1 else None)
+    path = save_bandwidths(probe(chosen), chosen)
+    print(path.read_text())

@@ -58,7 +58,7 @@ def load_model(
     """
     import torch
 
-    from tierlm.device import compute_dtype, read_memory, resolve_device
+    from tierlm.device import compute_dtype, resolve_device
     from tierlm.models import family_class
 
     model_dir = Path(model_dir)
@@ -71,13 +71,7 @@ def load_model(
     max_len = min(context or config.max_position_embeddings, config.max_position_embeddings)
     family = family_class(config)
     quant = quant or (profile.quant if profile is not None else None) or "none"
-    if quant.startswith("int8") or is_artifact(model_dir):
-        from tierlm.quant.dispatch import plan_for
-
-        # Kernel calibration (a compiler run, timing buffers) leaves its mark on the RSS: do it
-        # before the baseline is read, so the budget charges it there rather than finding it later.
-        plan_for(device)
-    baseline = read_memory().rss
+    baseline = runtime_baseline(device, quant.startswith("int8") or is_artifact(model_dir), profile is not None)
     placement = None
     as_stored = not is_artifact(model_dir) and quant == "none" and not adapters
     if as_stored and profile is not None:
@@ -106,6 +100,27 @@ def load_model(
         store = _artifact_store(artifact_dir, placement, device, dtype, read_delay_s, progress)
     model = family(config, store, max_len, device, dtype)
     return LoadedModel(config, model, store, max_len, device, dtype, placement)
+
+
+def runtime_baseline(device, int8: bool, planned: bool) -> int:
+    """This process's RSS before any weight is loaded: what a profile's budget charges as baseline.
+
+    What loading will need anyway happens first, so the budget charges it here rather than
+    meeting it later: INT8 kernel calibration (a compiler run, timing buffers) and the offload
+    modules' imports; then freed heap pages go back to the OS.
+    """
+    from tierlm.device import read_memory, trim_heap
+
+    if int8:
+        from tierlm.quant.dispatch import plan_for
+
+        plan_for(device)
+    if planned:
+        import tierlm.cache.store  # noqa: F401
+        import tierlm.offload.planner  # noqa: F401
+        import tierlm.offload.tiered_store  # noqa: F401
+    trim_heap()
+    return read_memory().rss
 
 
 def is_artifact(model_dir: Path) -> bool:

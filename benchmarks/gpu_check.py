@@ -1,0 +1,159 @@
+"""The prepared check for a lent accelerator: parity on the device, then 7B-shaped INT8 decode,
+resident and streamed.
+
+1. Parity: a tiny random Llama checkpoint in transformers (fp32, on the device) against tierlm
+   on the device in fp32 (logits) and in the device's compute dtype (greedy tokens); the INT8
+   kernels on the device (symmetric and asymmetric, compute-dtype activations) against
+   dequantize-then-matmul in fp32.
+2. Decode: a synthetic Llama-2-7B-shaped INT8 artifact (random weights, written once into
+   `--workdir`) under the `24gb` profile (resident on the device) and under `4gb` (the rest
+   streamed from host RAM / disk through the copy stream); 32 greedy tokens each, tokens/s,
+   the planner's prediction, peak device memory against the budget, and whether the streamed
+   run's tokens equal the resident run's.
+
+Everything is written to `--out/gpu_check.json` and summarised on stdout. A dry run on the CPU
+(`--device cpu --layers 2`) checks the script itself on a machine without an accelerator.
+
+    python benchmarks/gpu_check.py --device cuda --out "$OUT"
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import time
+from pathlib import Path
+
+LLAMA2_7B = {
+    "model_type": "llama", "vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 11008,
+    "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 32,
+    "max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+    "tie_word_embeddings": False,
+}  # fmt: skip
+PROMPT = [1, 450, 4996, 17354, 1701, 432, 17204, 975, 278, 17366, 11203, 29889]
+STEPS = 32
+
+
+def parity(device, workdir: Path) -> dict:
+    import torch
+
+    from tests.tiny import make_model
+    from tierlm.device import compute_dtype
+    from tierlm.quant.int8 import quantize_int8
+    from tierlm.runtime.loader import load_model
+
+    model_dir = workdir / "tiny-llama"
+    reference = make_model(model_dir, with_tokenizer=False, family="llama", heads=4, kv_heads=2).to(device)
+    ids = torch.randint(0, 256, (1, 24), generator=torch.Generator().manual_seed(0)).to(device)
+    with torch.no_grad():
+        expected = reference(ids).logits.float()
+    fp32 = load_model(model_dir, device=device, dtype=torch.float32)
+    logits = fp32.model.forward(ids, fp32.new_cache(), logits="all").float()
+    dtype = compute_dtype(device)
+    low = load_model(model_dir, device=device, dtype=dtype)
+    with torch.no_grad():
+        want = reference.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False)[0, 24:]
+    got, cache, step = [], low.new_cache(), ids
+    for _ in range(12):
+        token = low.model.forward(step, cache)[0, -1].argmax()
+        got.append(int(token))
+        step = token.view(1, 1)
+    kernels = {}
+    gen = torch.Generator().manual_seed(1)
+    for name, asym in (("int8-g128", False), ("int8-g32-asym", True), ("int8", False)):
+        group = None if name == "int8" else int(name.split("-g")[1].split("-")[0])
+        weight = quantize_int8(torch.randn(4096, 4096, generator=gen) * 0.02, group, asymmetric=asym)
+        x = torch.randn(3, 4096, generator=gen)
+        ref = x @ weight.dequantize().T
+        y = weight.to(device, dtype).linear(x.to(device, dtype)).float().cpu()
+        kernels[name] = float((y - ref).abs().max() / ref.abs().max())
+    return {
+        "fp32_logits_max_abs_diff": float((logits - expected).abs().max()),
+        "compute_dtype": str(dtype),
+        "greedy_equal_to_transformers_fp32": got == want.tolist(),
+        "int8_kernel_rel_error": kernels,
+    }
+
+
+def decode(artifact: Path, profile_name: str, device) -> dict:
+    import torch
+
+    from tierlm.device import backend_for
+    from tierlm.profile import load_profile
+    from tierlm.runtime.loader import load_model
+
+    backend = backend_for(device)
+    profile = load_profile(profile_name)
+    started = time.perf_counter()
+    loaded = load_model(artifact, device=device, profile=profile, context_length=512)
+    load_s = time.perf_counter() - started
+    cache = loaded.new_cache()
+    logits = loaded.model.forward(torch.tensor([PROMPT], device=device), cache)
+    tokens = [int(logits[0, -1].argmax())]
+    backend.synchronize()
+    started = time.perf_counter()
+    for _ in range(STEPS - 1):
+        logits = loaded.model.forward(torch.tensor([[tokens[-1]]], device=device), cache)
+        tokens.append(int(logits[0, -1].argmax()))
+    backend.synchronize()
+    elapsed = time.perf_counter() - started
+    tiers: dict[str, int] = {}
+    for block in loaded.placement.blocks:
+        tiers[block.tier] = tiers.get(block.tier, 0) + block.nbytes
+    memory = backend.memory()
+    ledger = getattr(loaded.store, "ledger", None)
+    result = {
+        "profile": profile_name,
+        "load_s": load_s,
+        "decode_tokens_per_s": (STEPS - 1) / elapsed,
+        "predicted_tokens_per_s": loaded.placement.predicted_decode_tokens_per_s,
+        "binding_limit": loaded.placement.binding_limit,
+        "bytes_by_tier": tiers,
+        "device_budget": profile.device_memory,
+        "device_peak": memory.peak,
+        "tokens": tokens,
+        "stall_s": ledger.stall_s if ledger else None,
+        "overlap": ledger.overlap if ledger else None,
+    }
+    loaded.close()
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--out", type=Path, default=Path("."))
+    parser.add_argument("--workdir", type=Path, default=None, help="where the 7B artifact is written")
+    parser.add_argument("--layers", type=int, default=32, help="fewer for a quick dry run")
+    args = parser.parse_args()
+
+    import torch
+
+    from tierlm.cache.synthetic import write_synthetic_artifact
+    from tierlm.device import backend_for, resolve_device
+
+    device = resolve_device(args.device)
+    workdir = args.workdir or Path(tempfile.mkdtemp(prefix="tierlm-gpu-check-"))
+    report: dict = {"device": str(device), "name": backend_for(device).name(), "torch": torch.__version__}
+    report["parity"] = parity(device, workdir)
+    print(json.dumps(report, indent=1), flush=True)
+    shape = dict(LLAMA2_7B, num_hidden_layers=args.layers)
+    started = time.perf_counter()
+    artifact = write_synthetic_artifact(shape, workdir / f"llama2-7b-{args.layers}l-int8")
+    report["artifact_write_s"] = time.perf_counter() - started
+    runs = [decode(artifact, name, device) for name in ("24gb", "4gb")]
+    report["decode"] = runs
+    report["streamed_tokens_equal_resident"] = runs[0]["tokens"] == runs[1]["tokens"]
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "gpu_check.json").write_text(json.dumps(report, indent=1))
+    for run in runs:
+        tiers = ", ".join(f"{t} {n / 2**30:.1f} GiB" for t, n in run["bytes_by_tier"].items())
+        print(f"{run['profile']}: {run['decode_tokens_per_s']:.2f} tok/s (predicted "
+              f"{run['predicted_tokens_per_s']:.2f}, {run['binding_limit']}); {tiers}; device peak "
+              f"{run['device_peak'] / 2**30:.2f} of {run['device_budget'] / 2**30:.2f} GiB")  # fmt: skip
+    print("streamed tokens equal resident:", report["streamed_tokens_equal_resident"])
+
+
+if __name__ == "__main__":
+    main()
