@@ -107,7 +107,12 @@ void tile(const float* x, int64_t K, const int8_t* w, const float* s, int64_t G,
           _mm_prefetch(reinterpret_cast<const char*>(w + (r + R) * K + k), _MM_HINT_T1);
       for (int u = 0; u < 64; u += 16) step<R, MB, GROUPED, false>(acc, sv, x, K, w, k + u, 0);
     }
-    for (; k + 16 <= k1; k += 16) step<R, MB, GROUPED, false>(acc, sv, x, K, w, k, 0);
+    for (; k + 16 <= k1; k += 16) {  // groups shorter than 64 (int8-g32) still prefetch
+      if (TL_PREFETCH && (k & 63) == 0)
+        for (int r = 0; r < R; ++r)
+          _mm_prefetch(reinterpret_cast<const char*>(w + (r + R) * K + k), _MM_HINT_T1);
+      step<R, MB, GROUPED, false>(acc, sv, x, K, w, k, 0);
+    }
     if (k < k1)  // ragged end of a group (or of K): masked loads read nothing past it
       step<R, MB, GROUPED, true>(acc, sv, x, K, w, k,
                                  static_cast<__mmask16>((1u << (k1 - k)) - 1u));
