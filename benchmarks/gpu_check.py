@@ -21,9 +21,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import tempfile
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.tiny builds the tiny model
 
 LLAMA2_7B = {
     "model_type": "llama", "vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 11008,
