@@ -15,12 +15,11 @@ import warnings
 
 # module -> (distribution, what tierlm uses it for, how to get it)
 OPTIONAL_PACKAGES = {
-    "numba": ("numba", "INT8 CPU kernel when no C++ compiler is found", "pip install numba"),
+    "numba": ("numba", "INT8 CPU kernel when no C++ compiler is found", "pip install 'tierlm[cpu]'"),
     "torch_npu": ("torch_npu", "Ascend NPUs", "pip install torch_npu, needs Ascend CANN"),
     "transformers": ("transformers", "reference logits in tests and benchmarks", "pip install transformers"),
     "peft": ("peft", "LoRA merge reference in tests", "pip install peft"),
     "accelerate": ("accelerate", "offload benchmark baseline", "pip install accelerate"),
-    "llama_cpp": ("llama_cpp_python", "GGUF benchmark baseline", "pip install llama-cpp-python"),
 }
 
 
