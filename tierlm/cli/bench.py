@@ -111,6 +111,8 @@ def format_bench(result: dict) -> str:
         read = ", ".join(f"{tier} {format_size(int(n))}" for tier, n in ledger["bytes_read_per_forward"].items())
         lines.append(
             f"streaming {read or 'nothing'} read per forward, stall {ledger['stall_s']:.2f} s, "
-            f"overlap {ledger['overlap']:.0%}, hot-row hit rate {ledger['hot_cache_hit_rate']:.0%}"
+            f"overlap {ledger['overlap']:.0%}, "
+            + (f"hot-row hit rate {ledger['hot_cache_hit_rate']:.0%}" if ledger["hot_cache_lookups"]
+               else "embedding resident (no hot-row lookups)")
         )
     return "\n".join(lines)

@@ -94,6 +94,8 @@ def format_stats(session, stats) -> str:
         per_forward = ", ".join(f"{tier} {format_size(int(n))}" for tier, n in ledger.bytes_per_forward().items())
         lines.append(
             f"streaming {per_forward or 'nothing'} read per forward, stall {ledger.stall_s:.2f} s, "
-            f"overlap {ledger.overlap:.0%}, hot-row hit rate {ledger.hit_rate:.0%}"
+            f"overlap {ledger.overlap:.0%}, "
+            + (f"hot-row hit rate {ledger.hit_rate:.0%}" if ledger.hot_hits + ledger.hot_misses
+               else "embedding resident (no hot-row lookups)")
         )
     return "\n".join(lines)

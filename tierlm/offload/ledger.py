@@ -83,5 +83,6 @@ class Ledger:
             "stall_s": self.stall_s,
             "overlap": self.overlap,
             "hot_cache_hit_rate": self.hit_rate,
+            "hot_cache_lookups": self.hot_hits + self.hot_misses,
             "at": time.time(),
         }
