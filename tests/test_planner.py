@@ -331,3 +331,27 @@ def test_probe_pieces_run_and_the_cache_round_trips(tmp_path):
     probe.save_bandwidths(CPU, cpu)
     assert probe.load_bandwidths(cpu) == CPU
     assert probe.Bandwidths.from_dict(json.loads(json.dumps(GPU.to_dict()))) == GPU
+
+
+def test_a_missing_probe_runs_in_a_child_and_costs_the_caller_no_memory(tmp_path):
+    """The probe cycles weights past the last-level cache (hundreds of MiB here); that must not
+    land in the process whose budget the planner is about to charge."""
+    code = (
+        "import json, torch\n"
+        "from tierlm.device import read_memory\n"
+        "from tierlm.offload.probe import bandwidths_path, last_level_cache_bytes, load_bandwidths\n"
+        "before = read_memory().peak_rss\n"
+        "measured = load_bandwidths('cpu')\n"
+        "print(json.dumps({'growth': read_memory().peak_rss - before, 'llc': last_level_cache_bytes(),\n"
+        "                  'path': str(bandwidths_path('cpu')), 'disk': measured.disk_bytes_per_s,\n"
+        "                  'device': measured.device_bytes_per_s}))\n"
+    )
+    env = {**os.environ, "TIERLM_CACHE": str(tmp_path)}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 0, done.stderr
+    out = json.loads(done.stdout)
+    assert Path(out["path"]).is_file() and Path(out["path"]).is_relative_to(tmp_path)
+    assert out["disk"] > 0 and out["device"] > 0
+    # The probe's weights alone are at least 64 MiB (2x the LLC when larger); the caller grew by
+    # far less than that.
+    assert out["growth"] < 32 * MiB, f"the probe raised the caller's peak RSS by {out['growth'] >> 20} MiB"
