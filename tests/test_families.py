@@ -1,10 +1,6 @@
-"""Qwen3, GLM, ChatGLM (original layout) and Mistral with a sliding window against transformers.
-
-Each case is a tiny random checkpoint: logits equal transformers', cached decode equals the full
-forward (prompts and chunks longer than any sliding window), greedy tokens equal transformers'
-with and without the KV cache, and a batched decode over KV slots gives each sequence what it
-gets alone. A ChatGLM checkpoint is written in ChatGLM's names and config keys; its reference is
-transformers' GlmForCausalLM holding the same weights under GLM's names.
+"""Qwen3, GLM, ChatGLM (original layout) and Mistral with a sliding window: config mapping and
+refusals, tokenizers, sizes and plans, INT8 conversion. Their logits, cached and batched decode
+against transformers are in tests/test_model_parity.py (the same CASES).
 """
 
 from __future__ import annotations
@@ -14,122 +10,11 @@ import json
 import pytest
 import torch
 
-from tests.tiny import chatglm_config, make_chatglm, make_model
-from tierlm.cache.kv import SlotKVCache
+from tests.test_model_parity import CASES
+from tests.tiny import chatglm_config, greedy, make_case, prompt
 from tierlm.config import ModelConfig
 from tierlm.errors import TierlmError
 from tierlm.runtime.loader import load_model
-
-CASES = {
-    "qwen3-gqa-head-dim-32": dict(family="qwen3", hidden=64, heads=4, kv_heads=2, head_dim=32),
-    "qwen3-mha-tied-bias": dict(family="qwen3", heads=4, kv_heads=4, tied=True, attention_bias=True),
-    "glm-gqa-half-rotary": dict(family="glm", heads=4, kv_heads=2),
-    "glm-mqa-quarter-rotary": dict(
-        family="glm", hidden=64, heads=2, kv_heads=1, head_dim=32, attention_bias=False,
-        rope_parameters={"rope_type": "default", "rope_theta": 500.0, "partial_rotary_factor": 0.25},
-    ),
-    "mistral-window-6": dict(family="mistral", heads=4, kv_heads=2, sliding_window=6),
-    "mistral-window-3-mqa": dict(family="mistral", heads=4, kv_heads=1, layers=3, sliding_window=3),
-    "chatglm-mqa-rope-ratio": dict(family="chatglm", heads=4, groups=2, rope_ratio=2.5),
-    "chatglm-one-group-no-bias": dict(family="chatglm", hidden=48, heads=3, groups=1, kv_channels=16,
-                                      qkv_bias=False, layers=3),
-}  # fmt: skip
-
-
-def make(model_dir, case: dict):
-    """Write the case's checkpoint; return the transformers reference over the same weights."""
-    args = dict(case)
-    family = args.pop("family")
-    if family == "chatglm":
-        return make_chatglm(model_dir, **args)
-    return make_model(model_dir, family, with_tokenizer=False, **args)
-
-
-@pytest.fixture(scope="module", params=sorted(CASES))
-def pair(request, tmp_path_factory):
-    """(transformers model, tierlm LoadedModel) over the same saved checkpoint."""
-    model_dir = tmp_path_factory.mktemp(request.param)
-    reference = make(model_dir, CASES[request.param])
-    return reference, load_model(model_dir, device="cpu", dtype=torch.float32, context_length=128)
-
-
-def prompt(vocab: int, length: int, seed: int) -> torch.Tensor:
-    return torch.randint(0, vocab, (1, length), generator=torch.Generator().manual_seed(seed))
-
-
-def test_logits_match_transformers(pair):
-    reference, loaded = pair
-    ids = prompt(loaded.config.vocab_size, 24, seed=1)
-    with torch.no_grad():
-        expected = reference(ids).logits
-    actual = loaded.model.forward(ids, loaded.new_cache(), logits="all")
-    torch.testing.assert_close(actual, expected, atol=1e-4, rtol=0)
-
-
-def test_cached_decode_matches_full_forward(pair):
-    """A prefill, a multi-token chunk starting past any window, then one token at a time."""
-    _, loaded = pair
-    ids = prompt(loaded.config.vocab_size, 24, seed=2)
-    full = loaded.model.forward(ids, loaded.new_cache(), logits="all")
-    cache = loaded.new_cache()
-    steps = [loaded.model.forward(ids[:, :9], cache, logits="all")]
-    steps.append(loaded.model.forward(ids[:, 9:16], cache, logits="all"))
-    steps += [loaded.model.forward(ids[:, t : t + 1], cache, logits="all") for t in range(16, 24)]
-    torch.testing.assert_close(torch.cat(steps, dim=1), full, atol=1e-5, rtol=0)
-
-
-def greedy(loaded, ids: torch.Tensor, steps: int, use_cache: bool) -> list[int]:
-    tokens = ids[0].tolist()
-    cache = loaded.new_cache()
-    logits = loaded.model.forward(ids, cache)
-    out = []
-    for _ in range(steps):
-        token = int(logits[0, -1].argmax())
-        out.append(token)
-        tokens.append(token)
-        if use_cache:
-            logits = loaded.model.forward(torch.tensor([[token]]), cache)
-        else:
-            cache = loaded.new_cache()
-            logits = loaded.model.forward(torch.tensor([tokens]), cache)
-    return out
-
-
-def test_greedy_tokens_match_transformers_with_and_without_cache(pair):
-    reference, loaded = pair
-    ids = prompt(loaded.config.vocab_size, 8, seed=3)
-    with torch.no_grad():
-        # An explicit all-ones mask: otherwise transformers masks prompt ids equal to its pad id.
-        expected = reference.generate(
-            ids, attention_mask=torch.ones_like(ids), max_new_tokens=24, min_new_tokens=24,
-            do_sample=False, eos_token_id=None, pad_token_id=0,
-        )[0, ids.shape[1] :].tolist()
-    assert greedy(loaded, ids, 24, use_cache=True) == expected
-    assert greedy(loaded, ids, 24, use_cache=False) == expected
-
-
-def test_batched_decode_matches_each_sequence_alone(pair):
-    """forward_batch over scattered KV slots of different lengths (past any window)."""
-    _, loaded = pair
-    vocab, steps = loaded.config.vocab_size, 6
-    gen = torch.Generator().manual_seed(4)
-    prompts = [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in (11, 3, 7)]
-    expected = []
-    for p in prompts:
-        cache, rows = loaded.new_cache(), []
-        logits = loaded.model.forward(torch.tensor([p]), cache)[0, -1]
-        for _ in range(steps):
-            rows.append(logits)
-            logits = loaded.model.forward(torch.tensor([[int(logits.argmax())]]), cache)[0, -1]
-        expected.append(rows)
-    slots = [2, 0, 3]
-    cache = SlotKVCache.for_model(loaded.config, loaded.max_len, 4)
-    current = [loaded.model.forward(torch.tensor([p]), cache.slot(s))[0, -1] for p, s in zip(prompts, slots)]
-    for step in range(steps):
-        for i, logits in enumerate(current):
-            torch.testing.assert_close(logits, expected[i][step], atol=1e-4, rtol=0)
-        ids = torch.tensor([[int(logits.argmax())] for logits in current])
-        current = list(loaded.model.forward_batch(ids, cache.batch(slots)))
 
 
 # -- config.json of each family --------------------------------------------------------------------
@@ -257,7 +142,7 @@ def test_sizes_from_config_match_the_converted_artifact(tmp_path, case, quant):
     from tierlm.cache.convert import ConversionRequest, ensure_artifact
     from tierlm.offload.sizes import sizes_from_artifact, sizes_from_config
 
-    make(tmp_path, CASES[case])
+    make_case(tmp_path, CASES[case])
     artifact_dir = ensure_artifact(ConversionRequest(tmp_path, (), quant))
     measured = sizes_from_artifact(artifact_dir)
     predicted = sizes_from_config(ModelConfig.from_dir(tmp_path), quant)
@@ -275,7 +160,7 @@ def test_int8_artifact_keeps_qk_norms_float_and_tracks_fp32(tmp_path, case):
     from tierlm.cache.artifact import Artifact
     from tierlm.cache.convert import ConversionRequest, ensure_artifact
 
-    make(tmp_path, CASES[case])
+    make_case(tmp_path, CASES[case])
     artifact_dir = ensure_artifact(ConversionRequest(tmp_path, (), "int8"))
     layer = Artifact.open(artifact_dir).blocks["layers.0"].tensors
     assert layer["wqkv"].encoding == "int8" and layer["w13"].encoding == "int8"

@@ -216,3 +216,37 @@ def make_chatglm(model_dir: Path, *, seed: int = 0, **config_args):
               metadata={"format": "pt"})
     (model_dir / "config.json").write_text(json.dumps(raw, indent=1))
     return model
+
+
+def make_case(model_dir: Path, case: dict):
+    """Write a parity case's checkpoint (`family` plus make_model / make_chatglm arguments);
+    return the transformers reference over the same weights."""
+    args = dict(case)
+    family = args.pop("family")
+    if family == "chatglm":
+        return make_chatglm(model_dir, **args)
+    return make_model(model_dir, family, with_tokenizer=False, **args)
+
+
+def prompt(vocab: int, length: int = 24, seed: int = 1) -> torch.Tensor:
+    """Random token ids [1, length], the same for a given seed."""
+    return torch.randint(0, vocab, (1, length), generator=torch.Generator().manual_seed(seed))
+
+
+def greedy(loaded, ids: torch.Tensor, steps: int, use_cache: bool) -> list[int]:
+    """`steps` greedy tokens after `ids`, through the KV cache or re-running the whole sequence."""
+    tokens = ids[0].tolist()
+    cache = loaded.new_cache()
+    logits = loaded.model.forward(ids, cache)
+    out = []
+    for _ in range(steps):
+        token = int(logits[0, -1].argmax())
+        out.append(token)
+        tokens.append(token)
+        if use_cache:
+            logits = loaded.model.forward(torch.tensor([[token]]), cache)
+        else:
+            cache = loaded.new_cache()
+            logits = loaded.model.forward(torch.tensor([tokens]), cache)
+    return out
+
