@@ -5,6 +5,17 @@ from __future__ import annotations
 import torch
 
 
+def _empty_buffers(layers, sequences, kv_heads, head_dim, max_len, device, dtype):
+    """Keys and values [layers, sequences, kv_heads, max_len, head_dim], left uninitialised."""
+    shape = (layers, sequences, kv_heads, max_len, head_dim)
+    return torch.empty(shape, device=device, dtype=dtype), torch.empty(shape, device=device, dtype=dtype)
+
+
+def _model_dims(config) -> tuple[int, int, int]:
+    """(layers, kv_heads, head_dim): what a cache needs from a ModelConfig."""
+    return config.num_hidden_layers, config.num_key_value_heads, config.head_dim
+
+
 class KVCache:
     """Keys and values for every layer: [layers, batch, kv_heads, max_len, head_dim] each.
 
@@ -23,23 +34,13 @@ class KVCache:
         device="cpu",
         dtype: torch.dtype = torch.float32,
     ):
-        shape = (layers, batch, kv_heads, max_len, head_dim)
-        self.keys = torch.empty(shape, device=device, dtype=dtype)
-        self.values = torch.empty(shape, device=device, dtype=dtype)
+        self.keys, self.values = _empty_buffers(layers, batch, kv_heads, head_dim, max_len, device, dtype)
         self.max_len = max_len
         self.offset = 0
 
     @classmethod
     def for_model(cls, config, max_len: int, *, batch: int = 1, device="cpu", dtype=torch.float32):
-        return cls(
-            config.num_hidden_layers,
-            config.num_key_value_heads,
-            config.head_dim,
-            max_len,
-            batch=batch,
-            device=device,
-            dtype=dtype,
-        )
+        return cls(*_model_dims(config), max_len, batch=batch, device=device, dtype=dtype)
 
     def update(
         self, layer: int, keys: torch.Tensor, values: torch.Tensor
@@ -91,9 +92,7 @@ class SlotKVCache:
         device="cpu",
         dtype: torch.dtype = torch.float32,
     ):
-        shape = (layers, slots, kv_heads, max_len, head_dim)
-        self.keys = torch.empty(shape, device=device, dtype=dtype)
-        self.values = torch.empty(shape, device=device, dtype=dtype)
+        self.keys, self.values = _empty_buffers(layers, slots, kv_heads, head_dim, max_len, device, dtype)
         self.max_len = max_len
         self.lengths = [0] * slots
         # Per slot, how many leading positions hold finite numbers (written once, or zeroed).
@@ -101,15 +100,7 @@ class SlotKVCache:
 
     @classmethod
     def for_model(cls, config, max_len: int, slots: int, *, device="cpu", dtype=torch.float32):
-        return cls(
-            config.num_hidden_layers,
-            config.num_key_value_heads,
-            config.head_dim,
-            max_len,
-            slots,
-            device=device,
-            dtype=dtype,
-        )
+        return cls(*_model_dims(config), max_len, slots, device=device, dtype=dtype)
 
     @property
     def slots(self) -> int:

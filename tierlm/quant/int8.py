@@ -64,10 +64,7 @@ class Int8Weight:
                 f"qweight must be a 2-D int8 tensor, got {qweight.dtype} {tuple(qweight.shape)}"
             )
         out_features, in_features = qweight.shape
-        group = in_features if group_size is None else group_size
-        if group < 1:
-            raise ValueError(f"group_size must be positive, got {group_size}")
-        groups = group_count(in_features, group)
+        group, groups = _groups(in_features, group_size)
         want = (out_features,) if group_size is None else (out_features, groups)
         if tuple(scales.shape) != want or not scales.is_floating_point():
             raise ValueError(
@@ -176,6 +173,14 @@ class Int8Weight:
         return f"Int8Weight({list(self.shape)}, {kind}, device={self.device})"
 
 
+def _groups(in_features: int, group_size: int | None) -> tuple[int, int]:
+    """(columns per scale, scales per row): the whole row per channel, else `group_size`."""
+    group = in_features if group_size is None else group_size
+    if group < 1:
+        raise ValueError(f"group_size must be positive, got {group_size}")
+    return group, group_count(in_features, group)
+
+
 def quantize_int8(
     weight: torch.Tensor, group_size: int | None = None, *, asymmetric: bool = False
 ) -> Int8Weight:
@@ -191,10 +196,7 @@ def quantize_int8(
             f"expected a 2-D float weight [out, in], got {weight.dtype} {tuple(weight.shape)}"
         )
     out_features, in_features = weight.shape
-    group = in_features if group_size is None else group_size
-    if group < 1:
-        raise ValueError(f"group_size must be positive, got {group_size}")
-    groups = group_count(in_features, group)
+    group, groups = _groups(in_features, group_size)
     pad = groups * group - in_features
     qweight = torch.empty(out_features, in_features, dtype=torch.int8, device=weight.device)
     scales = torch.empty(out_features, groups, dtype=torch.float32, device=weight.device)
