@@ -59,13 +59,17 @@ def pair(request, tmp_path_factory):
     return reference, load_model(model_dir, device="cpu", dtype=torch.float32, context_length=128)
 
 
-def test_logits_match_transformers(pair):
-    reference, loaded = pair
+def assert_logits_match(reference, loaded) -> None:
+    """tierlm's logits for a random prompt equal the transformers model's."""
     ids = prompt(loaded.config.vocab_size)
     with torch.no_grad():
         expected = reference(ids).logits
     actual = loaded.model.forward(ids, loaded.new_cache(), logits="all")
     torch.testing.assert_close(actual, expected, atol=1e-4, rtol=0)
+
+
+def test_logits_match_transformers(pair):
+    assert_logits_match(*pair)
 
 
 def test_cached_decode_matches_full_forward(pair):
@@ -124,12 +128,7 @@ def test_half_precision_sources_load_as_fp32(tmp_path, source_dtype):
     make_model(tmp_path, with_tokenizer=False, dtype=source_dtype)
     # Reloaded in fp32 rather than cast: a cast model keeps its RoPE buffers rounded.
     reference = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32)
-    loaded = load_model(tmp_path, device="cpu", dtype=torch.float32)
-    ids = prompt(loaded.config.vocab_size)
-    with torch.no_grad():
-        expected = reference(ids).logits
-    actual = loaded.model.forward(ids, loaded.new_cache(), logits="all")
-    torch.testing.assert_close(actual, expected, atol=1e-4, rtol=0)
+    assert_logits_match(reference, load_model(tmp_path, device="cpu", dtype=torch.float32))
 
 
 def test_sharded_checkpoint_matches_single_file(tmp_path):
