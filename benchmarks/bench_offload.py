@@ -63,14 +63,11 @@ def run_tierlm(model: str, profile: str, steps: str = str(STEPS)) -> dict:
     elapsed = time.perf_counter() - started
     placement = loaded.placement
     ledger = getattr(loaded.store, "ledger", None)
-    tiers = {}
-    for block in placement.blocks:
-        tiers[block.tier] = tiers.get(block.tier, 0) + block.nbytes
     result = {
         "decode_tps": (int(steps) - 1) / elapsed,
         "predicted_tps": placement.predicted_decode_tokens_per_s,
         "binding_limit": placement.binding_limit,
-        "bytes_by_tier": tiers,
+        "bytes_by_tier": placement.block_bytes_by_tier(),
         "budget": load_profile(profile).device_memory,
         "peak_rss": peak_rss(),
         "overlap": ledger.overlap if ledger else None,
@@ -164,32 +161,20 @@ def budget_for_resident_share(artifact: Path, folder: Path, share: float) -> int
 
 
 def smollm(folder: Path) -> None:
-    import torch
-
     from tierlm.cache.convert import ConversionRequest, ensure_artifact
-    from tierlm.device import read_memory
     from tierlm.offload.sizes import sizes_from_artifact
     from tierlm.weights.embedded import ensure_embedded_model
 
     model_dir = ensure_embedded_model()
     artifact = ensure_artifact(ConversionRequest(model_dir, (), "int8"))
     weights = sizes_from_artifact(artifact).total
-    del torch, read_memory
     budget = budget_for_resident_share(artifact, folder, 0.4)
-    # The capped run gets a real cap: a cgroup at the budget (page cache included) and a cold
-    # page cache, so its streamed blocks come from the disk and not from RAM left over.
-    group = memory_cgroup(budget)
-    if group is not None:
-        evict_from_page_cache(artifact / "weights.bin")
-    try:
-        capped = side(["tierlm", str(artifact), str(budget_profile(folder, "capped", budget))], cgroup=group)
-    finally:
-        if group is not None:
-            remove_cgroup(group)
+    capped, enforced = capped_side(["tierlm", str(artifact), str(budget_profile(folder, "capped", budget))],
+                                   budget, artifact)  # fmt: skip
     resident = side(["tierlm", str(artifact), str(budget_profile(folder, "resident", 16 << 30))])
     peer = side(["accelerate", str(model_dir), f"{max(int(0.4 * 4 * weights) >> 20, 1)}MB"])
     print(f"SmolLM2-135M INT8 weights {weights / 2**20:.0f} MiB; capped budget {budget / 2**20:.0f} MiB"
-          + (" (enforced by a cgroup, cold page cache)" if group is not None else " (no cgroup here)") + "\n")
+          + (" (enforced by a cgroup, cold page cache)" if enforced else " (no cgroup here)") + "\n")
     print("| run | decode tok/s | predicted | binding limit | peak RSS MiB | vs accelerate |")
     print("|---|---|---|---|---|---|")
     for label, row in (("tierlm streamed (cap)", capped), ("tierlm resident", resident), ("accelerate disk offload (cap)", peer)):
@@ -210,20 +195,17 @@ def headline() -> None:
     started = time.perf_counter()
     write_synthetic_artifact(LLAMA2_7B, target)
     print(f"synthetic Llama-2-7B-shaped INT8 artifact ready in {time.perf_counter() - started:.0f} s: {target}\n")
-    from tierlm.profile import load_profile
+    from tierlm.profile import format_size, load_profile
 
     print("| profile | decode tok/s | predicted | binding limit | resident / disk bytes | peak RSS GiB | cap |")
     print("|---|---|---|---|---|---|---|")
     for profile in ("24gb", "4gb"):
-        group = memory_cgroup(load_profile(profile).device_memory) if profile == "4gb" else None
-        if group is not None:
-            evict_from_page_cache(target / "weights.bin")
-        try:
-            row = side(["tierlm", str(target), profile, str(HEADLINE_STEPS)], cgroup=group)
-        finally:
-            if group is not None:
-                remove_cgroup(group)
-        cap = f"cgroup {load_profile(profile).device_memory / 2**30:.0f} GiB, cold page cache" if group else "none"
+        argv, limit = ["tierlm", str(target), profile, str(HEADLINE_STEPS)], load_profile(profile).device_memory
+        if profile == "4gb":
+            row, enforced = capped_side(argv, limit, target)
+        else:
+            row, enforced = side(argv), False
+        cap = f"cgroup {format_size(limit)}, cold page cache" if enforced else "none"
         if "error" in row:
             print(f"| {profile} | failed: {row['error']} | | | | | {cap} |")
             continue
@@ -231,6 +213,20 @@ def headline() -> None:
         print(f"| {profile} | {row['decode_tps']:.2f} | {row['predicted_tps']:.2f} | {row['binding_limit']} | "
               f"{tiers.get('device', 0) / 2**30:.1f} / {tiers.get('disk', 0) / 2**30:.1f} GiB | "
               f"{row['peak_rss'] / 2**30:.2f} | {cap} |")
+
+
+def capped_side(argv: list[str], limit: int, artifact: Path) -> tuple[dict, bool]:
+    """`side(argv)` inside a cgroup capped at `limit` (page cache included) with the artifact
+    evicted from the page cache first, so streamed blocks come from the disk and not from RAM
+    left over; (its result, whether the cap was enforced)."""
+    group = memory_cgroup(limit)
+    if group is None:
+        return side(argv), False
+    evict_from_page_cache(artifact / "weights.bin")
+    try:
+        return side(argv, cgroup=group), True
+    finally:
+        remove_cgroup(group)
 
 
 def memory_cgroup(limit: int) -> Path | None:
@@ -263,10 +259,12 @@ def evict_from_page_cache(path: Path) -> None:
     """Drop the file's clean pages from the page cache, so the next reads go to the disk."""
     import os
 
+    from tierlm.offload.probe import drop_pages
+
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        drop_pages(fd)
     finally:
         os.close(fd)
 

@@ -101,9 +101,6 @@ def decode(artifact: Path, profile_name: str, device) -> dict:
         tokens.append(int(logits[0, -1].argmax()))
     backend.synchronize()
     elapsed = time.perf_counter() - started
-    tiers: dict[str, int] = {}
-    for block in loaded.placement.blocks:
-        tiers[block.tier] = tiers.get(block.tier, 0) + block.nbytes
     memory = backend.memory()
     ledger = getattr(loaded.store, "ledger", None)
     result = {
@@ -112,7 +109,7 @@ def decode(artifact: Path, profile_name: str, device) -> dict:
         "decode_tokens_per_s": (STEPS - 1) / elapsed,
         "predicted_tokens_per_s": loaded.placement.predicted_decode_tokens_per_s,
         "binding_limit": loaded.placement.binding_limit,
-        "bytes_by_tier": tiers,
+        "bytes_by_tier": loaded.placement.block_bytes_by_tier(),
         "device_budget": profile.device_memory,
         "device_peak": memory.peak,
         "tokens": tokens,

@@ -154,8 +154,8 @@ def auto_profile(ram_available: int | None = None, device_free: int | None = Non
 
     RAM: psutil's available memory; device: the free memory of the accelerator `--device auto`
     would pick (CUDA, Ascend NPU, ...) through the device module (torch is imported only when
-    it is installed). The process takes 85%
-    of available RAM (90% of free device memory) and keeps 5% (at least 256 MiB) as headroom.
+    it is installed). The process takes 85% of available RAM (90% of free device memory) and
+    keeps 5% (at least 256 MiB) as headroom.
     Pass the two numbers to size one without asking the machine (tests).
     """
     if ram_available is None:

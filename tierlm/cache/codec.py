@@ -1,7 +1,8 @@
 """How block tensors are encoded in an artifact and decoded for compute.
 
 2-D weights (projections, embedding, head) take the quant mode's format: INT8 with scales (and
-offsets when asymmetric), or a float dtype. 1-D tensors (norms, biases) always stay fp32: they are tiny and precision-critical.
+offsets when asymmetric), or a float dtype. 1-D tensors (norms, biases) always stay fp32: they
+are tiny and precision-critical.
 """
 
 from __future__ import annotations

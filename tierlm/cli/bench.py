@@ -67,10 +67,7 @@ def run_bench(session, prompt_tokens: int, new_tokens: int, runs: int) -> dict:
     }
     placement = loaded.placement
     if placement is not None:
-        tiers: dict[str, int] = {}
-        for block in placement.blocks:
-            tiers[block.tier] = tiers.get(block.tier, 0) + block.nbytes
-        result["placement_bytes"] = tiers
+        result["placement_bytes"] = placement.block_bytes_by_tier()
         result["predicted_decode_tokens_per_s"] = placement.predicted_decode_tokens_per_s
         result["predicted_prefill_tokens_per_s"] = placement.predicted_prefill_tokens_per_s
         result["binding_limit"] = placement.binding_limit

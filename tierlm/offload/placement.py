@@ -65,6 +65,13 @@ class Placement:
     def total(self, tier: str) -> int:
         return sum(self.charges.get(tier, {}).values())
 
+    def block_bytes_by_tier(self) -> dict[str, int]:
+        """Weight bytes of the blocks placed on each tier, in first-seen order."""
+        totals: dict[str, int] = {}
+        for placed in self.blocks:
+            totals[placed.tier] = totals.get(placed.tier, 0) + placed.nbytes
+        return totals
+
     @property
     def streamed_blocks(self) -> tuple[str, ...]:
         return tuple(b.name for b in self.blocks if b.streamed)

@@ -19,7 +19,9 @@ from pathlib import Path
 
 from tierlm.paths import cache_root
 
-PROBE_VERSION = 2  # 2: weights cycled past the last-level cache (v1's 64 MiB sat in a 260 MiB L3), best of 3 cold disk reads
+# 2: weights cycled past the last-level cache (v1's 64 MiB sat in a 260 MiB L3), best of 3
+# cold disk reads.
+PROBE_VERSION = 2
 MATRIX = 4096  # the int8 bandwidth probe's weight: 4096 x 4096 (16 MiB), as a 7B layer's wo
 # Weights cycled: twice the CPU's last-level cache, so each pass streams from memory as a
 # model's layers do; at least 64 MiB, at most 1 GiB (accelerators: 256 MiB, beyond any L2).
@@ -104,7 +106,7 @@ def _probe_in_child(device) -> None:
         tail = (done.stderr or done.stdout).strip().splitlines()[-3:]
         raise TierlmError(
             f"measuring this machine's bandwidths failed: {' | '.join(tail)}",
-            "run `python -m tierlm.offload.probe cpu` to see the whole error",
+            f"run `python -m tierlm.offload.probe {device}` to see the whole error",
         )
 
 
@@ -227,7 +229,7 @@ def disk_bytes_per_s(folder: Path, nbytes: int = DISK_BYTES) -> tuple[float, boo
             # read (490-1900 MB/s measured here), and the planner wants what it can deliver.
             colds = []
             for _ in range(DISK_READS):
-                dropped = _drop_pages(fd)
+                dropped = drop_pages(fd)
                 colds.append(_timed_read(fd, buffer))
             cold = min(colds)
             hot = _timed_read(fd, buffer)
@@ -313,7 +315,8 @@ def _best_seconds(run, device, reps: int) -> float:
     return max(min(samples), 1e-9)
 
 
-def _drop_pages(fd: int) -> bool:
+def drop_pages(fd: int) -> bool:
+    """Evict the open file's clean pages from the page cache; False where that is unsupported."""
     try:
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         return True

@@ -11,9 +11,8 @@ Asymmetric modes add a float offset o per row or group (a zero point): the 256 l
     s = (max - min) / 255;  o = min + 128 s;  q = round((W - o) / s);  W ~ q * s + o
 
 or, where it reconstructs the group better, its symmetric quantization with o = 0 (so a source
-already on either grid, GGUF Q4_1 or Q8_0 with groups of 32, comes through exactly).
-
-and x @ W.T = x @ (q*s).T + (x summed per group) @ o.T: the kernels add the second term (the
+already on either grid, GGUF Q4_1 or Q8_0 with groups of 32, comes through exactly). Then
+x @ W.T = x @ (q*s).T + (x summed per group) @ o.T: the kernels add the second term (the
 native one inside its loop, a G-long dot per output).
 
 Groups run along the input dim. When `in` is not a multiple of `group_size`, the last group of
@@ -121,7 +120,7 @@ class Int8Weight:
         return out.view(*ids.shape, q.shape[1])
 
     def dequantize(self) -> torch.Tensor:
-        """The float weight q * s as fp32 [out, in] (the reference every kernel must match)."""
+        """The float weight q * s (+ o) as fp32 [out, in] (the reference every kernel must match)."""
         out = torch.empty(self.qweight.shape, dtype=torch.float32, device=self.device)
         return dequantize_into(self.qweight, self.scales_2d, self.group, out, self.offsets_2d)
 

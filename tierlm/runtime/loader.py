@@ -71,9 +71,10 @@ def load_model(
     max_len = min(context or config.max_position_embeddings, config.max_position_embeddings)
     family = family_class(config)
     quant = quant or (profile.quant if profile is not None else None) or "none"
-    baseline = runtime_baseline(device, quant.startswith("int8") or is_artifact(model_dir), profile is not None)
+    compiled = is_artifact(model_dir)
+    baseline = runtime_baseline(device, quant.startswith("int8") or compiled, profile is not None)
     placement = None
-    as_stored = not is_artifact(model_dir) and quant == "none" and not adapters
+    as_stored = not compiled and quant == "none" and not adapters
     if as_stored and profile is not None:
         # Weights as stored still obey the budget: when they do not fit resident, they are
         # converted to an fp32 artifact and tiered like any other.
@@ -90,7 +91,7 @@ def load_model(
         store = load_resident(checkpoint, family.checkpoint_layout(config), device=device, dtype=dtype, progress=progress)
         check_shapes(config, store, family)  # conversion checks artifacts as it writes them
     else:
-        artifact_dir = model_dir if is_artifact(model_dir) else _artifact_for(
+        artifact_dir = model_dir if compiled else _artifact_for(
             model_dir, quant, adapters, convert_progress
         )
         if profile is not None:
