@@ -28,21 +28,23 @@ def dequantize_into(
     Two passes (widen, then scale in place) measured ~1.4x faster than one mixed-dtype
     broadcast multiply; the widening is exact, so the result is the same.
     """
-    n, k = qweight.shape
+    out.copy_(qweight)
+    _per_group(out, scales, group, torch.Tensor.mul_)
+    if offsets is not None:
+        _per_group(out, offsets, group, torch.Tensor.add_)
+    return out
+
+
+def _per_group(out: torch.Tensor, values: torch.Tensor, group: int, inplace) -> None:
+    """inplace(out's columns, their group's value in values [N, G]) for out [N, K]."""
+    k = out.shape[1]
     full = k // group
     split = full * group
-    out.copy_(qweight)
     if full:
-        # Whole groups as a [N, full, group] view, so each scale broadcasts over its group.
-        out[:, :split].unflatten(1, (full, group)).mul_(scales[:, :full, None])
+        # Whole groups as a [N, full, group] view, so each value broadcasts over its group.
+        inplace(out[:, :split].unflatten(1, (full, group)), values[:, :full, None])
     if split < k:  # the short last group of every row
-        out[:, split:].mul_(scales[:, full:])
-    if offsets is not None:
-        if full:
-            out[:, :split].unflatten(1, (full, group)).add_(offsets[:, :full, None])
-        if split < k:
-            out[:, split:].add_(offsets[:, full:])
-    return out
+        inplace(out[:, split:], values[:, full:])
 
 
 def offset_term(x: torch.Tensor, offsets: torch.Tensor, group: int) -> torch.Tensor:
