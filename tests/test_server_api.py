@@ -44,8 +44,9 @@ def session(tmp_path_factory):
 
 @contextmanager
 def running(session, **options):
-    """A server with test hooks on; yields (base url, client)."""
-    with BackgroundServer(session, ServerOptions(debug_hooks=True, **options)) as server:
+    """A server with test hooks on, answering to the name `body` sends; yields (base url, client)."""
+    options = {"debug_hooks": True, "aliases": ("tiny",), **options}
+    with BackgroundServer(session, ServerOptions(**options)) as server:
         with httpx.Client(base_url=server.url, timeout=30) as client:
             yield server.url, client
 

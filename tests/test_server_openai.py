@@ -9,30 +9,33 @@ import subprocess
 import sys
 import threading
 import time
+from contextlib import contextmanager
 
 import pytest
 
 from tierlm.profile import load_profile
 from tierlm.runtime.sampling import SamplingParams
 from tierlm.runtime.session import open_session
+from tierlm.server.options import ServerOptions
 from tierlm.weights.embedded import ensure_embedded_model
 
 pytestmark = pytest.mark.slow
 KEY = "test-key"
+ALIAS = "gpt-4o-mini"  # what desktop clients tend to send by default
 MESSAGES = [
     {"role": "system", "content": "You are a concise assistant."},
     {"role": "user", "content": "Name three primary colours."},
 ]
 
 
-@pytest.fixture(scope="module")
-def server_url():
-    ensure_embedded_model()  # import once, before the server (which shares the cache) starts
+@contextmanager
+def serve_process(*args: str, env: dict | None = None, start_timeout: float = 180):
+    """`tierlm serve --port 0 ARGS` in a subprocess; yields (url, lines): `lines` fills with its
+    stderr, and holds all of it once the block has ended (the server stopped, its pipe drained)."""
     process = subprocess.Popen(
-        [sys.executable, "-m", "tierlm", "serve", "--port", "0", "--profile", "24gb", "--batch-size", "2",
-         "--api-key", KEY],
+        [sys.executable, "-m", "tierlm", "serve", "--port", "0", *args],
         stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-        env=os.environ.copy(),
+        env={**os.environ, **(env or {})},
     )
     lines: list[str] = []
     announced = threading.Event()
@@ -43,16 +46,27 @@ def server_url():
             if "listening on" in line:
                 announced.set()
 
-    threading.Thread(target=read_stderr, daemon=True).start()
-    deadline = time.monotonic() + 180
-    while not announced.wait(0.2):
-        assert process.poll() is None and time.monotonic() < deadline, "".join(lines)
-    url = re.search(r"listening on (http://127\.0\.0\.1:\d+)", "".join(lines)).group(1)
-    yield url
-    process.terminate()
+    reader = threading.Thread(target=read_stderr, daemon=True)
+    reader.start()
+    try:
+        deadline = time.monotonic() + start_timeout
+        while not announced.wait(0.2):
+            assert process.poll() is None and time.monotonic() < deadline, "".join(lines)
+        yield re.search(r"listening on (http://127\.0\.0\.1:\d+)", "".join(lines)).group(1), lines
+    finally:
+        process.terminate()
+        status = process.wait(30)
+        reader.join(10)
     # uvicorn shuts down gracefully, then re-raises the SIGTERM it caught.
-    assert process.wait(30) in (0, -signal.SIGTERM), "".join(lines)
+    assert status in (0, -signal.SIGTERM), "".join(lines)
     assert "Traceback" not in "".join(lines), "".join(lines)
+
+
+@pytest.fixture(scope="module")
+def server_url():
+    ensure_embedded_model()  # import once, before the server (which shares the cache) starts
+    with serve_process("--profile", "24gb", "--batch-size", "2", "--api-key", KEY, "--alias", ALIAS) as (url, _):
+        yield url
 
 
 @pytest.fixture(scope="module")
@@ -76,7 +90,8 @@ def expected():
 
 def test_list_models(client):
     models = client.models.list().data
-    assert len(models) == 1 and models[0].id.startswith("SmolLM2-135M-Instruct")
+    assert [m.id for m in models] == [ServerOptions().served_name(ensure_embedded_model())]
+    assert "smollm2" in models[0].id.lower()
     assert models[0].owned_by == "tierlm"
 
 
@@ -95,7 +110,7 @@ def test_chat_completion_greedy_matches_the_engine_with_usage(client, expected):
 
 def test_streamed_chat_completion_with_usage(client, expected):
     stream = client.chat.completions.create(
-        model="anything", messages=MESSAGES, temperature=0, max_completion_tokens=32, stream=True,
+        model=ALIAS, messages=MESSAGES, temperature=0, max_completion_tokens=32, stream=True,
         stream_options={"include_usage": True},
     )
     chunks = list(stream)
@@ -103,6 +118,7 @@ def test_streamed_chat_completion_with_usage(client, expected):
     assert text == expected["text"]
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == expected["finish_reason"]
     assert chunks[-1].choices == []
+    assert {c.model for c in chunks} == {client.models.list().data[0].id}  # the alias answered as the model
     assert (chunks[-1].usage.prompt_tokens, chunks[-1].usage.completion_tokens) == (
         expected["prompt_tokens"], expected["completion_tokens"])
 

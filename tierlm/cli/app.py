@@ -288,7 +288,13 @@ def serve(
     max_queue: int = typer.Option(64, "--max-queue", min=0, help="Requests waiting for a slot before 429"),
     timeout: float = typer.Option(600.0, "--timeout", min=0.0, help="Default request deadline in seconds (0 = none)"),
     stall_timeout: float = typer.Option(60.0, "--stall-timeout", min=0.1, help="Restart a worker silent this long (s)"),
-    model_name: Optional[str] = typer.Option(None, "--model-name", help="Model id to report (default: directory name)"),
+    model_name: Optional[str] = typer.Option(
+        None, "--model-name", help="Model id to serve under (default: the model's catalogue name)"
+    ),
+    alias: Optional[list[str]] = typer.Option(
+        None, "--alias", help="Another model name requests may use (repeatable); others get 404"
+    ),
+    quiet: bool = typer.Option(False, "--quiet", help="No access log (one line per request on stderr)"),
     device: Optional[str] = DeviceOpt,
     dtype: Optional[str] = DtypeOpt,
     quant: Optional[str] = QuantOpt,
@@ -312,10 +318,12 @@ def serve(
     )
     options = ServerOptions(
         model_id=model_name,
+        aliases=tuple(alias or ()),
         api_key=api_key,
         max_queue=max_queue,
         default_timeout=timeout or None,
         stall_timeout=stall_timeout,
+        access_log=not quiet,
         # Fault injection for the server tests only: an explicit environment switch.
         debug_hooks=os.environ.get("TIERLM_SERVE_DEBUG_HOOKS") == "1",
     )

@@ -7,9 +7,21 @@ route, 413 body too large, 429 queue full (with Retry-After), 503 the worker fai
 
 Finish reasons are OpenAI's "stop" and "length", plus "timeout": the request's deadline
 (its `timeout` field, else the server's default) passed, and the text is what was generated
-until then. A prompt that does not fit the context is refused (400 context_length_exceeded);
-`max_tokens` beyond the room left ends at the context's end with "length". Any `model` name
-is served by the one model loaded (responses name it).
+until then.
+
+Context limits, as vLLM: a prompt that leaves no room in the context, or a `max_tokens`
+(`max_completion_tokens`) larger than the room the prompt leaves, is refused at once with a
+400 `context_length_exceeded` that states the numbers (param `messages`/`prompt`, or the
+max-tokens parameter). An omitted `max_tokens` means "up to the context" for chat and
+OpenAI's 16 (or the room left, if less) for completions; a reply that reaches it ends "length".
+
+Models: the server serves one model under one name (`--model-name`, else the catalogue name);
+/v1/models lists it. A request may name it, one of the server's aliases (`--alias`), or no
+model at all; any other name gets OpenAI's 404 `model_not_found`. Responses carry the served
+name, also when the request used an alias.
+
+Every request gets one access-log line on stderr when its response ends (access.py), unless
+the server runs with `access_log` off (`serve --quiet`).
 """
 
 from __future__ import annotations
@@ -27,6 +39,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 
 from tierlm.errors import TierlmError
+from tierlm.server.access import AccessLog, entry
 from tierlm.server.jobs import DONE, ERROR, TEXT, Job
 from tierlm.server.metrics import Metrics, process_memory, store_metrics
 from tierlm.server.options import ServerOptions
@@ -42,7 +55,7 @@ def create_app(session, options: ServerOptions) -> FastAPI:
     engine = session.engine
     tokenizer = engine.tokenizer
     profile = session.profile
-    model_id = options.model_id or session.model_dir.name
+    model_id = options.served_name(session.model_dir)
     created = int(time.time())
     slots = options.batch_size or profile.batch_size
     context = engine.loaded.max_len
@@ -81,7 +94,10 @@ def create_app(session, options: ServerOptions) -> FastAPI:
     app = FastAPI(title="tierlm", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.worker = worker
     app.state.metrics = metrics
+    app.state.model_id = model_id
     _install_error_handlers(app, metrics)
+    if options.access_log:
+        app.add_middleware(AccessLog)
 
     async def require_key(request: Request) -> None:
         if options.api_key is None:
@@ -107,9 +123,7 @@ def create_app(session, options: ServerOptions) -> FastAPI:
 
     @api.get("/v1/models/{name:path}")
     async def get_model(name: str):
-        if name != model_id:
-            raise ApiError(404, f"the model {name!r} does not exist (this server has {model_id!r})",
-                           param="model", code="model_not_found")
+        _check_model(name, model_id, options.aliases)
         return _model_card(model_id, created)
 
     @api.get("/metrics")
@@ -120,12 +134,14 @@ def create_app(session, options: ServerOptions) -> FastAPI:
     @api.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         req = parse_chat(await _read_json(request, options.max_body_bytes), max_messages=options.max_messages)
+        _check_model(req.model, model_id, options.aliases)
         ids = await run_in_threadpool(_encode_chat, tokenizer, req.messages)
         return await generate(request, req, ids, chat=True)
 
     @api.post("/v1/completions")
     async def completions(request: Request):
         req = parse_completion(await _read_json(request, options.max_body_bytes))
+        _check_model(req.model, model_id, options.aliases)
         if isinstance(req.prompt, str):
             ids = await run_in_threadpool(tokenizer.encode, req.prompt, add_special_tokens=True)
         else:
@@ -137,14 +153,18 @@ def create_app(session, options: ServerOptions) -> FastAPI:
         return await generate(request, req, ids, chat=False)
 
     async def generate(request: Request, req: GenerationRequest, ids: list[int], *, chat: bool):
+        log = entry(request.scope)
+        log.prompt_tokens = len(ids)
         if not ids:
             raise ApiError(400, "the prompt is empty", param="prompt", code="invalid_value")
         if len(ids) >= context:
             raise ApiError(400, f"the prompt is {len(ids)} tokens but the context holds {context} "
                                 f"(profile {profile.name!r}); shorten it", param="messages" if chat else "prompt",
                            code="context_length_exceeded")
-        job = Job(ids, _sampling(req, context), deadline=_deadline(req, options), loop=asyncio.get_running_loop(),
+        budget = _token_budget(req, len(ids), context)
+        job = Job(ids, _sampling(req, budget), deadline=_deadline(req, options), loop=asyncio.get_running_loop(),
                   on_end=metrics.ended)
+        log.job = job
         if not worker.submit(job):
             raise ApiError(429, f"the server is busy ({worker.queue_depth} requests queued); retry shortly",
                            kind="rate_limit_error", code="queue_full", headers={"Retry-After": str(RETRY_AFTER_S)})
@@ -172,6 +192,28 @@ def _model_card(model_id: str, created: int) -> dict:
     return {"id": model_id, "object": "model", "created": created, "owned_by": "tierlm"}
 
 
+def _check_model(name: str | None, model_id: str, aliases: tuple[str, ...]) -> None:
+    """404 model_not_found (OpenAI's answer) unless `name` is absent, the served name or an alias."""
+    if name is None or name == model_id or name in aliases:
+        return
+    raise ApiError(404, f"The model `{name}` does not exist; this server serves `{model_id}`",
+                   param="model", code="model_not_found")
+
+
+def _token_budget(req: GenerationRequest, prompt_tokens: int, context: int) -> int:
+    """max_new_tokens for a request whose prompt fits: the room left when max_tokens is omitted
+    (or the endpoint's default, if less); a larger max_tokens than the room is a 400, as vLLM does."""
+    room = context - prompt_tokens
+    if req.max_tokens is None:
+        return room if req.default_max_tokens is None else min(req.default_max_tokens, room)
+    if req.max_tokens > room:
+        raise ApiError(400, f"{req.max_tokens_param} is too large: {req.max_tokens}. The context holds {context} "
+                            f"tokens and the prompt takes {prompt_tokens}, so at most {room} can be generated; "
+                            f"lower {req.max_tokens_param} or omit it", param=req.max_tokens_param,
+                       code="context_length_exceeded")
+    return req.max_tokens
+
+
 def _encode_chat(tokenizer, messages) -> list[int]:
     try:
         return tokenizer.encode_chat(list(messages), add_generation_prompt=True)
@@ -182,13 +224,12 @@ def _encode_chat(tokenizer, messages) -> list[int]:
                        code="invalid_value") from None
 
 
-def _sampling(req: GenerationRequest, context: int):
+def _sampling(req: GenerationRequest, max_new_tokens: int):
     from tierlm.runtime.sampling import SamplingParams
 
     try:
         return SamplingParams(
-            # Without max_tokens, generation runs until EOS, a stop string or the context's end.
-            max_new_tokens=req.max_tokens or context,
+            max_new_tokens=max_new_tokens,  # _token_budget: fits the context
             temperature=req.temperature,
             top_p=req.top_p,
             top_k=req.top_k,

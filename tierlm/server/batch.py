@@ -149,6 +149,9 @@ class BatchRunner:
         if seq.job.first_token_at is None:
             seq.job.first_token_at = time.monotonic()
         seq.token_ids.append(token)
+        # Counted live: a request ended from the handler's side (client gone, deadline) keeps its count.
+        if not seq.job.closed:
+            seq.job.completion_tokens = len(seq.token_ids)
         seq.pending = None
         if token in self.tokenizer.eos_token_ids:
             return self._finish(seq, "stop", flush=True)

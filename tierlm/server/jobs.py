@@ -54,7 +54,7 @@ class Job:
         self.received = time.monotonic()
         self.first_token_at: float | None = None
         self.ended_at: float | None = None
-        self.completion_tokens = 0
+        self.completion_tokens = 0  # tokens generated so far (the worker counts them live)
         self.finish_reason: str | None = None
         self.error: str | None = None
         self._loop = loop

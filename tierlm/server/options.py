@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 from tierlm.errors import TierlmError
 
@@ -11,7 +12,8 @@ from tierlm.errors import TierlmError
 class ServerOptions:
     """Server settings; the model, device and memory profile come with the session."""
 
-    model_id: str | None = None  # the name /v1/models reports (default: the model directory's name)
+    model_id: str | None = None  # the name /v1/models reports (default: the model's catalogue name)
+    aliases: tuple[str, ...] = ()  # other names requests may give the model (answered under model_id)
     api_key: str | None = None  # when set, every route but /health needs `Authorization: Bearer KEY`
     # Sequences decoded together; default the profile's batch_size. (`serve --batch-size` sets the
     # profile's instead, so the planner reserves KV memory for that many.)
@@ -22,6 +24,7 @@ class ServerOptions:
     restart_backoff: float = 1.0  # seconds the server reports unhealthy before the restart
     max_body_bytes: int = 1 << 20  # larger request bodies get 413
     max_messages: int = 512  # chat messages per request
+    access_log: bool = True  # one line per request on stderr (`serve --quiet` turns it off)
     debug_hooks: bool = False  # POST /debug/worker (kill, stall, delay, pause): tests only
 
     def __post_init__(self):
@@ -35,3 +38,17 @@ class ServerOptions:
             raise TierlmError("--stall-timeout must be positive")
         if self.api_key is not None and not self.api_key:
             raise TierlmError("--api-key must not be empty")
+        if self.model_id is not None and not self.model_id.strip():
+            raise TierlmError("--model-name must not be empty")
+        if not all(isinstance(a, str) and a.strip() for a in self.aliases):
+            raise TierlmError("--alias must not be empty")
+
+    def served_name(self, model_dir: Path) -> str:
+        """The model's name on the API: --model-name, else its catalogue name (`smollm2`)."""
+        if self.model_id is not None:
+            return self.model_id
+        try:
+            from tierlm.cache.catalog import model_name
+        except ImportError:  # a tree without the catalogue: the directory names the model
+            return model_dir.name
+        return model_name(model_dir)

@@ -51,7 +51,7 @@ def serve(session, options: ServerOptions, host: str = "127.0.0.1", port: int = 
     app = create_app(session, options)
     sock = bind(host, port)
     slots = options.batch_size or session.profile.batch_size
-    print(f"tierlm serve: listening on {url_of(sock)} (model {options.model_id or session.model_dir.name}, "
+    print(f"tierlm serve: listening on {url_of(sock)} (model {app.state.model_id}, "
           f"profile {session.profile.name}, batch {slots}, loaded in {session.load_s:.1f} s)",
           file=sys.stderr, flush=True)
     try:

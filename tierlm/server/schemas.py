@@ -51,9 +51,12 @@ class GenerationRequest:
 
     messages: tuple[dict, ...] | None
     prompt: str | tuple[int, ...] | None
+    model: str | None  # None: not sent (the one model served)
     stream: bool
     include_usage: bool
-    max_tokens: int | None
+    max_tokens: int | None  # None: not sent
+    max_tokens_param: str  # the name it was sent under (errors name it)
+    default_max_tokens: int | None  # what an omitted max_tokens means; None: up to the context
     temperature: float
     top_p: float
     top_k: int
@@ -109,21 +112,24 @@ def parse_chat(body: Any, *, max_messages: int) -> GenerationRequest:
     messages = _messages(body.get("messages"), max_messages)
     max_tokens = _opt_int(body, "max_tokens", 1)
     max_completion = _opt_int(body, "max_completion_tokens", 1)
-    return _generation(body, messages=messages, prompt=None,
-                       max_tokens=max_completion if max_completion is not None else max_tokens)
+    if max_completion is not None:
+        max_tokens, param = max_completion, "max_completion_tokens"
+    else:
+        param = "max_tokens"
+    return _generation(body, messages=messages, prompt=None, max_tokens=max_tokens, max_tokens_param=param,
+                       default_max_tokens=None)
 
 
 def parse_completion(body: Any) -> GenerationRequest:
     """Validate a /v1/completions body (one prompt: a string or token ids)."""
     body = _object(body)
     _check_keys(body, _COMPLETION_KEYS, _COMPLETION_NEUTRAL)
-    max_tokens = _opt_int(body, "max_tokens", 1)
     return _generation(body, messages=None, prompt=_prompt(body.get("prompt")),
-                       max_tokens=COMPLETIONS_DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens)
+                       max_tokens=_opt_int(body, "max_tokens", 1), max_tokens_param="max_tokens",
+                       default_max_tokens=COMPLETIONS_DEFAULT_MAX_TOKENS)
 
 
-def _generation(body: dict, *, messages, prompt, max_tokens) -> GenerationRequest:
-    _model(body)
+def _generation(body: dict, *, messages, prompt, max_tokens, max_tokens_param, default_max_tokens) -> GenerationRequest:
     stream = _opt_bool(body, "stream") or False
     options = body.get("stream_options")
     if options is not None and not stream:
@@ -149,9 +155,12 @@ def _generation(body: dict, *, messages, prompt, max_tokens) -> GenerationReques
     return GenerationRequest(
         messages=messages,
         prompt=prompt,
+        model=_model(body),
         stream=stream,
         include_usage=include_usage,
         max_tokens=max_tokens,
+        max_tokens_param=max_tokens_param,
+        default_max_tokens=default_max_tokens,
         temperature=1.0 if temperature is None else temperature,
         top_p=1.0 if top_p is None else top_p,
         top_k=_opt_int(body, "top_k", 0) or 0,
@@ -183,11 +192,12 @@ def _check_keys(body: dict, known: frozenset, neutral: Mapping[str, tuple]) -> N
                        code="unrecognized_parameter")
 
 
-def _model(body: dict) -> None:
-    # One model per server: any name is served by it (the response says which).
+def _model(body: dict) -> str | None:
+    # Whether the name is served (or an alias) is the app's call: it knows the names.
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise ApiError(400, "model must be a string", param="model", code="invalid_type")
+    return model
 
 
 def _messages(value: Any, max_messages: int) -> tuple[dict, ...]:
