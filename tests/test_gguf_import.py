@@ -24,7 +24,7 @@ import torch
 from tierlm.errors import TierlmError
 from tierlm.weights import embedded
 from tierlm.weights.embedded import (
-    EMBEDDED_MODEL_NAME,
+    EMBEDDED_NAME,
     embedded_gguf_path,
     ensure_embedded_model,
     import_gguf_to_cache,
@@ -465,7 +465,7 @@ def test_killed_import_leaves_no_model_dir(tmp_path, monkeypatch):
     assert [p for p in models.iterdir() if not p.name.startswith(".")] == []
 
     out = import_gguf_to_cache(gguf_file)
-    assert out.parent == models and out.name.startswith("tiny-model.Q0-")
+    assert out.parent == models and out.name.startswith("tiny-model.q0-")  # the catalogue name
     assert (out / RECORD_NAME).is_file() and (out / "model.safetensors").is_file()
     assert list(models.glob(".*.partial-*")) == []  # the killed run's leftovers are gone
     assert set(load_safetensors(out)) == set(model.state_dict())
@@ -524,7 +524,7 @@ def test_embedded_package_missing_names_the_install_command(monkeypatch):
 def test_ensure_embedded_model_reuses_the_import(smollm_cache, monkeypatch):
     cache, first, first_seconds = smollm_cache
     monkeypatch.setenv("TIERLM_CACHE", str(cache))
-    assert first.parent == cache / "models" and first.name.startswith(f"{EMBEDDED_MODEL_NAME}-")
+    assert first.parent == cache / "models" and first.name.startswith(f"{EMBEDDED_NAME}-")
     record = first / RECORD_NAME
     mtime = record.stat().st_mtime_ns
 

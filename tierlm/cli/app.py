@@ -16,8 +16,11 @@ app = typer.Typer(
 )
 
 ModelOpt = typer.Option(
-    None, "--model", "-m", help="HF model directory or .gguf file (default: embedded SmolLM2-135M-Instruct)"
+    None, "--model", "-m",
+    help="Model name (`tierlm list`), HF model directory, .gguf file or artifact directory (default: smollm2)",
 )
+# `tierlm chat smollm2`, as `ollama run NAME`; the same as --model, which it excludes.
+ModelArg = typer.Argument(None, metavar="MODEL", help="Model name or path; the same as --model", show_default=False)
 ProfileOpt = typer.Option("24gb", "--profile", "-p", help="Shipped profile name or path to a .toml")
 MaxNewOpt = typer.Option(256, "--max-new-tokens", "-n", min=1, help="Most tokens to generate per reply")
 TempOpt = typer.Option(0.7, "--temperature", "-t", min=0.0, help="Sampling temperature; 0 = greedy")
@@ -61,6 +64,7 @@ def _open(model, profile_name, device, dtype, quant, lora):
 
 @app.command()
 def chat(
+    model_arg: Optional[str] = ModelArg,
     model: Optional[str] = ModelOpt,
     profile: str = ProfileOpt,
     max_new_tokens: int = MaxNewOpt,
@@ -77,8 +81,10 @@ def chat(
     lora: Optional[list[str]] = LoraOpt,
 ):
     """Chat interactively (reads lines from stdin when it is not a terminal). /help lists commands."""
+    from tierlm.cli.models import pick_model
     from tierlm.cli.repl import run_chat
 
+    model = pick_model(model_arg, model)
     params = _params(max_new_tokens, temperature, top_p, top_k, repetition_penalty, seed, stop)
     run_chat(_open(model, profile, device, dtype, quant, lora), params, system)
 
@@ -149,33 +155,53 @@ app.add_typer(cache_app, name="cache")
 
 @cache_app.command("list")
 def cache_list():
-    """Imported models and compiled artifacts in the cache, with their sizes."""
-    from tierlm.cache.entries import cache_entries
-    from tierlm.profile import format_size
+    """Imported models and compiled artifacts in the cache: kind, size, directory, (name)."""
+    from tierlm.cli.models import render_cache_list
 
-    for entry in cache_entries():
-        print(f"{entry.kind:9} {format_size(entry.nbytes):>10}  {entry.path.name}")
+    print(render_cache_list())
 
 
 @cache_app.command("rm")
 def cache_rm(
-    names: list[str] = typer.Argument(None, help="Entry names as `cache list` shows them"),
-    all_entries: bool = typer.Option(False, "--all", help="Remove every entry"),
+    names: list[str] = typer.Argument(None, help="Entry names as `cache list` shows them, or model names"),
+    all_entries: bool = typer.Option(False, "--all", help="Remove every entry (asks first)"),
+    yes: bool = typer.Option(False, "--yes", "-y", help="Do not ask before removing everything"),
 ):
     """Remove cache entries (they are rebuilt on next use)."""
-    from tierlm.cache.entries import remove_entries
+    from tierlm.cli.models import remove_from_cache
 
-    for removed in remove_entries(names or [], everything=all_entries):
+    for removed in remove_from_cache(names or [], all_entries, yes):
         print(f"removed {removed.name}", file=sys.stderr)
+
+
+@app.command("list")
+def list_models():
+    """The models in the cache by name, with the quant and LoRA variants built from them."""
+    from tierlm.cli.models import render_list
+
+    print(render_list())
+
+
+@app.command()
+def show(
+    name: str = typer.Argument(..., help="Model name (`tierlm list`) or path"),
+    profile: str = ProfileOpt,
+    device: Optional[str] = DeviceOpt,
+):
+    """A model's settings, chat template, artifacts, and its plan under a profile."""
+    from tierlm.cli.models import render_show
+
+    print(render_show(name, profile, device))
 
 
 @app.command("import-gguf")
 def import_gguf(path: Path = typer.Argument(..., help="A Llama-family .gguf file")):
     """Import a GGUF file into the cache as a Hugging Face model directory; prints its path."""
+    from tierlm.cli.models import import_gguf_command
     from tierlm.cli.progress import progress_factory
-    from tierlm.weights.embedded import import_gguf_to_cache
 
-    model_dir = import_gguf_to_cache(path, progress_factory()("importing GGUF"))
+    model_dir, name, existed = import_gguf_command(path, progress_factory()("importing GGUF"))
+    print(f"{'already in the cache' if existed else 'imported'} as {name}", file=sys.stderr)
     print(model_dir)
 
 
@@ -198,9 +224,11 @@ def profiles(name: Optional[str] = typer.Argument(None, help="Show one profile i
 
 @app.command()
 def plan(
+    model_arg: Optional[str] = ModelArg,
     model: Optional[str] = typer.Option(
         None, "--model", "-m",
-        help="HF model directory (config.json alone is enough), artifact directory or .gguf (default: embedded model)",
+        help="Model name (`tierlm list`), HF model directory (config.json alone is enough), artifact directory "
+        "or .gguf (default: smollm2)",
     ),
     profile: str = ProfileOpt,
     quant: Optional[str] = QuantOpt,
@@ -217,6 +245,7 @@ def plan(
 
     import torch  # noqa: F401 - imported before measuring the baseline: the runtime always has it
 
+    from tierlm.cli.models import pick_model
     from tierlm.config import ModelConfig
     from tierlm.device import read_memory, resolve_device
     from tierlm.offload.planner import describe, placement_to_dict
@@ -230,7 +259,7 @@ def plan(
     chosen = load_profile(profile)
     target = resolve_device(device)
     accelerator = target.type != "cpu"
-    model_dir = resolve_model_dir(model)
+    model_dir = resolve_model_dir(pick_model(model_arg, model))
     config = ModelConfig.from_dir(model_dir)
     mode = resolve_quant(quant or chosen.quant, accelerator)
     artifact = cached_artifact(model_dir, mode.name)
@@ -249,6 +278,7 @@ def plan(
 
 @app.command()
 def bench(
+    model_arg: Optional[str] = ModelArg,
     model: Optional[str] = ModelOpt,
     profile: str = ProfileOpt,
     device: Optional[str] = DeviceOpt,
@@ -264,8 +294,9 @@ def bench(
     import json
 
     from tierlm.cli.bench import format_bench, run_bench
+    from tierlm.cli.models import pick_model
 
-    session = _open(model, profile, device, dtype, quant, lora)
+    session = _open(pick_model(model_arg, model), profile, device, dtype, quant, lora)
     try:
         result = run_bench(session, prompt_tokens, tokens, runs)
     finally:
@@ -275,6 +306,7 @@ def bench(
 
 @app.command()
 def serve(
+    model_arg: Optional[str] = ModelArg,
     model: Optional[str] = ModelOpt,
     profile: str = ProfileOpt,
     host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on (default: loopback only)"),
@@ -304,6 +336,7 @@ def serve(
     import dataclasses
     import os
 
+    from tierlm.cli.models import pick_model
     from tierlm.cli.progress import progress_factory
     from tierlm.profile import load_profile
     from tierlm.runtime.session import open_session
@@ -314,7 +347,7 @@ def serve(
     if batch_size is not None:  # the planner then reserves KV memory for this many sequences
         chosen = dataclasses.replace(chosen, batch_size=batch_size)
     session = open_session(
-        model, chosen, device=device, dtype=dtype, quant=quant, loras=tuple(lora or ()), progress=progress_factory()
+        pick_model(model_arg, model), chosen, device=device, dtype=dtype, quant=quant, loras=tuple(lora or ()), progress=progress_factory()
     )
     options = ServerOptions(
         model_id=model_name,
@@ -340,6 +373,23 @@ def doctor(as_json: bool = typer.Option(False, "--json", help="Print the report 
 
     report = collect()
     print(json.dumps(report, indent=1) if as_json else render(report))
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        from tierlm.cli.models import version_text
+
+        print(version_text())
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: bool = typer.Option(
+        False, "--version", "-V", callback=_print_version, is_eager=True, help="Print the version and exit"
+    ),
+):
+    """Run large language models inside a fixed memory budget."""
 
 
 def main() -> None:

