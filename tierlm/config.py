@@ -1,8 +1,16 @@
-"""ModelConfig: a checkpoint's settings, read from its config.json and nothing else."""
+"""ModelConfig: a checkpoint's settings, read from its config.json and nothing else.
+
+Every value is checked for type and range before anything is sized from it: a config.json is
+untrusted input, and one that claims 10^9 layers or 0 heads must be refused in one line, not
+met later as an exhausted memory or a ZeroDivisionError. The ceilings (`LIMITS`) are several
+times the largest released checkpoints, so no real model is refused by them.
+"""
 
 from __future__ import annotations
 
 import json
+import math
+import reprlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
@@ -23,6 +31,24 @@ FAMILIES: Mapping[str, str] = MappingProxyType(
 )
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+# Largest accepted value of each integer setting (inclusive). Llama-3.1-405B has 126 layers,
+# hidden 16384, intermediate 53248, 128 heads; Llama 4 reaches 10M positions.
+LIMITS: Mapping[str, int] = MappingProxyType(
+    {
+        "vocab_size": 1 << 24,
+        "hidden_size": 1 << 17,
+        "intermediate_size": 1 << 20,
+        "num_hidden_layers": 1024,
+        "num_attention_heads": 4096,
+        "num_key_value_heads": 4096,
+        "head_dim": 4096,
+        "max_position_embeddings": 1 << 24,
+        "token_id": (1 << 24) - 1,
+    }
+)
+MAX_ROPE_THETA = 1e30  # rope_inv_freq raises theta to a power in fp32 (max ~3.4e38)
+MAX_CONFIG_BYTES = 16 << 20  # a real config.json is a few KiB; this bounds what is read
 
 
 @dataclass(frozen=True)
@@ -71,48 +97,49 @@ class ModelConfig:
         return self.num_key_value_heads * self.head_dim
 
     @classmethod
-    def from_dict(cls, raw: Mapping[str, Any]) -> "ModelConfig":
-        """Build from a parsed config.json; unknown keys are ignored, missing ones are errors."""
+    def from_dict(cls, raw: Any, source: str = "config.json") -> "ModelConfig":
+        """Build from a parsed config.json; unknown keys are ignored, missing ones are errors.
+
+        Every value read is checked (type, range, heads against hidden size) first; a bad
+        one is a TierlmError naming `source`, the key, the value and what is expected.
+        """
+        if not isinstance(raw, Mapping):
+            raise TierlmError(f"{source} must hold a JSON object, not {_json_kind(raw)}",
+                              "is this a Hugging Face config.json?")
         model_type = raw.get("model_type")
-        if model_type not in FAMILIES:
+        if not isinstance(model_type, str) or model_type not in FAMILIES:
             raise TierlmError(
-                f"unsupported model_type {model_type!r} in config.json",
+                f"unsupported model_type {shown_value(model_type)} in {source}",
                 f"tierlm supports: {', '.join(sorted(FAMILIES))}",
             )
-        try:
-            if model_type == "chatglm":
-                raw = _chatglm_as_glm(raw)
-            hidden = int(raw["hidden_size"])
-            heads = int(raw["num_attention_heads"])
-            config = cls(
-                model_type=model_type,
-                vocab_size=int(raw["vocab_size"]),
-                hidden_size=hidden,
-                intermediate_size=int(raw["intermediate_size"]),
-                num_hidden_layers=int(raw["num_hidden_layers"]),
-                num_attention_heads=heads,
-                num_key_value_heads=int(raw.get("num_key_value_heads") or heads),
-                head_dim=int(raw.get("head_dim") or hidden // heads),
-                rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-                max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
-                tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-                attention_bias=bool(raw.get("attention_bias", False)),
-                mlp_bias=bool(raw.get("mlp_bias", False)),
-                rope=_rope_config(raw),
-                bos_token_id=raw.get("bos_token_id"),
-                eos_token_ids=_as_tuple(raw.get("eos_token_id")),
-                torch_dtype=str(raw.get("torch_dtype") or raw.get("dtype") or "float32"),
-                sliding_window=_sliding_window(raw),
-            )
-        except KeyError as missing:
-            raise TierlmError(
-                f"config.json lacks the required key {missing.args[0]!r}",
-                "is this a complete Hugging Face checkpoint?",
-            ) from None
-        if config.num_attention_heads % config.num_key_value_heads:
-            raise TierlmError(
-                "config.json: num_attention_heads must be a multiple of num_key_value_heads"
-            )
+        fields = _Fields(raw, source)
+        if model_type == "chatglm":
+            fields = _Fields(_chatglm_as_glm(fields), source)
+        hidden = fields.integer("hidden_size")
+        heads = fields.integer("num_attention_heads")
+        layers = fields.integer("num_hidden_layers")
+        vocab = fields.integer("vocab_size")
+        config = cls(
+            model_type=model_type,
+            vocab_size=vocab,
+            hidden_size=hidden,
+            intermediate_size=fields.integer("intermediate_size"),
+            num_hidden_layers=layers,
+            num_attention_heads=heads,
+            num_key_value_heads=fields.integer("num_key_value_heads", heads),
+            head_dim=_head_dim(fields, hidden, heads),
+            rms_norm_eps=fields.number("rms_norm_eps", 1e-6, low=0.0, high=1.0, open_low=True),
+            max_position_embeddings=fields.integer("max_position_embeddings", 2048),
+            tie_word_embeddings=fields.flag("tie_word_embeddings", False),
+            attention_bias=fields.flag("attention_bias", False),
+            mlp_bias=fields.flag("mlp_bias", False),
+            rope=_rope_config(fields, model_type),
+            bos_token_id=fields.integer("bos_token_id", None, low=0, limit="token_id"),
+            eos_token_ids=fields.token_ids("eos_token_id"),
+            torch_dtype=fields.text("torch_dtype", None) or fields.text("dtype", None) or "float32",
+            sliding_window=_sliding_window(fields, model_type, layers),
+        )
+        _check_shapes(config, source)
         return config
 
     @classmethod
@@ -123,12 +150,182 @@ class ModelConfig:
                 f"no config.json in {model_dir}",
                 "pass --model a Hugging Face model directory, or import a GGUF with `tierlm import-gguf`",
             )
-        try:
-            raw = json.loads(path.read_text())
-        except (json.JSONDecodeError, UnicodeDecodeError) as err:
-            raise TierlmError(f"{path} is not valid JSON: {err}") from None
-        return cls.from_dict(raw)
+        return cls.from_dict(read_config_json(path), str(path))
 
+
+def read_config_json(path: Path) -> Any:
+    """The parsed JSON in `path`; unreadable, oversized, invalid or absurdly nested files are TierlmError."""
+    try:
+        size = path.stat().st_size
+        if size > MAX_CONFIG_BYTES:
+            raise TierlmError(f"{path} is {size / 2**20:.0f} MiB; a config.json is a few KiB (at most "
+                              f"{MAX_CONFIG_BYTES >> 20} MiB is read)")
+        return json.loads(path.read_bytes())
+    except (ValueError, UnicodeDecodeError, RecursionError) as err:
+        # ValueError covers JSONDecodeError and integers past Python's digit limit.
+        raise TierlmError(f"{path} is not valid JSON: {_one_line(err)}") from None
+    except OSError as err:
+        raise TierlmError(f"cannot read {path}: {err.strerror or err}") from None
+
+
+# ---------------------------------------------------------------------------- checked reads
+
+_REQUIRED = object()
+
+
+@dataclass(frozen=True)
+class _Fields:
+    """Typed reads from one JSON object: a bad value is a TierlmError naming the key, the value
+    (truncated) and what was expected. A key set to null reads as absent."""
+
+    raw: Mapping[str, Any]
+    source: str
+    labels: Mapping[str, str] = field(default_factory=dict)  # key -> name shown, e.g. "rope_scaling.factor"
+
+    def read(self, key: str, default: Any = _REQUIRED) -> tuple[bool, Any]:
+        """(True, value) when `key` holds a value; (False, default) when absent or null, unless required."""
+        value = self.raw.get(key)
+        if value is not None:
+            return True, value
+        if default is not _REQUIRED:
+            return False, default
+        if key in self.raw:
+            raise self.bad(key, value, "a value")
+        raise TierlmError(f"{self.source} lacks the required key {self.label(key)!r}",
+                          "is this a complete Hugging Face checkpoint?")
+
+    def integer(self, key: str, default: Any = _REQUIRED, *, low: int = 1, limit: str | None = None) -> Any:
+        """An integer in [low, LIMITS[limit or key]]; an integral float (2048.0) counts, true does not."""
+        given, value = self.read(key, default)
+        if not given:
+            return value
+        high = LIMITS.get(limit or key)
+        integral = isinstance(value, int) or (isinstance(value, float) and value.is_integer())
+        if isinstance(value, bool) or not integral or value < low or (high is not None and value > high):
+            span = f"in [{low}, {high}]" if high is not None else f"≥ {low}"
+            raise self.bad(key, value, f"an integer {span}")
+        return int(value)
+
+    def number(self, key: str, default: Any, *, low: float, high: float = math.inf, open_low: bool = False) -> float:
+        """A finite number in [low, high] ((low, high] with `open_low`); NaN and Infinity are refused."""
+        given, value = self.read(key, default)
+        number = _finite(value)
+        if number is None or number < low or (open_low and number == low) or number > high:
+            raise self.bad(key, value, f"a finite number {_span(low, high, open_low)}")
+        return number
+
+    def flag(self, key: str, default: bool) -> bool:
+        given, value = self.read(key, default)
+        if not isinstance(value, bool):
+            raise self.bad(key, value, "true or false")
+        return value
+
+    def text(self, key: str, default: Any = _REQUIRED) -> Any:
+        given, value = self.read(key, default)
+        if given and not isinstance(value, str):
+            raise self.bad(key, value, "a string")
+        return value
+
+    def mapping(self, key: str) -> dict[str, Any]:
+        given, value = self.read(key, {})
+        if not isinstance(value, Mapping):
+            raise self.bad(key, value, "an object ({...}) or null")
+        return dict(value)
+
+    def token_ids(self, key: str) -> tuple[int, ...]:
+        """A token id or a list of them (eos_token_id's two forms); absent is ()."""
+        given, value = self.read(key, None)
+        items = value if isinstance(value, list) else [value] if given else []
+        top = LIMITS["token_id"]
+        for item in items:
+            if isinstance(item, bool) or not isinstance(item, int) or not 0 <= item <= top:
+                raise self.bad(key, value, f"a token id in [0, {top}] or a list of them")
+        return tuple(items)
+
+    def label(self, key: str) -> str:
+        return self.labels.get(key, key)
+
+    def bad(self, key: str, value: Any, expected: str) -> TierlmError:
+        return TierlmError(f"{self.source}: {self.label(key)} = {shown_value(value)} is not valid; expected {expected}",
+                           "the checkpoint's configuration is damaged or was edited by hand")
+
+
+def _finite(value: Any) -> float | None:
+    """`value` as a finite float, or None for non-numbers, bools, NaN, ±Infinity and huge integers."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    try:
+        number = float(value)
+    except OverflowError:
+        return None
+    return number if math.isfinite(number) else None
+
+
+def _span(low: float, high: float, open_low: bool) -> str:
+    if high == math.inf:
+        return f"{'>' if open_low else '≥'} {low:g}"
+    return f"in {'(' if open_low else '['}{low:g}, {high:g}]"
+
+
+def shown_value(value: Any) -> str:
+    """A short one-line rendering of a (JSON or GGUF metadata) value for an error message."""
+    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 64:
+        return f"<an integer of {value.bit_length()} bits>"
+    shorten = reprlib.Repr()
+    shorten.maxstring, shorten.maxother, shorten.maxlist, shorten.maxdict, shorten.maxlevel = 40, 40, 4, 3, 2
+    return _one_line(shorten.repr(value))
+
+
+def _one_line(text: Any) -> str:
+    return " ".join(str(text).split())
+
+
+def _json_kind(value: Any) -> str:
+    kinds = ((list, "a list"), (str, "a string"), (bool, "a boolean"), (int, "a number"), (float, "a number"))
+    return next((name for kind, name in kinds if isinstance(value, kind)), "null" if value is None else "a value")
+
+
+# ---------------------------------------------------------------------------- derived checks
+
+
+def _head_dim(fields: _Fields, hidden: int, heads: int) -> int:
+    """head_dim as given, else hidden_size / num_attention_heads, which must then divide evenly."""
+    given = fields.integer("head_dim", None)
+    if given is not None:
+        return given
+    if hidden % heads:
+        raise TierlmError(
+            f"{fields.source}: hidden_size {hidden} is not a multiple of num_attention_heads {heads}",
+            "set head_dim, or correct the two counts",
+        )
+    return hidden // heads
+
+
+def _check_shapes(config: ModelConfig, source: str) -> None:
+    """Relations between values that are each in range on their own."""
+    if config.num_attention_heads % config.num_key_value_heads:
+        raise TierlmError(
+            f"{source}: num_attention_heads ({config.num_attention_heads}) must be a multiple of "
+            f"num_key_value_heads ({config.num_key_value_heads})"
+        )
+    # RoPE rotates channel pairs, so the rotated width must be even and not empty.
+    rotated = config.head_dim
+    if config.model_type in ("glm", "chatglm"):
+        rotated = int(config.head_dim * config.rope.partial_rotary_factor)
+    if rotated < 2 or rotated % 2:
+        raise TierlmError(
+            f"{source}: RoPE would rotate {rotated} of each head's {config.head_dim} channels; "
+            "expected an even number of at least 2"
+        )
+    rope = config.rope
+    if rope.rope_type == "llama3" and not rope.high_freq_factor > rope.low_freq_factor:
+        raise TierlmError(
+            f"{source}: llama3 RoPE scaling needs high_freq_factor ({rope.high_freq_factor:g}) "
+            f"> low_freq_factor ({rope.low_freq_factor:g})"
+        )
+
+
+# ---------------------------------------------------------------------------- ChatGLM
 
 # ChatGLM2/3 switches tierlm cannot honour: (key, ChatGLMConfig's default, the value it needs).
 _CHATGLM_REQUIRED = (
@@ -140,40 +337,44 @@ _CHATGLM_REQUIRED = (
 )
 
 
-def _chatglm_as_glm(raw: Mapping[str, Any]) -> dict[str, Any]:
+def _chatglm_as_glm(fields: _Fields) -> dict[str, Any]:
     """A ChatGLM2/3 (or GLM-4 in ChatGLM layout) config.json under the keys GlmConfig uses.
 
     ChatGLM keeps its own names (num_layers, padded_vocab_size, ffn_hidden_size, kv_channels,
     multi_query_group_num, add_qkv_bias, layernorm_epsilon, seq_length); its RoPE is GLM's with
     half of each head rotating and base 10000 * rope_ratio (models/chatglm.py says why).
+    Values are checked here, under ChatGLM's names, so errors name the key the file has.
     """
+    raw = fields.raw
     if "position_encoding_2d" in raw or "padded_vocab_size" not in raw:
         raise TierlmError(
             "config.json describes the first ChatGLM-6B (2-D positions, GELU), which tierlm does not run",
             "tierlm runs ChatGLM2/3 and GLM-4 checkpoints",
         )
     for key, default, needed in _CHATGLM_REQUIRED:
-        if bool(raw.get(key, default)) != needed:
+        if fields.flag(key, default) != needed:
             raise TierlmError(
                 f"config.json sets {key} = {str(not needed).lower()}, which tierlm does not support",
                 f"tierlm runs ChatGLM checkpoints with {key} = {str(needed).lower()} (as ChatGLM2/3 ship)",
             )
-    heads = int(raw["num_attention_heads"])
+    hidden = fields.integer("hidden_size")
+    heads = fields.integer("num_attention_heads")
     return {
         "model_type": "chatglm",
-        "vocab_size": raw["padded_vocab_size"],
-        "hidden_size": raw["hidden_size"],
-        "intermediate_size": raw["ffn_hidden_size"],
-        "num_hidden_layers": raw["num_layers"],
+        "vocab_size": fields.integer("padded_vocab_size", limit="vocab_size"),
+        "hidden_size": hidden,
+        "intermediate_size": fields.integer("ffn_hidden_size", limit="intermediate_size"),
+        "num_hidden_layers": fields.integer("num_layers", limit="num_hidden_layers"),
         "num_attention_heads": heads,
-        "num_key_value_heads": raw.get("multi_query_group_num", 1),
-        "head_dim": raw.get("kv_channels") or int(raw["hidden_size"]) // heads,
-        "rms_norm_eps": raw.get("layernorm_epsilon", 1e-5),
-        "max_position_embeddings": raw.get("seq_length", 2048),
+        "num_key_value_heads": fields.integer("multi_query_group_num", 1, limit="num_key_value_heads"),
+        "head_dim": fields.integer("kv_channels", None, limit="head_dim"),
+        "rms_norm_eps": fields.number("layernorm_epsilon", 1e-5, low=0.0, high=1.0, open_low=True),
+        "max_position_embeddings": fields.integer("seq_length", 2048, limit="max_position_embeddings"),
         # ChatGLM never ties: output_layer is its own tensor whatever the config says.
         "tie_word_embeddings": False,
-        "attention_bias": raw.get("add_qkv_bias", False),
-        "rope_theta": 10000.0 * float(raw.get("rope_ratio", 1)),
+        "attention_bias": fields.flag("add_qkv_bias", False),
+        # rope_ratio >= 1e-4 keeps the base >= 1, as rope_theta is bounded.
+        "rope_theta": 10000.0 * fields.number("rope_ratio", 1.0, low=1e-4, high=MAX_ROPE_THETA / 1e4),
         "partial_rotary_factor": 0.5,
         "bos_token_id": raw.get("bos_token_id"),
         "eos_token_id": raw.get("eos_token_id"),
@@ -181,25 +382,22 @@ def _chatglm_as_glm(raw: Mapping[str, Any]) -> dict[str, Any]:
     }
 
 
-def _as_tuple(value: Any) -> tuple[int, ...]:
-    if value is None:
-        return ()
-    if isinstance(value, (list, tuple)):
-        return tuple(int(v) for v in value)
-    return (int(value),)
+# ---------------------------------------------------------------------------- windows and RoPE
 
 
-def _sliding_window(raw: Mapping[str, Any]) -> int | None:
-    window = raw.get("sliding_window")
-    qwen = raw.get("model_type") in ("qwen2", "qwen3")
+def _sliding_window(fields: _Fields, model_type: str, layers: int) -> int | None:
+    window = fields.integer("sliding_window", None, low=0, limit="max_position_embeddings")
+    qwen = model_type in ("qwen2", "qwen3")
     # Qwen configs carry a sliding_window that is inactive unless use_sliding_window is set.
-    if not window or (qwen and not raw.get("use_sliding_window", False)):
+    if not window or (qwen and not fields.flag("use_sliding_window", False)):
         return None
-    layers = int(raw["num_hidden_layers"])
-    kinds = raw.get("layer_types")
+    _, kinds = fields.read("layer_types", None)
+    if kinds is not None and (not isinstance(kinds, list) or len(kinds) != layers
+                              or not all(isinstance(kind, str) for kind in kinds)):
+        raise fields.bad("layer_types", kinds, f"a list of {layers} strings, one per layer")
     if not kinds and qwen:
         # ...and then it applies only to the layers from max_window_layers on.
-        first = int(raw.get("max_window_layers", 28))  # Qwen2Config's and Qwen3Config's default
+        first = fields.integer("max_window_layers", 28, low=0, limit="num_hidden_layers")  # Qwen2/3Config's default
         kinds = ["full_attention"] * min(first, layers) + ["sliding_attention"] * max(layers - first, 0)
     sliding = sum(kind == "sliding_attention" for kind in kinds) if kinds else layers
     if sliding == 0:
@@ -209,33 +407,37 @@ def _sliding_window(raw: Mapping[str, Any]) -> int | None:
             f"config.json slides the attention window in {sliding} of {layers} layers",
             "tierlm applies one sliding window to every layer or to none",
         )
-    return int(window)
+    return window
 
 
-def _rope_config(raw: Mapping[str, Any]) -> RopeConfig:
+def _rope_config(fields: _Fields, model_type: str) -> RopeConfig:
     # transformers >= 5 nests everything under rope_parameters; older configs use
     # rope_theta + rope_scaling.
-    params = dict(raw.get("rope_parameters") or {})
-    scaling = dict(raw.get("rope_scaling") or {})
+    params = fields.mapping("rope_parameters")
+    scaling = fields.mapping("rope_scaling")
     merged = {**scaling, **params}
-    theta = float(merged.get("rope_theta", raw.get("rope_theta", 10000.0)))
-    rope_type = merged.get("rope_type", merged.get("type", "default"))
+    labels = {key: f"{'rope_parameters' if key in params else 'rope_scaling'}.{key}" for key in merged}
+    rope = _Fields(merged, fields.source, labels)
+    theta = rope.number("rope_theta", fields.number("rope_theta", 10000.0, low=1.0, high=MAX_ROPE_THETA),
+                       low=1.0, high=MAX_ROPE_THETA)
+    rope_type = rope.text("rope_type", None) or rope.text("type", None) or "default"
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise TierlmError(
-            f"unsupported rope scaling {rope_type!r} in config.json",
+            f"unsupported rope scaling {rope_type!r} in {fields.source}",
             f"tierlm supports: {', '.join(SUPPORTED_ROPE_TYPES)}",
         )
     # GlmConfig rotates half of each head unless told otherwise.
-    partial = 0.5 if raw.get("model_type") == "glm" else 1.0
+    partial = 0.5 if model_type == "glm" else 1.0
+    partial = fields.number("partial_rotary_factor", partial, low=0.0, high=1.0, open_low=True)
     return RopeConfig(
         theta=theta,
         rope_type=rope_type,
-        factor=float(merged.get("factor", 1.0)),
-        low_freq_factor=float(merged.get("low_freq_factor", 1.0)),
-        high_freq_factor=float(merged.get("high_freq_factor", 4.0)),
-        original_max_position_embeddings=int(
-            merged.get("original_max_position_embeddings", 8192)
+        # A factor below 1 is refused as transformers' rope validation does; 0 would divide by zero.
+        factor=rope.number("factor", 1.0, low=1.0),
+        low_freq_factor=rope.number("low_freq_factor", 1.0, low=0.0, open_low=True),
+        high_freq_factor=rope.number("high_freq_factor", 4.0, low=0.0, open_low=True),
+        original_max_position_embeddings=rope.integer(
+            "original_max_position_embeddings", 8192, limit="max_position_embeddings"
         ),
-        partial_rotary_factor=float(merged.get("partial_rotary_factor", raw.get("partial_rotary_factor", partial))),
+        partial_rotary_factor=rope.number("partial_rotary_factor", partial, low=0.0, high=1.0, open_low=True),
     )
-

@@ -7,6 +7,10 @@ that does not HTML-escape, `raise_exception`, `strftime_now`, a safe `dict` and
 `namespace`. The variables it sees are the messages, `add_generation_prompt`, `tools`,
 `documents`, the named special tokens (bos_token, eos_token, ...) and any extra keyword
 arguments (e.g. `enable_thinking`).
+
+Unlike transformers, a render is bounded (tierlm.runtime.template_budget): by default 2 s and
+4 Mi characters per value and prompt (more when the conversation itself is larger), so a
+template that loops for minutes or builds gigabyte strings is stopped with a TierlmError.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from tierlm.errors import TierlmError
+from tierlm.runtime.template_budget import DEFAULT_MAX_CHARS, DEFAULT_SECONDS, RenderBudget, text_size
 
 # Names a message's reasoning may arrive under; templates read the first one
 # (gpt-oss templates read "thinking"), so both are filled, as transformers does.
@@ -29,10 +34,23 @@ class ChatTemplate:
     tokenizer holds one `ChatTemplate`), so no module-level cache is needed.
     """
 
-    def __init__(self, source: str, special_tokens: Mapping[str, str] | None = None):
-        """`source`: the Jinja text. `special_tokens`: e.g. {"bos_token": "<s>", "eos_token": "</s>"}."""
+    def __init__(
+        self,
+        source: str,
+        special_tokens: Mapping[str, str] | None = None,
+        *,
+        time_limit_s: float = DEFAULT_SECONDS,
+        max_chars: int = DEFAULT_MAX_CHARS,
+    ):
+        """`source`: the Jinja text. `special_tokens`: e.g. {"bos_token": "<s>", "eos_token": "</s>"}.
+
+        A render may take `time_limit_s` and build values and a prompt of `max_chars`
+        characters, or twice the conversation's own text where that is more.
+        """
         self.source = source
         self.special_tokens = dict(special_tokens or {})
+        self.time_limit_s = time_limit_s
+        self.max_chars = max_chars
         self._compiled = None
 
     def render(
@@ -60,19 +78,24 @@ class ChatTemplate:
             for document in documents:
                 if not isinstance(document, Mapping):
                     raise TierlmError("documents must be dicts with 'title' and 'text' keys")
-        chat = _alias_reasoning_fields(_normalize_messages(messages))
-        variables = {**self.special_tokens, **template_kwargs}
+        inputs = dict(
+            messages=_alias_reasoning_fields(_normalize_messages(messages)),
+            tools=_plain(tools),
+            documents=_plain(documents),
+            add_generation_prompt=add_generation_prompt,
+            **_plain({**self.special_tokens, **template_kwargs}),
+        )
         template = self._template()
+        # A conversation larger than the default bound still renders: its own text is allowed twice.
+        budget = RenderBudget(self.time_limit_s, max(self.max_chars, 2 * text_size(inputs)))
         try:
-            return template.render(
-                messages=chat,
-                tools=_plain(tools),
-                documents=_plain(documents),
-                add_generation_prompt=add_generation_prompt,
-                **_plain(variables),
-            )
+            with template.environment.spending(budget):
+                return budget.collect(template.generate(**inputs))
         except TierlmError:
             raise
+        except RecursionError as err:  # macros or recursive loops calling themselves without end
+            raise TierlmError("the chat template recursed too deeply (RecursionError) and was stopped",
+                              hint="the model's chat template is broken; fix chat_template") from err
         except Exception as err:  # noqa: BLE001 - any failure inside template code is the template's
             raise TierlmError(f"the chat template failed to render the conversation: {_describe(err)}",
                               hint="check the message roles and order the model's template accepts") from err
@@ -85,31 +108,40 @@ class ChatTemplate:
 
 
 def compile_template(source: str):
-    """Compile `source` in a sandboxed environment configured like transformers'.
+    """Compile `source` in a sandboxed environment configured like transformers', bounded as
+    tierlm.runtime.template_budget says (render it through ChatTemplate.render, which sets the budget).
 
     Raises TierlmError (with the line number) on a syntax error.
     """
     import jinja2
     import jinja2.ext
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    from tierlm.runtime.template_budget import bounded_environment
 
     # Templates are untrusted code; jinja2 before 3.1.6 has known sandbox escapes.
     if tuple(int(p) for p in jinja2.__version__.split(".")[:3] if p.isdigit()) < (3, 1, 6):
         raise TierlmError(f"chat templates need jinja2>=3.1.6 (found {jinja2.__version__})",
                           hint="pip install -U jinja2")
-    env = ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols, _generation_tag()]
+    env = bounded_environment(
+        filters={"tojson": _tojson},
+        globals={
+            "raise_exception": _raise_exception,
+            "strftime_now": _strftime_now,
+            "dict": _TemplateDict(),
+            "namespace": _namespace_class(),
+        },
+        trim_blocks=True,
+        lstrip_blocks=True,
+        extensions=[jinja2.ext.loopcontrols, _generation_tag()],
     )
-    env.filters["tojson"] = _tojson
-    env.globals["raise_exception"] = _raise_exception
-    env.globals["strftime_now"] = _strftime_now
-    env.globals["dict"] = _TemplateDict()
-    env.globals["namespace"] = _namespace_class()
+    hint = "fix chat_template in tokenizer_config.json or chat_template.jinja"
     try:
         return env.from_string(source)
     except jinja2.TemplateSyntaxError as err:
         raise TierlmError(f"the chat template has a syntax error at line {err.lineno}: {err.message}",
-                          hint="fix chat_template in tokenizer_config.json or chat_template.jinja") from err
+                          hint=hint) from err
+    except Exception as err:  # noqa: BLE001 - e.g. a 5000-digit literal, or nesting past the recursion limit
+        raise TierlmError(f"the chat template cannot be compiled: {_describe(err)}", hint=hint) from err
 
 
 def _tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False):

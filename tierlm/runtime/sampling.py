@@ -2,16 +2,30 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 
 from tierlm.errors import TierlmError
 
+# Temperatures below this sample as greedy: dividing logits by less would overflow fp32 or, at
+# best, put all the mass on the top token anyway.
+GREEDY_BELOW = 1e-5
+SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.Generator.manual_seed accepts
+# The repetition penalty is applied clamped to this range: beyond it fp32 logits overflow or
+# vanish alike (a penalty of 1e-300 would divide a positive logit by zero).
+PENALTY_CLAMP = (1e-30, 1e30)
+
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """How to pick each next token and when to stop. temperature 0 means greedy."""
+    """How to pick each next token and when to stop. temperature 0 means greedy.
+
+    Any finite temperature ≥ 0 is accepted; below GREEDY_BELOW (1e-5) it samples as greedy.
+    Any finite repetition_penalty > 0 is accepted (applied clamped to PENALTY_CLAMP); a seed
+    must lie in SEED_RANGE, torch's, and is refused outside it rather than wrapped.
+    """
 
     max_new_tokens: int = 256
     temperature: float = 0.7
@@ -25,18 +39,22 @@ class SamplingParams:
     def __post_init__(self):
         if self.max_new_tokens < 1:
             raise TierlmError("max_new_tokens must be at least 1")
-        if self.temperature < 0:
-            raise TierlmError("temperature must be ≥ 0 (0 = greedy)")
+        if not (math.isfinite(self.temperature) and self.temperature >= 0):
+            raise TierlmError(f"temperature must be a finite number ≥ 0 (0 = greedy), not {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise TierlmError("top_p must be in (0, 1]")
         if self.top_k < 0:
             raise TierlmError("top_k must be ≥ 0 (0 = off)")
-        if self.repetition_penalty <= 0:
-            raise TierlmError("repetition_penalty must be > 0 (1 = off)")
+        if not (math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0):
+            raise TierlmError(
+                f"repetition_penalty must be a finite number > 0 (1 = off), not {self.repetition_penalty}")
+        if self.seed is not None and not (isinstance(self.seed, int) and SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]):
+            raise TierlmError(f"seed must be an integer in [-2^63, 2^64 - 1], not {str(self.seed)[:30]}",
+                              "torch's random generator takes no other seeds")
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < GREEDY_BELOW
 
 
 class Sampler:
@@ -55,9 +73,14 @@ class Sampler:
         p = self.params
         if p.repetition_penalty != 1.0 and seen is not None and seen.numel():
             logits = penalize_repetition(logits, seen, p.repetition_penalty)
-        if p.greedy:
+        # NaN (a broken model) and +inf (an overflow) would make every probability NaN.
+        logits = torch.nan_to_num(logits.float(), nan=float("-inf"), posinf=torch.finfo(torch.float32).max)
+        top = logits.max()
+        if p.greedy or torch.isinf(top):  # -inf everywhere: nothing to sample among
             return int(torch.argmax(logits))
-        logits = logits / p.temperature
+        # Shifted to ≤ 0 first, so dividing by a small temperature gives -inf at worst, never NaN;
+        # a temperature past fp32's range would become inf, and -inf / inf is NaN.
+        logits = (logits - top) / min(p.temperature, torch.finfo(torch.float32).max)
         if p.top_k:
             logits = keep_top_k(logits, p.top_k)
         if p.top_p < 1.0:
@@ -68,6 +91,7 @@ class Sampler:
 
 def penalize_repetition(logits: torch.Tensor, seen: torch.Tensor, penalty: float) -> torch.Tensor:
     """CTRL-style penalty (as transformers applies it): divide positive logits, multiply negative."""
+    penalty = min(max(penalty, PENALTY_CLAMP[0]), PENALTY_CLAMP[1])
     picked = logits.gather(0, seen)
     picked = torch.where(picked < 0, picked * penalty, picked / penalty)
     return logits.scatter(0, seen, picked)

@@ -31,6 +31,7 @@ from types import MappingProxyType
 from typing import Any
 
 from tierlm.atomic import atomic_directory, directory_lock, fsync_file, write_json
+from tierlm.config import LIMITS, MAX_ROPE_THETA, ModelConfig, shown_value
 from tierlm.errors import TierlmError
 from tierlm.weights.gguf_reader import GgufMetadata, open_gguf
 # SUPPORTED_TOKENIZERS is re-exported: it is part of this module's public API.
@@ -165,14 +166,47 @@ def _record_matches(out_dir: Path, key: str) -> bool:
 # ----------------------------------------------------------------------------- reading the GGUF
 
 
-def _per_layer_scalar(meta: GgufMetadata, key: str) -> int:
-    """A count that GGUF may store per layer (a list); HF llama/qwen2 need it uniform."""
+def _per_layer_scalar(meta: GgufMetadata, key: str, limit: str) -> int:
+    """A count that GGUF may store per layer (a list); HF llama/qwen2 need it uniform. It is
+    checked against LIMITS[limit] before anything is sized from it."""
     value = meta.require(key)
-    if isinstance(value, list):
-        if len(set(value)) != 1:
+    if isinstance(value, list) and value:
+        if any(v != value[0] for v in value):
             raise TierlmError(f"{meta.path}: {meta.arch}.{key} differs between layers; llama/qwen2 need one value")
         value = value[0]
-    return int(value)
+    return _checked_int(meta, key, value, limit)
+
+
+def _checked_int(meta: GgufMetadata, key: str, value: Any, limit: str) -> int:
+    """`value` (read from {arch}.`key`) if it is an integer in [1, LIMITS[limit]]."""
+    high = LIMITS[limit]
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= high:
+        raise _bad_value(meta, f"{meta.arch}.{key}", value, f"an integer in [1, {high}]")
+    return value
+
+
+def _checked_float(meta: GgufMetadata, key: str, value: Any, low: float, high: float = math.inf) -> float:
+    """`value` (read from {arch}.`key`) if it is a finite number in [low, high], above 0 when low is 0."""
+    number = value if isinstance(value, (int, float)) and not isinstance(value, bool) else math.nan
+    if not (math.isfinite(number) and low <= number <= high and (low > 0 or number > 0)):
+        span = f"in [{low:g}, {high:g}]" if math.isfinite(high) else (f"≥ {low:g}" if low > 0 else "> 0")
+        raise _bad_value(meta, f"{meta.arch}.{key}", value, f"a finite number {span}")
+    return float(number)
+
+
+def _token_id(meta: GgufMetadata, key: str) -> int | None:
+    """A special token id (tokenizer.ggml.*_token_id), or None when absent or llama.cpp's "no token"."""
+    value = meta.get(key)
+    if value is None or (type(value) is int and value in (-1, 2**32 - 1)):  # LLAMA_TOKEN_NULL, signed or not
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= LIMITS["token_id"]:
+        raise _bad_value(meta, key, value, f"a token id in [0, {LIMITS['token_id']}]")
+    return value
+
+
+def _bad_value(meta: GgufMetadata, key: str, value: Any, expected: str) -> TierlmError:
+    return TierlmError(f"{meta.path}: {key} = {shown_value(value)} is not valid; expected {expected}",
+                       hint="the GGUF's metadata is damaged or was written by an unfamiliar tool")
 
 
 def _f32(value: float) -> float:
@@ -187,12 +221,13 @@ def _f32(value: float) -> float:
 
 def _build_config(meta: GgufMetadata, family: _Family, tensors: dict) -> dict[str, Any]:
     """The HF config.json for this GGUF (shape fields, norms, RoPE, tying, special ids)."""
-    hidden = int(meta.require("embedding_length"))
-    n_head = _per_layer_scalar(meta, "attention.head_count")
-    n_kv = _per_layer_scalar(meta, "attention.head_count_kv") if meta.arch_get("attention.head_count_kv") else n_head
-    head_dim = int(meta.arch_get("attention.key_length") or hidden // n_head)
+    hidden = _checked_int(meta, "embedding_length", meta.require("embedding_length"), "hidden_size")
+    n_head = _per_layer_scalar(meta, "attention.head_count", "num_attention_heads")
+    has_kv = meta.arch_get("attention.head_count_kv") is not None
+    n_kv = _per_layer_scalar(meta, "attention.head_count_kv", "num_key_value_heads") if has_kv else n_head
+    head_dim = _head_dim(meta, hidden, n_head)
     rope_dim = meta.arch_get("rope.dimension_count")
-    if rope_dim is not None and int(rope_dim) != head_dim:
+    if rope_dim is not None and rope_dim != head_dim:
         raise TierlmError(f"{meta.path}: partial rotary embeddings ({rope_dim} of {head_dim} dims) are not supported")
     if meta.arch_get("expert_count"):
         raise TierlmError(
@@ -201,22 +236,26 @@ def _build_config(meta: GgufMetadata, family: _Family, tensors: dict) -> dict[st
     embed = tensors.get("token_embd.weight")
     if embed is None:
         raise TierlmError(f"{meta.path} has no token_embd.weight tensor; it is not a complete model")
-    eps = meta.require("attention.layer_norm_rms_epsilon")
+    eps = _checked_float(meta, "attention.layer_norm_rms_epsilon", meta.require("attention.layer_norm_rms_epsilon"),
+                         0.0, 1.0)
+    theta = _checked_float(meta, "rope.freq_base", meta.arch_get("rope.freq_base", 10000.0), 1.0, MAX_ROPE_THETA)
 
     config: dict[str, Any] = {
         "architectures": [family.hf_class],
         "model_type": family.model_type,
         "vocab_size": int(embed.shape[-1]),  # GGUF shapes are (cols, rows)
         "hidden_size": hidden,
-        "intermediate_size": _per_layer_scalar(meta, "feed_forward_length"),
-        "num_hidden_layers": int(meta.require("block_count")),
+        "intermediate_size": _per_layer_scalar(meta, "feed_forward_length", "intermediate_size"),
+        "num_hidden_layers": _layer_count(meta, tensors),
         "num_attention_heads": n_head,
         "num_key_value_heads": n_kv,
         "head_dim": head_dim,
         "hidden_act": "silu",
-        "max_position_embeddings": int(meta.require("context_length")),
+        "max_position_embeddings": _checked_int(
+            meta, "context_length", meta.require("context_length"), "max_position_embeddings"
+        ),
         "rms_norm_eps": _f32(eps),
-        "rope_theta": _f32(meta.arch_get("rope.freq_base", 10000.0)),
+        "rope_theta": _f32(theta),
         "rope_scaling": _rope_scaling(meta, tensors, head_dim),
         "attention_dropout": 0.0,
         "initializer_range": 0.02,
@@ -233,17 +272,48 @@ def _build_config(meta: GgufMetadata, family: _Family, tensors: dict) -> dict[st
         config["sliding_window"] = None
         config["max_window_layers"] = config["num_hidden_layers"]
     for name, key in (("bos", "bos"), ("eos", "eos"), ("pad", "padding")):
-        token_id = meta.get(f"tokenizer.ggml.{key}_token_id")
+        token_id = _token_id(meta, f"tokenizer.ggml.{key}_token_id")
         if token_id is not None:
-            config[f"{name}_token_id"] = int(token_id)
+            config[f"{name}_token_id"] = token_id
+    # Every check config.json gets (ranges, heads against kv heads, RoPE), before any weight is written.
+    ModelConfig.from_dict(config, f"{meta.path} (as config.json)")
     return config
+
+
+def _head_dim(meta: GgufMetadata, hidden: int, n_head: int) -> int:
+    """{arch}.attention.key_length, else hidden / heads, which must then divide evenly."""
+    key_length = meta.arch_get("attention.key_length")
+    if key_length is not None:
+        return _checked_int(meta, "attention.key_length", key_length, "head_dim")
+    if hidden % n_head:
+        raise TierlmError(
+            f"{meta.path}: {meta.arch}.embedding_length {hidden} is not a multiple of attention.head_count {n_head}",
+            hint="the GGUF's metadata is damaged",
+        )
+    return hidden // n_head
+
+
+def _layer_count(meta: GgufMetadata, tensors: dict) -> int:
+    """{arch}.block_count, which must match the blk.N tensors present (0..N-1, each at least once)."""
+    count = _checked_int(meta, "block_count", meta.require("block_count"), "num_hidden_layers")
+    present = {match[1] for name in tensors if (match := _BLOCK_NAME.fullmatch(name))}
+    if present != {str(layer) for layer in range(count)}:
+        raise TierlmError(
+            f"{meta.path}: {meta.arch}.block_count is {count}, but its blk.N tensors are for "
+            f"{len(present)} layer(s), not blk.0 to blk.{count - 1}",
+            hint="the GGUF is incomplete, or its metadata is damaged",
+        )
+    return count
 
 
 def _rope_scaling(meta: GgufMetadata, tensors: dict, head_dim: int) -> dict[str, Any] | None:
     """HF rope_scaling from {arch}.rope.scaling.* keys, or from a llama3 `rope_freqs` tensor."""
     kind = meta.arch_get("rope.scaling.type")
-    factor = meta.arch_get("rope.scaling.factor") or meta.arch_get("rope.scale_linear")
-    if kind is None and factor is not None and float(factor) != 1.0:
+    # llama.cpp reads a factor of 0 as "not set", as it does a missing key; below 1 is refused, as
+    # transformers' RoPE validation does.
+    factor_key = next((k for k in ("rope.scaling.factor", "rope.scale_linear") if meta.arch_get(k)), None)
+    factor = _checked_float(meta, factor_key, meta.arch_get(factor_key), 1.0) if factor_key else None
+    if kind is None and factor is not None and factor != 1.0:
         kind = "linear"  # older files carry only rope.scale_linear
     if kind in (None, "none"):
         freqs = tensors.get("rope_freqs.weight")
@@ -253,7 +323,9 @@ def _rope_scaling(meta: GgufMetadata, tensors: dict, head_dim: int) -> dict[str,
     scaling: dict[str, Any] = {"rope_type": kind, "factor": _f32(factor or 1.0)}
     original = meta.arch_get("rope.scaling.original_context_length")
     if original:
-        scaling["original_max_position_embeddings"] = int(original)
+        scaling["original_max_position_embeddings"] = _checked_int(
+            meta, "rope.scaling.original_context_length", original, "max_position_embeddings"
+        )
     if kind == "yarn":
         for gguf_key, hf_key in (
             ("rope.scaling.yarn_beta_fast", "beta_fast"),
@@ -262,7 +334,7 @@ def _rope_scaling(meta: GgufMetadata, tensors: dict, head_dim: int) -> dict[str,
         ):
             value = meta.arch_get(gguf_key)
             if value is not None:
-                scaling[hf_key] = _f32(value)
+                scaling[hf_key] = _f32(_checked_float(meta, gguf_key, value, 0.0))
     return scaling
 
 
@@ -442,8 +514,8 @@ def _write_model_dir(gguf_path: Path, out: Path, key: str, progress: Progress | 
     for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
         if name in config:
             generation[name] = config[name]
-    stops = [meta.get(f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
-    stops = list(dict.fromkeys(int(s) for s in stops if s is not None))
+    stops = [_token_id(meta, f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
+    stops = list(dict.fromkeys(s for s in stops if s is not None))
     if len(stops) > 1:  # chat models end turns with eot/eom as well as eos
         generation["eos_token_id"] = stops
     write_json(out / "generation_config.json", generation)
