@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -31,10 +32,14 @@ def tierlm(*args: str, stdin: str = "") -> subprocess.CompletedProcess:
     )
 
 
+PHASE_LINE = re.compile(r"[^:]+: done in \d+\.\d s")
+
+
 def assert_clean_failure(result: subprocess.CompletedProcess, *needles: str) -> None:
     assert result.returncode != 0
     assert "Traceback" not in result.stderr
-    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    # Phases that finished before the failure report their duration (piped stderr); the error is one line.
+    lines = [line for line in result.stderr.splitlines() if line.strip() and not PHASE_LINE.fullmatch(line)]
     assert len(lines) == 1, result.stderr
     assert lines[0].startswith("error: ")
     for needle in needles:
