@@ -128,10 +128,10 @@ def run_baseline() -> dict:
     import torch
 
     from tierlm.profile import load_profile  # noqa: F401 - imported as run_tierlm does
-    from tierlm.runtime.loader import runtime_baseline
+    from tierlm.runtime.baseline import runtime_baseline
 
     torch.set_num_threads(2)
-    return {"rss": runtime_baseline(torch.device("cpu"), int8=True, planned=True)}
+    return {"rss": runtime_baseline(torch.device("cpu"), "int8").charged}
 
 
 def budget_for_resident_share(artifact: Path, folder: Path, share: float) -> int:

@@ -1,4 +1,4 @@
-"""Directories that appear whole or not at all: build beside the target, fsync, rename into place.
+"""Directories and small files that appear whole or not at all: build beside the target, fsync, rename.
 
 A builder holds `directory_lock(target)`, decides whether the existing target can be reused, and
 otherwise writes into the temporary directory `atomic_directory(target)` yields. The temporary
@@ -69,6 +69,24 @@ def write_json(path: Path, doc: dict[str, Any]) -> None:
     Not atomic by itself: write into an `atomic_directory`, whose rename publishes the file.
     """
     path.write_text(json.dumps(doc, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+
+
+def replace_file(path: Path, text: str) -> None:
+    """Write `text` to the file `path` atomically: readers see the old content or the new, whole.
+
+    Written beside `path` under a hidden per-process name, fsynced, then renamed over it; for
+    small caches (a probe, a baseline record) rather than directories.
+    """
+    tmp = _sibling(path, "partial")
+    try:
+        with tmp.open("w", encoding="utf-8") as handle:
+            handle.write(text)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def fsync_file(path: Path) -> None:

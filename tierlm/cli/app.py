@@ -238,42 +238,19 @@ def plan(
     """Where every weight block would live under a profile, the memory per tier, and predicted speed.
 
     Reads no weights: block sizes come from the model's cached artifact for that quant mode when
-    there is one, else from config.json. The baseline charged is this process's RSS after
-    importing torch; bandwidths come from the once-per-machine probe.
+    there is one, else from config.json. The baseline is charged as the loader charges it, so the
+    plan is what loading does; bandwidths come from the probe, corrected by measured runs.
     """
     import json
 
-    import torch  # noqa: F401 - imported before measuring the baseline: the runtime always has it
-
     from tierlm.cli.models import pick_model
-    from tierlm.config import ModelConfig
-    from tierlm.device import read_memory, resolve_device
-    from tierlm.offload.planner import describe, placement_to_dict
-    from tierlm.offload.planner import plan as make_plan
-    from tierlm.offload.probe import load_bandwidths
-    from tierlm.offload.sizes import cached_artifact, resolve_quant, sizes_from_artifact, sizes_from_config
+    from tierlm.cli.plan_view import plan_for, render_plan
+    from tierlm.offload.planner import placement_to_dict
     from tierlm.profile import load_profile
     from tierlm.runtime.session import resolve_model_dir
 
-    baseline = read_memory().rss
-    chosen = load_profile(profile)
-    target = resolve_device(device)
-    accelerator = target.type != "cpu"
-    model_dir = resolve_model_dir(pick_model(model_arg, model))
-    config = ModelConfig.from_dir(model_dir)
-    mode = resolve_quant(quant or chosen.quant, accelerator)
-    artifact = cached_artifact(model_dir, mode.name)
-    sizes = sizes_from_artifact(artifact) if artifact else sizes_from_config(config, mode, accelerator=accelerator)
-    placement = make_plan(
-        config, sizes, chosen, load_bandwidths(target), accelerator=accelerator, baseline_bytes=baseline
-    )
-    if as_json:
-        print(json.dumps(placement_to_dict(placement), indent=1))
-        return
-    print(f"model    {model_dir} ({config.model_type}, {config.num_hidden_layers} layers)")
-    print(f"profile  {chosen.summary()}")
-    print(f"device   {target}; baseline {baseline / 2**20:.0f} MiB RSS after importing torch\n")
-    print(describe(placement))
+    placement, header = plan_for(resolve_model_dir(pick_model(model_arg, model)), load_profile(profile), quant, device)
+    print(json.dumps(placement_to_dict(placement), indent=1) if as_json else render_plan(placement, header))
 
 
 @app.command()
@@ -364,14 +341,18 @@ def serve(
 
 
 @app.command()
-def doctor(as_json: bool = typer.Option(False, "--json", help="Print the report as JSON")):
+def doctor(
+    as_json: bool = typer.Option(False, "--json", help="Print the report as JSON"),
+    probe: bool = typer.Option(False, "--probe", help="Measure this machine's bandwidths afresh (a minute) and cache them"),
+):
     """What this machine offers: torch build, devices and memory, CPU features, the INT8 kernel
-    chosen, optional packages, cgroup limit, cache; and why each missing option is missing."""
+    chosen, optional packages, cgroup limit, cache, the bandwidth probe the planner uses; and why
+    each missing option is missing."""
     import json
 
     from tierlm.cli.doctor import collect, render
 
-    report = collect()
+    report = collect(probe=probe)
     print(json.dumps(report, indent=1) if as_json else render(report))
 
 

@@ -5,6 +5,8 @@ every machine measures the same tokens), cut to `--prompt-tokens`. Each run star
 empty KV cache and decodes greedily for `--tokens` tokens without stopping at EOS, so runs are
 alike; the median run is reported beside the planner's prediction, the memory the profile
 allows, what the process measured, and the memory manager's ledger when blocks stream.
+The measured decode speed is also checked against the cached probe's prediction, which it
+corrects when the two disagree beyond noise (runtime/measured.py).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ def run_bench(session, prompt_tokens: int, new_tokens: int, runs: int) -> dict:
     """Time `runs` greedy generations; return the figures `format_bench` prints."""
     from tierlm.device import read_memory
     from tierlm.errors import TierlmError
+    from tierlm.runtime.measured import note_measured_decode
     from tierlm.runtime.sampling import SamplingParams
 
     engine = session.engine
@@ -67,13 +70,19 @@ def run_bench(session, prompt_tokens: int, new_tokens: int, runs: int) -> dict:
     }
     placement = loaded.placement
     if placement is not None:
+        result["placement"] = [{"name": b.name, "tier": b.tier, "compute": b.compute} for b in placement.blocks]
         result["placement_bytes"] = placement.block_bytes_by_tier()
+        result["charges"] = {tier: dict(items) for tier, items in placement.charges.items()}
         result["predicted_decode_tokens_per_s"] = placement.predicted_decode_tokens_per_s
         result["predicted_prefill_tokens_per_s"] = placement.predicted_prefill_tokens_per_s
         result["binding_limit"] = placement.binding_limit
     ledger = getattr(loaded.store, "ledger", None)
     if ledger is not None:
         result["ledger"] = ledger.snapshot(loaded.device)
+    source = f"bench {session.model_dir.name}, profile {session.profile.name}"
+    result["probe_check"] = note_measured_decode(
+        loaded, session.profile, result["decode_tokens_per_s"], new_tokens - 1, source
+    )
     return result
 
 
@@ -103,6 +112,12 @@ def format_bench(result: dict) -> str:
         f"memory    peak RSS {format_size(result['peak_rss_bytes'])} ({within} the profile's "
         f"{format_size(result['budget_bytes'])}), load {result['load_s']:.1f} s"
     )
+    check = result.get("probe_check")
+    if check:
+        verdict = ("the cached probe was corrected from this run" if check["corrected"]
+                   else "within noise of the probe's prediction")  # fmt: skip
+        lines.append(f"probe     at batch 1 it predicted {check['predicted_tok_s']:.2f} tok/s; measured "
+                     f"{check['measured_tok_s'] / check['predicted_tok_s']:.2f}x that: {verdict}")  # fmt: skip
     ledger = result.get("ledger")
     if ledger:
         read = ", ".join(f"{tier} {format_size(int(n))}" for tier, n in ledger["bytes_read_per_forward"].items())

@@ -2,6 +2,8 @@
 
 `collect()` gathers a plain dict (what `--json` prints); `render()` turns it into lines. Every
 probe catches its own failure and reports it as a reason, so the doctor itself never fails.
+`collect(probe=True)` (`tierlm doctor --probe`) measures the planner's bandwidths afresh and
+caches them, replacing a probe taken while the machine was busy.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import os
 import platform
 import sys
 import warnings
+from pathlib import Path
 
 # module -> (distribution, what tierlm uses it for, how to get it)
 OPTIONAL_PACKAGES = {
@@ -23,8 +26,9 @@ OPTIONAL_PACKAGES = {
 }
 
 
-def collect() -> dict:
-    """Everything the doctor reports, as JSON-ready values (bytes as integers)."""
+def collect(probe: bool = False) -> dict:
+    """Everything the doctor reports, as JSON-ready values (bytes as integers). `probe`: run the
+    bandwidth probe again (in a child, a minute or so) instead of showing the cached one."""
     import torch
 
     from tierlm import __version__
@@ -50,6 +54,7 @@ def collect() -> dict:
     report["packages"] = {module: _package(module) for module in OPTIONAL_PACKAGES}
     report["cgroup"] = _cgroup()
     report["cache"] = _cache()
+    report["probe"] = _probe(chosen, probe)
     return report
 
 
@@ -106,6 +111,7 @@ def render(report: dict) -> str:
         lines.append(f"cgroup    memory limit {limit} ({group['source']})")
     cache = report["cache"]
     lines.append(f"cache     {cache['path']}, {format_size(cache['bytes'])}")
+    lines += _probe_lines(report["probe"])
     return "\n".join(lines)
 
 
@@ -221,6 +227,39 @@ def _cgroup() -> dict:
 
     limit, source = cgroup_memory_limit()
     return {"memory_limit": limit, "source": source}
+
+
+def _probe(device, refresh: bool) -> dict:
+    """The cached bandwidth probe for `device` (probed afresh when `refresh`), or why there is none."""
+    if device is None:
+        return {"error": "no compute device resolved"}
+    try:
+        from tierlm.offload.probe import bandwidths_path, load_probe, read_probe
+
+        path = bandwidths_path(device)
+        record = load_probe(device, refresh=True) if refresh else read_probe(path)
+    except Exception as err:  # noqa: BLE001 - reported, not raised
+        return {"error": f"{type(err).__name__}: {err}"}
+    if record is None:
+        return {"path": str(path), "error": "not probed yet: the first plan or load probes, or `tierlm doctor --probe`"}
+    return {"path": str(path), "refreshed": refresh, **record.to_dict()}
+
+
+def _probe_lines(found: dict) -> list[str]:
+    from tierlm.cli.plan_view import last_run_text, probe_age_text
+    from tierlm.offload.probe import ProbeRecord
+
+    if found.get("error"):
+        return [f"probe     {found['error']}"]
+    record = ProbeRecord.from_dict(found)
+    bw = record.bandwidths
+    figures = (f"int8 {bw.device_bytes_per_s / 1e9:.2f} GB/s (host {bw.host_bytes_per_s / 1e9:.2f}), "
+               f"link {bw.link_bytes_per_s / 1e9:.2f} GB/s, disk {bw.disk_bytes_per_s / 1e9:.2f} GB/s, "
+               f"{bw.device_flops / 1e9:.1f} GFLOP/s, {bw.per_block_overhead_s * 1e3:.2f} ms per layer")  # fmt: skip
+    name = Path(found["path"]).stem
+    lines = [f"probe     {name}: {figures}", f"{'':9} {'probed just now' if found['refreshed'] else probe_age_text(record)}"]
+    last = last_run_text(record)
+    return lines + ([f"{'':9} {last}"] if last and not found["refreshed"] else [])
 
 
 def _cache() -> dict:

@@ -74,7 +74,7 @@ def format_stats(session, stats) -> str:
         f"context   {engine.cache.offset}/{engine.context_length} tokens, "
         f"KV cache {format_size(engine.cache.used_bytes)} used of {format_size(engine.cache.nbytes)} reserved",
         f"weights   {format_size(engine.loaded.store.nbytes())} resident on {engine.loaded.device}, "
-        f"{str(engine.loaded.dtype).removeprefix('torch.')}",
+        f"{engine.loaded.formats}",
         f"memory    RSS {format_size(memory.rss)}, peak {format_size(memory.peak_rss)}",
     ]
     placement = engine.loaded.placement

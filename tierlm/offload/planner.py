@@ -42,11 +42,15 @@ The binding limit is the largest channel (link or disk when one dominates, else 
 compute term). Decode reads a resident embedding's rows only and the head once per step;
 prefill computes the head for one token (last-position logits). KV-cache reads are left out:
 the prediction is for the start of a conversation.
+
+Measured runs check the model: `decode_terms` + `step_seconds` predict an existing placement's
+decode step, and `implied_bandwidths` gives the figures under which it would take what was
+measured (the probe's cache is corrected with them when the two disagree).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Mapping, Sequence
 
 from tierlm.config import ModelConfig
@@ -286,9 +290,14 @@ def _placement(ctx: _Context, tiers, computes, charges) -> Placement:
 
 def _step_time(ctx: _Context, tiers, computes, *, prefill: bool) -> tuple[float, str]:
     """(seconds for one decode step, or one prefill chunk; the binding limit) — see module doc."""
-    bw, sizes = ctx.bandwidths, ctx.sizes
     chunk = min(PREFILL_CHUNK, context_tokens(ctx.config, ctx.profile))
     tokens = chunk if prefill else ctx.profile.batch_size
+    return step_seconds(_terms(ctx, tiers, computes, tokens, prefill), ctx.profile.prefetch_depth)
+
+
+def _terms(ctx: _Context, tiers, computes, tokens: int, prefill: bool) -> dict[str, float]:
+    """Seconds each limit (LIMITS) costs one step of `tokens` tokens."""
+    bw, sizes = ctx.bandwidths, ctx.sizes
     terms = dict.fromkeys(LIMITS, 0.0)
     for block in sizes.names:
         if block == EMBED:
@@ -314,8 +323,14 @@ def _step_time(ctx: _Context, tiers, computes, *, prefill: bool) -> tuple[float,
         if ctx.accelerator or tiers[block] == HOST:
             terms["link"] += read / _rate(bw.link_bytes_per_s)
     terms["dispatch overhead"] += (ctx.config.num_hidden_layers + 1) * bw.per_block_overhead_s
+    return terms
+
+
+def step_seconds(terms: Mapping[str, float], prefetch_depth: int) -> tuple[float, str]:
+    """(seconds of a step, the binding limit) from its terms: with prefetch, transfers overlap
+    compute (the largest channel binds); without, everything adds up."""
     compute = terms["device bandwidth"] + terms["host bandwidth"] + terms["dispatch overhead"]
-    if ctx.profile.prefetch_depth >= 1:
+    if prefetch_depth >= 1:
         seconds = max(compute, terms["link"], terms["disk"])
         transfer = max(("link", "disk"), key=terms.get)
         limit = transfer if terms[transfer] > compute else max(LIMITS[:3], key=terms.get)
@@ -323,6 +338,81 @@ def _step_time(ctx: _Context, tiers, computes, *, prefill: bool) -> tuple[float,
         seconds = sum(terms.values())
         limit = max(LIMITS, key=terms.get)
     return max(seconds, 1e-12), limit
+
+
+def decode_terms(
+    config: ModelConfig,
+    sizes: BlockSizes,
+    profile: Profile,
+    bandwidths: Bandwidths,
+    placement: Placement,
+    *,
+    accelerator: bool,
+    batch: int = 1,
+) -> dict[str, float]:
+    """The cost model's terms (seconds per limit) for one decode step of `batch` sequences of an
+    existing placement: what a measured run of it is compared with (`step_seconds` combines them)."""
+    ctx = _Context(config, sizes, profile, bandwidths, accelerator, 0)
+    tiers = {b.name: b.tier for b in placement.blocks}
+    computes = {b.name: b.compute for b in placement.blocks}
+    return _terms(ctx, tiers, computes, batch, prefill=False)
+
+
+# What each limit's time is made of. A CPU-only machine's compute terms are one processor's.
+_FIGURES = {
+    "device bandwidth": ("device_bytes_per_s", "device_flops"),
+    "host bandwidth": ("host_bytes_per_s", "host_flops"),
+    "dispatch overhead": ("per_block_overhead_s",),
+    "link": ("link_bytes_per_s",),
+    "disk": ("disk_bytes_per_s",),
+}
+
+
+def implied_bandwidths(
+    bandwidths: Bandwidths, terms: Mapping[str, float], measured_s: float, *, accelerator: bool, prefetch_depth: int
+) -> Bandwidths:
+    """The bandwidths under which a step with these `terms` takes `measured_s`, as measured.
+
+    With prefetch the channels (compute, link, disk) overlap: each one predicted slower than the
+    measured step, and the binding one, is rescaled to take exactly the measured time; a
+    transfer's rate becomes its bytes per step over that time. Within compute, a CPU-only
+    machine's figures all scale alike (one processor, and a probe slowed by a busy machine is
+    slowed throughout); on an accelerator the binding processor is fitted alone. Without
+    prefetch the terms add up: the binding one is fitted, the others kept.
+    """
+    compute = LIMITS[:3]
+    _, limit = step_seconds(terms, prefetch_depth)
+    if prefetch_depth < 1:
+        return _fit(bandwidths, terms, (limit,), [k for k in LIMITS if k != limit], measured_s)
+    fitted = bandwidths
+    for channel in (compute, ("link",), ("disk",)):
+        seconds = sum(terms[k] for k in channel)
+        if seconds <= 0 or (seconds <= measured_s and limit not in channel):
+            continue  # it could have taken that long: nothing says it is off
+        if channel == compute and accelerator and limit in compute:
+            fitted = _fit(fitted, terms, (limit,), [k for k in compute if k != limit], measured_s)
+        else:
+            fitted = _scaled(fitted, channel, seconds / measured_s)
+    return fitted
+
+
+def _fit(bandwidths: Bandwidths, terms, scaled, kept, measured_s: float) -> Bandwidths:
+    """Scale the `scaled` terms' figures so that they plus the `kept` terms take `measured_s`;
+    when the kept terms alone (nearly) exceed it they are off too, and everything scales alike."""
+    left = measured_s - sum(terms[k] for k in kept)
+    share = sum(terms[k] for k in scaled)
+    if left < 0.25 * measured_s or share <= 0:
+        return _scaled(bandwidths, (*scaled, *kept), sum(terms[k] for k in (*scaled, *kept)) / measured_s)
+    return _scaled(bandwidths, scaled, share / left)
+
+
+def _scaled(bandwidths: Bandwidths, limits, factor: float) -> Bandwidths:
+    """The figures behind `limits` made `factor` times faster (rates up, per-layer time down)."""
+    changes = {}
+    for figure in {f for name in limits for f in _FIGURES[name]}:
+        value = getattr(bandwidths, figure)
+        changes[figure] = value / factor if figure == "per_block_overhead_s" else value * factor
+    return replace(bandwidths, **changes)
 
 
 def _rate(value: float) -> float:

@@ -4,6 +4,11 @@
 `<cache>/probe/`, probing first when there is none (a few seconds, in a child process: the
 probe's buffers must not count against the caller's memory budget). Tests pass fixed
 `Bandwidths` to the planner instead, or write the cache file with `save_bandwidths`.
+
+A probe taken while the machine was busy would mislead every later prediction, so the cache file
+is a `ProbeRecord`: the figures, when they were probed, the last measured run beside its
+prediction, and the corrections measured runs made (`record_measured_run`). `tierlm doctor
+--probe` probes afresh.
 """
 
 from __future__ import annotations
@@ -14,8 +19,9 @@ import re
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
+from typing import Callable
 
 from tierlm.paths import cache_root
 
@@ -30,6 +36,7 @@ COPY_BYTES = 64 << 20  # link probe: one 64 MiB host -> device copy
 DISK_BYTES = 128 << 20  # disk probe: a 128 MiB temporary file, read cold
 DISK_READS = 3  # cold reads of it; the fastest counts
 READ_CHUNK = 16 << 20
+KEPT_CORRECTIONS = 5  # the newest corrections kept in the record, for `doctor` and `plan`
 
 
 @dataclass(frozen=True)
@@ -80,16 +87,57 @@ def bandwidths_path(device=None) -> Path:
     return cache_root() / "probe" / f"{key}.json"
 
 
+@dataclass(frozen=True)
+class ProbeRecord:
+    """A cached probe: the figures the planner uses and where they came from.
+
+    probed_at    epoch seconds of the probe (None: a file older than this field)
+    last_run     the newest measured run: {"at", "source", "measured_tok_s", "predicted_tok_s",
+                 "limit", "corrected"}; predicted with the figures as they were before it
+    corrections  the newest KEPT_CORRECTIONS corrections, oldest first: a last_run entry plus
+                 "before" (the figures it replaced)
+    """
+
+    bandwidths: Bandwidths
+    probed_at: float | None = None
+    last_run: dict | None = None
+    corrections: tuple[dict, ...] = ()
+
+    def to_dict(self) -> dict:
+        return {**self.bandwidths.to_dict(), "probed_at": self.probed_at, "last_run": self.last_run,
+                "corrections": list(self.corrections)}  # fmt: skip
+
+    @classmethod
+    def from_dict(cls, raw: dict) -> "ProbeRecord":
+        return cls(Bandwidths.from_dict(raw), raw.get("probed_at"), raw.get("last_run"),
+                   tuple(raw.get("corrections") or ()))  # fmt: skip
+
+
 def load_bandwidths(device=None, *, refresh: bool = False) -> Bandwidths:
     """This machine's Bandwidths for `device`, from the cache or probed (then cached) once."""
+    return load_probe(device, refresh=refresh).bandwidths
+
+
+def load_probe(device=None, *, refresh: bool = False) -> ProbeRecord:
+    """The cached ProbeRecord for `device`; probed first (in a child) when missing, damaged or
+    `refresh`."""
     path = bandwidths_path(device)
     if not refresh:
-        try:
-            return Bandwidths.from_dict(json.loads(path.read_text()))
-        except (OSError, ValueError, TypeError, KeyError):
-            pass  # missing or damaged: probe again
+        cached = read_probe(path)
+        if cached is not None:
+            return cached
     _probe_in_child(_device(device))
-    return Bandwidths.from_dict(json.loads(path.read_text()))
+    return ProbeRecord.from_dict(json.loads(path.read_text()))
+
+
+def read_probe(path: Path) -> ProbeRecord | None:
+    """The record at `path`; None when there is none or it is damaged. A file from before
+    `probed_at` was kept counts as probed when it was last written."""
+    try:
+        record = ProbeRecord.from_dict(json.loads(path.read_text()))
+        return record if record.probed_at is not None else replace(record, probed_at=path.stat().st_mtime)
+    except (OSError, ValueError, TypeError, KeyError, AttributeError):
+        return None
 
 
 def _probe_in_child(device) -> None:
@@ -110,14 +158,48 @@ def _probe_in_child(device) -> None:
         )
 
 
-def save_bandwidths(bandwidths: Bandwidths, device=None) -> Path:
-    """Write `bandwidths` as the cached probe for `device` (atomically)."""
+def save_bandwidths(bandwidths: Bandwidths, device=None, *, probed_at: float | None = None) -> Path:
+    """Write `bandwidths` as a fresh probe for `device` (atomically), probed at `probed_at`
+    (default: now); a fresh probe has no runs or corrections yet."""
+    return save_probe(ProbeRecord(bandwidths, time.time() if probed_at is None else probed_at), device)
+
+
+def save_probe(record: ProbeRecord, device=None) -> Path:
+    """Write `record` as the cached probe for `device` (atomically)."""
+    from tierlm.atomic import replace_file
+
     path = bandwidths_path(device)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".tmp{os.getpid()}")
-    tmp.write_text(json.dumps(bandwidths.to_dict(), indent=1) + "\n")
-    os.replace(tmp, path)
+    replace_file(path, json.dumps(record.to_dict(), indent=1) + "\n")
     return path
+
+
+def record_measured_run(device, assess: Callable[[Bandwidths], tuple[dict, Bandwidths | None]]) -> ProbeRecord | None:
+    """Record a measured run in `device`'s probe, correcting its figures when `assess` says so.
+
+    `assess(current figures)` returns (the run: "source", "measured_tok_s", "predicted_tok_s",
+    "limit"; the corrected figures, or None when the prediction held). It runs under the
+    record's lock on the figures as they are now, so concurrent runs do not undo each other.
+    Returns the updated record; None (nothing written) when no probe is cached.
+    """
+    from tierlm.atomic import directory_lock
+
+    path = bandwidths_path(device)
+    if not path.parent.is_dir():
+        return None
+    with directory_lock(path):
+        record = read_probe(path)
+        if record is None:
+            return None
+        run, corrected = assess(record.bandwidths)
+        run = {**run, "at": time.time(), "corrected": corrected is not None}
+        record = replace(record, last_run=run)
+        if corrected is not None:
+            entry = {**run, "before": record.bandwidths.to_dict()}
+            record = replace(record, bandwidths=corrected,
+                             corrections=(*record.corrections, entry)[-KEPT_CORRECTIONS:])  # fmt: skip
+        save_probe(record, device)
+    return record
 
 
 def probe(device=None) -> Bandwidths:

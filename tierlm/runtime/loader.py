@@ -19,6 +19,13 @@ class LoadedModel:
     device: object
     dtype: object
     placement: object = None  # the planner's Placement when a profile was given
+    sizes: object = None  # the BlockSizes it was planned from (measured runs are checked against it)
+    weight_format: str = ""  # how the weights are held: a quant mode ("int8", "fp16") or, as stored, the dtype
+
+    @property
+    def formats(self) -> str:
+        """How weights are stored and computed, e.g. "int8 weights, fp32 compute"."""
+        return f"{self.weight_format or 'unknown'} weights, {dtype_name(self.dtype)} compute"
 
     def close(self) -> None:
         """Release what the store holds open (reader threads, files) and persist its statistics."""
@@ -52,14 +59,16 @@ def load_model(
     mode other than "none" (`quant`, else the profile's) or LoRA `adapters` ((path, weight)
     pairs), weights come from the artifact for that combination, converted on first use.
     With a `profile`, the planner places every block within its budget (the process baseline
-    is measured here, before any weight is loaded); blocks that do not fit are streamed by a
-    TieredStore. "none" loads the checkpoint as stored when it fits resident.
+    is charged here, before any weight is loaded, by the `runtime_baseline` `tierlm plan` uses);
+    blocks that do not fit are streamed by a TieredStore. "none" loads the checkpoint as stored
+    when it fits resident.
     The context is the profile's (or `context_length`), capped by max_position_embeddings.
     """
     import torch
 
     from tierlm.device import compute_dtype, resolve_device
     from tierlm.models import family_class
+    from tierlm.runtime.baseline import runtime_baseline
 
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
@@ -72,16 +81,18 @@ def load_model(
     family = family_class(config)
     quant = quant or (profile.quant if profile is not None else None) or "none"
     compiled = is_artifact(model_dir)
-    baseline = runtime_baseline(device, quant.startswith("int8") or compiled, profile is not None)
-    placement = None
+    if compiled:
+        quant = artifact_quant(model_dir)
+    baseline = runtime_baseline(device, quant, model_dir).charged if profile is not None else 0
+    placement = sizes = None
     as_stored = not compiled and quant == "none" and not adapters
     if as_stored and profile is not None:
         # Weights as stored still obey the budget: when they do not fit resident, they are
         # converted to an fp32 artifact and tiered like any other.
         from tierlm.offload.sizes import sizes_from_config
 
-        placement = _plan(config, sizes_from_config(config, "none", accelerator=device.type != "cpu"),
-                          profile, device, bandwidths, baseline)
+        sizes = sizes_from_config(config, "none", accelerator=device.type != "cpu")
+        placement = _plan(config, sizes, profile, device, bandwidths, baseline)
         as_stored = placement.fully_resident
     if as_stored:
         from tierlm.weights.checkpoint import Checkpoint
@@ -90,6 +101,7 @@ def load_model(
         checkpoint = Checkpoint(model_dir)
         store = load_resident(checkpoint, family.checkpoint_layout(config), device=device, dtype=dtype, progress=progress)
         check_shapes(config, store, family)  # conversion checks artifacts as it writes them
+        weight_format = dtype_name(dtype)  # converted to the compute dtype as they load
     else:
         artifact_dir = model_dir if compiled else _artifact_for(
             model_dir, quant, adapters, convert_progress
@@ -97,31 +109,24 @@ def load_model(
         if profile is not None:
             from tierlm.offload.sizes import sizes_from_artifact
 
-            placement = _plan(config, sizes_from_artifact(artifact_dir), profile, device, bandwidths, baseline)
+            sizes = sizes_from_artifact(artifact_dir)
+            placement = _plan(config, sizes, profile, device, bandwidths, baseline)
         store = _artifact_store(artifact_dir, placement, device, dtype, read_delay_s, progress)
+        weight_format = artifact_quant(artifact_dir)
     model = family(config, store, max_len, device, dtype)
-    return LoadedModel(config, model, store, max_len, device, dtype, placement)
+    return LoadedModel(config, model, store, max_len, device, dtype, placement, sizes, weight_format)
 
 
-def runtime_baseline(device, int8: bool, planned: bool) -> int:
-    """This process's RSS before any weight is loaded: what a profile's budget charges as baseline.
+def artifact_quant(artifact_dir: Path) -> str:
+    """The quant mode a compiled artifact's weights are stored in (its manifest's)."""
+    from tierlm.cache.artifact import Artifact
 
-    What loading will need anyway happens first, so the budget charges it here rather than
-    meeting it later: INT8 kernel calibration (a compiler run, timing buffers) and the offload
-    modules' imports; then freed heap pages go back to the OS.
-    """
-    from tierlm.device import read_memory, trim_heap
+    return str(Artifact.open(Path(artifact_dir)).manifest.get("quant", "unknown"))
 
-    if int8:
-        from tierlm.quant.dispatch import plan_for
 
-        plan_for(device)
-    if planned:
-        import tierlm.cache.store  # noqa: F401
-        import tierlm.offload.planner  # noqa: F401
-        import tierlm.offload.tiered_store  # noqa: F401
-    trim_heap()
-    return read_memory().rss
+def dtype_name(dtype) -> str:
+    """torch.float32 -> "fp32" (the CLI's spelling)."""
+    return {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}.get(str(dtype).removeprefix("torch."), str(dtype))
 
 
 def is_artifact(model_dir: Path) -> bool:

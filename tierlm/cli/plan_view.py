@@ -1,0 +1,114 @@
+"""`tierlm plan`: the placement a load would make, computed as the load computes it, and shown.
+
+`plan_for` charges the baseline the loader charges (runtime/baseline.py), from a process in the
+state a session is in when it loads: tokenizer loaded, the model's family imported, INT8 kernels
+calibrated. So under a tight profile the plan streams the blocks the real load streams.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+MiB = 2**20
+
+
+def plan_for(model_dir: Path, profile, quant: str | None = None, device: str | None = None):
+    """(Placement, header lines) for `model_dir` under `profile` (a Profile), as `tierlm plan`
+    prints them. Reads no weights: block sizes come from the model's cached artifact for that
+    quant mode when there is one, else from config.json. Raises TierlmError when it cannot fit."""
+    from tierlm.config import ModelConfig
+    from tierlm.device import resolve_device
+    from tierlm.models import family_class
+    from tierlm.offload.planner import plan
+    from tierlm.offload.probe import bandwidths_path, load_probe
+    from tierlm.offload.sizes import cached_artifact, resolve_quant, sizes_from_artifact, sizes_from_config
+    from tierlm.runtime.baseline import runtime_baseline
+
+    target = resolve_device(device)
+    accelerator = target.type != "cpu"
+    config = ModelConfig.from_dir(model_dir)
+    mode = resolve_quant(quant or profile.quant, accelerator)
+    artifact = cached_artifact(model_dir, mode.name)
+    sizes = sizes_from_artifact(artifact) if artifact else sizes_from_config(config, mode, accelerator=accelerator)
+    tokenizer = _tokenizer_as_a_session_holds_it(model_dir)  # noqa: F841 - held while measuring
+    family_class(config)  # imported before the baseline, as the loader does
+    baseline = runtime_baseline(target, sizes.quant, model_dir)
+    probe = load_probe(target)
+    placement = plan(config, sizes, profile, probe.bandwidths, accelerator=accelerator, baseline_bytes=baseline.charged)
+    header = [
+        f"model    {model_dir} ({config.model_type}, {config.num_hidden_layers} layers)",
+        f"profile  {profile.summary()}",
+        f"quant    {_quant_line(mode.name, quant, profile.quant)}",
+        f"device   {target}; baseline {_mib(baseline.charged)} charged ({_mib(baseline.measured)} RSS with the "
+        f"runtime loaded: torch, tokenizer, kernels)",
+        *probe_lines(probe, bandwidths_path(target).stem),
+    ]
+    return placement, header
+
+
+def render_plan(placement, header: list[str]) -> str:
+    from tierlm.offload.planner import describe
+
+    return "\n".join([*header, "", describe(placement)])
+
+
+def probe_lines(record, name: str, now: float | None = None) -> list[str]:
+    """The plan header's lines on the probe behind its prediction."""
+    last = last_run_text(record, now)
+    return [f"probe    {probe_age_text(record, now)} ({name})", *([last] if last else [])]
+
+
+def probe_age_text(record, now: float | None = None) -> str:
+    """How old a probe is and what last corrected it: "3 days old; corrected 2 h ago from ..."."""
+    now = time.time() if now is None else now
+    text = f"{format_age(now - record.probed_at)} old"
+    if record.corrections:
+        newest = record.corrections[-1]
+        text += f"; corrected {format_age(now - newest['at'])} ago from {newest['source']}"
+    return text
+
+
+def last_run_text(record, now: float | None = None) -> str | None:
+    """How far the last measured run was from its prediction; None before any."""
+    now = time.time() if now is None else now
+    run = record.last_run
+    if not run:
+        return None
+    ratio = run["measured_tok_s"] / run["predicted_tok_s"]
+    return (f"last measured run: {run['measured_tok_s']:.3g} tok/s, {ratio:.2f}x the prediction, "
+            f"{format_age(now - run['at'])} ago ({run['source']})")  # fmt: skip
+
+
+def format_age(seconds: float) -> str:
+    """3 days, 2 h, 5 min, 40 s."""
+    seconds = max(seconds, 0.0)
+    for unit, size in (("days", 86400), ("h", 3600), ("min", 60)):
+        if seconds >= size:
+            count = int(seconds // size)
+            return f"{count} {'day' if unit == 'days' and count == 1 else unit}"
+    return f"{int(seconds)} s"
+
+
+def _tokenizer_as_a_session_holds_it(model_dir: Path):
+    """The model's tokenizer, loaded as a session loads it before the weights (its memory is
+    part of the baseline); None for a directory without one (config.json alone)."""
+    from tierlm.errors import TierlmError
+    from tierlm.runtime.tokenizer import Tokenizer
+
+    if not (Path(model_dir) / "tokenizer.json").is_file():
+        return None
+    try:
+        return Tokenizer.from_dir(model_dir)
+    except TierlmError:
+        return None  # a session would refuse it; the plan still stands
+
+
+def _quant_line(chosen: str, asked: str | None, profiles: str) -> str:
+    if asked is None:
+        return f"{chosen} (the profile's)"
+    return f"{chosen} (--quant {asked}; the profile's is {profiles})"
+
+
+def _mib(nbytes: int) -> str:
+    return f"{nbytes / MiB:.0f} MiB"

@@ -1,0 +1,98 @@
+"""The process baseline a profile's budget charges: what the process holds before any weight.
+
+`tierlm plan` and the loader both call `runtime_baseline`, so a plan places the blocks the load
+will. It first does what loading needs anyway (the runtime's imports, INT8 kernel calibration),
+hands freed heap pages back to the OS, then reads RSS. The caller holds what it holds at that
+point in a real load (a session has its tokenizer and the model's family module loaded).
+
+RSS still differs by a fraction of a MiB from one process to the next, and at a budget's edge
+that moves a block between tiers. So the charge is made deterministic: the first measurement
+for (device, threads, weight format, model, versions) is recorded with TOLERANCE of slack, and a
+later measurement within TOLERANCE of the recorded one is charged the recorded figure. The charge
+is never below what was measured; a measurement outside the tolerance is recorded afresh.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+# Run-to-run RSS differences seen at this point are ~0.1 MiB; 4 MiB covers other machines'
+# allocators without charging much.
+TOLERANCE = 4 << 20
+GRAIN = 1 << 20  # the charge is a whole number of MiB
+
+
+@dataclass(frozen=True)
+class Baseline:
+    """measured: this process's RSS now; charged: what the planner charges (>= measured)."""
+
+    measured: int
+    charged: int
+
+
+def runtime_baseline(device, quant: str, model_dir: Path | None = None) -> Baseline:
+    """Prepare the runtime for loading `quant` weights on `device`, then measure and charge RSS.
+
+    `quant` is the weight format to be loaded ("int8...", "fp32", "none", ...): INT8 kernels are
+    calibrated only for int8 weights. `model_dir` keys the record (tokenizers differ in size).
+    """
+    from tierlm.device import read_memory, trim_heap
+
+    prepare_runtime(device, quant.startswith("int8"))
+    trim_heap()
+    measured = read_memory().rss
+    return Baseline(measured, steady_charge(measured, record_path(device, quant, model_dir)))
+
+
+def prepare_runtime(device, int8: bool) -> None:
+    """What loading will need anyway, done first so the baseline includes it rather than
+    meeting it later: INT8 kernel calibration (a compiler run, timing buffers) and the imports
+    of the store, planner and engine."""
+    import tierlm.cache.store  # noqa: F401
+    import tierlm.offload.planner  # noqa: F401
+    import tierlm.offload.tiered_store  # noqa: F401
+    import tierlm.runtime.engine  # noqa: F401
+
+    if int8:
+        from tierlm.quant.dispatch import plan_for
+
+        plan_for(device)
+
+
+def steady_charge(measured: int, path: Path) -> int:
+    """`measured` made deterministic: the recorded charge while measurements stay within
+    TOLERANCE of the recorded measurement; otherwise a new record, measured + TOLERANCE."""
+    from tierlm.atomic import replace_file
+
+    recorded = _read_record(path)
+    if recorded is not None and abs(measured - recorded["measured"]) <= TOLERANCE:
+        return max(int(recorded["charged"]), measured)
+    charged = -(-(measured + TOLERANCE) // GRAIN) * GRAIN
+    path.parent.mkdir(parents=True, exist_ok=True)
+    replace_file(path, json.dumps({"measured": measured, "charged": charged, "at": time.time()}) + "\n")
+    return charged
+
+
+def record_path(device, quant: str, model_dir: Path | None) -> Path:
+    """`<cache>/baseline/<key>.json`, keyed by what changes the baseline."""
+    import torch
+
+    from tierlm import __version__
+    from tierlm.paths import cache_root
+
+    model = str(Path(model_dir).resolve()) if model_dir is not None else ""
+    key = "|".join([str(device), str(torch.get_num_threads()), "int8" if quant.startswith("int8") else "float",
+                    model, torch.__version__, __version__])  # fmt: skip
+    return cache_root() / "baseline" / f"{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
+
+
+def _read_record(path: Path) -> dict | None:
+    try:
+        record = json.loads(path.read_text())
+        return record if isinstance(record.get("measured"), int) and isinstance(record.get("charged"), int) else None
+    except (OSError, ValueError, AttributeError):
+        return None  # missing or damaged: measured afresh

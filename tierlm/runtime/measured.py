@@ -1,0 +1,45 @@
+"""Measured runs check the planner's prediction, and correct the cached probe when it was wrong.
+
+The probe runs once per machine; taken while the machine was busy it predicts a fraction of the
+real speed for every later plan. A measured decode (`tierlm bench`, chat's `/stats`) is compared
+with the prediction for the same placement at batch 1, made with the cached figures as they are
+now. Beyond CORRECTION_RATIO either way, the figures become those that would have predicted the
+measurement (`planner.implied_bandwidths`); the probe's record keeps when, from what run, and the
+figures it replaced. Within it, the run is recorded only (`tierlm plan` shows how far it was off).
+"""
+
+from __future__ import annotations
+
+# Run-to-run spread of a decode measurement on a shared machine stays well inside 1.5x; a probe
+# taken on a busy machine was off by 15x.
+CORRECTION_RATIO = 1.5
+MIN_DECODE_STEPS = 8  # fewer steps time mostly the first step's warm-up, not the model
+
+
+def note_measured_decode(loaded, profile, tokens_per_s: float, steps: int, source: str) -> dict | None:
+    """Record a measured decode speed of `loaded` (at batch 1, over `steps` steps) in the probe
+    cache, correcting the cached figures when the prediction was off by more than
+    CORRECTION_RATIO. Returns the recorded run (with "corrected"), or None when there is nothing
+    to compare: no plan, too few steps, or no cached probe."""
+    from tierlm.offload.probe import record_measured_run
+
+    if loaded.placement is None or loaded.sizes is None or steps < MIN_DECODE_STEPS or tokens_per_s <= 0:
+        return None
+    record = record_measured_run(loaded.device, lambda figures: assess(loaded, profile, figures, tokens_per_s, source))
+    return record.last_run if record is not None else None
+
+
+def assess(loaded, profile, bandwidths, tokens_per_s: float, source: str):
+    """(the run as the probe records it, corrected figures or None) for a measured speed."""
+    from tierlm.offload.planner import decode_terms, implied_bandwidths, step_seconds
+
+    accelerator = loaded.device.type != "cpu"
+    terms = decode_terms(loaded.config, loaded.sizes, profile, bandwidths, loaded.placement, accelerator=accelerator)
+    predicted_s, limit = step_seconds(terms, profile.prefetch_depth)
+    measured_s = 1.0 / tokens_per_s
+    run = {"source": source, "measured_tok_s": tokens_per_s, "predicted_tok_s": 1.0 / predicted_s, "limit": limit}
+    if 1 / CORRECTION_RATIO <= predicted_s / measured_s <= CORRECTION_RATIO:
+        return run, None
+    corrected = implied_bandwidths(bandwidths, terms, measured_s, accelerator=accelerator,
+                                   prefetch_depth=profile.prefetch_depth)  # fmt: skip
+    return run, corrected
