@@ -1,59 +1,229 @@
-"""The interactive chat loop: streaming replies, history, and slash commands."""
+"""The interactive chat loop: streaming replies, history, slash commands, line editing.
+
+A user's mistake never ends the session: Ctrl-C stops a reply (the partial reply stays in the
+history), a message too long for the context is refused with the history intact, and an unknown
+/command lists the commands. Ctrl-C at an empty prompt, Ctrl-D, or /bye ends it.
+"""
 
 from __future__ import annotations
 
+import os
+import signal
 import sys
 
-HELP = "/reset  forget the conversation   /stats  speed and memory   /exit  quit"
+HELP = """\
+/reset              forget the conversation
+/stats              speed and memory
+/help, /?           this list
+/bye, /exit, /quit  quit (also Ctrl-D, or Ctrl-C at an empty prompt)
+\"\"\"                 on a line of its own, starts a multi-line message; another \"\"\" ends it
+                    (a message beginning with "/" can be sent this way)
+Ctrl-C              stops a reply; what was said so far stays in the conversation"""
+
+EXIT_COMMANDS = ("/bye", "/exit", "/quit")
+BLOCK = '"""'
+HISTORY_LENGTH = 1000  # lines of input kept in the history file across sessions
 
 
 def run_chat(session, params, system: str | None) -> None:
     """Read user lines (from a terminal or piped stdin) and stream each reply to stdout."""
+    interactive = sys.stdin.isatty()
+    history_file = _start_line_editing() if interactive else None
     try:
-        _loop(session, params, system)
+        _loop(session, params, system, interactive)
     finally:
+        if history_file is not None:
+            _save_line_history(history_file)
         session.engine.loaded.close()  # persists hot-row statistics for the next start
 
 
-def _loop(session, params, system: str | None) -> None:
+def _loop(session, params, system: str | None, interactive: bool) -> None:
     from tierlm.runtime.chat import ChatSession
 
     chat = ChatSession(session.engine, system=system)
-    interactive = sys.stdin.isatty()
     last = None
     if interactive:
-        print(f"tierlm chat · {session.model_dir.name} · profile {session.profile.name} · {HELP}", file=sys.stderr)
+        print(f"tierlm chat · {session.model_dir.name} · profile {session.profile.name} · "
+              "/? lists commands, Ctrl-D quits", file=sys.stderr)
     while True:
+        line = _prompt(interactive)
+        if line is None:
+            break
         try:
-            line = input(">>> ") if interactive else sys.stdin.readline()
-        except EOFError:
-            break
-        if not interactive and line == "":
-            break
-        text = line.strip()
-        if not text:
-            continue
-        if text in ("/exit", "/quit", "/bye"):
-            break
-        if text == "/reset":
-            chat.reset()
-            print("(conversation cleared)", file=sys.stderr)
-            continue
-        if text == "/stats":
-            print(format_stats(session, last), file=sys.stderr if interactive else sys.stdout)
-            continue
-        if text.startswith("/") and text.split()[0] in ("/help", "/?"):
-            print(HELP, file=sys.stderr)
-            continue
-        generation = chat.send(text, params)
+            text = line.strip()
+            if text.startswith("/"):
+                if not _command(text, chat, session, last, interactive):
+                    break
+                continue
+            if text.startswith(BLOCK):
+                text = _read_block(text[len(BLOCK):], interactive)
+            if text:
+                last = _reply(chat, text, params) or last
+        except KeyboardInterrupt:  # a Ctrl-C outside a reply's own handling (e.g. during /stats)
+            print("\n(interrupted)", file=sys.stderr)
+
+
+def _command(text: str, chat, session, last, interactive: bool) -> bool:
+    """Run a slash command; False means the session ends."""
+    name = text.split()[0]
+    if name in EXIT_COMMANDS:
+        return False
+    if name == "/reset":
+        chat.reset()
+        print("(conversation cleared)", file=sys.stderr)
+    elif name == "/stats":
+        print(format_stats(session, last), file=sys.stderr if interactive else sys.stdout)
+    elif name in ("/help", "/?"):
+        print(HELP, file=sys.stderr)
+    else:
+        # Not sent to the model: a mistyped command would only get a confused reply.
+        print(f"unknown command {name}; the commands are:\n{HELP}", file=sys.stderr)
+    return True
+
+
+def _reply(chat, text: str, params):
+    """Stream one reply to stdout; its stats, or None when the message was refused or never ran."""
+    from tierlm.errors import TierlmError
+
+    dropped = chat.dropped_messages
+    generation = None
+    try:
+        with _ReplyInterrupt() as stop:
+            generation = chat.send(text, params)
+            stopped = _stream(generation, stop)
+    except TierlmError as err:
+        sys.stdout.flush()
+        print(f"error: {err}", file=sys.stderr)
+        return None
+    except KeyboardInterrupt:
+        # The second Ctrl-C of a reply cut a step short; closing the generation (in _stream)
+        # has already brought the history and the KV cache into line.
+        stopped = True
+    sys.stdout.write("\n")
+    sys.stdout.flush()
+    if stopped:
+        print("(interrupted)", file=sys.stderr)
+    if chat.dropped_messages > dropped:
+        print(f"(context full: {chat.dropped_messages} oldest messages dropped)", file=sys.stderr)
+    return generation.stats if generation is not None and generation.stats.finish_reason else None
+
+
+def _stream(generation, stop) -> bool:
+    """Write the reply as it comes; True when Ctrl-C cut it short."""
+    try:
+        if stop.requested:  # Ctrl-C while the prompt was being prepared: do not start
+            return True
         for delta in generation:
             sys.stdout.write(delta)
             sys.stdout.flush()
-        sys.stdout.write("\n")
-        sys.stdout.flush()
-        last = generation.stats
-        if chat.dropped_messages:
-            print(f"(context full: {chat.dropped_messages} oldest messages dropped)", file=sys.stderr)
+            if stop.requested:
+                return True
+        return stop.requested
+    finally:
+        stop.hard = False  # closing must not be interrupted: it updates history and KV cache
+        generation.deltas.close()
+
+
+class _ReplyInterrupt:
+    """SIGINT during a reply. The first asks the reply to stop after the current token, so no
+    forward pass is cut in half; a second one (a step that takes long, such as the prefill of a
+    long prompt) raises KeyboardInterrupt at once. Later ones are ignored."""
+
+    def __init__(self):
+        self.requested = False
+        self.hard = True
+        self._previous = None
+
+    def __call__(self, signum, frame) -> None:
+        if self.requested and self.hard:
+            self.hard = False
+            raise KeyboardInterrupt
+        self.requested = True
+
+    def __enter__(self) -> "_ReplyInterrupt":
+        self._previous = signal.signal(signal.SIGINT, self)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        signal.signal(signal.SIGINT, self._previous)
+
+
+def _prompt(interactive: bool) -> str | None:
+    """The next input line; "" after Ctrl-C cleared a typed line; None to end the session."""
+    try:
+        return _read_line(">>> ", interactive)
+    except KeyboardInterrupt:
+        # Like a shell: Ctrl-C drops a line being typed; at an empty prompt it quits.
+        typed = _typed_text()
+        print(file=sys.stderr)
+        return "" if typed else None
+
+
+def _read_block(first: str, interactive: bool) -> str:
+    """A multi-line message: `first`, then lines up to one ending in \"\"\" (or the end of input).
+    Ctrl-C inside the block discards it."""
+    lines = []
+    line = first
+    try:
+        while line is not None:
+            if line.rstrip().endswith(BLOCK):
+                lines.append(line.rstrip()[: -len(BLOCK)])
+                break
+            lines.append(line)
+            line = _read_line("... ", interactive)
+    except KeyboardInterrupt:
+        print("\n(message discarded)", file=sys.stderr)
+        return ""
+    return "\n".join(lines).strip()
+
+
+def _read_line(prompt: str, interactive: bool) -> str | None:
+    """One line without its newline, or None at the end of input."""
+    if interactive:
+        try:
+            return input(prompt)
+        except EOFError:
+            print(file=sys.stderr)  # the shell's prompt starts on a fresh line
+            return None
+    line = sys.stdin.readline()
+    return line.rstrip("\n") if line else None
+
+
+def _typed_text() -> str:
+    """What was on the input line when Ctrl-C came (readline knows; without it, nothing)."""
+    readline = sys.modules.get("readline")
+    return readline.get_line_buffer() if readline is not None else ""
+
+
+def _start_line_editing():
+    """Arrow keys and a persistent input history through readline; its history file, or None."""
+    try:
+        import readline
+    except ImportError:  # not built on every platform; input() then reads plain lines
+        return None
+    from tierlm.paths import cache_root
+
+    path = cache_root() / "chat_history"
+    readline.set_history_length(HISTORY_LENGTH)
+    try:
+        readline.read_history_file(path)
+    except OSError:  # first session, or an unreadable file: start empty
+        pass
+    return path
+
+
+def _save_line_history(path) -> None:
+    """Write the input history beside the cache (a temporary name, then a rename)."""
+    import readline
+
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        readline.write_history_file(tmp)
+        os.replace(tmp, path)
+    except OSError as err:  # losing the history must not turn a clean exit into an error
+        print(f"(input history not saved: {err})", file=sys.stderr)
+        tmp.unlink(missing_ok=True)
 
 
 def format_stats(session, stats) -> str:

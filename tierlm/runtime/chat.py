@@ -3,6 +3,10 @@
 Truncation policy: when the rendered conversation plus the reply budget (max_new_tokens)
 exceeds the context, the oldest user/assistant exchanges are dropped (a system message is
 always kept) until it fits. If the newest message alone cannot fit, the turn is refused.
+
+Stopped replies: a reply closed before it ends (Ctrl-C in the REPL) joins the history as far
+as it got, its stats say finish_reason "interrupted"; one stopped before any text leaves the
+history as it was. After every turn the KV cache holds a prefix of the history's tokens.
 """
 
 from __future__ import annotations
@@ -27,27 +31,57 @@ class ChatSession:
         self.engine.reset()
 
     def send(self, text: str, params: SamplingParams) -> Generation:
-        """Add the user's message and start the reply; the reply joins the history once consumed.
-
-        A message that cannot fit leaves the history exactly as it was.
+        """Start the reply to `text`; the exchange joins the history once the reply is consumed
+        or closed. Nothing changes before that, so a message that cannot fit, or a reply never
+        started, leaves the history (and the KV cache) exactly as they were.
         """
         kept, prompt = self._fitting_prompt(self.messages + [{"role": "user", "content": text}],
                                             params.max_new_tokens)
-        self.dropped_messages += len(self.messages) + 1 - len(kept)
-        self.messages[:] = kept
         generation = self.engine.generate(prompt, params)
-        generation.deltas = self._recorded(generation.deltas)
+        generation.deltas = self._recorded(generation.deltas, generation.stats, kept)
         return generation
 
-    def _recorded(self, deltas):
+    def _recorded(self, deltas, stats, kept: list[dict[str, str]]):
         pieces: list[str] = []
+        finished = False
         try:
             for delta in deltas:
                 pieces.append(delta)
                 yield delta
+            finished = True
         finally:
-            # An interrupted reply still enters the history as far as it got.
-            self.messages.append({"role": "assistant", "content": "".join(pieces)})
+            deltas.close()  # the engine stops before touching the cache again
+            if not finished:
+                stats.finish_reason = "interrupted"
+            if finished or pieces:
+                self._commit(kept, "".join(pieces))
+            self._sync_cache()
+
+    def _commit(self, kept: list[dict[str, str]], reply: str) -> None:
+        self.dropped_messages += len(self.messages) + 1 - len(kept)
+        # One slice assignment: an interrupt cannot leave a user message without its reply.
+        self.messages[:] = kept + [{"role": "assistant", "content": reply}]
+
+    def _sync_cache(self) -> None:
+        """Trim the KV cache to the longest prefix it shares with the history's tokens.
+
+        The next prompt begins with those tokens, so they stay reusable; beyond them (a stopped
+        reply's last steps, a reply that re-encodes differently) nothing would match anyway.
+        Bounding by the cache's own offset also repairs an interrupt that landed between a
+        forward pass and the engine's record of its ids.
+        """
+        engine = self.engine
+        conversation = self._conversation()
+        if not conversation:
+            engine.reset()
+            return
+        try:
+            history = engine.tokenizer.encode_chat(conversation, add_generation_prompt=False)
+        except TierlmError:  # a template that will not render a history alone: trust the record
+            history = engine.cached_ids
+        keep = min(_shared_prefix(engine.cached_ids, history), engine.cache.offset)
+        engine.cache.trim(keep)
+        engine.cached_ids = engine.cached_ids[:keep]
 
     def _conversation(self, messages: list[dict[str, str]] | None = None) -> list[dict[str, str]]:
         prefix = [{"role": "system", "content": self.system}] if self.system else []
@@ -72,3 +106,12 @@ class ChatSession:
                 "send a shorter message, or use a profile with a larger context_length",
             )
         return messages, ids
+
+
+def _shared_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
