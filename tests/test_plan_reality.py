@@ -176,6 +176,20 @@ def test_a_measured_run_corrects_a_poisoned_probe(model_dir, fixed_probe, tmp_pa
     assert "corrected" in after and "last measured run: " in after and "x the prediction" in after
 
 
+def test_chat_stats_corrects_a_poisoned_probe(model_dir, fixed_probe, tmp_path):
+    """Chat's /stats is a measured run too: after a reply, it corrects a probe far off."""
+    path = save_bandwidths(POISONED, "cpu", probed_at=time.time() - DAY)
+    profile = write_profile(tmp_path / "roomy.toml", 2 * GiB)
+    done = subprocess.run([sys.executable, "-m", "tierlm", "chat", "--profile", str(profile), "--device", "cpu",
+                           "-t", "0", "-n", "24"], input="Count from one to twenty.\n/stats\n",
+                          capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert "corrected from this run's" in done.stderr
+    record = read_probe(path)
+    assert record.bandwidths.device_bytes_per_s > 10 * POISONED.device_bytes_per_s
+    assert "chat" in record.corrections[-1]["source"]
+
+
 def test_doctor_probe_measures_afresh(fixed_probe):
     path = save_bandwidths(POISONED, "cpu", probed_at=1.0)
     shown = tierlm("doctor").stdout

@@ -73,6 +73,7 @@ def _command(text: str, chat, session, last, interactive: bool) -> bool:
         print("(conversation cleared)", file=sys.stderr)
     elif name == "/stats":
         print(format_stats(session, last), file=sys.stderr if interactive else sys.stdout)
+        _check_probe(session, last)
     elif name in ("/help", "/?"):
         print(HELP, file=sys.stderr)
     else:
@@ -224,6 +225,19 @@ def _save_line_history(path) -> None:
     except OSError as err:  # losing the history must not turn a clean exit into an error
         print(f"(input history not saved: {err})", file=sys.stderr)
         tmp.unlink(missing_ok=True)
+
+
+def _check_probe(session, stats) -> None:
+    """The last reply is a measured decode: it corrects a cached probe that was far off (as `bench` does)."""
+    from tierlm.runtime.measured import note_measured_decode
+
+    if stats is None:
+        return
+    source = f"chat {session.model_dir.name}, profile {session.profile.name}"
+    run = note_measured_decode(session.engine.loaded, session.profile, stats.decode_tokens_per_s, stats.new_tokens - 1, source)
+    if run is not None and run.get("corrected"):
+        print(f"(the cached bandwidth probe predicted {run['predicted_tok_s']:.1f} tok/s; corrected "
+              f"from this run's {run['measured_tok_s']:.1f} tok/s)", file=sys.stderr)
 
 
 def format_stats(session, stats) -> str:
