@@ -90,8 +90,6 @@ def test_broken_toml_is_a_clear_error(tmp_path):
 
 
 def test_shipped_profiles_largest_first_each_described_and_valid():
-    from tierlm.quant.modes import parse_quant_mode
-
     names = shipped_profiles()
     assert names == ["24gb", "16gb", "12gb", "8gb", "6gb", "4gb"]
     budgets = [load_profile(name).device_memory for name in names]
@@ -101,7 +99,7 @@ def test_shipped_profiles_largest_first_each_described_and_valid():
         assert profile.description and "\n" not in profile.description
         assert profile.headroom < profile.device_memory <= int(name[:-2]) * 10**9
         assert profile.disk_offload and profile.emulate_host_tier is False
-        assert profile.quant == "none" or parse_quant_mode(profile.quant).quantized
+        assert profile.quant == "auto" and profile.threads == 0  # chosen per model and machine
         assert profile.context_length >= 1024 and profile.prefetch_depth >= 1
 
 
@@ -118,7 +116,7 @@ def test_auto_profile_is_sized_from_free_memory():
     cpu = auto_profile(ram_available=16 * 2**30, device_free=0)
     assert cpu.name == "auto" and "CPU only" in cpu.description
     assert cpu.device_memory == cpu.host_memory == int(16 * 2**30 * 0.85)
-    assert cpu.quant == "int8" and cpu.headroom == cpu.device_memory // 20
+    assert cpu.quant == "auto" and cpu.headroom == cpu.device_memory // 20
     gpu = auto_profile(ram_available=32 * 2**30, device_free=8 * 2**30)
     assert gpu.device_memory == int(8 * 2**30 * 0.9) and gpu.host_memory == int(32 * 2**30 * 0.85)
     with pytest.raises(TierlmError, match="auto"):

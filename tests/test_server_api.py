@@ -14,7 +14,7 @@ import pytest
 
 from tests.tiny import make_model
 from tierlm.profile import load_profile
-from tierlm.runtime.sampling import SamplingParams
+from tierlm.runtime.sampling import SamplingParams, resolve_sampling
 from tierlm.runtime.session import open_session
 from tierlm.server.options import ServerOptions
 from tierlm.server.run import BackgroundServer
@@ -145,9 +145,10 @@ def test_concurrent_streams_are_batched_and_each_gets_its_solo_output(session):
         assert metric(client, "tierlm_batch_size_sum") > metric(client, "tierlm_batch_size_count")
     for (content, fields), result in zip(requests, results):
         prompt = chat_ids(session, content)
-        params = SamplingParams(temperature=fields["temperature"], top_p=fields.get("top_p", 1.0),
-                                seed=fields.get("seed"), max_new_tokens=fields["max_tokens"],
-                                stop=tuple(fields.get("stop", ())))
+        # Fields a request omits take the model's defaults, as the server resolves them.
+        params = resolve_sampling(session.generation_defaults, temperature=fields["temperature"],
+                                  top_p=fields.get("top_p"), seed=fields.get("seed"),
+                                  max_new_tokens=fields["max_tokens"], stop=tuple(fields.get("stop", ())))
         ids, text, reason = solo(session, prompt, params)
         assert (result["text"], result["reason"]) == (text, reason), content
         assert result["usage"] == {"prompt_tokens": len(prompt), "completion_tokens": len(ids),

@@ -1,4 +1,5 @@
-"""ModelConfig: a checkpoint's settings, read from its config.json and nothing else.
+"""ModelConfig: a checkpoint's settings, read from its config.json and nothing else; and
+GenerationDefaults: the sampling settings its generation_config.json recommends.
 
 Every value is checked for type and range before anything is sized from it: a config.json is
 untrusted input, and one that claims 10^9 layers or 0 heads must be refused in one line, not
@@ -441,3 +442,58 @@ def _rope_config(fields: _Fields, model_type: str) -> RopeConfig:
         ),
         partial_rotary_factor=rope.number("partial_rotary_factor", partial, low=0.0, high=1.0, open_low=True),
     )
+
+
+@dataclass(frozen=True)
+class GenerationDefaults:
+    """The sampling settings a run uses where the user (flag, request field) gives none.
+
+    Each field is the model's generation_config.json value when it has a usable one, else the
+    fallback below (llama.cpp's and Ollama's defaults, except min_p: off). An explicit
+    `do_sample: false` means greedy (temperature 0), as transformers reads it. `source` names
+    the fields taken from the file, for help and /stats.
+    """
+
+    temperature: float = 0.7
+    top_p: float = 0.9
+    top_k: int = 40
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    source: tuple[str, ...] = ()
+
+    @classmethod
+    def from_dir(cls, model_dir: Path) -> "GenerationDefaults":
+        """Read `model_dir`/generation_config.json; a missing or unreadable file gives the fallback."""
+        try:
+            raw = json.loads((Path(model_dir) / "generation_config.json").read_text())
+        except (OSError, ValueError):
+            return cls()
+        return cls.from_dict(raw if isinstance(raw, dict) else {})
+
+    @classmethod
+    def from_dict(cls, raw: Mapping[str, Any]) -> "GenerationDefaults":
+        """Usable values override the fallback; out-of-range or mistyped ones are ignored, since a
+        stray value in a model's file should not stop it from running."""
+        values = {key: cast(raw[key]) for key, (cast, ok) in _GENERATION_FIELDS.items()
+                  if _number(raw.get(key)) and ok(raw[key])}  # fmt: skip
+        source = sorted(values)
+        if raw.get("do_sample") is False:
+            values["temperature"] = 0.0
+            source = sorted({*source, "do_sample"} - {"temperature"})
+        return cls(**values, source=tuple(source))
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+# generation_config.json fields read: (cast, whether a value is usable: SamplingParams' ranges).
+_GENERATION_FIELDS: Mapping[str, tuple[Any, Any]] = MappingProxyType(
+    {
+        "temperature": (float, lambda v: v >= 0),
+        "top_p": (float, lambda v: 0 < v <= 1),
+        "top_k": (int, lambda v: v >= 0 and float(v).is_integer()),
+        "min_p": (float, lambda v: 0 <= v <= 1),
+        "repetition_penalty": (float, lambda v: v > 0),
+    }
+)

@@ -19,12 +19,16 @@ Keys (sizes take units: "7.5GiB", "800MB", or a number of bytes):
                      own baseline, host-tier weights, pinned staging buffers)
     disk_offload     whether cold blocks may stay on disk and be streamed from the artifact
     headroom         kept free on each bounded tier (driver context, allocator fragmentation)
-    quant            weight format: int8, int8-g<N>, fp16, bf16, fp32, or "none" = the weights
+    quant            weight format (quant/modes.py): "auto" (the shipped profiles' choice: a GGUF
+                     source keeps its quantized grid through int8-g32-asym, float weights get
+                     int8), int8, int8-g<N>[-asym], fp16, bf16, fp32, or "none" = the weights
                      as stored, loaded in the compute dtype (fp32 on CPUs, bf16/fp16 on GPUs)
     kv_dtype         KV cache dtype; "auto" = the compute dtype
     context_length   tokens of KV cache reserved per sequence (capped by the model's maximum)
     batch_size       sequences reserved for (KV cache and workspace scale with it)
     prefetch_depth   streamed blocks read ahead; the ring holds prefetch_depth + 1 blocks
+    threads          (optional, default 0) CPU threads for compute; 0 = the CPUs this process may
+                     use (affinity, capped by the cgroup CPU quota: device/cpu.py)
 
 Every byte the planner charges to a tier must fit in that tier's budget: see offload/planner.py.
 """
@@ -59,7 +63,6 @@ _UNITS = {
 }
 _SIZE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([A-Za-z]*)\s*$")
 
-QUANT_MODES = ("none", "int8", "int8-g128", "fp16", "bf16", "fp32")
 KV_DTYPES = ("auto", "fp32", "fp16", "bf16")
 
 
@@ -104,17 +107,28 @@ class Profile:
     batch_size: int
     prefetch_depth: int
     emulate_host_tier: bool = False
+    threads: int = 0
+    # Not a TOML key: the concrete mode a run resolved `quant` to (set once the model is known).
+    quant_resolved: str | None = None
 
     def summary(self) -> str:
         return (
             f"{self.name}: device {format_size(self.device_memory)}, "
             f"host {format_size(self.host_memory)}, context {self.context_length}, "
-            f"batch {self.batch_size}, quant {self.quant}"
+            f"batch {self.batch_size}, quant {self.quant_label}"
         )
+
+    @property
+    def quant_label(self) -> str:
+        """`quant`, with the mode it resolved to when that differs: "auto → int8-g32-asym"."""
+        if self.quant_resolved and self.quant_resolved != self.quant:
+            return f"{self.quant} → {self.quant_resolved}"
+        return self.quant
 
 
 _SIZE_KEYS = ("device_memory", "host_memory", "headroom")
-_OPTIONAL_KEYS = {"emulate_host_tier"}
+_OPTIONAL_KEYS = {"emulate_host_tier", "threads"}
+_RUNTIME_FIELDS = {"name", "quant_resolved"}  # set by code, never read from a file
 AUTO = "auto"
 
 
@@ -177,7 +191,7 @@ def auto_profile(ram_available: int | None = None, device_free: int | None = Non
         "host_memory": host,
         "disk_offload": True,
         "headroom": max(256 * 2**20, device // 20),
-        "quant": "int8",
+        "quant": "auto",
         "kv_dtype": "auto",
         "context_length": 4096,
         "batch_size": 1,
@@ -206,7 +220,7 @@ def _accelerator_free_bytes() -> int:
 
 
 def profile_from_dict(name: str, raw: dict[str, Any]) -> Profile:
-    known = {f.name for f in fields(Profile)} - {"name"}
+    known = {f.name for f in fields(Profile)} - _RUNTIME_FIELDS
     unknown = sorted(set(raw) - known)
     if unknown:
         raise TierlmError(
@@ -219,9 +233,11 @@ def profile_from_dict(name: str, raw: dict[str, Any]) -> Profile:
     values = dict(raw)
     for key in _SIZE_KEYS:
         values[key] = parse_size(raw[key], key)
-    _check_choice(name, "quant", values["quant"], QUANT_MODES)
+    values["quant"] = _check_quant(name, values["quant"])
     _check_choice(name, "kv_dtype", values["kv_dtype"], KV_DTYPES)
-    for key in ("context_length", "batch_size", "prefetch_depth"):
+    for key in ("context_length", "batch_size", "prefetch_depth", "threads"):
+        if key not in values:
+            continue
         if not isinstance(values[key], int) or isinstance(values[key], bool) or values[key] < 0:
             raise TierlmError(f"profile {name!r}: {key} must be a non-negative integer")
     if values["context_length"] < 16 or values["batch_size"] < 1:
@@ -234,6 +250,19 @@ def profile_from_dict(name: str, raw: dict[str, Any]) -> Profile:
     if values["headroom"] >= values["device_memory"]:
         raise TierlmError(f"profile {name!r}: headroom must be smaller than device_memory")
     return Profile(name=name, **values)
+
+
+def _check_quant(profile: str, value: Any) -> str:
+    """The quant mode name, lower-cased; the accepted names come from quant/modes.py."""
+    # Imported here: quant/ sits below profile in the layering, and modes.py imports nothing heavy.
+    from tierlm.quant.modes import check_mode_name, mode_choices
+
+    try:
+        if isinstance(value, str):
+            return check_mode_name(value)
+    except TierlmError:
+        pass
+    raise TierlmError(f"profile {profile!r}: quant = {value!r} is not a quant mode", f"use one of: {mode_choices()}")
 
 
 def _check_choice(profile: str, key: str, value: Any, choices: tuple[str, ...]) -> None:

@@ -8,6 +8,9 @@ from typing import Optional
 
 import typer
 
+from tierlm.config import GenerationDefaults  # light: json and dataclasses only
+from tierlm.quant.modes import mode_choices  # light: no torch
+
 app = typer.Typer(
     help="Run large language models inside a fixed memory budget.",
     no_args_is_help=True,
@@ -23,41 +26,73 @@ ModelOpt = typer.Option(
 ModelArg = typer.Argument(None, metavar="MODEL", help="Model name or path; the same as --model", show_default=False)
 ProfileOpt = typer.Option("24gb", "--profile", "-p", help="Shipped profile name or path to a .toml")
 MaxNewOpt = typer.Option(256, "--max-new-tokens", "-n", min=1, help="Most tokens to generate per reply")
-TempOpt = typer.Option(0.7, "--temperature", "-t", min=0.0, help="Sampling temperature; 0 = greedy")
-TopPOpt = typer.Option(1.0, "--top-p", min=0.0, max=1.0, help="Nucleus sampling mass (1 = off)")
-TopKOpt = typer.Option(0, "--top-k", min=0, help="Sample among the k most likely tokens (0 = off)")
-RepOpt = typer.Option(1.0, "--repetition-penalty", min=0.01, help="Penalty for repeated tokens (1 = off)")
+# Sampling options default to None: the model's generation_config.json decides, else the fallback.
+_FALLBACK = GenerationDefaults()
+
+
+def _model_default(fallback) -> str:
+    return f"(default: the model's generation_config.json, else {fallback:g})"
+
+
+TempOpt = typer.Option(
+    None, "--temperature", "-t", min=0.0, show_default=False,
+    help=f"Sampling temperature; 0 = greedy {_model_default(_FALLBACK.temperature)}",
+)
+TopPOpt = typer.Option(
+    None, "--top-p", min=0.0, max=1.0, show_default=False,
+    help=f"Nucleus sampling mass; 1 = off {_model_default(_FALLBACK.top_p)}",
+)
+TopKOpt = typer.Option(
+    None, "--top-k", min=0, show_default=False,
+    help=f"Sample among the k most likely tokens; 0 = off {_model_default(_FALLBACK.top_k)}",
+)
+MinPOpt = typer.Option(
+    None, "--min-p", min=0.0, max=1.0, show_default=False,
+    help=f"Keep tokens at least this fraction as likely as the top one; 0 = off {_model_default(_FALLBACK.min_p)}",
+)
+RepOpt = typer.Option(
+    None, "--repetition-penalty", min=0.01, show_default=False,
+    help=f"Penalty for repeated tokens; 1 = off {_model_default(_FALLBACK.repetition_penalty)}",
+)
+ThreadsOpt = typer.Option(
+    None, "--threads", min=0, show_default=False,
+    help="CPU threads for compute (default: the profile's threads, else the CPUs this process may use: "
+    "affinity capped by the cgroup CPU quota)",
+)
 SeedOpt = typer.Option(None, "--seed", help="Random seed, for reproducible sampling")
 SystemOpt = typer.Option(None, "--system", "-s", help="System message")
 StopOpt = typer.Option(None, "--stop", help="Stop string (repeatable)")
 DeviceOpt = typer.Option(None, "--device", help="auto, cpu, cuda, npu or mps (cuda:1, npu:1 pick a card)")
 DtypeOpt = typer.Option(None, "--dtype", help="Compute dtype: auto, fp32, fp16, bf16")
-QuantOpt = typer.Option(None, "--quant", "-q", help="Weight format: int8, int8-g128, fp16, fp32, none (default: the profile's)")
+QuantOpt = typer.Option(None, "--quant", "-q", help=f"Weight format: {mode_choices()} (default: the profile's)")
 LoraOpt = typer.Option(None, "--lora", help="PEFT LoRA adapter directory, optionally :weight (repeatable)")
 
 
-def _params(max_new_tokens, temperature, top_p, top_k, repetition_penalty, seed, stop):
-    from tierlm.runtime.sampling import SamplingParams
+def _params(session, max_new_tokens, temperature, top_p, top_k, min_p, repetition_penalty, seed, stop):
+    """SamplingParams from the flags; those left unset take the model's defaults."""
+    from tierlm.runtime.sampling import resolve_sampling
 
-    return SamplingParams(
-        max_new_tokens=max_new_tokens,
+    return resolve_sampling(
+        session.generation_defaults,
         temperature=temperature,
-        top_p=top_p if top_p > 0 else 1.0,
+        top_p=top_p if top_p != 0 else 1.0,  # --top-p 0 has always meant off
         top_k=top_k,
+        min_p=min_p,
         repetition_penalty=repetition_penalty,
+        max_new_tokens=max_new_tokens,
         seed=seed,
         stop=tuple(stop or ()),
     )
 
 
-def _open(model, profile_name, device, dtype, quant, lora):
+def _open(model, profile_name, device, dtype, quant, lora, threads=None):
     from tierlm.cli.progress import progress_factory
     from tierlm.profile import load_profile
     from tierlm.runtime.session import open_session
 
     profile = load_profile(profile_name)
     return open_session(
-        model, profile, device=device, dtype=dtype, quant=quant, loras=tuple(lora or ()),
+        model, profile, device=device, dtype=dtype, quant=quant, loras=tuple(lora or ()), threads=threads,
         progress=progress_factory(),
     )
 
@@ -68,10 +103,11 @@ def chat(
     model: Optional[str] = ModelOpt,
     profile: str = ProfileOpt,
     max_new_tokens: int = MaxNewOpt,
-    temperature: float = TempOpt,
-    top_p: float = TopPOpt,
-    top_k: int = TopKOpt,
-    repetition_penalty: float = RepOpt,
+    temperature: Optional[float] = TempOpt,
+    top_p: Optional[float] = TopPOpt,
+    top_k: Optional[int] = TopKOpt,
+    min_p: Optional[float] = MinPOpt,
+    repetition_penalty: Optional[float] = RepOpt,
     seed: Optional[int] = SeedOpt,
     system: Optional[str] = SystemOpt,
     stop: Optional[list[str]] = StopOpt,
@@ -79,14 +115,16 @@ def chat(
     dtype: Optional[str] = DtypeOpt,
     quant: Optional[str] = QuantOpt,
     lora: Optional[list[str]] = LoraOpt,
+    threads: Optional[int] = ThreadsOpt,
 ):
     """Chat interactively (reads lines from stdin when it is not a terminal). /help lists commands."""
     from tierlm.cli.models import pick_model
     from tierlm.cli.repl import run_chat
 
     model = pick_model(model_arg, model)
-    params = _params(max_new_tokens, temperature, top_p, top_k, repetition_penalty, seed, stop)
-    run_chat(_open(model, profile, device, dtype, quant, lora), params, system)
+    session = _open(model, profile, device, dtype, quant, lora, threads)
+    params = _params(session, max_new_tokens, temperature, top_p, top_k, min_p, repetition_penalty, seed, stop)
+    run_chat(session, params, system)
 
 
 @app.command()
@@ -95,10 +133,11 @@ def generate(
     model: Optional[str] = ModelOpt,
     profile: str = ProfileOpt,
     max_new_tokens: int = MaxNewOpt,
-    temperature: float = TempOpt,
-    top_p: float = TopPOpt,
-    top_k: int = TopKOpt,
-    repetition_penalty: float = RepOpt,
+    temperature: Optional[float] = TempOpt,
+    top_p: Optional[float] = TopPOpt,
+    top_k: Optional[int] = TopKOpt,
+    min_p: Optional[float] = MinPOpt,
+    repetition_penalty: Optional[float] = RepOpt,
     seed: Optional[int] = SeedOpt,
     system: Optional[str] = SystemOpt,
     stop: Optional[list[str]] = StopOpt,
@@ -107,12 +146,13 @@ def generate(
     dtype: Optional[str] = DtypeOpt,
     quant: Optional[str] = QuantOpt,
     lora: Optional[list[str]] = LoraOpt,
+    threads: Optional[int] = ThreadsOpt,
 ):
     """Generate one reply. Only the generated text goes to stdout, so it can be piped."""
     if prompt == "-":
         prompt = sys.stdin.read()
-    params = _params(max_new_tokens, temperature, top_p, top_k, repetition_penalty, seed, stop)
-    session = _open(model, profile, device, dtype, quant, lora)
+    session = _open(model, profile, device, dtype, quant, lora, threads)
+    params = _params(session, max_new_tokens, temperature, top_p, top_k, min_p, repetition_penalty, seed, stop)
     tokenizer = session.engine.tokenizer
     if raw:
         # A raw prompt gets what the tokenizer's post-processor adds (BOS for Llama-style models).
@@ -135,18 +175,22 @@ def generate(
 def convert(
     model: Optional[str] = ModelOpt,
     lora: Optional[list[str]] = LoraOpt,
-    quant: str = typer.Option("int8", "--quant", "-q", help="int8, int8-g128, fp16 or fp32"),
+    quant: str = typer.Option(
+        "auto", "--quant", "-q", help=f"Weight format: {mode_choices()}; auto: as chat on a CPU would pick"
+    ),
 ):
     """Merge LoRA adapters and quantize into a cached artifact (reused by chat/generate); prints its path."""
     from tierlm.cache.convert import ConversionRequest, ensure_artifact
     from tierlm.cli.progress import progress_factory
     from tierlm.lora.spec import parse_lora_spec
+    from tierlm.offload.sizes import resolve_quant
     from tierlm.runtime.session import resolve_model_dir
 
     progress = progress_factory()
     adapters = tuple(parse_lora_spec(spec) for spec in lora or ())
     model_dir = resolve_model_dir(model, progress)
-    print(ensure_artifact(ConversionRequest(model_dir, adapters, quant), progress("converting")))
+    mode = resolve_quant(quant, model_dir=model_dir)
+    print(ensure_artifact(ConversionRequest(model_dir, adapters, mode.name), progress("converting")))
 
 
 cache_app = typer.Typer(help="List or remove cached models and artifacts.", no_args_is_help=True)
@@ -233,6 +277,7 @@ def plan(
     profile: str = ProfileOpt,
     quant: Optional[str] = QuantOpt,
     device: Optional[str] = DeviceOpt,
+    threads: Optional[int] = ThreadsOpt,
     as_json: bool = typer.Option(False, "--json", help="Print the Placement as JSON"),
 ):
     """Where every weight block would live under a profile, the memory per tier, and predicted speed.
@@ -242,6 +287,7 @@ def plan(
     plan is what loading does; bandwidths come from the probe, corrected by measured runs.
     """
     import json
+    from dataclasses import replace
 
     from tierlm.cli.models import pick_model
     from tierlm.cli.plan_view import plan_for, render_plan
@@ -249,7 +295,11 @@ def plan(
     from tierlm.profile import load_profile
     from tierlm.runtime.session import resolve_model_dir
 
-    placement, header = plan_for(resolve_model_dir(pick_model(model_arg, model)), load_profile(profile), quant, device)
+    from tierlm.device.cpu import apply_threads
+
+    chosen = load_profile(profile)
+    chosen = replace(chosen, threads=apply_threads(threads or chosen.threads))  # the probe is keyed on it
+    placement, header = plan_for(resolve_model_dir(pick_model(model_arg, model)), chosen, quant, device)
     print(json.dumps(placement_to_dict(placement), indent=1) if as_json else render_plan(placement, header))
 
 
@@ -262,6 +312,7 @@ def bench(
     dtype: Optional[str] = DtypeOpt,
     quant: Optional[str] = QuantOpt,
     lora: Optional[list[str]] = LoraOpt,
+    threads: Optional[int] = ThreadsOpt,
     prompt_tokens: int = typer.Option(128, "--prompt-tokens", min=1, help="Prompt length (real English text)"),
     tokens: int = typer.Option(64, "--tokens", min=2, help="Tokens to decode per run"),
     runs: int = typer.Option(3, "--runs", min=1, help="Runs; the median is reported"),
@@ -273,7 +324,7 @@ def bench(
     from tierlm.cli.bench import format_bench, run_bench
     from tierlm.cli.models import pick_model
 
-    session = _open(pick_model(model_arg, model), profile, device, dtype, quant, lora)
+    session = _open(pick_model(model_arg, model), profile, device, dtype, quant, lora, threads)
     try:
         result = run_bench(session, prompt_tokens, tokens, runs)
     finally:
@@ -308,6 +359,12 @@ def serve(
     dtype: Optional[str] = DtypeOpt,
     quant: Optional[str] = QuantOpt,
     lora: Optional[list[str]] = LoraOpt,
+    threads: Optional[int] = ThreadsOpt,
+    temperature: Optional[float] = TempOpt,
+    top_p: Optional[float] = TopPOpt,
+    top_k: Optional[int] = TopKOpt,
+    min_p: Optional[float] = MinPOpt,
+    repetition_penalty: Optional[float] = RepOpt,
 ):
     """Serve the model over an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions)."""
     import dataclasses
@@ -324,7 +381,13 @@ def serve(
     if batch_size is not None:  # the planner then reserves KV memory for this many sequences
         chosen = dataclasses.replace(chosen, batch_size=batch_size)
     session = open_session(
-        pick_model(model_arg, model), chosen, device=device, dtype=dtype, quant=quant, loras=tuple(lora or ()), progress=progress_factory()
+        pick_model(model_arg, model), chosen, device=device, dtype=dtype, quant=quant, loras=tuple(lora or ()),
+        threads=threads, progress=progress_factory(),
+    )
+    # Sampling flags become the server's defaults for requests that omit the field.
+    given = dict(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, repetition_penalty=repetition_penalty)
+    session.generation_defaults = dataclasses.replace(
+        session.generation_defaults, **{k: v for k, v in given.items() if v is not None}
     )
     options = ServerOptions(
         model_id=model_name,

@@ -55,6 +55,8 @@ def run_bench(session, prompt_tokens: int, new_tokens: int, runs: int) -> dict:
     result = {
         "model": str(session.model_dir),
         "profile": session.profile.name,
+        "quant": session.profile.quant_label,  # "auto → int8-g32-asym": what the weights are
+        "threads": session.profile.threads,
         "device": str(loaded.device),
         "runs": runs,
         "prompt_tokens": prompt_tokens,
@@ -90,7 +92,8 @@ def format_bench(result: dict) -> str:
     from tierlm.profile import format_size
 
     lines = [
-        f"model     {result['model']} on {result['device']}, profile {result['profile']}",
+        f"model     {result['model']} on {result['device']}, profile {result['profile']}, "
+        f"quant {result['quant']}, {result['threads']} threads",
         f"runs      {result['runs']} x ({result['prompt_tokens']} prompt + {result['new_tokens']} new "
         f"tokens), greedy, median run",
         f"prefill   {result['prefill_tokens_per_s']:.1f} tok/s, time to first token "

@@ -33,7 +33,9 @@ def collect(probe: bool = False) -> dict:
 
     from tierlm import __version__
     from tierlm.device import resolve_device
+    from tierlm.device.cpu import apply_threads
 
+    apply_threads()  # what every command runs with unless told: the kernel plan and probe are keyed on it
     report = {
         "tierlm": __version__,
         "python": platform.python_version(),

@@ -28,7 +28,7 @@ def plan_for(model_dir: Path, profile, quant: str | None = None, device: str | N
     target = resolve_device(device)
     accelerator = target.type != "cpu"
     config = ModelConfig.from_dir(model_dir)
-    mode = resolve_quant(quant or profile.quant, accelerator)
+    mode = resolve_quant(quant or profile.quant, accelerator, model_dir)  # "auto" needs the model
     artifact = cached_artifact(model_dir, mode.name)
     sizes = sizes_from_artifact(artifact) if artifact else sizes_from_config(config, mode, accelerator=accelerator)
     tokenizer = _tokenizer_as_a_session_holds_it(model_dir)  # noqa: F841 - held while measuring
@@ -105,9 +105,11 @@ def _tokenizer_as_a_session_holds_it(model_dir: Path):
 
 
 def _quant_line(chosen: str, asked: str | None, profiles: str) -> str:
+    requested = asked or profiles
+    shown = chosen if requested == chosen else f"{requested} → {chosen}"  # "auto → int8-g32-asym"
     if asked is None:
-        return f"{chosen} (the profile's)"
-    return f"{chosen} (--quant {asked}; the profile's is {profiles})"
+        return f"{shown} (the profile's)"
+    return f"{shown} (--quant {asked}; the profile's is {profiles})"
 
 
 def _mib(nbytes: int) -> str:

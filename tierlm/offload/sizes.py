@@ -38,9 +38,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Mapping
 
-from tierlm.cache.artifact import PART_ALIGN, Artifact
+from tierlm.cache.artifact import MANIFEST_NAME, PART_ALIGN, Artifact
 from tierlm.config import ModelConfig
-from tierlm.quant.modes import QuantMode, parse_quant_mode
+from tierlm.quant.modes import AS_STORED, AUTO, QuantMode, auto_quant, check_mode_name, parse_quant_mode
 
 PREFILL_CHUNK = 512  # tokens per prefill step; runtime/engine.py PREFILL_CHUNK (runtime sits above)
 HOT_CACHE_ROWS = 4096  # embedding rows the hot cache may hold (Zipfian tokens: most lookups)
@@ -81,13 +81,35 @@ class BlockSizes:
         return sum(self.nbytes.values())
 
 
-def resolve_quant(quant: str | QuantMode, accelerator: bool = False) -> QuantMode:
-    """A QuantMode; "none" (weights as stored) is the compute dtype: bf16 on accelerators, else fp32."""
+def resolve_quant(
+    quant: str | QuantMode, accelerator: bool = False, model_dir: Path | None = None
+) -> QuantMode:
+    """A QuantMode; "none" (weights as stored) is the compute dtype: bf16 on accelerators, else
+    fp32; "auto" is the mode `resolve_auto` picks for the model in `model_dir`."""
     if isinstance(quant, QuantMode):
         return quant
-    if quant == "none":
+    name = resolve_auto(quant, model_dir, accelerator)
+    if name == AS_STORED:
         return parse_quant_mode("bf16" if accelerator else "fp32")
-    return parse_quant_mode(quant)
+    return parse_quant_mode(name)
+
+
+def resolve_auto(quant: str, model_dir: Path | None, accelerator: bool = False) -> str:
+    """`quant` checked and lower-cased, with "auto" replaced by a concrete mode: a compiled
+    artifact's own, else `auto_quant` for the tensor types a GGUF import recorded (none: float).
+
+    Resolved before anything is keyed on the mode (artifact names and hashes, cached sizes).
+    """
+    name = check_mode_name(quant)
+    if name != AUTO:
+        return name
+    if model_dir is None:  # nothing known about the source: treated as floats
+        return auto_quant(accelerator=accelerator)
+    from tierlm.weights.gguf_import import source_tensor_types
+
+    if (Path(model_dir) / MANIFEST_NAME).is_file():
+        return str(Artifact.open(Path(model_dir)).manifest["quant"])
+    return auto_quant(source_tensor_types(model_dir), accelerator=accelerator)
 
 
 def sizes_from_artifact(directory: Path) -> BlockSizes:

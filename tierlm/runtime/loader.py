@@ -80,6 +80,9 @@ def load_model(
     max_len = min(context or config.max_position_embeddings, config.max_position_embeddings)
     family = family_class(config)
     quant = quant or (profile.quant if profile is not None else None) or "none"
+    from tierlm.offload.sizes import resolve_auto  # "auto" -> a concrete mode before anything is keyed on it
+
+    quant = resolve_auto(quant, model_dir, accelerator=device.type != "cpu")
     compiled = is_artifact(model_dir)
     if compiled:
         quant = artifact_quant(model_dir)

@@ -1,4 +1,5 @@
-"""Sampling settings and a sampler: greedy, temperature, top-k, top-p, repetition penalty, seed."""
+"""Sampling settings and a sampler: greedy, temperature, top-k, top-p, min-p, repetition penalty,
+seed; and `resolve_sampling`, which fills what the user left unset from the model's defaults."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
+from tierlm.config import GenerationDefaults
 from tierlm.errors import TierlmError
 
 # Temperatures below this sample as greedy: dividing logits by less would overflow fp32 or, at
@@ -25,12 +27,16 @@ class SamplingParams:
     Any finite temperature ≥ 0 is accepted; below GREEDY_BELOW (1e-5) it samples as greedy.
     Any finite repetition_penalty > 0 is accepted (applied clamped to PENALTY_CLAMP); a seed
     must lie in SEED_RANGE, torch's, and is refused outside it rather than wrapped.
+
+    The field defaults are neutral (no filter, logits unscaled); what a run uses where the user
+    says nothing is the model's, through `resolve_sampling`.
     """
 
     max_new_tokens: int = 256
-    temperature: float = 0.7
+    temperature: float = 1.0
     top_k: int = 0
     top_p: float = 1.0
+    min_p: float = 0.0  # keep tokens with probability ≥ min_p × the top token's (0 = off)
     repetition_penalty: float = 1.0
     seed: int | None = None
     stop: tuple[str, ...] = ()
@@ -45,6 +51,8 @@ class SamplingParams:
             raise TierlmError("top_p must be in (0, 1]")
         if self.top_k < 0:
             raise TierlmError("top_k must be ≥ 0 (0 = off)")
+        if not 0 <= self.min_p <= 1:
+            raise TierlmError("min_p must be in [0, 1] (0 = off)")
         if not (math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0):
             raise TierlmError(
                 f"repetition_penalty must be a finite number > 0 (1 = off), not {self.repetition_penalty}")
@@ -55,6 +63,24 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature < GREEDY_BELOW
+
+
+def resolve_sampling(
+    defaults: GenerationDefaults,
+    *,
+    temperature: float | None = None,
+    top_p: float | None = None,
+    top_k: int | None = None,
+    min_p: float | None = None,
+    repetition_penalty: float | None = None,
+    **fixed,
+) -> SamplingParams:
+    """SamplingParams from what the user set (None = unset: the model's default) and `fixed`
+    fields with no model default (max_new_tokens, seed, stop, ...)."""
+    given = dict(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
+                 repetition_penalty=repetition_penalty)  # fmt: skip
+    chosen = {key: getattr(defaults, key) if value is None else value for key, value in given.items()}
+    return SamplingParams(**chosen, **fixed)
 
 
 class Sampler:
@@ -85,6 +111,8 @@ class Sampler:
             logits = keep_top_k(logits, p.top_k)
         if p.top_p < 1.0:
             logits = keep_top_p(logits, p.top_p)
+        if p.min_p > 0:
+            logits = keep_min_p(logits, p.min_p)
         probs = torch.softmax(logits.float().cpu(), dim=-1)
         return int(torch.multinomial(probs, 1, generator=self.generator))
 
@@ -101,6 +129,16 @@ def keep_top_k(logits: torch.Tensor, k: int) -> torch.Tensor:
     if k >= logits.shape[-1]:
         return logits
     threshold = torch.topk(logits, k).values[-1]
+    return logits.masked_fill(logits < threshold, float("-inf"))
+
+
+def keep_min_p(logits: torch.Tensor, min_p: float) -> torch.Tensor:
+    """Keep tokens whose probability is at least min_p times the most likely token's.
+
+    In log space: p_i ≥ min_p·p_max ⇔ logit_i ≥ logit_max + log(min_p) (softmax's normalizer
+    cancels), so no softmax is needed; the top token always survives.
+    """
+    threshold = logits.max() + math.log(min_p)
     return logits.masked_fill(logits < threshold, float("-inf"))
 
 

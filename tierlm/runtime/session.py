@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable
 
+from tierlm.config import GenerationDefaults
 from tierlm.errors import TierlmError
 from tierlm.profile import Profile
 
@@ -14,12 +15,17 @@ ProgressFactory = Callable[[str], Callable[[int, int], None]]
 
 @dataclass
 class Session:
-    """An engine with the profile and model it was opened for."""
+    """An engine with the profile and model it was opened for.
+
+    `profile` carries what the run resolved: the concrete quant mode and the thread count.
+    `generation_defaults`: the model's sampling settings, for options the user left unset.
+    """
 
     engine: object
     profile: Profile
     model_dir: Path
     load_s: float
+    generation_defaults: GenerationDefaults = GenerationDefaults()
 
 
 def resolve_model_dir(model: str | None, progress: ProgressFactory | None = None) -> Path:
@@ -40,16 +46,21 @@ def open_session(
     dtype: str | None = None,
     quant: str | None = None,
     loras: tuple[str, ...] = (),
+    threads: int | None = None,
     progress: ProgressFactory | None = None,
 ) -> Session:
     """Load the model resident within the profile's context and return an engine over it.
 
-    `quant` overrides the profile's quant mode; `loras` are `path[:weight]` adapter specs.
+    `quant` overrides the profile's quant mode; `loras` are `path[:weight]` adapter specs;
+    `threads` (else the profile's; 0 or None: the CPUs this process may use) is set in torch
+    before the INT8 kernels are calibrated for it.
     """
     import time
 
     import torch
 
+    from tierlm.device.cpu import apply_threads
+    from tierlm.offload.sizes import resolve_auto
     from tierlm.runtime.engine import Engine
     from tierlm.runtime.loader import load_model
     from tierlm.runtime.tokenizer import Tokenizer
@@ -58,6 +69,7 @@ def open_session(
 
     adapters = tuple(parse_lora_spec(spec) for spec in loras)
     model_dir = resolve_model_dir(model, progress)
+    profile = replace(profile, threads=apply_threads(threads or profile.threads))
     started = time.perf_counter()
     tokenizer = Tokenizer.from_dir(model_dir)
     torch_dtype = _parse_dtype(dtype)
@@ -72,7 +84,11 @@ def open_session(
         convert_progress=progress("converting (merge + quantize)") if progress else None,
     )
     engine = Engine(loaded, tokenizer)
-    return Session(engine, profile, model_dir, time.perf_counter() - started)
+    requested = quant or profile.quant
+    resolved = resolve_auto(requested, model_dir, accelerator=loaded.device.type != "cpu")
+    profile = replace(profile, quant=requested, quant_resolved=resolved)
+    defaults = GenerationDefaults.from_dir(model_dir)
+    return Session(engine, profile, model_dir, time.perf_counter() - started, defaults)
 
 
 def _parse_dtype(name: str | None):

@@ -114,7 +114,7 @@ def create_app(session, options: ServerOptions) -> FastAPI:
         report = worker.health()
         report["model"] = model_id
         report["profile"] = {"name": profile.name, "context_length": context, "batch_size": slots,
-                             "quant": profile.quant, "summary": profile.summary()}
+                             "quant": profile.quant_resolved or profile.quant, "summary": profile.summary()}
         return JSONResponse(report, status_code=200 if report["status"] == "ok" else 503)
 
     @api.get("/v1/models")
@@ -162,7 +162,8 @@ def create_app(session, options: ServerOptions) -> FastAPI:
                                 f"(profile {profile.name!r}); shorten it", param="messages" if chat else "prompt",
                            code="context_length_exceeded")
         budget = _token_budget(req, len(ids), context)
-        job = Job(ids, _sampling(req, budget), deadline=_deadline(req, options), loop=asyncio.get_running_loop(),
+        params = _sampling(req, budget, session.generation_defaults)  # omitted fields: the model's
+        job = Job(ids, params, deadline=_deadline(req, options), loop=asyncio.get_running_loop(),
                   on_end=metrics.ended)
         log.job = job
         if not worker.submit(job):
@@ -224,16 +225,19 @@ def _encode_chat(tokenizer, messages) -> list[int]:
                        code="invalid_value") from None
 
 
-def _sampling(req: GenerationRequest, max_new_tokens: int):
-    from tierlm.runtime.sampling import SamplingParams
+def _sampling(req: GenerationRequest, max_new_tokens: int, defaults):
+    """The request's sampling settings; fields it omits take `defaults` (GenerationDefaults)."""
+    from tierlm.runtime.sampling import resolve_sampling
 
     try:
-        return SamplingParams(
-            max_new_tokens=max_new_tokens,  # _token_budget: fits the context
+        return resolve_sampling(
+            defaults,
             temperature=req.temperature,
             top_p=req.top_p,
             top_k=req.top_k,
+            min_p=req.min_p,
             repetition_penalty=req.repetition_penalty,
+            max_new_tokens=max_new_tokens,  # _token_budget: fits the context
             seed=req.seed,
             stop=req.stop,
         )

@@ -7,7 +7,9 @@ Parameter policy: what tierlm honours is parsed; parameters that only have a mea
 lacks (tools, logprobs, penalties, ...) are accepted at their neutral value and refused
 otherwise; a few informational ones (`user`, `metadata`, ...) are ignored; anything else is
 refused as unrecognized, as OpenAI does. Extensions: `timeout` (seconds, the request's
-deadline), `top_k`, `repetition_penalty`.
+deadline), `top_k`, `min_p` (as vLLM and llama-server take it), `repetition_penalty`.
+Sampling fields a request omits are None here and take the model's defaults (the server's
+GenerationDefaults: generation_config.json, else tierlm's fallback).
 """
 
 from __future__ import annotations
@@ -57,10 +59,11 @@ class GenerationRequest:
     max_tokens: int | None  # None: not sent
     max_tokens_param: str  # the name it was sent under (errors name it)
     default_max_tokens: int | None  # what an omitted max_tokens means; None: up to the context
-    temperature: float
-    top_p: float
-    top_k: int
-    repetition_penalty: float
+    temperature: float | None  # the sampling fields: None = not sent (the model's default)
+    top_p: float | None
+    top_k: int | None
+    min_p: float | None
+    repetition_penalty: float | None
     seed: int | None
     stop: tuple[str, ...]
     timeout: float | None
@@ -97,8 +100,8 @@ _COMPLETION_NEUTRAL: dict[str, tuple[Any, ...]] = {
 }
 _IGNORED = frozenset({"user", "metadata", "store", "service_tier", "parallel_tool_calls",
                       "prompt_cache_key", "safety_identifier"})
-_SAMPLING = frozenset({"model", "stream", "stream_options", "temperature", "top_p", "top_k", "seed",
-                       "stop", "repetition_penalty", "timeout"})
+_SAMPLING = frozenset({"model", "stream", "stream_options", "temperature", "top_p", "top_k", "min_p",
+                       "seed", "stop", "repetition_penalty", "timeout"})
 _CHAT_KEYS = _SAMPLING | {"messages", "max_tokens", "max_completion_tokens"}
 _COMPLETION_KEYS = _SAMPLING | {"prompt", "max_tokens"}
 _ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
@@ -161,10 +164,11 @@ def _generation(body: dict, *, messages, prompt, max_tokens, max_tokens_param, d
         max_tokens=max_tokens,
         max_tokens_param=max_tokens_param,
         default_max_tokens=default_max_tokens,
-        temperature=1.0 if temperature is None else temperature,
-        top_p=1.0 if top_p is None else top_p,
-        top_k=_opt_int(body, "top_k", 0) or 0,
-        repetition_penalty=1.0 if repetition is None else repetition,
+        temperature=temperature,
+        top_p=top_p,
+        top_k=_opt_int(body, "top_k", 0),
+        min_p=_opt_number(body, "min_p", 0.0, 1.0),
+        repetition_penalty=repetition,
         seed=_opt_int(body, "seed", SEED_RANGE[0], SEED_RANGE[1]),
         stop=_stop(body.get("stop")),
         timeout=timeout,

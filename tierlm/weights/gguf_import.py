@@ -10,7 +10,8 @@ as metadata. `import_gguf` turns one into what transformers and tierlm's own loa
     tokenizer.json           built from the GGUF vocabulary (byte-level BPE or SentencePiece BPE)
     tokenizer_config.json    special tokens, add_bos_token, chat_template
     generation_config.json   bos/eos ids
-    tierlm-import.json       what was imported from (written last; the directory's receipt)
+    tierlm-import.json       what was imported from, incl. the GGUF tensor types the weights were
+                             stored in (written last; the directory's receipt)
 
 The directory appears atomically (tierlm.atomic): it is built under a temporary name beside
 `out_dir` and renamed into place only when complete, under a per-directory lock, so a killed import
@@ -38,7 +39,8 @@ from tierlm.weights.gguf_reader import GgufMetadata, open_gguf
 from tierlm.weights.gguf_tokenizer import SUPPORTED_TOKENIZERS, build_tokenizer  # noqa: F401
 
 # Bump when the written directory changes in a way that old imports should not be reused.
-IMPORT_FORMAT_VERSION = 1
+# 2: the receipt records the source tensor types (`--quant auto` keeps a quantized grid).
+IMPORT_FORMAT_VERSION = 2
 RECORD_NAME = "tierlm-import.json"
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
 # Shards are flushed at this size so a big model never sits in RAM as float32 all at once.
@@ -139,6 +141,13 @@ def read_import_record(model_dir: Path) -> dict[str, Any] | None:
         return json.loads((Path(model_dir) / RECORD_NAME).read_text())
     except (OSError, ValueError):
         return None
+
+
+def source_tensor_types(model_dir: Path) -> dict[str, int]:
+    """GGUF tensor type name -> tensor count an import's weights were stored in ({} when
+    `model_dir` is not an import)."""
+    record = read_import_record(model_dir) or {}
+    return dict(record.get("tensor_types") or {})
 
 
 def unpermute_rope_rows(weight, n_head: int):
@@ -483,6 +492,13 @@ def _write_weights(plan: list[_Planned], out: Path, source: Path, progress: Prog
         write_json(out / "model.safetensors.index.json", index_doc)
 
 
+def _tensor_types(plan: list[_Planned]) -> dict[str, int]:
+    """How many imported tensors each GGUF type held: the dequantized floats keep that grid."""
+    from collections import Counter
+
+    return dict(sorted(Counter(item.tensor.tensor_type.name for item in plan).items()))
+
+
 # ----------------------------------------------------------------------------- assembling the directory
 
 
@@ -532,5 +548,6 @@ def _write_model_dir(gguf_path: Path, out: Path, key: str, progress: Progress | 
             "source_key": key,
             "architecture": meta.arch,
             "general_name": meta.get("general.name"),
+            "tensor_types": _tensor_types(plan),
         },
     )
