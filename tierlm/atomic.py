@@ -3,7 +3,12 @@
 A builder holds `directory_lock(target)`, decides whether the existing target can be reused, and
 otherwise writes into the temporary directory `atomic_directory(target)` yields. The temporary
 lives in the target's parent (so the final rename stays on one filesystem) under a hidden name;
-a killed builder leaves at most such a temporary, which the next build of that target removes.
+a killed builder leaves at most such a temporary (`.<name>.partial-<pid>`), which the next build in
+that folder removes once its process is gone (`stale_temporaries`).
+
+A disk that refuses a write (full, read-only, not ours) is a one-line TierlmError from a build,
+with nothing partial left; writes that only warm a cache go through `optional_write` and are
+skipped instead.
 
     with directory_lock(out_dir):
         if not is_current(out_dir):
@@ -14,12 +19,23 @@ a killed builder leaves at most such a temporary, which the next build of that t
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
+import re
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+
+from tierlm.errors import TierlmError
+
+# errno values of a disk refusing a write: full, or read-only / not ours.
+_FULL = frozenset(filter(None, (errno.ENOSPC, getattr(errno, "EDQUOT", None))))
+_READ_ONLY = frozenset({errno.EROFS, errno.EACCES, errno.EPERM})
+# Rust-backed writers (safetensors, tokenizers) raise their own type carrying io::Error's text.
+_RUST_OS_ERROR = re.compile(r"\(os error (\d+)\)")
+_TEMPORARY = re.compile(r"\.(?P<target>.+)\.(?P<kind>partial|old)-(?P<pid>\d+)")
 
 
 @contextlib.contextmanager
@@ -34,8 +50,11 @@ def directory_lock(target: Path) -> Iterator[None]:
     except ImportError:  # Windows: no advisory locks, builds are merely not serialised
         yield
         return
-    lock_path = target.parent / f".{target.name}.lock"
-    with lock_path.open("a") as handle:
+    handle = _open_lock(target.parent / f".{target.name}.lock")
+    if handle is None:  # a read-only folder: nothing can be built here, a finished target still reused
+        yield
+        return
+    with handle:
         fcntl.flock(handle.fileno(), fcntl.LOCK_EX)
         try:
             yield
@@ -49,18 +68,78 @@ def atomic_directory(target: Path) -> Iterator[Path]:
 
     On success the temporary is fsynced and renamed to `target` (an existing `target` is moved
     aside and deleted); on any exception it is removed and `target` is left as it was. Call it
-    under `directory_lock(target)`: it first deletes other builds' leftover temporaries.
-    `target.parent` must exist.
+    under `directory_lock(target)`: it first deletes this target's leftover temporaries and
+    those of killed builds of its neighbours. `target.parent` must exist. A disk that refuses
+    the writes (full, read-only) becomes a one-line TierlmError once the temporary is gone.
     """
     _remove_stale_temporaries(target)
+    remove_stale_temporaries(target.parent)
     tmp = _sibling(target, "partial")
-    tmp.mkdir()
     try:
+        tmp.mkdir()
         yield tmp
         _swap_into_place(tmp, target)
-    except BaseException:
+    except BaseException as err:
         shutil.rmtree(tmp, ignore_errors=True)
+        refusal = refused_write_error(err, target.parent)
+        if refusal is not None:
+            raise refusal from None
         raise
+
+
+def make_dirs(path: Path) -> Path:
+    """`path` and its parents, created where missing; a refusal is refused_write_error's message."""
+    try:
+        Path(path).mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise refused_write_error(err, Path(path)) or err from None
+    return Path(path)
+
+
+@contextlib.contextmanager
+def optional_write() -> Iterator[None]:
+    """Wrap a write that only warms a cache (a digest, a probe, a last-used time): when the disk
+    refuses it (full, read-only, not ours) the rest of the block is skipped and the run goes on."""
+    try:
+        yield
+    except Exception as err:
+        if refused_errno(err) is None:
+            raise
+
+
+def refused_errno(err: BaseException) -> int | None:
+    """The errno if `err` is a disk refusing a write (an OSError, or a Rust library's error
+    carrying `(os error N)`), else None."""
+    code = err.errno if isinstance(err, OSError) else None
+    if code is None and not isinstance(err, OSError):
+        found = _RUST_OS_ERROR.search(str(err))
+        code = int(found.group(1)) if found else None
+    return code if code in _FULL | _READ_ONLY else None
+
+
+def refused_write_error(err: BaseException, where: Path) -> TierlmError | None:
+    """One line for a refused write under `where` (None if `err` is something else): a full disk,
+    or a read-only/foreign directory, naming the cache and $TIERLM_CACHE when it is the cache."""
+    from tierlm.paths import cache_root
+
+    code = refused_errno(err)
+    filename = getattr(err, "filename", None)
+    if code is None or (code in (errno.EACCES, errno.EPERM) and filename and not _inside(Path(filename), where)):
+        return None  # e.g. an unreadable source file: its own error says more
+    root = cache_root()
+    in_cache = _inside(where, root)
+    reason = os.strerror(code)
+    if code in _FULL:
+        return TierlmError(
+            f"no space left to write {where} ({reason}); nothing was kept",
+            "free some space" + (", or point TIERLM_CACHE at a disk with room" if in_cache else ""),
+        )
+    if in_cache:
+        return TierlmError(
+            f"the cache directory {root} is not writable ({reason})",
+            "point TIERLM_CACHE at a writable directory, e.g. `export TIERLM_CACHE=~/tierlm-cache`",
+        )
+    return TierlmError(f"{where} is not writable ({reason})", "choose a writable directory")
 
 
 def write_json(path: Path, doc: dict[str, Any]) -> None:
@@ -100,11 +179,82 @@ def _sibling(target: Path, kind: str, owner: str | None = None) -> Path:
     return target.parent / f".{target.name}.{kind}-{os.getpid() if owner is None else owner}"
 
 
+def stale_temporaries(folder: Path) -> list[Path]:
+    """Leftovers of killed builds directly in `folder`: hidden partial/old temporaries whose
+    process is gone and whose target no build holds (another PID namespace may share the cache).
+
+    Reads only (a held lock is probed read-only), so it works on a read-only cache.
+    """
+    found = []
+    for path in sorted(Path(folder).glob(".*-*")) if Path(folder).is_dir() else ():
+        name = _TEMPORARY.fullmatch(path.name)
+        if name and not _process_alive(int(name["pid"])) and not _lock_held(folder / f".{name['target']}.lock"):
+            found.append(path)
+    return found
+
+
+def remove_stale_temporaries(folder: Path) -> list[Path]:
+    """Remove `stale_temporaries(folder)` (directories or files); returns what was removed."""
+    removed = []
+    for stale in stale_temporaries(folder):
+        with contextlib.suppress(OSError):
+            shutil.rmtree(stale) if stale.is_dir() and not stale.is_symlink() else stale.unlink()
+            removed.append(stale)
+    return removed
+
+
 def _remove_stale_temporaries(target: Path) -> None:
     """Remove leftovers of killed builds; safe because the caller holds the directory lock."""
     for kind in ("partial", "old"):
         for stale in target.parent.glob(_sibling(target, kind, owner="*").name):
             shutil.rmtree(stale, ignore_errors=True)
+
+
+def _process_alive(pid: int) -> bool:
+    import psutil  # pid_exists is safe on Windows, where os.kill(pid, 0) would signal the process
+
+    return pid == os.getpid() or psutil.pid_exists(pid)
+
+
+def _open_lock(lock_path: Path):
+    """The lock file opened for flock; read-only when the folder refuses writes, None when it
+    refuses them and holds no lock file yet."""
+    try:
+        return lock_path.open("a")
+    except OSError as err:
+        if refused_errno(err) is None:
+            raise
+    try:
+        return lock_path.open("r")
+    except FileNotFoundError:
+        return None
+
+
+def _lock_held(lock_path: Path) -> bool:
+    """Whether a process holds `lock_path` now (probed without creating or writing it)."""
+    try:
+        import fcntl
+    except ImportError:  # Windows: no advisory locks; the process check alone decides
+        return False
+    try:
+        handle = lock_path.open("r")
+    except OSError:
+        return False  # no lock file: no build holds one
+    with handle:
+        try:
+            fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True
+        fcntl.flock(handle.fileno(), fcntl.LOCK_UN)
+        return False
+
+
+def _inside(path: Path, folder: Path) -> bool:
+    try:
+        Path(os.path.abspath(path)).relative_to(os.path.abspath(folder))
+        return True
+    except ValueError:
+        return False
 
 
 def _swap_into_place(tmp: Path, target: Path) -> None:

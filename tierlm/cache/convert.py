@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Sequence
 
-from tierlm.atomic import atomic_directory, directory_lock
+from tierlm.atomic import atomic_directory, directory_lock, make_dirs
 from tierlm.cache import codec
 from tierlm.cache.artifact import FORMAT_VERSION, MANIFEST_NAME, Artifact, ArtifactWriter
 from tierlm.cache.fingerprint import checkpoint_digest
@@ -62,11 +62,12 @@ def artifact_key(request: ConversionRequest, merger=None) -> str:
 
 def ensure_artifact(request: ConversionRequest, progress: Progress | None = None) -> Path:
     """The artifact directory for `request`, converting first if no finished one exists."""
+    ModelConfig.from_dir(request.model_dir)  # a bad config.json fails now, not after hashing the weights
     merger = _merger(request.adapters)
     key = artifact_key(request, merger)
     mode = codec.parse_mode(request.quant)
     target = artifacts_root() / f"{Path(request.model_dir).name}-{mode.name}-{key[:16]}"
-    target.parent.mkdir(parents=True, exist_ok=True)
+    make_dirs(target.parent)
     with directory_lock(target):
         if _is_complete(target, key):
             return target

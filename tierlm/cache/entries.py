@@ -1,8 +1,10 @@
 """What the cache holds: imported models and compiled artifacts, listed and removed by directory name.
 
 Beside the entries lie the builders' lock files (`.<name>.lock`, and `.<key>.lock` for a GGUF
-content key) and, after a killed build, hidden temporaries; removing entries sweeps those that
-no build holds, so `cache rm --all` leaves no lock files behind. `usage/` holds one empty file per
+content key) and, after a killed build, hidden temporaries (`.<name>.partial-<pid>`, up to an
+entry's size). Removing entries sweeps the lock files no build holds and the temporaries whose
+process is gone (tierlm.atomic.stale_temporaries), so `cache rm --all` leaves no lock files behind;
+`stale_builds` counts those temporaries for the listings. `usage/` holds one empty file per
 model used, whose mtime is its last use (see tierlm.cache.catalog).
 """
 
@@ -16,17 +18,28 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
+from tierlm.atomic import refused_write_error, remove_stale_temporaries, stale_temporaries
 from tierlm.errors import TierlmError
 from tierlm.paths import cache_root
 
 KINDS = {"models": "model", "artifacts": "artifact"}
 USAGE_DIR = "usage"
+# Other folders whose small files are written through a hidden per-process temporary.
+RECORD_DIRS = ("digests", "probe", "baseline")
 
 
 @dataclass(frozen=True)
 class CacheEntry:
     kind: str
     path: Path
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class StaleBuilds:
+    """Leftovers of killed builds: how many, and the bytes they hold."""
+
+    count: int
     nbytes: int
 
 
@@ -42,6 +55,13 @@ def cache_entries() -> list[CacheEntry]:
                 size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
                 entries.append(CacheEntry(kind, path, size))
     return entries
+
+
+def stale_builds() -> StaleBuilds:
+    """The temporaries killed imports and conversions left in the cache (only reads: fine on a
+    read-only cache)."""
+    found = [path for folder in KINDS for path in stale_temporaries(cache_root() / folder)]
+    return StaleBuilds(len(found), sum(_size(path) for path in found))
 
 
 def usage_stamp(model_dir: Path) -> Path:
@@ -65,6 +85,15 @@ def remove_entries(names: list[str], everything: bool = False) -> list[Path]:
                 "see `tierlm cache list`, or pass --all",
             )
     chosen = list(entries.values()) if everything else [entries[n] for n in dict.fromkeys(names)]
+    try:
+        _remove_chosen(chosen, everything)
+    except OSError as err:  # a read-only cache: one line, not a traceback
+        raise refused_write_error(err, cache_root()) or err from None
+    return [e.path for e in chosen]
+
+
+def _remove_chosen(chosen: list[CacheEntry], everything: bool) -> None:
+    """Lock every chosen entry (none is removed if one is being built), remove them, then sweep."""
     with contextlib.ExitStack() as held:
         for entry in chosen:
             if held.enter_context(_try_lock(_lock_path(entry.path))) is None:
@@ -75,11 +104,10 @@ def remove_entries(names: list[str], everything: bool = False) -> list[Path]:
         for entry in chosen:
             shutil.rmtree(entry.path)
             usage_stamp(entry.path).unlink(missing_ok=True)
-    for folder in KINDS:
-        _sweep(cache_root() / folder)
+    for folder in _swept_folders():
+        _sweep(folder)
     if everything:
         shutil.rmtree(cache_root() / USAGE_DIR, ignore_errors=True)
-    return [e.path for e in chosen]
 
 
 def _lock_path(target: Path) -> Path:
@@ -110,15 +138,25 @@ def _try_lock(lock: Path) -> Iterator[IO | None]:
                     lock.unlink(missing_ok=True)
 
 
+def _swept_folders() -> list[Path]:
+    return [cache_root() / folder for folder in (*KINDS, *RECORD_DIRS)]
+
+
+def _size(path: Path) -> int:
+    """Bytes under `path` (a file or a directory); what vanishes meanwhile counts nothing."""
+    files = [path] if not path.is_dir() else [f for f in path.rglob("*") if f.is_file()]
+    total = 0
+    for file in files:
+        with contextlib.suppress(OSError):
+            total += file.stat().st_size
+    return total
+
+
 def _sweep(folder: Path) -> None:
     """Remove leftovers of killed builds and lock files whose build is over; held ones stay."""
     if not folder.is_dir():
         return
-    for temp in sorted(folder.glob(".*.partial-*")) + sorted(folder.glob(".*.old-*")):
-        target = folder / temp.name[1:].rsplit(".", 1)[0]
-        with _try_lock(_lock_path(target)) as handle:
-            if handle is not None:
-                shutil.rmtree(temp, ignore_errors=True)
+    remove_stale_temporaries(folder)
     for lock in sorted(folder.glob(".*.lock")):
         with _try_lock(lock):
             pass  # unlinks it if free and its target is gone

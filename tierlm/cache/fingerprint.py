@@ -1,43 +1,16 @@
-"""Content hashes of checkpoints, remembered per file so a multi-GB model is hashed once.
+"""One content hash over a checkpoint directory: its config.json and weight files.
 
-A file's sha256 is stored under the cache root keyed by its absolute path, together with the
-size, mtime and inode it had; while those are unchanged the stored hash is reused.
+Each file's digest comes from tierlm.digests, which remembers it per file under the cache root.
 """
 
 from __future__ import annotations
 
 import hashlib
-import json
-import os
 from pathlib import Path
 
-from tierlm.paths import cache_root
+from tierlm.digests import file_digest
 
-HASH_CHUNK = 8 << 20
-
-
-def file_digest(path: Path) -> str:
-    """sha256 of the file's bytes (hex), recomputed only when its size/mtime/inode change."""
-    path = Path(path).resolve()
-    stat = path.stat()
-    stamp = {"size": stat.st_size, "mtime_ns": stat.st_mtime_ns, "inode": stat.st_ino}
-    memo = cache_root() / "digests" / (hashlib.sha256(str(path).encode()).hexdigest()[:32] + ".json")
-    try:
-        saved = json.loads(memo.read_text())
-        if saved.get("stamp") == stamp:
-            return saved["sha256"]
-    except (OSError, ValueError, KeyError):
-        pass
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        while chunk := handle.read(HASH_CHUNK):
-            digest.update(chunk)
-    result = digest.hexdigest()
-    memo.parent.mkdir(parents=True, exist_ok=True)
-    tmp = memo.with_suffix(f".tmp{os.getpid()}")
-    tmp.write_text(json.dumps({"path": str(path), "stamp": stamp, "sha256": result}))
-    os.replace(tmp, memo)
-    return result
+__all__ = ["checkpoint_digest", "file_digest"]
 
 
 def checkpoint_digest(model_dir: Path) -> str:

@@ -39,10 +39,11 @@ def render_list() -> str:
 
     rows = list_models()
     if not rows:
-        return (
+        return "\n".join([
             f"no models in {cache_root()} yet: `tierlm chat` imports the embedded smollm2 on first use, "
-            "`tierlm import-gguf FILE` adds a GGUF"
-        )
+            "`tierlm import-gguf FILE` adds a GGUF",
+            *stale_builds_lines(),
+        ])  # fmt: skip
     now = time.time()
     table = [LIST_COLUMNS] + [
         (
@@ -70,7 +71,7 @@ def render_list() -> str:
                 f"note: {row.path.name} holds the same GGUF as {row.duplicate_of} (an older tierlm imported "
                 f"it twice); `tierlm cache rm {row.path.name}` frees {format_size(row.nbytes)}"
             )
-    return "\n".join(lines)
+    return "\n".join(lines + stale_builds_lines())
 
 
 def render_cache_list() -> str:
@@ -78,9 +79,22 @@ def render_cache_list() -> str:
     from tierlm.cache.catalog import catalog
     from tierlm.profile import format_size
 
-    return "\n".join(
-        f"{entry.kind:9} {format_size(entry.nbytes):>10}  {entry.path.name}  ({entry.name})" for entry in catalog()
-    )
+    lines = [f"{entry.kind:9} {format_size(entry.nbytes):>10}  {entry.path.name}  ({entry.name})" for entry in catalog()]
+    return "\n".join(lines + stale_builds_lines())
+
+
+def stale_builds_lines() -> list[str]:
+    """The note on what killed builds left behind, for both listings (none when nothing is)."""
+    from tierlm.cache.entries import stale_builds
+
+    stale = stale_builds()
+    if not stale.count:
+        return []
+    mib = stale.nbytes / (1 << 20)
+    return [
+        f"{stale.count} stale partial build{'s' * (stale.count != 1)}, {mib:.1f} MiB; "
+        "`tierlm cache rm --all` or the next build removes them"
+    ]
 
 
 def format_parameters(count: int | None) -> str:

@@ -8,6 +8,7 @@ Counts persist beside the artifact, so the next start pre-loads the hot set.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from collections import Counter
@@ -70,8 +71,9 @@ class HotRowCache:
         try:
             tmp.write_text(json.dumps({str(k): v for k, v in top.items()}))
             os.replace(tmp, self.counts_path)
-        except OSError:
-            pass  # a read-only cache directory loses only the warm start
+        except OSError:  # a read-only cache directory loses only the warm start
+            with contextlib.suppress(OSError):  # and a full disk keeps no half-written file
+                tmp.unlink(missing_ok=True)
 
     def _admit(self, rows: list[int], values: torch.Tensor) -> None:
         chosen, chosen_values = [], []

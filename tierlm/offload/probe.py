@@ -165,12 +165,13 @@ def save_bandwidths(bandwidths: Bandwidths, device=None, *, probed_at: float | N
 
 
 def save_probe(record: ProbeRecord, device=None) -> Path:
-    """Write `record` as the cached probe for `device` (atomically)."""
-    from tierlm.atomic import replace_file
+    """Write `record` as the cached probe for `device` (atomically; skipped on a read-only cache)."""
+    from tierlm.atomic import optional_write, replace_file
 
     path = bandwidths_path(device)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    replace_file(path, json.dumps(record.to_dict(), indent=1) + "\n")
+    with optional_write():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        replace_file(path, json.dumps(record.to_dict(), indent=1) + "\n")
     return path
 
 

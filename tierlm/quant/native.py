@@ -348,6 +348,13 @@ def _cpu_identity() -> str:
 
 
 def _compile(compiler: str, flags: tuple[str, ...], library: Path) -> None:
+    try:
+        _build(compiler, flags, library)
+    except OSError as err:  # a read-only or full cache: the caller falls back to another kernel
+        raise KernelUnavailable(f"cannot build the int8 kernel in {library.parent}: {err.strerror or err}") from None
+
+
+def _build(compiler: str, flags: tuple[str, ...], library: Path) -> None:
     library.parent.mkdir(parents=True, exist_ok=True)
     # Build under a unique name and rename: concurrent builders never expose a partial file.
     with tempfile.TemporaryDirectory(dir=library.parent, prefix=".build-") as tmp:

@@ -55,7 +55,10 @@ def load_numba(build_root: Path | None = None) -> NumbaKernel:
 
         build_root = cache_root() / "kernels"
     cache_dir = build_root / f"numba-{numba.__version__}"
-    cache_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        cache_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as err:  # a read-only cache: the caller falls back to another kernel
+        raise KernelUnavailable(f"cannot create numba's cache {cache_dir}: {err.strerror or err}") from None
     matmul_fn = _compile(numba, cache_dir)
 
     def set_threads(count: int) -> None:

@@ -66,14 +66,15 @@ def prepare_runtime(device, int8: bool) -> None:
 def steady_charge(measured: int, path: Path) -> int:
     """`measured` made deterministic: the recorded charge while measurements stay within
     TOLERANCE of the recorded measurement; otherwise a new record, measured + TOLERANCE."""
-    from tierlm.atomic import replace_file
+    from tierlm.atomic import optional_write, replace_file
 
     recorded = _read_record(path)
     if recorded is not None and abs(measured - recorded["measured"]) <= TOLERANCE:
         return max(int(recorded["charged"]), measured)
     charged = -(-(measured + TOLERANCE) // GRAIN) * GRAIN
-    path.parent.mkdir(parents=True, exist_ok=True)
-    replace_file(path, json.dumps({"measured": measured, "charged": charged, "at": time.time()}) + "\n")
+    with optional_write():  # a read-only cache: this run's charge stands, unrecorded
+        path.parent.mkdir(parents=True, exist_ok=True)
+        replace_file(path, json.dumps({"measured": measured, "charged": charged, "at": time.time()}) + "\n")
     return charged
 
 

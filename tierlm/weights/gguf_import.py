@@ -31,7 +31,7 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
-from tierlm.atomic import atomic_directory, directory_lock, fsync_file, write_json
+from tierlm.atomic import atomic_directory, directory_lock, fsync_file, make_dirs, write_json
 from tierlm.config import LIMITS, MAX_ROPE_THETA, ModelConfig, shown_value
 from tierlm.errors import TierlmError
 from tierlm.weights.gguf_reader import GgufMetadata, open_gguf
@@ -40,13 +40,13 @@ from tierlm.weights.gguf_tokenizer import SUPPORTED_TOKENIZERS, build_tokenizer 
 
 # Bump when the written directory changes in a way that old imports should not be reused.
 # 2: the receipt records the source tensor types (`--quant auto` keeps a quantized grid).
-IMPORT_FORMAT_VERSION = 2
+# 3: the content key is a sha256 of the whole file (it sampled regions, so an edit between them
+#    returned the stale import). Older imports are listed as another format and imported afresh.
+IMPORT_FORMAT_VERSION = 3
 RECORD_NAME = "tierlm-import.json"
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
 # Shards are flushed at this size so a big model never sits in RAM as float32 all at once.
 SHARD_BYTES = 2 * 1024**3
-
-_MiB = 1024 * 1024
 
 
 @dataclass(frozen=True)
@@ -104,7 +104,7 @@ def import_gguf(gguf_path: Path, out_dir: Path, progress: Progress | None = None
     """
     gguf_path, out_dir = Path(gguf_path), Path(out_dir)
     key = gguf_content_key(gguf_path)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    make_dirs(out_dir.parent)
     with directory_lock(out_dir):
         if _record_matches(out_dir, key):
             return out_dir
@@ -114,25 +114,22 @@ def import_gguf(gguf_path: Path, out_dir: Path, progress: Progress | None = None
 
 
 def gguf_content_key(gguf_path: Path) -> str:
-    """A short hex key for a GGUF file's content and this importer's version.
+    """A short hex key for a GGUF file's whole content and this importer's version.
 
-    Hashes the size, the first and last MiB (header, metadata, last tensors) and 1 MiB samples
-    spread through the middle: a full sha256 of a multi-GB file would cost seconds on every start.
+    Keyed by a sha256 of every byte, so an in-place edit anywhere (a chat template, one tensor)
+    is a new import; the digest is remembered per file (tierlm.digests), so only the
+    first run after a change reads the whole file.
     """
+    from tierlm.digests import file_digest
+
     gguf_path = Path(gguf_path)
     try:
-        size = gguf_path.stat().st_size
-        digest = hashlib.sha256(f"tierlm-gguf-import-v{IMPORT_FORMAT_VERSION}:{size}".encode())
-        offsets = sorted({0, *(size * i // 8 for i in range(1, 8)), max(0, size - _MiB)})
-        with gguf_path.open("rb") as f:
-            for offset in offsets:
-                f.seek(offset)
-                digest.update(f.read(_MiB))
+        content = file_digest(gguf_path)
     except FileNotFoundError:
         raise TierlmError(f"GGUF file not found: {gguf_path}", hint="check the path") from None
     except OSError as err:
         raise TierlmError(f"cannot read GGUF file {gguf_path}: {err.strerror or err}") from None
-    return digest.hexdigest()[:16]
+    return hashlib.sha256(f"tierlm-gguf-import-v{IMPORT_FORMAT_VERSION}:sha256:{content}".encode()).hexdigest()[:16]
 
 
 def read_import_record(model_dir: Path) -> dict[str, Any] | None:
