@@ -12,6 +12,9 @@ from typing import Any, Mapping
 from tierlm.quant.modes import QuantMode, parse_quant_mode
 
 CODEC_VERSION = 1  # bump when the same inputs would encode to different bytes
+FLOAT_DTYPES = ("float32", "float16", "bfloat16")
+# encoding -> (parts it must have, parts it may have)
+ENCODINGS = {"plain": ({"data"}, set()), "int8": ({"qweight", "scales"}, {"offsets"})}
 
 parse_mode = parse_quant_mode
 
@@ -44,4 +47,42 @@ def decode(record, parts: Mapping[str, Any], *, device="cpu", dtype=None):
         return weight if torch.device(device).type == "cpu" else weight.to(device)
     if record.encoding == "plain":
         return parts["data"].to(device=device, dtype=dtype)
-    raise ValueError(f"unknown tensor encoding {record.encoding!r}")
+    raise ValueError(f"unknown tensor encoding {record.encoding!r}")  # check_record refuses it first
+
+
+def check_record(record, shape: tuple[int, ...] | None = None) -> str | None:
+    """Why `decode` could not turn `record` (an artifact's TensorRecord) into a tensor of
+    `shape` (None: any shape), or None when it can. Manifests are checked with it on open."""
+    if record.encoding not in ENCODINGS:
+        return f"unknown encoding {record.encoding!r}"
+    required, optional = ENCODINGS[record.encoding]
+    names = set(record.parts)
+    if not required <= names <= required | optional:
+        return f"{record.encoding} tensor has parts {sorted(names)}, expected {sorted(required)}"
+    if record.encoding == "plain":
+        data = record.parts["data"]
+        if data.dtype not in FLOAT_DTYPES:
+            return f"plain tensor stored as {data.dtype}, expected one of {', '.join(FLOAT_DTYPES)}"
+        return _shape_problem(data.shape, shape)
+    return _int8_problem(record, shape)
+
+
+def _int8_problem(record, shape) -> str | None:
+    qweight, scales = record.parts["qweight"], record.parts["scales"]
+    group = record.meta.get("group_size")
+    if qweight.dtype != "int8" or len(qweight.shape) != 2:
+        return f"qweight is {qweight.dtype}{list(qweight.shape)}, expected 2-D int8"
+    if group is not None and (not isinstance(group, int) or isinstance(group, bool) or group < 1):
+        return f"group_size {group!r} is not a positive integer"
+    rows, columns = qweight.shape
+    want = (rows,) if group is None else (rows, -(-columns // group))
+    for part in [scales] + ([record.parts["offsets"]] if "offsets" in record.parts else []):
+        if part.dtype not in FLOAT_DTYPES or tuple(part.shape) != want:
+            return f"scales/offsets are {part.dtype}{list(part.shape)}, expected float {list(want)}"
+    return _shape_problem(qweight.shape, shape)
+
+
+def _shape_problem(actual, expected) -> str | None:
+    if expected is not None and tuple(actual) != tuple(expected):
+        return f"shape {list(actual)}, config.json implies {list(expected)}"
+    return None

@@ -17,7 +17,7 @@ from typing import Callable, Sequence
 
 from tierlm.atomic import atomic_directory, directory_lock, make_dirs
 from tierlm.cache import codec
-from tierlm.cache.artifact import FORMAT_VERSION, MANIFEST_NAME, Artifact, ArtifactWriter
+from tierlm.cache.artifact import ARTIFACTS_DIR, FORMAT_VERSION, MANIFEST_NAME, Artifact, ArtifactWriter
 from tierlm.cache.fingerprint import checkpoint_digest
 from tierlm.config import ModelConfig
 from tierlm.errors import TierlmError
@@ -45,7 +45,7 @@ class ConversionRequest:
 
 
 def artifacts_root() -> Path:
-    return cache_root() / "artifacts"
+    return cache_root() / ARTIFACTS_DIR
 
 
 def artifact_key(request: ConversionRequest, merger=None) -> str:
@@ -129,7 +129,8 @@ def write_layout(writer: ArtifactWriter, layout, tensor_for, mode, progress: Pro
 
     `tensor_for(block, name, sources)` makes the fp32 tensor; entries whose sources were already
     written (a tied head) become aliases. Each tensor is released once encoded, so at most one
-    fp32 tensor is alive at a time.
+    fp32 tensor is alive at a time. Every tensor and its encoding must be finite (TierlmError
+    naming it otherwise), so an artifact never stores NaN/Inf for the model to compute with.
     """
     written: dict[tuple[str, ...], tuple[str, str]] = {}
     for done, (block, entries) in enumerate(layout.items(), start=1):
@@ -138,11 +139,24 @@ def write_layout(writer: ArtifactWriter, layout, tensor_for, mode, progress: Pro
             if sources in written:
                 writer.add_alias(name, *written[sources])
                 continue
-            writer.add_tensor(name, *codec.encode(tensor_for(block, name, sources), mode))
+            writer.add_tensor(name, *_encode_finite(f"{block}.{name}", tensor_for(block, name, sources), mode))
             written[sources] = (block, name)
         writer.end_block()
         if progress:
             progress(done, len(layout))
+
+
+def _encode_finite(what: str, tensor, mode):
+    """codec.encode, refusing NaN/Inf before it (quantizing them is garbage) and after it (a
+    finite fp32 value can overflow fp16)."""
+    from tierlm.weights.checkpoint import check_finite
+
+    check_finite(tensor, f"weight {what}", "the source weights are damaged; nothing was cached")
+    encoding, parts, meta = codec.encode(tensor, mode)
+    for part, data in parts.items():
+        check_finite(data, f"weight {what} stored as {mode.name} ({part})",
+                     f"its values overflow {mode.name}; use a wider quant mode (int8, bf16 or fp32)")
+    return encoding, parts, meta
 
 
 def _merger(adapters: Sequence[tuple[Path, float]]):
@@ -155,7 +169,9 @@ def _merger(adapters: Sequence[tuple[Path, float]]):
 
 
 def _is_complete(target: Path, key: str) -> bool:
+    if not (target / MANIFEST_NAME).is_file():
+        return False
     try:
-        return json.loads((target / MANIFEST_NAME).read_text()).get("key") == key and bool(Artifact.open(target))
-    except (OSError, ValueError, KeyError, TierlmError):  # an unreadable entry is simply rebuilt
+        return Artifact.open(target).manifest.get("key") == key
+    except (OSError, TierlmError):  # a damaged or outdated entry is simply rebuilt
         return False

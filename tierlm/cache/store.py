@@ -15,20 +15,26 @@ def load_resident_artifact(
 ) -> ResidentStore:
     """Every block of the artifact read once (one read per block) and decoded for `device`.
 
-    Aliased tensors (a tied head) are the same object as their target, so they cost nothing.
+    Checksums are verified on worker threads while later blocks are read; the store is returned
+    only once every block has passed. Aliased tensors (a tied head) are the same object as their
+    target, so they cost nothing.
     """
     artifact = Artifact.open(directory)
     blocks: dict[str, dict] = {}
     names = list(artifact.blocks)
-    for done, name in enumerate(names, start=1):
-        raw = artifact.read_block(name)
-        blocks[name] = {
-            tensor: codec.decode(record, parts, device=device, dtype=dtype)
-            for tensor, (record, parts) in raw.items()
-        }
-        for alias, target in artifact.blocks[name].aliases.items():
-            source_block, source_tensor = target.split("/", 1)
-            blocks[name][alias] = blocks[source_block][source_tensor]
-        if progress:
-            progress(done, len(names))
+    try:
+        for done, (name, raw) in enumerate(artifact.read_blocks(names), start=1):
+            blocks[name] = {
+                tensor: codec.decode(record, parts, device=device, dtype=dtype)
+                for tensor, (record, parts) in raw.items()
+            }
+            for alias, target in artifact.blocks[name].aliases.items():
+                source_block, source_tensor = target.split("/", 1)
+                blocks[name][alias] = blocks[source_block][source_tensor]
+            if progress and done < len(names):
+                progress(done, len(names))
+    finally:
+        artifact.close()
+    if progress:  # "done" only once the last checksum has passed
+        progress(len(names), len(names))
     return ResidentStore(blocks)

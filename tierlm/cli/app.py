@@ -193,7 +193,7 @@ def convert(
     print(ensure_artifact(ConversionRequest(model_dir, adapters, mode.name), progress("converting")))
 
 
-cache_app = typer.Typer(help="List or remove cached models and artifacts.", no_args_is_help=True)
+cache_app = typer.Typer(help="List, verify or remove cached models and artifacts.", no_args_is_help=True)
 app.add_typer(cache_app, name="cache")
 
 
@@ -216,6 +216,14 @@ def cache_rm(
 
     for removed in remove_from_cache(names or [], all_entries, yes):
         print(f"removed {removed.name}", file=sys.stderr)
+
+
+@cache_app.command("verify")
+def cache_verify(names: list[str] = typer.Argument(None, help="Entry names as `cache list` shows them (default: all)")):
+    """Read every block of every artifact back and check its checksums; one ok/corrupt line per entry."""
+    from tierlm.cache.verify import verify_cache
+
+    verify_cache(names or [], print)
 
 
 @app.command("list")

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 from tierlm.errors import TierlmError
 from tierlm.lora.patterns import in_modules_to_save, pattern_value
+from tierlm.weights.checkpoint import MAX_WEIGHT
 
 if TYPE_CHECKING:
     import torch
@@ -52,6 +53,11 @@ UNSUPPORTED_FIELDS = {
     "layer_replication": "layer replication",
 }
 
+ADAPTER_HINT = "the adapter is damaged or was not trained properly; re-save it with peft"
+PICKLE_HINT = (
+    "unpickling can run code; load the adapter with peft and call "
+    "save_pretrained(dir, safe_serialization=True) to write safetensors"
+)
 _LINEAR_FIELDS = {"lora_A.weight": "A", "lora_B.weight": "B", "lora_B.bias": "bias"}
 _EMBEDDING_FIELDS = {"lora_embedding_A": "A", "lora_embedding_B": "B"}
 _MAGNITUDE_FIELDS = ("lora_magnitude_vector", "lora_magnitude_vector.weight")
@@ -84,7 +90,7 @@ class AdapterConfig:
     @classmethod
     def from_dict(cls, raw: dict[str, Any], source: Path) -> "AdapterConfig":
         try:
-            return cls(
+            config = cls(
                 r=int(raw.get("r", 8)),
                 lora_alpha=float(raw.get("lora_alpha", 8)),
                 use_rslora=bool(raw.get("use_rslora", False)),
@@ -102,10 +108,25 @@ class AdapterConfig:
                 ensure_weight_tying=bool(raw.get("ensure_weight_tying", False)),
                 base_model=raw.get("base_model_name_or_path") or None,
             )
-        except (TypeError, ValueError, AttributeError) as err:
+        except (TypeError, ValueError, AttributeError, OverflowError) as err:
             raise TierlmError(
                 f"{source} has a malformed LoRA setting: {err}", "re-save the adapter with peft"
             ) from None
+        config.check(source)
+        return config
+
+    def check(self, source: Path) -> None:
+        """Ranks positive and alphas finite, so every scaling is a usable number."""
+        ranks = {"r": self.r, **{f"rank_pattern[{k!r}]": v for k, v in self.rank_pattern.items()}}
+        alphas = {"lora_alpha": self.lora_alpha, **{f"alpha_pattern[{k!r}]": v for k, v in self.alpha_pattern.items()}}
+        for key, rank in ranks.items():
+            if rank < 1:
+                raise TierlmError(
+                    f"{source}: {key} is {rank}; a LoRA rank must be at least 1", "re-save the adapter with peft"
+                )
+        for key, alpha in alphas.items():
+            if not math.isfinite(alpha):
+                raise TierlmError(f"{source}: {key} is {alpha}, not a finite number", "re-save the adapter with peft")
 
     def rank(self, module: str) -> int:
         return int(pattern_value(self.rank_pattern, module, self.r))
@@ -190,8 +211,7 @@ class LoraAdapter:
                 raise TierlmError(
                     f"LoRA adapter {path} holds only {pickled[0]}, a pickle; "
                     f"tierlm requires {WEIGHTS_NAME}",
-                    "unpickling can run code; load the adapter with peft and call "
-                    "save_pretrained(dir, safe_serialization=True) to write safetensors",
+                    PICKLE_HINT,
                 )
             raise TierlmError(
                 f"LoRA adapter {path} has no {WEIGHTS_NAME}", "the adapter directory is incomplete"
@@ -256,15 +276,21 @@ def _file_sha256(path: Path) -> bytes:
 
 
 def _read_tensors(weights_path: Path) -> dict[str, "torch.Tensor"]:
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
+    """Every tensor, after the header is validated whole; each must be a finite float tensor
+    within ±MAX_WEIGHT, so a bad value is refused here, by name, before any merge."""
+    from tierlm.weights.checkpoint import check_finite, read_safetensors
 
     try:
-        return load_file(str(weights_path))
-    except (SafetensorError, OSError, ValueError) as err:
-        raise TierlmError(
-            f"LoRA adapter file {weights_path} cannot be read: {err}", "re-save the adapter with peft"
-        ) from None
+        tensors = read_safetensors(weights_path)
+    except OSError as err:
+        raise TierlmError(f"LoRA adapter file {weights_path} cannot be read: {err}", ADAPTER_HINT) from None
+    except TierlmError as err:
+        # The reader's hint speaks of model checkpoints; an adapter is re-saved, not re-downloaded.
+        raise TierlmError(err.message.replace("checkpoint file", "LoRA adapter file"),
+                          PICKLE_HINT if "pickle" in err.message else ADAPTER_HINT) from None
+    for name, tensor in tensors.items():
+        check_finite(tensor, f"LoRA adapter {weights_path.parent}: tensor {name!r}", ADAPTER_HINT, limit=MAX_WEIGHT)
+    return tensors
 
 
 def _sort_tensors(
@@ -329,6 +355,13 @@ def _module(module: str, parts: dict[str, Any], config: AdapterConfig, path: Pat
             "rank-r product",
         )
     rank = config.rank(module)
+    scaling = config.scaling(module)
+    if not abs(scaling) <= MAX_WEIGHT:
+        raise _bad_adapter(
+            path,
+            f"{module}: lora_alpha {config.alpha(module):g} over rank {rank} gives a scale of "
+            f"{scaling:.3g}, beyond any usable weight",
+        )
     if lora_A.shape[0] != rank:
         raise _bad_adapter(
             path,
@@ -341,7 +374,7 @@ def _module(module: str, parts: dict[str, Any], config: AdapterConfig, path: Pat
     bias = parts.get("bias")
     if bias is not None and not config.lora_bias:
         raise _bad_adapter(path, f"{module} has a lora_B bias but lora_bias is false")
-    return ModuleLora(module, kind, lora_A, lora_B, config.scaling(module), bias, magnitude)
+    return ModuleLora(module, kind, lora_A, lora_B, scaling, bias, magnitude)
 
 
 def _bad_adapter(path: Path, why: str) -> TierlmError:

@@ -42,6 +42,7 @@ from typing import TYPE_CHECKING
 from tierlm.errors import TierlmError
 from tierlm.lora.adapter import LoraAdapter, ModuleLora
 from tierlm.lora.patterns import any_target
+from tierlm.weights.checkpoint import MAX_WEIGHT
 
 if TYPE_CHECKING:
     import torch
@@ -97,6 +98,12 @@ class LoraMerger:
                     f"LoRA weight {weight!r} for {adapter.path} is not a finite number",
                     "use --lora PATH[:WEIGHT] with a number such as 0.5",
                 )
+            if abs(weight) > MAX_WEIGHT:
+                # Any such weight overflows the merged tensors; refused before conversion starts.
+                raise TierlmError(
+                    f"LoRA weight {weight:g} for {adapter.path} is beyond any usable scale",
+                    "use --lora PATH[:WEIGHT] with a weight such as 0.5 (1 applies the adapter as trained)",
+                )
         self.adapters: tuple[tuple[LoraAdapter, float], ...] = tuple(
             (adapter, float(weight)) for adapter, weight in adapters
         )
@@ -139,6 +146,7 @@ class LoraMerger:
         """The merged tensor `name`, float32, same shape as `base` (the base tensor as stored).
 
         An untouched tensor is returned cast to float32 (the same object when already float32).
+        A merged tensor holding NaN/Inf or values beyond ±MAX_WEIGHT is a TierlmError naming it.
         """
         import torch
 
@@ -152,17 +160,9 @@ class LoraMerger:
                     f"{name}: base tensor is {list(base.shape)}, "
                     f"the checkpoint said {list(self._shapes[name])}"
                 )
-            if len(contribs) == 1 and contribs[0].weight == 1.0:
-                # Exactly peft's arithmetic, with no W + (M - W) round trip.
-                return _run(contribs[0].steps, original)
-            merged = original.clone()
-            for contrib in contribs:
-                if all(step.additive for step in contrib.steps):
-                    for step in contrib.steps:
-                        merged.add_(_additive_delta(step), alpha=contrib.weight)
-                else:
-                    merged.add_(_run(contrib.steps, original) - original, alpha=contrib.weight)
-            return merged
+            merged = _combine(contribs, original)
+        _check_merged(name, merged, [adapter.path for adapter, _ in self.adapters])
+        return merged
 
     def content_fingerprint(self) -> str:
         """A hex digest of the adapters' files (configs and weights), their order and weights."""
@@ -346,6 +346,34 @@ def _trained_on(adapter: LoraAdapter) -> str:
     base = adapter.config.base_model
     made_for = f" (it names {base!r} as its base)" if base else ""
     return f"the adapter was trained for a different model{made_for}; pass that model with --model"
+
+
+def _combine(contribs: list[_Contribution], original: "torch.Tensor") -> "torch.Tensor":
+    """W + Σ wᵢ·(Mᵢ(W) − W) over the contributions (see the module docstring)."""
+    if len(contribs) == 1 and contribs[0].weight == 1.0:
+        # Exactly peft's arithmetic, with no W + (M - W) round trip.
+        return _run(contribs[0].steps, original)
+    merged = original.clone()
+    for contrib in contribs:
+        if all(step.additive for step in contrib.steps):
+            for step in contrib.steps:
+                merged.add_(_additive_delta(step), alpha=contrib.weight)
+        else:
+            merged.add_(_run(contrib.steps, original) - original, alpha=contrib.weight)
+    return merged
+
+
+def _check_merged(name: str, merged: "torch.Tensor", paths: list[Path]) -> None:
+    """Inputs in range can still overflow together (large factors times a large weight, a DoRA
+    norm near zero): the merged tensor is checked before anything quantizes or caches it."""
+    from tierlm.weights.checkpoint import check_finite
+
+    adapters = ", ".join(str(p) for p in paths)
+    check_finite(
+        merged, f"merging LoRA adapter(s) {adapters} into {name!r} gives a tensor that",
+        "the adapter's factors, lora_alpha or --lora weight are out of range; nothing was cached",
+        limit=MAX_WEIGHT,
+    )
 
 
 def _run(steps: tuple[_Step, ...], base: "torch.Tensor") -> "torch.Tensor":

@@ -8,11 +8,12 @@ Implements the WeightStore contract (acquire/release), so model code is unchange
   (on an accelerator, into the slot's pinned staging buffer first);
 - host -> device copies run on the ring's copy stream, ordered by per-slot events (prefetch.py);
 - an embedding that is not resident serves rows on demand through the hot-row cache.
+Every read goes through the Artifact, which checks each block's checksums on its first read
+(an embedding's rows: the chunks holding them), so no unverified byte reaches the model.
 """
 
 from __future__ import annotations
 
-import os
 import time
 from pathlib import Path
 from typing import Mapping
@@ -56,7 +57,6 @@ class TieredStore(WeightStore):
         self.read_delay_s = read_delay_s  # injected latency per streamed read (tests)
         self.resident: dict[str, dict] = {}
         self.host_bytes: dict[str, torch.Tensor] = {}
-        self._fd = os.open(artifact.weights_path, os.O_RDONLY)
         self._embed_rows = None
         for placed in placement.blocks:
             source = self._source_block(placed.name)
@@ -132,7 +132,7 @@ class TieredStore(WeightStore):
             self.ring.close()
         if self._embed_rows is not None:
             self._embed_rows.save()
-        os.close(self._fd)
+        self.artifact.close()
 
     # -- reading and decoding -----------------------------------------------------------------
 
@@ -145,19 +145,7 @@ class TieredStore(WeightStore):
 
     def _read_raw(self, source: str) -> torch.Tensor:
         """Block `source`'s bytes in a host buffer (pinned where an accelerator copies from it)."""
-        record = self.artifact.blocks[source]
-        buffer = self.backend.empty_host(record.nbytes)
-        self._pread_into(buffer, record.offset)
-        return buffer
-
-    def _pread_into(self, buffer: torch.Tensor, offset: int) -> None:
-        view = memoryview(buffer.numpy())
-        done = 0
-        while done < len(view):
-            count = os.preadv(self._fd, [view[done:]], offset + done)
-            if count <= 0:
-                raise OSError(f"{self.artifact.weights_path} ended at byte {offset + done}")
-            done += count
+        return self.artifact.read_bytes(source, into=self.backend.empty_host(self.artifact.blocks[source].nbytes))
 
     def _fill_slot(self, block: str, staging: torch.Tensor) -> torch.Tensor:
         """Worker thread: block's bytes in host memory (ring loader; see PrefetchRing)."""
@@ -180,8 +168,7 @@ class TieredStore(WeightStore):
         host = self.host_bytes.get(source)
         tier = HOST if host is not None else DISK
         if host is None:
-            host = staging[: record.nbytes]
-            self._pread_into(host, record.offset)
+            host = self.artifact.read_bytes(source, into=staging)  # checksums checked on the first read
         self.ledger.record_read(tier, record.nbytes, time.perf_counter() - started)
         return host
 
@@ -192,12 +179,7 @@ class TieredStore(WeightStore):
 
     def _views(self, source: str, buffer: torch.Tensor) -> dict:
         """{tensor: (record, {part: view})} over a buffer holding block `source`'s bytes."""
-        from tierlm.cache.artifact import _part_view
-
-        return {
-            name: (record, {part: _part_view(buffer, p) for part, p in record.parts.items()})
-            for name, record in self.artifact.blocks[source].tensors.items()
-        }
+        return self.artifact.views(source, buffer)
 
     def _decode(self, block: str, raw: dict, device) -> dict:
         tensors = {name: codec.decode(record, parts, device=device, dtype=self.dtype) for name, (record, parts) in raw.items()}
@@ -217,7 +199,7 @@ class EmbeddingRows:
         self.store = store
         self.record = store.artifact.blocks[EMBED_BLOCK]
         self.embed = self.record.tensors["embed"]
-        width = self.embed.parts["qweight" if self.embed.encoding == "int8" else "data"].shape[1]
+        vocab, width = self.embed.parts["qweight" if self.embed.encoding == "int8" else "data"].shape
         row_bytes = width * torch.empty((), dtype=store.dtype).element_size()
         capacity = cache_bytes // row_bytes if cache_bytes else 0
         self.cache = (
@@ -226,6 +208,9 @@ class EmbeddingRows:
             if capacity else None
         )  # fmt: skip
         if self.cache is not None:
+            # Saved statistics are bytes from disk too: rows the embedding lacks are dropped, not read.
+            for row in [r for r in self.cache.counts if not 0 <= r < vocab]:
+                del self.cache.counts[row]
             self.cache.warm(self._fetch)
 
     @property
@@ -248,18 +233,8 @@ class EmbeddingRows:
 
     def _fetch(self, rows: list[int]) -> torch.Tensor:
         """Decoded rows [len(rows), H], read from host RAM or with one small read per row."""
-        parts = {}
-        for part_name, part in self.embed.parts.items():
-            row_bytes = part.nbytes // part.shape[0]
-            buffer = torch.empty(len(rows) * row_bytes, dtype=torch.uint8)
-            host = self.store.host_bytes.get(EMBED_BLOCK)
-            for i, row in enumerate(rows):
-                start = part.offset + row * row_bytes
-                if host is not None:
-                    buffer[i * row_bytes : (i + 1) * row_bytes] = host[start : start + row_bytes]
-                else:
-                    self.store._pread_into(buffer[i * row_bytes : (i + 1) * row_bytes], self.record.offset + start)
-            parts[part_name] = buffer.view(getattr(torch, part.dtype)).reshape(len(rows), *part.shape[1:])
+        host = self.store.host_bytes.get(EMBED_BLOCK)
+        parts = self.store.artifact.read_rows(EMBED_BLOCK, "embed", rows, host=host)
         self.store.ledger.record_read(HOST if EMBED_BLOCK in self.store.host_bytes else DISK,
                                       sum(p.nbytes // p.shape[0] for p in self.embed.parts.values()) * len(rows), 0.0)  # fmt: skip
         weight = codec.decode(self.embed, parts, device="cpu", dtype=self.store.dtype)
