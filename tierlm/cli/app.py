@@ -16,6 +16,8 @@ app = typer.Typer(
     no_args_is_help=True,
     pretty_exceptions_enable=False,
     add_completion=False,
+    # Plain help: flags show no `<bool>` placeholder and long texts wrap at word boundaries.
+    rich_markup_mode=None,
 )
 
 ModelOpt = typer.Option(
@@ -97,7 +99,7 @@ def _open(model, profile_name, device, dtype, quant, lora, threads=None):
     )
 
 
-@app.command()
+@app.command(short_help="Chat with a model (interactive, or one message per stdin line).")
 def chat(
     model_arg: Optional[str] = ModelArg,
     model: Optional[str] = ModelOpt,
@@ -127,7 +129,7 @@ def chat(
     run_chat(session, params, system)
 
 
-@app.command()
+@app.command(short_help="Generate one reply to a prompt; only the text goes to stdout.")
 def generate(
     prompt: str = typer.Argument(..., help="Prompt text; '-' reads it from stdin"),
     model: Optional[str] = ModelOpt,
@@ -171,7 +173,7 @@ def generate(
         session.engine.loaded.close()  # persists hot-row statistics for the next start
 
 
-@app.command()
+@app.command(short_help="Merge LoRA adapters and quantize into a cached artifact.")
 def convert(
     model: Optional[str] = ModelOpt,
     lora: Optional[list[str]] = LoraOpt,
@@ -197,7 +199,7 @@ cache_app = typer.Typer(help="List, verify or remove cached models and artifacts
 app.add_typer(cache_app, name="cache")
 
 
-@cache_app.command("list")
+@cache_app.command("list", short_help="Cache entries with their kind and size.")
 def cache_list():
     """Imported models and compiled artifacts in the cache: kind, size, directory, (name)."""
     from tierlm.cli.models import render_cache_list
@@ -205,7 +207,7 @@ def cache_list():
     print(render_cache_list())
 
 
-@cache_app.command("rm")
+@cache_app.command("rm", short_help="Remove cache entries (rebuilt on next use).")
 def cache_rm(
     names: list[str] = typer.Argument(None, help="Entry names as `cache list` shows them, or model names"),
     all_entries: bool = typer.Option(False, "--all", help="Remove every entry (asks first)"),
@@ -218,7 +220,7 @@ def cache_rm(
         print(f"removed {removed.name}", file=sys.stderr)
 
 
-@cache_app.command("verify")
+@cache_app.command("verify", short_help="Check every artifact block against its checksum.")
 def cache_verify(names: list[str] = typer.Argument(None, help="Entry names as `cache list` shows them (default: all)")):
     """Read every block of every artifact back and check its checksums; one ok/corrupt line per entry."""
     from tierlm.cache.verify import verify_cache
@@ -226,7 +228,7 @@ def cache_verify(names: list[str] = typer.Argument(None, help="Entry names as `c
     verify_cache(names or [], print)
 
 
-@app.command("list")
+@app.command("list", short_help="The models in the cache by name, with sizes and last use.")
 def list_models():
     """The models in the cache by name, with the quant and LoRA variants built from them."""
     from tierlm.cli.models import render_list
@@ -234,7 +236,7 @@ def list_models():
     print(render_list())
 
 
-@app.command()
+@app.command(short_help="One model's settings, chat template, artifacts and plan.")
 def show(
     name: str = typer.Argument(..., help="Model name (`tierlm list`) or path"),
     profile: str = ProfileOpt,
@@ -246,7 +248,7 @@ def show(
     print(render_show(name, profile, device))
 
 
-@app.command("import-gguf")
+@app.command("import-gguf", short_help="Import a .gguf file into the cache.")
 def import_gguf(path: Path = typer.Argument(..., help="A Llama-family .gguf file")):
     """Import a GGUF file into the cache as a Hugging Face model directory; prints its path."""
     from tierlm.cli.models import import_gguf_command
@@ -257,7 +259,7 @@ def import_gguf(path: Path = typer.Argument(..., help="A Llama-family .gguf file
     print(model_dir)
 
 
-@app.command()
+@app.command(short_help="The shipped memory profiles, or one in full.")
 def profiles(name: Optional[str] = typer.Argument(None, help="Show one profile in full (or `auto`)")):
     """List the shipped memory profiles (largest first), or show one."""
     from tierlm.profile import format_size, load_profile, shipped_profiles
@@ -274,7 +276,7 @@ def profiles(name: Optional[str] = typer.Argument(None, help="Show one profile i
     print(f"{'auto':6} sized from what this machine has free now (`tierlm profiles auto` shows it)")
 
 
-@app.command()
+@app.command(short_help="Where each weight block would live, and the predicted speed.")
 def plan(
     model_arg: Optional[str] = ModelArg,
     model: Optional[str] = typer.Option(
@@ -311,7 +313,7 @@ def plan(
     print(json.dumps(placement_to_dict(placement), indent=1) if as_json else render_plan(placement, header))
 
 
-@app.command()
+@app.command(short_help="Measure prefill, decode and memory against the plan.")
 def bench(
     model_arg: Optional[str] = ModelArg,
     model: Optional[str] = ModelOpt,
@@ -340,7 +342,7 @@ def bench(
     print(json.dumps(result, indent=1) if as_json else format_bench(result))
 
 
-@app.command()
+@app.command(short_help="Serve an OpenAI-compatible HTTP API.")
 def serve(
     model_arg: Optional[str] = ModelArg,
     model: Optional[str] = ModelOpt,
@@ -411,7 +413,7 @@ def serve(
     run_server(session, options, host=host, port=port)
 
 
-@app.command()
+@app.command(short_help="What this machine offers and why an option is missing.")
 def doctor(
     as_json: bool = typer.Option(False, "--json", help="Print the report as JSON"),
     probe: bool = typer.Option(False, "--probe", help="Measure this machine's bandwidths afresh (a minute) and cache them"),
