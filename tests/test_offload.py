@@ -133,3 +133,13 @@ def test_read_error_mid_generation_is_a_clear_error_not_a_hang(tmp_path):
     assert isinstance(outcome.get("error"), TierlmError)
     assert "layers.2" in str(outcome["error"]) or "layers.3" in str(outcome["error"])
     store.close()
+
+
+@pytest.mark.parametrize("damage", ["[1, 2, 3]", '{"a": 1}', '{"1": [2]}', "not json", '{"1": null}'])
+def test_damaged_hot_row_statistics_cost_only_a_cold_start(tmp_path, damage):
+    from tierlm.offload.hot_cache import HotRowCache
+
+    path = tmp_path / "hot_rows.json"
+    path.write_text(damage)
+    cache = HotRowCache(4, 8, device="cpu", dtype=torch.float32, counts_path=path)
+    assert not cache.counts

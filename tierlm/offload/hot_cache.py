@@ -32,8 +32,8 @@ class HotRowCache:
         if counts_path is not None and counts_path.is_file():
             try:
                 self.counts.update({int(k): int(v) for k, v in json.loads(counts_path.read_text()).items()})
-            except (ValueError, OSError):
-                pass  # a damaged statistics file only costs a cold start
+            except (ValueError, TypeError, AttributeError, OSError):
+                pass  # a damaged statistics file (bad JSON, a list, odd values) only costs a cold start
 
     @property
     def nbytes(self) -> int:
