@@ -9,12 +9,14 @@ uvicorn's own access log stays off (run.py), so each request has exactly one lin
 
 from __future__ import annotations
 
+import re
 import sys
 import time
 from dataclasses import dataclass
 from typing import Callable
 
 SCOPE_KEY = "tierlm.access"
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 
 
 @dataclass
@@ -38,6 +40,7 @@ def entry(scope: dict) -> Entry:
 def line(client: str, method: str, path: str, status: int, prompt: int | None, completion: int | None,
          seconds: float) -> str:
     shown = ["-" if n is None else str(n) for n in (prompt, completion)]
+    path = _CONTROL.sub(lambda m: f"\\x{ord(m[0]):02x}", path)  # a decoded %0A must not start a forged line
     return f'{client} "{method} {path}" {status} prompt={shown[0]} completion={shown[1]} {seconds:.2f}s'
 
 

@@ -2,8 +2,15 @@
 
 Routes: GET /v1/models, POST /v1/chat/completions, POST /v1/completions, GET /metrics,
 GET /health (never behind the API key), and POST /debug/worker when test hooks are enabled.
-Errors are OpenAI-style bodies: 400 invalid or unsupported input, 401 API key, 404 unknown
-route, 413 body too large, 429 queue full (with Retry-After), 503 the worker failed.
+Errors are OpenAI-style bodies: 400 invalid or unsupported input (any JSON shape, depth or
+invalid Unicode included), 401 API key, 404 unknown route, 413 body too large, 429 queue full
+(with Retry-After), 500 this request's generation failed (the batch it shared goes on), 503 the
+worker failed or the server is shutting down. A streamed response that has begun ends with an
+error event instead. A client that leaves before its reply began is logged as 499, without a
+traceback.
+
+Shutdown (SIGTERM, SIGINT): requests in flight are answered at once with a 503
+`server_shutting_down` (streams with that error event), then the process exits (run.py).
 
 Finish reasons are OpenAI's "stop" and "length", plus "timeout": the request's deadline
 (its `timeout` field, else the server's default) passed, and the text is what was generated
@@ -28,7 +35,6 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-import json
 import time
 from contextlib import asynccontextmanager
 
@@ -37,17 +43,19 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 
 from tierlm.errors import TierlmError
 from tierlm.server.access import AccessLog, entry
-from tierlm.server.jobs import DONE, ERROR, TEXT, Job
+from tierlm.server.jobs import DONE, ERROR, TEXT, Event, Job
 from tierlm.server.metrics import Metrics, process_memory, store_metrics
 from tierlm.server.options import ServerOptions
 from tierlm.server.responses import EventStream, Shape, sse, usage
-from tierlm.server.schemas import ApiError, GenerationRequest, parse_chat, parse_completion
-from tierlm.server.worker import DEBUG_ACTIONS, Worker, WorkerSettings
+from tierlm.server.schemas import ApiError, GenerationRequest, parse_body, parse_chat, parse_completion
+from tierlm.server.worker import DEBUG_ACTIONS, SHUTTING_DOWN, Worker, WorkerSettings
 
 RETRY_AFTER_S = 1
+CLIENT_GONE = 499  # nginx's "client closed request": for the access log, no client reads it
 
 
 def create_app(session, options: ServerOptions) -> FastAPI:
@@ -93,6 +101,7 @@ def create_app(session, options: ServerOptions) -> FastAPI:
 
     app = FastAPI(title="tierlm", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.worker = worker
+    app.state.drain = worker.drain  # run.py: the moment shutdown begins
     app.state.metrics = metrics
     app.state.model_id = model_id
     _install_error_handlers(app, metrics)
@@ -145,11 +154,7 @@ def create_app(session, options: ServerOptions) -> FastAPI:
         if isinstance(req.prompt, str):
             ids = await run_in_threadpool(tokenizer.encode, req.prompt, add_special_tokens=True)
         else:
-            ids = list(req.prompt)
-            vocab = engine.loaded.config.vocab_size
-            if max(ids) >= vocab:
-                raise ApiError(400, f"prompt token id {max(ids)} is outside the vocabulary ({vocab} ids)",
-                               param="prompt", code="invalid_value")
+            ids = _in_vocabulary(req.prompt, engine.loaded.config.vocab_size)
         return await generate(request, req, ids, chat=False)
 
     async def generate(request: Request, req: GenerationRequest, ids: list[int], *, chat: bool):
@@ -167,8 +172,7 @@ def create_app(session, options: ServerOptions) -> FastAPI:
                   on_end=metrics.ended)
         log.job = job
         if not worker.submit(job):
-            raise ApiError(429, f"the server is busy ({worker.queue_depth} requests queued); retry shortly",
-                           kind="rate_limit_error", code="queue_full", headers={"Retry-After": str(RETRY_AFTER_S)})
+            raise _refusal(worker)
         shape = Shape(chat, model_id, req.include_usage)
         if req.stream:
             return EventStream(_stream(job, shape, req), on_disconnect=job.cancel)
@@ -179,9 +183,10 @@ def create_app(session, options: ServerOptions) -> FastAPI:
         @api.post("/debug/worker")
         async def debug_worker(request: Request):
             body = await _read_json(request, 4096)
-            action, seconds = body.get("action"), body.get("seconds", 0)
-            if action not in DEBUG_ACTIONS or not isinstance(seconds, (int, float)):
-                raise ApiError(400, f"action must be one of {', '.join(DEBUG_ACTIONS)}; seconds a number")
+            action = body.get("action") if isinstance(body, dict) else None
+            seconds = body.get("seconds", 0) if isinstance(body, dict) else None
+            if action not in DEBUG_ACTIONS or not _is_seconds(seconds):  # a bad sleep would kill the worker
+                raise ApiError(400, f"action must be one of {', '.join(DEBUG_ACTIONS)}; seconds a number ≥ 0")
             worker.debug(action, float(seconds))
             return {"ok": True}
 
@@ -191,6 +196,27 @@ def create_app(session, options: ServerOptions) -> FastAPI:
 
 def _model_card(model_id: str, created: int) -> dict:
     return {"id": model_id, "object": "model", "created": created, "owned_by": "tierlm"}
+
+
+def _is_seconds(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and 0 <= value < 1e6
+
+
+def _in_vocabulary(ids: tuple[int, ...], vocab: int) -> list[int]:
+    """Token ids (schemas checked they are integers ≥ 0) that the model has embeddings for."""
+    bad = next((i for i, token in enumerate(ids) if token >= vocab), None)
+    if bad is not None:
+        raise ApiError(400, f"prompt[{bad}] is token id {ids[bad]}, outside the vocabulary ({vocab} ids: "
+                            f"0 to {vocab - 1})", param="prompt", code="invalid_value")
+    return list(ids)
+
+
+def _refusal(worker: Worker) -> ApiError:
+    """Why a job was not queued: the server is stopping (503), else its queue is full (429)."""
+    if worker.stopping:
+        return ApiError(503, SHUTTING_DOWN, kind="server_error", code="server_shutting_down")
+    return ApiError(429, f"the server is busy ({worker.queue_depth} requests queued); retry shortly",
+                    kind="rate_limit_error", code="queue_full", headers={"Retry-After": str(RETRY_AFTER_S)})
 
 
 def _check_model(name: str | None, model_id: str, aliases: tuple[str, ...]) -> None:
@@ -251,7 +277,8 @@ def _deadline(req: GenerationRequest, options: ServerOptions) -> float | None:
 
 
 async def _read_json(request: Request, limit: int):
-    """The body as JSON, refusing more than `limit` bytes (413) before reading them all."""
+    """The body as checked JSON (schemas.parse_body), refusing more than `limit` bytes (413)
+    before reading them all."""
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise ApiError(413, f"the request body is {declared} bytes; this server accepts at most {limit}",
@@ -263,10 +290,7 @@ async def _read_json(request: Request, limit: int):
             raise ApiError(413, f"the request body exceeds this server's limit of {limit} bytes",
                            code="request_too_large")
         chunks.append(chunk)
-    try:
-        return json.loads(b"".join(chunks))
-    except (ValueError, UnicodeDecodeError) as err:
-        raise ApiError(400, f"the request body is not valid JSON: {err}", code="invalid_json") from None
+    return parse_body(b"".join(chunks))
 
 
 async def _stream(job: Job, shape: Shape, req: GenerationRequest):
@@ -283,7 +307,7 @@ async def _stream(job: Job, shape: Shape, req: GenerationRequest):
                 yield sse(shape.usage_chunk(usage(len(job.prompt_ids), job.completion_tokens)))
             yield sse("[DONE]")
         elif event.kind == ERROR:
-            yield sse(ApiError(503, event.value, kind="server_error", code="worker_failed").body())
+            yield sse(_job_error(event).body())
 
 
 async def _collect(request: Request, job: Job, shape: Shape):
@@ -299,15 +323,22 @@ async def _collect(request: Request, job: Job, shape: Shape):
             if event.kind == TEXT:
                 parts.append(event.value)
             elif event.kind == ERROR:
-                raise ApiError(503, event.value, kind="server_error", code="worker_failed")
+                raise _job_error(event)
     finally:
         watcher.cancel()
+    if job.finish_reason == "cancelled":
+        return Response(status_code=CLIENT_GONE)
     return JSONResponse(shape.whole("".join(parts), job.finish_reason, usage(len(job.prompt_ids), job.completion_tokens)))
+
+
+def _job_error(event: Event) -> ApiError:
+    return ApiError(event.status, event.value, kind="server_error", code=event.code)
 
 
 def _install_error_handlers(app: FastAPI, metrics: Metrics) -> None:
     def reply(err: ApiError) -> JSONResponse:
-        metrics.refused("rejected" if err.status == 429 else "invalid")
+        if err.status < 500:  # a job's own failure is counted when it ends (metrics.ended)
+            metrics.refused("rejected" if err.status == 429 else "invalid")
         return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
 
     @app.exception_handler(ApiError)
@@ -318,6 +349,11 @@ def _install_error_handlers(app: FastAPI, metrics: Metrics) -> None:
     async def http_error(_request, err: HTTPException):
         message = "no such route" if err.status_code == 404 else str(err.detail)
         return reply(ApiError(err.status_code, message, code="not_found" if err.status_code == 404 else None))
+
+    @app.exception_handler(ClientDisconnect)
+    async def client_gone(_request, _err: ClientDisconnect):
+        # The client left while sending its body: the access log's 499 line says so; no traceback.
+        return Response(status_code=CLIENT_GONE)
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(_request, err: RequestValidationError):

@@ -5,12 +5,18 @@ keep decoding meanwhile), then joins the shared decode step: one forward over id
 each sequence's own position (`LlamaModel.forward_batch`). Every sequence keeps its own
 sampler (seed), stop matcher, stream decoder and token limit, so its tokens are the ones it
 would get decoded alone. Only the worker thread touches a runner.
+
+Failures are contained where they happen: an exception in one sequence's own work (admission,
+its prefill, sampling, detokenizing, stop matching, emitting) ends that sequence alone with a
+500; only the shared decode forward's failure reaches the caller, which fails the batch.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
@@ -77,14 +83,16 @@ class BatchRunner:
     def jobs(self) -> list[Job]:
         return [s.job for s in list(self.active)]
 
-    def admit(self, job: Job) -> Sequence:
-        """Give `job` a free slot (cheap: no model work until `step`)."""
+    def admit(self, job: Job) -> Sequence | None:
+        """Give `job` a free slot (cheap: no model work until `step`); None if it failed to start."""
         slot = self._free.pop(0)
         self.cache.free(slot)
-        params = job.params
-        seq = Sequence(job, slot, Sampler(params), StopMatcher(params.stop), self.tokenizer.stream_decoder())
-        if params.repetition_penalty != 1.0:
-            seq.seen = torch.tensor(job.prompt_ids, dtype=torch.long)
+        try:
+            seq = self._sequence(job, slot)
+        except Exception as err:  # noqa: BLE001 - this job's settings, not the batch, are at fault
+            self._free.insert(0, slot)
+            _fail_job(job, err)
+            return None
         self.active.append(seq)
         return seq
 
@@ -96,7 +104,8 @@ class BatchRunner:
         prefilling = next((s for s in self.active if s.prefilling), None)
         if prefilling is not None:
             started = time.perf_counter()
-            report.prefill_tokens = self._prefill_chunk(prefilling)
+            # A prefill writes only its own slot, so its failure is that sequence's alone.
+            report.prefill_tokens = self._contained(prefilling, self._prefill_chunk) or 0
             report.prefill_s = time.perf_counter() - started
         ready = [s for s in self.active if s.pending is not None]
         if ready:
@@ -110,7 +119,7 @@ class BatchRunner:
     def end(self, seq: Sequence, reason: str) -> None:
         """End a sequence early (deadline: the text so far is flushed; cancel: nothing more)."""
         if reason != "cancelled":
-            self._flush(seq)
+            self._contained(seq, self._flush)
         seq.job.finish(reason, len(seq.token_ids))
         self._release(seq)
 
@@ -120,6 +129,22 @@ class BatchRunner:
             self._release(seq)
 
     # -- internals -------------------------------------------------------------------------
+
+    def _sequence(self, job: Job, slot: int) -> Sequence:
+        params = job.params
+        seq = Sequence(job, slot, Sampler(params), StopMatcher(params.stop), self.tokenizer.stream_decoder())
+        if params.repetition_penalty != 1.0:
+            seq.seen = torch.tensor(job.prompt_ids, dtype=torch.long)
+        return seq
+
+    def _contained(self, seq: Sequence, work: Callable, *args):
+        """`work(seq, *args)`; an exception ends `seq` alone with an error, never the batch."""
+        try:
+            return work(seq, *args)
+        except Exception as err:  # noqa: BLE001 - whatever broke, it broke for this sequence only
+            _fail_job(seq.job, err)
+            self._release(seq)
+            return None
 
     def _prefill_chunk(self, seq: Sequence) -> int:
         prompt = seq.job.prompt_ids
@@ -136,7 +161,7 @@ class BatchRunner:
         ids = torch.tensor([[s.pending] for s in ready], dtype=torch.long, device=self.loaded.device)
         logits = self.model.forward_batch(ids, self.cache.batch([s.slot for s in ready]))
         for seq, row in zip(ready, logits):
-            self._accept(seq, row)
+            self._contained(seq, self._accept, row)
 
     def _accept(self, seq: Sequence, logits: torch.Tensor) -> None:
         """Sample the next token from logits [V] and decide whether the sequence goes on.
@@ -182,3 +207,9 @@ class BatchRunner:
             self.cache.free(seq.slot)
             self._free.append(seq.slot)
             self._free.sort()
+
+
+def _fail_job(job: Job, err: Exception) -> None:
+    # A bug or an input nothing validated: logged in full for the operator; the client gets a 500.
+    logging.getLogger("tierlm.server").exception("request %d failed", job.number)
+    job.fail(f"generating this reply failed: {type(err).__name__}: {err}", status=500, code="internal_error")

@@ -25,6 +25,8 @@ TEXT, DONE, ERROR = "text", "done", "error"
 class Event:
     kind: str  # TEXT, DONE or ERROR
     value: str  # the text delta, the finish reason, or the error message
+    status: int = 503  # ERROR only: the HTTP status and error code the client gets
+    code: str | None = "worker_failed"
 
 
 class Job:
@@ -85,9 +87,10 @@ class Job:
         """End with a finish reason; False if the job had already ended."""
         return self._end(Event(DONE, reason), reason, None, completion_tokens)
 
-    def fail(self, message: str) -> bool:
-        """End with an error the client sees; False if the job had already ended."""
-        return self._end(Event(ERROR, message), "error", message, None)
+    def fail(self, message: str, *, status: int = 503, code: str | None = "worker_failed") -> bool:
+        """End with an error the client sees (`status`: 503 when the server, not the request, failed);
+        False if the job had already ended."""
+        return self._end(Event(ERROR, message, status, code), "error", message, None)
 
     def _end(self, event: Event, reason: str, error: str | None, tokens: int | None) -> bool:
         with self._lock:

@@ -2,10 +2,17 @@
 
 The listening socket is bound before uvicorn starts, so `port=0` works and the real port is
 known (and announced) at once.
+
+Shutdown (SIGTERM, SIGINT, or `BackgroundServer.stop`): the worker is drained first, so every
+request in flight is answered with a 503 (a stream with an error event) instead of being cut
+off when uvicorn's grace period ends; then the model is closed, and only then does a signal
+that stopped `serve` take its usual effect (the exit status says SIGTERM, as uvicorn's would).
 """
 
 from __future__ import annotations
 
+import contextlib
+import signal
 import socket
 import sys
 import threading
@@ -38,9 +45,39 @@ def url_of(sock: socket.socket) -> str:
 def _uvicorn_server(app, log_level: str):
     import uvicorn
 
+    class Server(uvicorn.Server):
+        """uvicorn's server, told when shutdown begins, and holding back the signal that caused it."""
+
+        def __init__(self, config) -> None:
+            super().__init__(config)
+            self.signals: list[int] = []  # the signals that stopped it, for `serve` to re-raise
+
+        async def shutdown(self, sockets=None) -> None:
+            app.state.drain()  # before uvicorn waits for the requests in flight: they end now
+            await super().shutdown(sockets)
+
+        @contextlib.contextmanager
+        def capture_signals(self):
+            # As uvicorn's, but without re-raising on exit: that would kill the process before
+            # `serve` closes the model; `serve` re-raises them once it has.
+            if threading.current_thread() is not threading.main_thread():
+                yield
+                return
+            handled = (signal.SIGINT, signal.SIGTERM)
+            original = {sig: signal.signal(sig, self.handle_exit) for sig in handled}
+            try:
+                yield
+            finally:
+                for sig, handler in original.items():
+                    signal.signal(sig, handler)
+
+        def handle_exit(self, sig, frame) -> None:
+            self.signals.append(sig)
+            super().handle_exit(sig, frame)
+
     config = uvicorn.Config(app, log_level=log_level, access_log=False, lifespan="on",
                             timeout_graceful_shutdown=3, loop="asyncio", http="h11")
-    return uvicorn.Server(config)
+    return Server(config)
 
 
 def serve(session, options: ServerOptions, host: str = "127.0.0.1", port: int = 8000,
@@ -54,10 +91,13 @@ def serve(session, options: ServerOptions, host: str = "127.0.0.1", port: int = 
     print(f"tierlm serve: listening on {url_of(sock)} (model {app.state.model_id}, "
           f"profile {session.profile.name}, batch {slots}, loaded in {session.load_s:.1f} s)",
           file=sys.stderr, flush=True)
+    server = _uvicorn_server(app, log_level)
     try:
-        _uvicorn_server(app, log_level).run(sockets=[sock])
+        server.run(sockets=[sock])
     finally:
         session.engine.loaded.close()  # reader threads, files; persists hot-row statistics
+    for sig in reversed(server.signals):  # last in, first out, as uvicorn does
+        signal.raise_signal(sig)
 
 
 class BackgroundServer:

@@ -1,7 +1,9 @@
 """Request bodies of the OpenAI API, validated by hand into plain dataclasses.
 
 Hand-written rather than pydantic so every refusal is an OpenAI-style 400 that names the
-parameter (`{"error": {"message", "type", "param", "code"}}`), never a 422 or a 500.
+parameter (`{"error": {"message", "type", "param", "code"}}`), never a 422 or a 500. Before
+any of that, `parse_body` refuses what is not strict JSON (NaN, Infinity), nests deeper than
+JSON_DEPTH_MAX, or holds a lone surrogate ("\\ud800": invalid Unicode) anywhere, keys included.
 
 Parameter policy: what tierlm honours is parsed; parameters that only have a meaning tierlm
 lacks (tools, logprobs, penalties, ...) are accepted at their neutral value and refused
@@ -14,12 +16,17 @@ GenerationDefaults: generation_config.json, else tierlm's fallback).
 
 from __future__ import annotations
 
+import json
 import math
+import re
 from dataclasses import dataclass
 from typing import Any, Mapping
 
 STOP_STRINGS_MAX = 4  # as OpenAI allows
 SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.Generator.manual_seed accepts
+JSON_DEPTH_MAX = 32  # the deepest real body (message > content > part > text) is 5 levels
+JSON_DIGITS_MAX = 40  # an integer literal longer than this fits no parameter (seeds have 20 digits)
+_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 class ApiError(Exception):
@@ -106,6 +113,80 @@ _CHAT_KEYS = _SAMPLING | {"messages", "max_tokens", "max_completion_tokens"}
 _COMPLETION_KEYS = _SAMPLING | {"prompt", "max_tokens"}
 _ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+
+
+def parse_body(raw: bytes) -> Any:
+    """A request body as JSON, refused (400) unless it is strict JSON of bounded depth whose
+    strings are all valid Unicode: nothing past this point has to defend against those."""
+    try:
+        body = json.loads(raw, parse_constant=_no_constant, parse_int=_integer)
+    except RecursionError:
+        raise _too_deep() from None
+    except _TooManyDigits as err:
+        raise ApiError(400, f"the request body holds an integer of {err} digits; at most {JSON_DIGITS_MAX} "
+                            "are accepted", code="invalid_value") from None
+    except (ValueError, UnicodeDecodeError) as err:
+        raise ApiError(400, f"the request body is not valid JSON: {err}", code="invalid_json") from None
+    _check_tree(body)
+    return body
+
+
+class _TooManyDigits(ValueError):
+    pass
+
+
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not a JSON value")
+
+
+def _integer(text: str) -> int:
+    if len(text.lstrip("-")) > JSON_DIGITS_MAX:  # Python's own limit (4300) speaks of sys settings
+        raise _TooManyDigits(len(text.lstrip("-")))
+    return int(text)
+
+
+def _too_deep() -> ApiError:
+    return ApiError(400, f"the request body nests JSON deeper than {JSON_DEPTH_MAX} levels", code="invalid_json")
+
+
+def _check_tree(body: Any) -> None:
+    """Depth and lone surrogates (JSON's "\\ud800": no character, and no UTF-8 either), walked
+    without recursion so any depth json.loads accepted is safe here."""
+    stack = [(body, 0)] if isinstance(body, (str, list, dict)) else []
+    while stack:
+        node, depth = stack.pop()
+        if isinstance(node, str):
+            if _SURROGATE.search(node):
+                raise _bad_unicode(body)
+            continue
+        if depth >= JSON_DEPTH_MAX:
+            raise _too_deep()
+        if isinstance(node, dict):
+            stack.extend((key, depth) for key in node)
+        children = node.values() if isinstance(node, dict) else node
+        stack.extend((value, depth + 1) for value in children if isinstance(value, (str, list, dict)))
+
+
+def _bad_unicode(body: Any) -> ApiError:
+    where = _surrogate_path(body, "")
+    return ApiError(400, f"invalid Unicode in {where or 'the request body'}: a lone surrogate (half of a "
+                         f"UTF-16 pair, as JSON's \\ud800 writes it) is not a character", param=where or None,
+                    code="invalid_unicode")
+
+
+def _surrogate_path(node: Any, path: str) -> str | None:
+    """Where the first lone surrogate lies (`messages[0].content`); depth is already bounded."""
+    if isinstance(node, str):
+        return path if _SURROGATE.search(node) else None
+    if isinstance(node, list):
+        items = ((f"{path}[{i}]", value) for i, value in enumerate(node))
+    elif isinstance(node, dict):
+        if any(_SURROGATE.search(key) for key in node):
+            return path or None
+        items = ((f"{path}.{key}" if path else key, value) for key, value in node.items())
+    else:
+        return None
+    return next(filter(None, (_surrogate_path(value, where) for where, value in items)), None)
 
 
 def parse_chat(body: Any, *, max_messages: int) -> GenerationRequest:
@@ -219,9 +300,11 @@ def _message(message: Any, index: int) -> dict:
     where = f"messages[{index}]"
     message = _object(message, where)
     role = message.get("role")
+    if not isinstance(role, str):  # a list or an object is not a role (nor hashable)
+        raise ApiError(400, f"{where}.role must be a string (system, user or assistant), not "
+                            f"{_json_type(role)}", param=f"{where}.role", code="invalid_type")
     if role not in _ROLES:
-        shown = role if isinstance(role, str) else type(role).__name__
-        raise ApiError(400, f"{where}.role {shown!r} is not supported (use system, user or assistant)",
+        raise ApiError(400, f"{where}.role {role!r} is not supported (use system, user or assistant)",
                        param=f"{where}.role", code="invalid_value")
     for key, value in message.items():
         if key not in ("role", "content", "name") and value not in (None, [], ""):
@@ -246,19 +329,41 @@ def _content(content: Any, where: str) -> str:
 
 
 def _prompt(value: Any) -> str | tuple[int, ...]:
+    if value is None:
+        raise ApiError(400, "prompt is required", param="prompt", code="missing_required_parameter")
     if isinstance(value, list) and len(value) == 1 and isinstance(value[0], (str, list)):
         value = value[0]  # a batch of one prompt
     if isinstance(value, str):
         if not value:
             raise ApiError(400, "prompt must not be empty", param="prompt", code="invalid_value")
         return value
-    if isinstance(value, list) and value and all(_is_int(t) and t >= 0 for t in value):
-        return tuple(value)
-    if isinstance(value, list) and len(value) > 1:
+    if not isinstance(value, list) or not value:
+        raise ApiError(400, "prompt must be a non-empty string or an array of token ids", param="prompt",
+                       code="invalid_type")
+    if len(value) > 1 and all(isinstance(p, (str, list)) for p in value):
         raise ApiError(400, "only one prompt per request is supported", param="prompt",
                        code="unsupported_parameter")
-    raise ApiError(400, "prompt must be a non-empty string or an array of token ids", param="prompt",
-                   code="invalid_type")
+    return _token_ids(value)
+
+
+def _token_ids(value: list) -> tuple[int, ...]:
+    """Token ids: integers ≥ 0 (whether each is in the vocabulary is the app's check: it knows it)."""
+    for i, token in enumerate(value):
+        if not _is_int(token):
+            raise ApiError(400, f"prompt[{i}] is {_json_type(token)}, not a token id: an array prompt holds "
+                                f"integer token ids", param="prompt", code="invalid_type")
+        if token < 0:
+            raise ApiError(400, f"prompt[{i}] is {token}: token ids are not negative", param="prompt",
+                           code="invalid_value")
+    return tuple(value)
+
+
+def _json_type(value: Any) -> str:
+    """How JSON would name `value`'s kind (errors speak the client's language)."""
+    if value is None or isinstance(value, bool):
+        return json.dumps(value)
+    kinds = ((str, "a string"), (int, "an integer"), (float, "a number"), (list, "an array"), (dict, "an object"))
+    return next((name for kind, name in kinds if isinstance(value, kind)), type(value).__name__)
 
 
 def _stop(value: Any) -> tuple[str, ...]:

@@ -22,6 +22,7 @@ from tierlm.server.batch import BatchRunner, StepReport
 from tierlm.server.jobs import Job
 
 IDLE_WAIT_S = 0.1  # an idle worker still beats this often
+SHUTTING_DOWN = "the server is shutting down; retry the request once it is back"
 DEBUG_ACTIONS = ("kill", "stall", "delay", "pause", "resume")
 
 
@@ -79,18 +80,23 @@ class Worker:
         self._watchdog = threading.Thread(target=self._watch, name="tierlm-watchdog", daemon=True)
         self._watchdog.start()
 
-    def stop(self, timeout: float = 5.0) -> None:
-        """Stop both threads; jobs still queued or running end with an error."""
+    def drain(self) -> None:
+        """Shutdown begins: refuse new jobs and end every queued or running one with a 503 now,
+        so each handler answers before the HTTP server stops waiting for it. Does not block."""
         with self._cond:
             self._stop.set()
             self._cond.notify_all()
             queued, self._queue = list(self._queue), deque()
             runner = self._runner
+        for job in queued + (runner.jobs() if runner else []):
+            job.fail(SHUTTING_DOWN, code="server_shutting_down")
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """`drain`, then wait for both threads (the worker ends after its current step)."""
+        self.drain()
         for thread in (self._watchdog, self._thread):
             if thread is not None:
                 thread.join(timeout)
-        for job in queued + (runner.jobs() if runner else []):
-            job.fail("the server is shutting down")
 
     # -- handler side ----------------------------------------------------------------------
 
@@ -107,6 +113,10 @@ class Worker:
     def wake(self) -> None:
         with self._cond:
             self._cond.notify_all()
+
+    @property
+    def stopping(self) -> bool:
+        return self._stop.is_set()
 
     @property
     def queue_depth(self) -> int:
@@ -128,8 +138,9 @@ class Worker:
             alive = thread is not None and thread.is_alive()
             age = time.monotonic() - self._beat
             healthy = alive and not self._restarting and age <= self.settings.stall_timeout
+            status = "shutting_down" if self.stopping else "ok" if healthy else "unhealthy"
             return {
-                "status": "ok" if healthy else "unhealthy",
+                "status": status,
                 "worker": {
                     "alive": alive,
                     "heartbeat_age_s": round(age, 3),
