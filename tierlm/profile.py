@@ -163,28 +163,35 @@ def shipped_profiles() -> list[str]:
     return sorted(names, key=lambda name: (-load_profile(name).device_memory, name))
 
 
-def auto_profile(ram_available: int | None = None, device_free: int | None = None) -> Profile:
+def auto_profile(ram_available: int | None = None, device_free: int | None = None, limits=None) -> Profile:
     """A profile sized from what this machine has free now (`--profile auto`).
 
-    RAM: psutil's available memory; device: the free memory of the accelerator `--device auto`
-    would pick (CUDA, Ascend NPU, ...) through the device module (torch is imported only when
-    it is installed). The process takes 85% of available RAM (90% of free device memory) and
-    keeps 5% (at least 256 MiB) as headroom.
-    Pass the two numbers to size one without asking the machine (tests).
+    RAM: psutil's available memory, capped by the limits this process really has (cgroup memory
+    limit, RLIMIT_AS: device/memory.py `process_limits`; psutil reports the host's RAM inside a
+    container); device: the free memory of the accelerator `--device auto` would pick (CUDA,
+    Ascend NPU, ...) through the device module (torch is imported only when it is installed).
+    The process takes 85% of that RAM (90% of free device memory) and keeps 5% (at least
+    256 MiB) as headroom.
+    Pass the numbers (and `limits`, a MemoryLimits) to size one without asking the machine (tests).
     """
+    if limits is None and ram_available is None:
+        from tierlm.device.memory import process_limits
+
+        limits = process_limits()
     if ram_available is None:
         import psutil
 
         ram_available = psutil.virtual_memory().available
     if device_free is None:
         device_free = _accelerator_free_bytes()
+    ram_available, source = _ram_under_limits(ram_available, limits)
     ram_share = int(ram_available * 0.85)
     if device_free:
         device, host = int(device_free * 0.90), ram_share
-        described = f"{format_size(device_free)} free on the accelerator, {format_size(ram_available)} RAM available"
+        described = f"{format_size(device_free)} free on the accelerator, {format_size(ram_available)} RAM {source}"
     else:
         device = host = ram_share
-        described = f"CPU only, {format_size(ram_available)} RAM available"
+        described = f"CPU only, {format_size(ram_available)} RAM {source}"
     raw = {
         "description": f"sized from this machine: {described}",
         "device_memory": device,
@@ -203,6 +210,13 @@ def auto_profile(ram_available: int | None = None, device_free: int | None = Non
             "free some memory, or pass a profile sized for this machine",
         )
     return profile_from_dict(AUTO, raw)
+
+
+def _ram_under_limits(available: int, limits) -> tuple[int, str]:
+    """(the RAM this process may use: `available`, or a real limit when lower; how it is known)."""
+    if limits is not None and limits.ram is not None and limits.ram < available:
+        return limits.ram, f"allowed ({limits.ram_source})"
+    return available, "available"
 
 
 def _accelerator_free_bytes() -> int:

@@ -19,8 +19,9 @@ def plan_for(model_dir: Path, profile, quant: str | None = None, device: str | N
     quant mode when there is one, else from config.json. Raises TierlmError when it cannot fit."""
     from tierlm.config import ModelConfig
     from tierlm.device import resolve_device
+    from tierlm.device.memory import process_limits
     from tierlm.models import family_class
-    from tierlm.offload.planner import plan
+    from tierlm.offload.planner import check_fits, plan
     from tierlm.offload.probe import bandwidths_path, load_probe
     from tierlm.offload.sizes import cached_artifact, resolve_quant, sizes_from_artifact, sizes_from_config
     from tierlm.runtime.baseline import runtime_baseline
@@ -34,17 +35,32 @@ def plan_for(model_dir: Path, profile, quant: str | None = None, device: str | N
     tokenizer = _tokenizer_as_a_session_holds_it(model_dir)  # noqa: F841 - held while measuring
     family_class(config)  # imported before the baseline, as the loader does
     baseline = runtime_baseline(target, sizes.quant, model_dir)
+    limits = process_limits(target)  # the budgets are capped at what the process really has
+    # Refused before the probe: a missing probe runs in a child, which a tight limit would kill.
+    check_fits(config, sizes, profile, accelerator=accelerator, baseline_bytes=baseline.charged, limits=limits)
     probe = load_probe(target)
-    placement = plan(config, sizes, profile, probe.bandwidths, accelerator=accelerator, baseline_bytes=baseline.charged)
+    placement = plan(config, sizes, profile, probe.bandwidths, accelerator=accelerator,
+                     baseline_bytes=baseline.charged, limits=limits)  # fmt: skip
     header = [
         f"model    {model_dir} ({config.model_type}, {config.num_hidden_layers} layers)",
         f"profile  {profile.summary()}",
         f"quant    {_quant_line(mode.name, quant, profile.quant)}",
         f"device   {target}; baseline {_mib(baseline.charged)} charged ({_mib(baseline.measured)} RSS with the "
         f"runtime loaded: torch, tokenizer, kernels)",
+        limits_line(limits),
         *probe_lines(probe, bandwidths_path(target).stem),
     ]
     return placement, header
+
+
+def limits_line(limits) -> str:
+    """The plan header's line on the limits the process really has (device/memory.py)."""
+    from tierlm.profile import format_size
+
+    found = [f"RAM {format_size(limits.ram)} ({limits.ram_source})"] if limits.ram is not None else []
+    if limits.device_free is not None:
+        found.append(f"device {format_size(limits.device_free)} free")
+    return f"limits   {'; '.join(found) if found else 'none (no cgroup memory limit, RLIMIT_AS unlimited)'}"
 
 
 def render_plan(placement, header: list[str]) -> str:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 
 @dataclass(frozen=True)
@@ -53,26 +54,29 @@ def trim_heap() -> None:
         trim(0)
 
 
-def _proc_status_bytes(field: str) -> int | None:
+def _proc_status_bytes(field: str, path: Path = Path("/proc/self/status")) -> int | None:
+    """A `kB` field of a /proc/<pid>/status file, in bytes; None where it cannot be read."""
     try:
-        for line in Path("/proc/self/status").read_text().splitlines():
+        for line in path.read_text().splitlines():
             if line.startswith(field + ":"):
                 return int(line.split()[1]) * 1024
-    except OSError:
+    except (OSError, ValueError, IndexError):
         pass
     return None
 
 
-def cgroup_memory_limit() -> tuple[int | None, str | None]:
+def cgroup_memory_limit(
+    root: Path = Path("/sys/fs/cgroup"), proc_cgroup: Path = Path("/proc/self/cgroup")
+) -> tuple[int | None, str | None]:
     """(the tightest memory limit on this process's cgroup and its ancestors, in bytes, or None
     when unlimited; the cgroup file it came from, or None where there are no cgroup files).
 
     cgroup v2 reads `memory.max`, v1 `memory.limit_in_bytes` (values near 2**63 mean none).
+    `root` and `proc_cgroup` are for tests (a fake hierarchy).
     """
-    root = Path("/sys/fs/cgroup")
     groups = []  # (directory of this process's group, its limit file name)
     try:
-        for line in Path("/proc/self/cgroup").read_text().splitlines():
+        for line in proc_cgroup.read_text().splitlines():
             _, controllers, path = line.split(":", 2)
             if controllers == "":
                 groups.append((root / path.lstrip("/"), "memory.max"))
@@ -96,3 +100,57 @@ def cgroup_memory_limit() -> tuple[int | None, str | None]:
         if found:
             return limit, source
     return None, None
+
+
+@dataclass(frozen=True)
+class MemoryLimits:
+    """What this process may really use, whatever a profile grants; None = no limit found.
+
+    ram: bytes of RAM (the tightest of the cgroup memory limit and RLIMIT_AS), ram_source: which
+    one, in words; device_free: free memory on the accelerator (None on a CPU-only machine).
+    """
+
+    ram: int | None = None
+    ram_source: str = ""
+    device_free: int | None = None
+
+
+def process_limits(
+    device=None,
+    *,
+    cgroup_root: Path = Path("/sys/fs/cgroup"),
+    proc_cgroup: Path = Path("/proc/self/cgroup"),
+    getrlimit: Callable[[int], tuple[int, int]] | None = None,
+    proc_status: Path = Path("/proc/self/status"),
+) -> MemoryLimits:
+    """The limits this process really runs under: the cgroup memory limit, RLIMIT_AS, and with an
+    accelerator `device`, its free memory. The keyword arguments are for tests."""
+    cgroup, _ = cgroup_memory_limit(cgroup_root, proc_cgroup)
+    candidates = [(cgroup, "cgroup memory limit"), address_space_room(getrlimit, proc_status)]
+    found = [(limit, source) for limit, source in candidates if limit is not None]
+    ram, source = min(found, key=lambda item: item[0]) if found else (None, "")
+    device_free = None
+    if device is not None and device.type != "cpu":
+        from tierlm.device.backend import DeviceBackend
+
+        device_free = int(DeviceBackend(device).memory().free)
+    return MemoryLimits(ram, source, device_free)
+
+
+def address_space_room(
+    getrlimit: Callable[[int], tuple[int, int]] | None = None, proc_status: Path = Path("/proc/self/status")
+) -> tuple[int | None, str]:
+    """(RAM the soft RLIMIT_AS leaves for resident memory, or None when unlimited; in words).
+
+    The limit counts address space, not residence: what is mapped but not resident now (torch
+    reserves ~400 MiB of it) is taken off, since the budgets charge resident bytes.
+    """
+    import resource
+
+    soft, _ = (getrlimit or resource.getrlimit)(resource.RLIMIT_AS)
+    if soft == resource.RLIM_INFINITY or soft < 0:
+        return None, ""
+    size, rss = _proc_status_bytes("VmSize", proc_status), _proc_status_bytes("VmRSS", proc_status)
+    unresident = max(size - rss, 0) if size is not None and rss is not None else 0
+    return max(soft - unresident, 0), "address-space limit (RLIMIT_AS)"
+

@@ -1,7 +1,7 @@
 """The planner: a pure function of (config, block sizes, profile, bandwidths) to a Placement.
 
-No I/O and no torch: the caller measures the baseline and the bandwidths and passes them in.
-(Only a refusal reads the shipped profiles, to name one that would fit.)
+No I/O and no torch: the caller measures the baseline, the bandwidths and the process's limits
+and passes them in. (Only a refusal reads the shipped profiles, to name one that would fit.)
 
 What each tier is charged (`Placement.charges`), all of which must fit its budget:
 
@@ -43,6 +43,12 @@ compute term). Decode reads a resident embedding's rows only and the head once p
 prefill computes the head for one token (last-position logits). KV-cache reads are left out:
 the prediction is for the start of a conversation.
 
+Real limits: a profile is a promise about the process, so its budgets are first capped at what
+the process really has (`limits`: the cgroup memory limit, RLIMIT_AS, free accelerator memory,
+read by the caller with device/memory.py `process_limits`; `cap_profile`). Within the cap the
+plan streams what no longer fits and says so in a note; when even that cannot hold the model,
+the refusal names the limit, what the profile allows and the least limit that would do.
+
 Measured runs check the model: `decode_terms` + `step_seconds` predict an existing placement's
 decode step, and `implied_bandwidths` gives the figures under which it would take what was
 measured (the probe's cache is corrected with them when the two disagree).
@@ -50,10 +56,12 @@ measured (the probe's cache is corrected with them when the two disagree).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 from typing import Mapping, Sequence
 
 from tierlm.config import ModelConfig
+from tierlm.device.memory import MemoryLimits
 from tierlm.errors import TierlmError
 from tierlm.offload.placement import DEVICE, DISK, HOST, BlockPlacement, Placement
 from tierlm.offload.probe import Bandwidths
@@ -91,17 +99,184 @@ def plan(
     accelerator: bool,
     baseline_bytes: int,
     fallbacks: Sequence[Profile] | None = None,
+    limits: MemoryLimits | None = None,
 ) -> Placement:
     """Place every block of `sizes` within `profile`'s budgets, or refuse before anything loads.
 
     `baseline_bytes`: the process's RSS before weights (host RAM; on CPU-only the RAM tier).
     `fallbacks`: profiles to suggest when refusing (default: the shipped ones).
-    Raises TierlmError naming the shortfall in GiB and the smallest profile / quant that fits.
+    `limits`: what the process really may use (device/memory.py `process_limits`); every budget
+    is capped at them (see `cap_profile`) and the placement notes each cap.
+    Raises TierlmError naming the shortfall in GiB and the smallest profile / quant that fits;
+    when only a real limit stops the profile from fitting, naming the limit and what is needed.
     """
-    placement, shortfall = _attempt(config, sizes, profile, bandwidths, accelerator, baseline_bytes)
-    if placement is not None:
-        return placement
-    raise _refusal(shortfall, config, sizes, profile, bandwidths, accelerator, baseline_bytes, fallbacks)
+    effective, caps = cap_profile(profile, limits, accelerator)
+    placement = _attempt(config, sizes, effective, bandwidths, accelerator, baseline_bytes)
+    if placement is None:
+        check_fits(config, sizes, profile, accelerator=accelerator, baseline_bytes=baseline_bytes,
+                   fallbacks=fallbacks, limits=limits, bandwidths=bandwidths)  # fmt: skip
+        raise AssertionError("check_fits accepted what _attempt refused")  # the two share _fitting_tiers
+    return replace(placement, notes=_cap_notes(caps, profile, effective) + placement.notes)
+
+
+def check_fits(
+    config: ModelConfig,
+    sizes: BlockSizes,
+    profile: Profile,
+    *,
+    accelerator: bool,
+    baseline_bytes: int,
+    fallbacks: Sequence[Profile] | None = None,
+    limits: MemoryLimits | None = None,
+    bandwidths: Bandwidths | None = None,
+) -> None:
+    """Raise the TierlmError `plan` raises when no placement fits; return when one does.
+
+    Whether something fits does not depend on the bandwidths, so a caller can refuse before the
+    machine is probed (the probe runs in a child, which a tight cgroup limit would kill).
+    """
+    effective, caps = cap_profile(profile, limits, accelerator)
+    ctx = _Context(config, sizes, effective, bandwidths, accelerator, baseline_bytes)
+    if _fitting_tiers(ctx) is not None:
+        return
+    own = replace(ctx, profile=profile)
+    if caps and _fitting_tiers(own) is not None:  # the profile fits; the process's limits do not
+        raise _limit_refusal(own, limits, caps, fallbacks)
+    raise _refusal(own, _shortfall(own, _units(config, sizes)), fallbacks, limits)  # the profile's own numbers
+
+
+# -- real limits -----------------------------------------------------------------------------
+
+RAM, DEVICE_MEMORY = "RAM", "device memory"
+
+
+@dataclass(frozen=True)
+class Cap:
+    """A resource the profile grants more of than the process really has."""
+
+    resource: str  # RAM or DEVICE_MEMORY
+    allowed: int  # what the profile lets it hold
+    limit: int  # what the process may really use
+    source: str  # where the limit comes from: "cgroup memory limit", "RLIMIT_AS", ...
+
+
+def cap_profile(profile: Profile, limits: MemoryLimits | None, accelerator: bool) -> tuple[Profile, tuple[Cap, ...]]:
+    """(`profile` with its budgets lowered to `limits`, the caps applied; none: `profile` as is).
+
+    RAM bounds the host tier (with an accelerator) or both RAM tiers (CPU-only; with
+    emulate_host_tier the two are scaled alike so that together they fit); free accelerator
+    memory bounds the device tier. The headroom is a share of the device tier's budget (the RAM
+    tier's on CPU-only) and shrinks with it, else a small limit would be all headroom.
+    """
+    allowed = _allowances(profile, accelerator)
+    caps = tuple(
+        Cap(resource, allowed[resource], limit, source)
+        for resource, (limit, source) in _limit_values(limits, accelerator).items()
+        if limit < allowed[resource]
+    )
+    if not caps:
+        return profile, caps
+    by_resource = {cap.resource: cap for cap in caps}
+    device, host = by_resource.get(DEVICE_MEMORY if accelerator else RAM), by_resource.get(RAM)
+    lowered = replace(profile, device_memory=_lowered(profile.device_memory, device),
+                      host_memory=_lowered(profile.host_memory, host), headroom=_lowered(profile.headroom, device))  # fmt: skip
+    return lowered, caps
+
+
+def _lowered(nbytes: int, cap: Cap | None) -> int:
+    """`nbytes` lowered as `cap` lowers its resource (integer arithmetic: a lone budget becomes
+    the limit exactly)."""
+    return nbytes if cap is None else nbytes * cap.limit // cap.allowed
+
+
+def _allowances(profile: Profile, accelerator: bool) -> dict[str, int]:
+    """What the profile lets each real resource hold (CPU-only: both tiers are RAM)."""
+    if accelerator:
+        return {DEVICE_MEMORY: profile.device_memory, RAM: profile.host_memory}
+    return {RAM: profile.device_memory + (profile.host_memory if profile.emulate_host_tier else 0)}
+
+
+def _limit_values(limits: MemoryLimits | None, accelerator: bool) -> dict[str, tuple[int, str]]:
+    found: dict[str, tuple[int, str]] = {}
+    if limits is not None and limits.ram is not None:
+        found[RAM] = (limits.ram, limits.ram_source or "memory limit")
+    if limits is not None and accelerator and limits.device_free is not None:
+        found[DEVICE_MEMORY] = (limits.device_free, "free accelerator memory")
+    return found
+
+
+def _cap_notes(caps: tuple[Cap, ...], profile: Profile, effective: Profile) -> tuple[str, ...]:
+    notes = [f"{cap.resource} budget capped at the {cap.source} {_size(cap.limit)} "
+             f"(profile {profile.name!r} allows {_size(cap.allowed)})" for cap in caps]  # fmt: skip
+    if effective.headroom != profile.headroom:
+        notes.append(f"headroom scaled with the budget: {_size(effective.headroom)} (the profile's {_size(profile.headroom)})")
+    return tuple(notes)
+
+
+def _limit_refusal(ctx: _Context, limits: MemoryLimits, caps: tuple[Cap, ...], fallbacks) -> TierlmError:
+    """The profile fits but the process's real limits do not hold it: say which limit, what the
+    profile allows, and the least limit under which this model would run."""
+    needs = [(cap, _least_limit(ctx, limits, cap)) for cap in caps]
+    short = [(cap, need) for cap, need in needs if need is not None and need > cap.limit]
+    short = short or [(cap, cap.allowed) for cap in caps]
+    said = "; ".join(f"profile {ctx.profile.name!r} allows {_size(cap.allowed)} of {cap.resource} but this "
+                     f"process is limited to {_size(cap.limit)} ({cap.source})" for cap, _ in short)  # fmt: skip
+    needed = " and ".join(f"{_size(need, up=True)} of {cap.resource}" for cap, need in short)
+    model = f"{ctx.config.num_hidden_layers} layers, {ctx.sizes.quant}"
+    raise_it = " and ".join(
+        f"raise the {cap.source} to at least {_size(need, up=True)}" if cap.resource == RAM
+        else f"free accelerator memory until {_size(need, up=True)} is free"
+        for cap, need in short
+    )  # fmt: skip
+    other = _smallest_fitting(ctx, limits, fallbacks)
+    hint = f"try --profile {other.name}, or {raise_it}" if other else raise_it
+    return TierlmError(f"{said}; the model ({model}) needs at least {needed}", hint)
+
+
+def _least_limit(ctx: _Context, limits: MemoryLimits, cap: Cap) -> int | None:
+    """The least limit on `cap.resource` (to 1 MiB, up to what the profile allows) under which
+    the profile, capped as `cap_profile` caps it, holds the model; the other limits are kept,
+    or lifted when they alone already stop it. None when no such limit exists."""
+    for others in (limits, MemoryLimits()):
+        def fits(limit: int, others=others) -> bool:
+            trial = _with_limit(others, cap.resource, limit)
+            return _fitting_tiers(replace(ctx, profile=cap_profile(ctx.profile, trial, ctx.accelerator)[0])) is not None
+
+        if not fits(cap.allowed):
+            continue
+        low, high = 0, cap.allowed  # low fails (or is nothing), high fits
+        while high - low > 2**20:
+            middle = (low + high) // 2
+            low, high = (low, middle) if fits(middle) else (middle, high)
+        return high
+    return None
+
+
+def _with_limit(limits: MemoryLimits, resource: str, value: int) -> MemoryLimits:
+    if resource == RAM:
+        return replace(limits, ram=value, ram_source=limits.ram_source or "memory limit")
+    return replace(limits, device_free=value)
+
+
+def _smallest_fitting(ctx: _Context, limits: MemoryLimits, fallbacks) -> Profile | None:
+    """The smallest other profile that holds the model under the process's limits."""
+    for candidate in _ordered_fallbacks(fallbacks):
+        if candidate.name == ctx.profile.name:
+            continue
+        capped = cap_profile(candidate, limits, ctx.accelerator)[0]
+        if _fitting_tiers(replace(ctx, profile=capped)) is not None:
+            return candidate
+    return None
+
+
+def _size(nbytes: int, *, up: bool = False) -> str:
+    """250 MiB, 3.25 GiB: as a person would write a limit; `up`: rounded up (an "at least")."""
+    unit, scale, places = ("GiB", GiB, 2) if nbytes >= GiB else ("MiB", 2**20, 0)
+    value = nbytes / scale
+    if up:
+        value = math.ceil(value * 10**places - 1e-9) / 10**places
+    text = f"{value:.{places}f}"
+    return (text.rstrip("0").rstrip(".") if places else text) + f" {unit}"
 
 
 # -- the search ------------------------------------------------------------------------------
@@ -123,7 +298,7 @@ class _Context:
     config: ModelConfig
     sizes: BlockSizes
     profile: Profile
-    bandwidths: Bandwidths
+    bandwidths: Bandwidths | None  # None: fits only (no cost model), see check_fits
     accelerator: bool
     baseline: int
 
@@ -132,15 +307,26 @@ class _Context:
         return self.accelerator or self.profile.emulate_host_tier
 
 
-def _attempt(config, sizes, profile, bandwidths, accelerator, baseline) -> tuple[Placement | None, str]:
-    """The placement with the most resident units (then the most host units) that fits.
+def _attempt(config, sizes, profile, bandwidths, accelerator, baseline) -> Placement | None:
+    """The placement with the most resident units (then the most host units) that fits, if any."""
+    ctx = _Context(config, sizes, profile, bandwidths, accelerator, baseline)
+    tiers = _fitting_tiers(ctx)
+    if tiers is None:
+        return None
+    computes = _choose_compute(ctx, tiers)
+    return _placement(ctx, tiers, computes, _charges(ctx, tiers, computes))
+
+
+def _fitting_tiers(ctx: _Context) -> dict[str, str] | None:
+    """Each block's tier in the placement with the most resident units (then the most host units)
+    that fits; None when nothing fits.
 
     Fits are checked with every cold block counted as streamed (the most a compute choice can
     cost), so the cost model runs once, on the placement that is kept. The device tier's charges
     then depend only on what is resident, the host tier's only on what is in host RAM.
     """
-    ctx = _Context(config, sizes, profile, bandwidths, accelerator, baseline)
-    units = _units(config, sizes)
+    profile = ctx.profile
+    units = _units(ctx.config, ctx.sizes)
     for resident in range(len(units), 0, -1):
         cold = units[resident:]
         tiers = {b: DEVICE for u in units[:resident] for b in u.blocks}
@@ -158,9 +344,8 @@ def _attempt(config, sizes, profile, bandwidths, accelerator, baseline) -> tuple
             if any(t == DISK for t in tiers.values()) and not profile.disk_offload:
                 continue
             if _fits(ctx, _charges(ctx, tiers, _all_streamed(tiers), host_compute=True)):
-                computes = _choose_compute(ctx, tiers)
-                return _placement(ctx, tiers, computes, _charges(ctx, tiers, computes)), ""
-    return None, _shortfall(ctx, units)
+                return tiers
+    return None
 
 
 def _all_streamed(tiers: Mapping[str, str]) -> dict[str, str]:
@@ -429,8 +614,12 @@ def _shortfall(ctx: _Context, units: list[_Unit]) -> str:
     tiers = {b: DEVICE for b in units[0].blocks}
     cold_tier = DISK if profile.disk_offload else (HOST if ctx.separate_host else DEVICE)
     tiers.update({b: cold_tier for u in units[1:] for b in u.blocks})
-    computes = _choose_compute(ctx, tiers) if cold_tier != DEVICE else {b: DEVICE for b in tiers}
-    charges = _charges(ctx, tiers, computes)
+    if cold_tier == DEVICE:
+        charges = _charges(ctx, tiers, {b: DEVICE for b in tiers})
+    elif ctx.bandwidths is None:  # no cost model yet: the most any compute choice costs
+        charges = _charges(ctx, tiers, _all_streamed(tiers), host_compute=True)
+    else:
+        charges = _charges(ctx, tiers, _choose_compute(ctx, tiers))
     device_total = sum(charges[DEVICE].values())
     if not profile.disk_offload:
         weights = sum(u.nbytes for u in units)
@@ -477,19 +666,18 @@ def _owns(sizes: BlockSizes, block: str) -> bool:
     return sizes.source_block(block) == block
 
 
-def _refusal(shortfall, config, sizes, profile, bandwidths, accelerator, baseline, fallbacks) -> TierlmError:
-    """The refusal, naming the shortfall and the smallest profile and/or quant mode that fits."""
+def _refusal(ctx: _Context, shortfall: str, fallbacks, limits) -> TierlmError:
+    """The refusal, naming the shortfall and the smallest profile and/or quant mode that fits
+    (under the process's real `limits`)."""
+    config, sizes, profile, accelerator = ctx.config, ctx.sizes, ctx.profile, ctx.accelerator
 
     def fits(candidate: Profile, quant: str) -> bool:
         same = quant == sizes.quant
         candidate_sizes = sizes if same else sizes_from_config(config, quant, accelerator=accelerator)
-        return _attempt(config, candidate_sizes, candidate, bandwidths, accelerator, baseline)[0] is not None
+        capped = cap_profile(candidate, limits, accelerator)[0]
+        return _fitting_tiers(replace(ctx, sizes=candidate_sizes, profile=capped)) is not None
 
-    if fallbacks is None:
-        from tierlm.profile import load_profile, shipped_profiles
-
-        fallbacks = [load_profile(name) for name in shipped_profiles()]
-    ordered = sorted(fallbacks, key=lambda p: (p.device_memory, p.host_memory))
+    ordered = _ordered_fallbacks(fallbacks)
     hints = []
     # Smaller weight formats, best quality first: fp32 -> bf16 -> int8.
     smaller = {"fp32": ["bf16", "int8"], "bf16": ["int8"], "fp16": ["int8"]}.get(sizes.quant, [])
@@ -504,6 +692,15 @@ def _refusal(shortfall, config, sizes, profile, bandwidths, accelerator, baselin
     hint = "; ".join(hints) if hints else "no shipped profile or quant mode fits it on this machine"
     model = f"{config.num_hidden_layers} layers, {sizes.quant}"
     return TierlmError(f"the model ({model}) does not fit profile {profile.name!r}: {shortfall}", hint)
+
+
+def _ordered_fallbacks(fallbacks: Sequence[Profile] | None) -> list[Profile]:
+    """`fallbacks` (default: the shipped profiles), smallest first."""
+    if fallbacks is None:
+        from tierlm.profile import load_profile, shipped_profiles
+
+        fallbacks = [load_profile(name) for name in shipped_profiles()]
+    return sorted(fallbacks, key=lambda p: (p.device_memory, p.host_memory))
 
 
 def _gib(nbytes: int) -> str:

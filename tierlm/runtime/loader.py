@@ -106,6 +106,9 @@ def load_model(
         check_shapes(config, store, family)  # conversion checks artifacts as it writes them
         weight_format = dtype_name(dtype)  # converted to the compute dtype as they load
     else:
+        if profile is not None and not compiled:
+            # Refused before converting or probing: under a tight limit those are what gets killed.
+            _check_fits(config, _expected_sizes(model_dir, config, quant, device), profile, device, baseline)
         artifact_dir = model_dir if compiled else _artifact_for(
             model_dir, quant, adapters, convert_progress
         )
@@ -146,10 +149,31 @@ def _artifact_for(model_dir: Path, quant: str, adapters, progress) -> Path:
     return ensure_artifact(ConversionRequest(model_dir, tuple(adapters), mode), progress)
 
 
+def _expected_sizes(model_dir: Path, config: ModelConfig, quant: str, device):
+    """The block sizes the artifact will have, as `tierlm plan` reckons them: a cached artifact's
+    manifest, else predicted from config.json."""
+    from tierlm.offload.sizes import cached_artifact, sizes_from_artifact, sizes_from_config
+
+    mode = quant if quant != "none" else "fp32"  # as _artifact_for converts it
+    artifact = cached_artifact(model_dir, mode)
+    return sizes_from_artifact(artifact) if artifact else sizes_from_config(config, mode, accelerator=device.type != "cpu")
+
+
+def _check_fits(config, sizes, profile, device, baseline: int):
+    """Refuse as the planner would, before anything is probed; the limits the budgets are capped at."""
+    from tierlm.device.memory import process_limits
+    from tierlm.offload.planner import check_fits
+
+    limits = process_limits(device)  # the cgroup limit, RLIMIT_AS, free device memory: as `tierlm plan`
+    check_fits(config, sizes, profile, accelerator=device.type != "cpu", baseline_bytes=baseline, limits=limits)
+    return limits
+
+
 def _plan(config, sizes, profile, device, bandwidths, baseline: int):
     from tierlm.offload.planner import plan
     from tierlm.offload.probe import load_bandwidths
 
+    limits = _check_fits(config, sizes, profile, device, baseline)  # a missing probe runs in a child
     return plan(
         config,
         sizes,
@@ -157,6 +181,7 @@ def _plan(config, sizes, profile, device, bandwidths, baseline: int):
         bandwidths or load_bandwidths(device),
         accelerator=device.type != "cpu",
         baseline_bytes=baseline,
+        limits=limits,
     )
 
 
