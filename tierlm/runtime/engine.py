@@ -13,10 +13,8 @@ from typing import Iterator
 import torch
 
 from tierlm.errors import TierlmError
-from tierlm.runtime.sampling import Sampler, SamplingParams
-from tierlm.runtime.stopping import StopMatcher
-
-PREFILL_CHUNK = 512  # tokens per prefill step: bounds attention scratch memory on long prompts
+from tierlm.runtime.sampling import SamplingParams
+from tierlm.runtime.sequence import PREFILL_CHUNK, SequenceState
 
 
 @dataclass
@@ -84,53 +82,33 @@ class Engine:
                 f"{self.context_length}",
                 "shorten the prompt, or use a profile with a larger context_length",
             )
-        generation = Generation(iter(()))
-        generation.deltas = self._run(list(prompt_ids), params, generation)
+        state = SequenceState(prompt_ids, params, self.tokenizer, self.context_length)
+        generation = Generation(iter(()), token_ids=state.token_ids)
+        generation.deltas = self._run(list(prompt_ids), state, generation.stats)
         return generation
 
-    def _run(self, prompt: list[int], params: SamplingParams, out: Generation) -> Iterator[str]:
-        stats = out.stats
+    def _run(self, prompt: list[int], state: SequenceState, stats: GenerationStats) -> Iterator[str]:
         stats.prompt_tokens = len(prompt)
         started = time.perf_counter()
         logits = self._prefill(prompt, stats)
         stats.prefill_s = time.perf_counter() - started
-        sampler = Sampler(params)
-        decoder = self.tokenizer.stream_decoder()
-        stops = StopMatcher(params.stop)
-        eos = frozenset() if params.ignore_eos else self.tokenizer.eos_token_ids
-        seen = torch.tensor(prompt, dtype=torch.long)
         decode_started = time.perf_counter()
-        stopped = False
         while True:
-            token = sampler(logits, seen if params.repetition_penalty != 1.0 else None)
-            if not out.token_ids:
+            token = state.sample(logits)
+            if not state.token_ids:
                 stats.ttft_s = time.perf_counter() - started
                 decode_started = time.perf_counter()
-            out.token_ids.append(token)
-            stats.new_tokens = len(out.token_ids)
-            if token in eos:
-                stats.finish_reason = "stop"
-                break
-            text, stopped = stops.feed(decoder.push(token))
+            text, reason = state.accept(token)
+            stats.new_tokens = len(state.token_ids)
+            if reason is not None:
+                stats.finish_reason = reason
+                stats.decode_s = time.perf_counter() - decode_started
+                if text:
+                    yield text
+                return
             if text:
                 yield text
-            if stopped:
-                stats.finish_reason = "stop"
-                break
-            if len(out.token_ids) >= params.max_new_tokens or self.cache.offset >= self.context_length:
-                stats.finish_reason = "length"
-                break
-            if params.repetition_penalty != 1.0:
-                seen = torch.cat((seen, torch.tensor([token])))
             logits = self._step([token])
-        stats.decode_s = time.perf_counter() - decode_started
-        if not stopped:
-            # EOS or a limit: release text still held for an incomplete character or a
-            # possible stop string (after a stop string, what follows is dropped on purpose).
-            tail, _ = stops.feed(decoder.flush())
-            tail += stops.flush()
-            if tail:
-                yield tail
 
     def _prefill(self, prompt: list[int], stats: GenerationStats) -> torch.Tensor:
         """Reuse the cached common prefix, run the rest in chunks; logits [V] of the last token."""

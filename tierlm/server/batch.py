@@ -3,8 +3,9 @@
 A new sequence is prefilled alone into its slot (one chunk per step, so running sequences
 keep decoding meanwhile), then joins the shared decode step: one forward over ids [n, 1] at
 each sequence's own position (`LlamaModel.forward_batch`). Every sequence keeps its own
-sampler (seed), stop matcher, stream decoder and token limit, so its tokens are the ones it
-would get decoded alone. Only the worker thread touches a runner.
+`SequenceState` (sampler and seed, stop matcher, stream decoder, limits), the one the engine
+uses too, so its tokens, text and finish reason are the ones it would get decoded alone. Only
+the worker thread touches a runner.
 
 Failures are contained where they happen: an exception in one sequence's own work (admission,
 its prefill, sampling, detokenizing, stop matching, emitting) ends that sequence alone with a
@@ -15,13 +16,13 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
-from tierlm.runtime.engine import PREFILL_CHUNK
 from tierlm.runtime.sampling import Sampler
+from tierlm.runtime.sequence import PREFILL_CHUNK, SequenceState
 from tierlm.runtime.stopping import StopMatcher
 from tierlm.server.jobs import Job
 
@@ -32,17 +33,17 @@ class Sequence:
 
     job: Job
     slot: int
-    sampler: Sampler
-    stops: StopMatcher
-    decoder: object  # tokenizer.stream_decoder()
+    state: SequenceState  # sampling, stops and limits: the decisions
     prefilled: int = 0  # prompt tokens already in the slot
     pending: int | None = None  # the newest token, to be fed by the next decode step
-    token_ids: list[int] = field(default_factory=list)
-    seen: torch.Tensor | None = None  # prompt + output ids, for the repetition penalty
 
     @property
     def prefilling(self) -> bool:
         return self.prefilled < len(self.job.prompt_ids)
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.state.token_ids
 
 
 @dataclass
@@ -132,10 +133,10 @@ class BatchRunner:
 
     def _sequence(self, job: Job, slot: int) -> Sequence:
         params = job.params
-        seq = Sequence(job, slot, Sampler(params), StopMatcher(params.stop), self.tokenizer.stream_decoder())
-        if params.repetition_penalty != 1.0:
-            seq.seen = torch.tensor(job.prompt_ids, dtype=torch.long)
-        return seq
+        # Sampler and StopMatcher are looked up here, so tests can inject a failing one.
+        state = SequenceState(job.prompt_ids, params, self.tokenizer, self.context_length,
+                              sampler=Sampler(params), stops=StopMatcher(params.stop))
+        return Sequence(job, slot, state)
 
     def _contained(self, seq: Sequence, work: Callable, *args):
         """`work(seq, *args)`; an exception ends `seq` alone with an error, never the batch."""
@@ -164,42 +165,26 @@ class BatchRunner:
             self._contained(seq, self._accept, row)
 
     def _accept(self, seq: Sequence, logits: torch.Tensor) -> None:
-        """Sample the next token from logits [V] and decide whether the sequence goes on.
-
-        The same decisions, in the same order, as `Engine._run`.
-        """
-        params = seq.job.params
-        token = seq.sampler(logits, seq.seen)
+        """Sample the next token from logits [V]; the sequence's state decides whether it goes on."""
+        seq.pending = None
+        token = seq.state.sample(logits)
         self._sampled += 1
         if seq.job.first_token_at is None:
             seq.job.first_token_at = time.monotonic()
-        seq.token_ids.append(token)
+        text, reason = seq.state.accept(token)
         # Counted live: a request ended from the handler's side (client gone, deadline) keeps its count.
         if not seq.job.closed:
             seq.job.completion_tokens = len(seq.token_ids)
-        seq.pending = None
-        if token in self.tokenizer.eos_token_ids:
-            return self._finish(seq, "stop", flush=True)
-        text, stopped = seq.stops.feed(seq.decoder.push(token))
         seq.job.emit_text(text)
-        if stopped:
-            return self._finish(seq, "stop", flush=False)
-        if len(seq.token_ids) >= params.max_new_tokens or self.cache.lengths[seq.slot] >= self.context_length:
-            return self._finish(seq, "length", flush=True)
-        if seq.seen is not None:
-            seq.seen = torch.cat((seq.seen, torch.tensor([token])))
-        seq.pending = token
-
-    def _finish(self, seq: Sequence, reason: str, *, flush: bool) -> None:
-        if flush:
-            self._flush(seq)
-        seq.job.finish(reason, len(seq.token_ids))
-        self._release(seq)
+        if reason is not None:
+            seq.job.finish(reason, len(seq.token_ids))
+            self._release(seq)
+        else:
+            seq.pending = token
 
     def _flush(self, seq: Sequence) -> None:
         """Emit text still held back: an incomplete character, a possible stop-string prefix."""
-        tail, _ = seq.stops.feed(seq.decoder.flush())
-        seq.job.emit_text(tail + seq.stops.flush())
+        seq.job.emit_text(seq.state.flush())
 
     def _release(self, seq: Sequence) -> None:
         if seq in self.active:

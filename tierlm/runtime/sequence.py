@@ -1,0 +1,68 @@
+"""One sequence's generation state: the single place that decides sampling, stops and limits.
+
+The CLI engine and the server's batch runner both feed model logits through a
+`SequenceState`, so a sequence ends for the same reason, with the same text, on either path
+(nano-vllm's `Scheduler.postprocess`). What the callers keep is only what differs between
+them: how logits are computed (one cache or a slot in a batch) and where text goes.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tierlm.runtime.sampling import Sampler, SamplingParams
+from tierlm.runtime.stopping import StopMatcher
+
+PREFILL_CHUNK = 512  # tokens per prefill step: bounds attention scratch memory on long prompts
+
+
+class SequenceState:
+    """Sampler, stop matcher, stream decoder, repetition-penalty ids and limits of one sequence.
+
+    `sample(logits)` picks the next token; `accept(token)` records it and returns
+    (text to emit, finish_reason or None). A finish by EOS or a limit includes the text still
+    held back; a stop string drops what follows it. `flush()` releases held-back text for a
+    sequence ended from outside (a deadline).
+    """
+
+    def __init__(self, prompt_ids: list[int], params: SamplingParams, tokenizer, context_length: int,
+                 *, sampler: Sampler | None = None, stops: StopMatcher | None = None):
+        """`context_length`: tokens the sequence's KV cache holds. `sampler`/`stops`: built from
+        `params` unless given (the server builds its own, so a test can inject faults)."""
+        self.params = params
+        self.sampler = sampler if sampler is not None else Sampler(params)
+        self.stops = stops if stops is not None else StopMatcher(params.stop)
+        self.decoder = tokenizer.stream_decoder()
+        self.eos = frozenset() if params.ignore_eos else tokenizer.eos_token_ids
+        self.prompt_tokens = len(prompt_ids)
+        self.context_length = context_length
+        self.token_ids: list[int] = []
+        self.seen: torch.Tensor | None = None  # prompt + output ids [N], for the repetition penalty
+        if params.repetition_penalty != 1.0:
+            self.seen = torch.tensor(prompt_ids, dtype=torch.long)
+
+    def sample(self, logits: torch.Tensor) -> int:
+        """The next token from logits [V]."""
+        return self.sampler(logits, self.seen)
+
+    def accept(self, token: int) -> tuple[str, str | None]:
+        """Record `token`; (text safe to emit, "stop" / "length" / None while it goes on)."""
+        self.token_ids.append(token)
+        if token in self.eos:
+            return self.flush(), "stop"
+        text, stopped = self.stops.feed(self.decoder.push(token))
+        if stopped:
+            return text, "stop"
+        # The cache holds the prompt and every token but this one; feeding it needs one more slot.
+        cached = self.prompt_tokens + len(self.token_ids) - 1
+        if len(self.token_ids) >= self.params.max_new_tokens or cached >= self.context_length:
+            return text + self.flush(), "length"
+        if self.seen is not None:
+            self.seen = torch.cat((self.seen, torch.tensor([token])))
+        return text, None
+
+    def flush(self) -> str:
+        """Text still held back: an incomplete character, a possible stop-string prefix (a stop
+        string completed by it cuts it there)."""
+        tail, _ = self.stops.feed(self.decoder.flush())
+        return tail + self.stops.flush()
