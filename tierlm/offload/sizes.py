@@ -12,7 +12,7 @@ Non-weight charges (bytes; c = compute dtype bytes: 4 on CPUs (fp32), 2 on accel
                  (context = min(profile.context_length, max_position_embeddings);
                  kv bytes: the profile's kv_dtype, "auto" = c)
     workspace    one prefill step of t = batch x min(512, context) tokens, the largest the
-                 engine runs (runtime/engine.py PREFILL_CHUNK), plus one decode's logits:
+                 engine runs (PREFILL_CHUNK, which the runtime imports from here), plus one decode's logits:
                    activations   t x (2H + qkv + q + 3I) x c   residual, normed input, fused
                                  q/k/v, attention output, gate|up (2I) and their product (I)
                    kernel        CPU: t x max_out x 4 + 1 MiB (the BLAS int8 kernel's
@@ -42,7 +42,7 @@ from tierlm.cache.artifact import MANIFEST_NAME, PART_ALIGN, Artifact
 from tierlm.config import ModelConfig
 from tierlm.quant.modes import AS_STORED, AUTO, QuantMode, auto_quant, check_mode_name, parse_quant_mode
 
-PREFILL_CHUNK = 512  # tokens per prefill step; runtime/engine.py PREFILL_CHUNK (runtime sits above)
+PREFILL_CHUNK = 512  # tokens per prefill step; the engine and the batch runner import it from here
 HOT_CACHE_ROWS = 4096  # embedding rows the hot cache may hold (Zipfian tokens: most lookups)
 KERNEL_BLOCK_BYTES = 1 << 20  # the CPU BLAS kernel's dequantization block (quant/torch_kernels.py)
 _FLOAT_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}

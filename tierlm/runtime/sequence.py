@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import torch
 
+# Tokens per prefill step, re-exported: one home in offload/sizes.py, whose workspace charge depends on it.
+from tierlm.offload.sizes import PREFILL_CHUNK
 from tierlm.runtime.sampling import Sampler, SamplingParams
 from tierlm.runtime.stopping import StopMatcher
-
-PREFILL_CHUNK = 512  # tokens per prefill step: bounds attention scratch memory on long prompts
 
 
 class SequenceState:
