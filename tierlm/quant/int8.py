@@ -10,8 +10,10 @@ Asymmetric modes add a float offset o per row or group (a zero point): the 256 l
 
     s = (max - min) / 255;  o = min + 128 s;  q = round((W - o) / s);  W ~ q * s + o
 
-or, where it reconstructs the group better, its symmetric quantization with o = 0 (so a source
-already on either grid, GGUF Q4_1 or Q8_0 with groups of 32, comes through exactly). Then
+or, where it reconstructs the group better, its symmetric quantization with o = 0; and where a
+group already sits on a coarser grid of step d (a GGUF Q4_0, Q4_1, Q5_0, Q5_1 or Q8_0 block of
+32 values d*j (+ m)), a grid through all its levels, s = d / k, k a power of two with
+k * (max - min) / d <= 255, which reproduces it exactly (`_onto_source_grids`). Then
 x @ W.T = x @ (q*s).T + (x summed per group) @ o.T: the kernels add the second term (the
 native one inside its loop, a G-long dot per output).
 
@@ -214,7 +216,7 @@ def quantize_int8(
         safe = torch.where(scale > 0, scale, torch.ones_like(scale))
         q = torch.round(block / safe[..., None]).clamp_(-127, 127)
         if asymmetric:
-            q, scale, offsets[start:stop] = _closer_of_symmetric_and_affine(block, q, scale)
+            q, scale, offsets[start:stop] = _closest_of_candidates(block, q, scale)
         qweight[start:stop] = q.flatten(1)[:, :in_features].to(torch.int8)
         scales[start:stop] = scale
     if group_size is None:
@@ -224,25 +226,168 @@ def quantize_int8(
     return Int8Weight(qweight, scales, group_size, offsets=offsets)
 
 
-def _closer_of_symmetric_and_affine(block, q_sym, scale_sym):
-    """Per group, the affine (min..max over 256 levels) or the symmetric quantization, whichever
-    reconstructs `block` [rows, G, group] with less squared error, as (q, scales, offsets).
+def _closest_of_candidates(block, q_sym, scale_sym):
+    """Per group of `block` [rows, G, group], the affine (min..max over 256 levels) or the
+    symmetric quantization, whichever reconstructs it with less squared error, or else the
+    source-grid one where the group sits on a grid that it reproduces (near) exactly and with
+    still less error; as (q, scales, offsets).
 
-    Usually affine wins (half the step or less); symmetric wins where the source already sits on
-    a symmetric int8 grid (GGUF Q8_0), which it then reproduces exactly.
+    Usually affine wins (half the step or less). Symmetric wins where the source already sits on
+    a symmetric int8 grid (GGUF Q8_0), which it then reproduces exactly; the source grid wins
+    where the group sits on a coarser grid (GGUF Q4_0, Q4_1, Q5_0, Q5_1: `_onto_source_grids`),
+    which it reproduces exactly too. A float group never sits on one: its quantization is the
+    affine or symmetric one, as it was before the source grid was added.
     """
-    low = block.amin(dim=-1)
-    scale = (block.amax(dim=-1) - low) / 255.0
+    low, high = block.amin(dim=-1), block.amax(dim=-1)
+    scale = (high - low) / 255.0
     constant = scale == 0
     safe = torch.where(constant, torch.ones_like(scale), scale)
-    q = torch.round((block - low[..., None]) / safe[..., None]).clamp_(0, 255) - 128
-    q = torch.where(constant[..., None], torch.zeros_like(q), q)
+    q = (block - low[..., None]).div_(safe[..., None]).round_().clamp_(0, 255).sub_(128)
+    q.masked_fill_(constant[..., None], 0)
     offset = torch.where(constant, low, low + 128 * scale)
-    affine_error = (q * scale[..., None] + offset[..., None] - block).square().sum(-1)
-    symmetric_error = (q_sym * scale_sym[..., None] - block).square().sum(-1)
+    affine_error = _squared_error(q, scale, offset, block)
+    symmetric_error = (q_sym * scale_sym[..., None]).sub_(block).square_().sum(-1)
     use_symmetric = symmetric_error <= affine_error
-    return (
-        torch.where(use_symmetric[..., None], q_sym, q),
-        torch.where(use_symmetric, scale_sym, scale),
-        torch.where(use_symmetric, torch.zeros_like(offset), offset),
-    )
+    q = torch.where(use_symmetric[..., None], q_sym, q)
+    scale = torch.where(use_symmetric, scale_sym, scale)
+    offset = torch.where(use_symmetric, torch.zeros_like(offset), offset)
+    error = torch.minimum(symmetric_error, affine_error)
+    return _onto_source_grids(block, low, high, error, q, scale, offset)
+
+
+def _squared_error(q, scale, offset, block):
+    """Sum over the last dim of (q * s + o - block)^2, the reconstruction formed as dequantize
+    forms it (q * s, then + o)."""
+    return (q * scale[..., None]).add_(offset[..., None]).sub_(block).square_().sum(-1)
+
+
+# k for a source grid of n steps: the largest power of two with k * n <= 255, so the int8 step
+# d / k is exact in fp32 and every source level is an int8 level.
+_SUBSTEPS = torch.tensor([0] + [1 << (255 // n).bit_length() - 1 for n in range(1, 256)])
+# How far (root mean square, in int8 steps) a group may sit from the source grid found for it.
+_ON_GRID = 1e-3
+
+
+def _onto_source_grids(block, low, high, error, q, scale, offset):
+    """(q, scale, offset) with each group of `block` [rows, G, group] that sits on a grid of at
+    most 255 steps moved onto an int8 grid through all its levels, where that reproduces the
+    group (near) exactly (`_on_grid`) with strictly less squared error than `error` [rows, G]
+    (the current choice's; a group it already reproduces exactly is left alone).
+
+    A GGUF 4/5/8-bit group holds values d*j (+ m), j whole: its step d is the smallest gap
+    between its sorted distinct values where two neighbouring levels occur (all but sparse
+    groups), and n = round(span / d) steps span it, so d = span / n. Where that grid misses
+    the group (or only nearly fits it: n = 3 for levels -8, -5, 0 makes d / 3 the step, which
+    fp32 rounds), its smallest gap spans several steps: `_finer_steps` looks for them. A float
+    group's smallest gap is far below span / 255, so few float groups get past the step count;
+    for a source on a grid nearly all do, and the groups are then worked on in place rather than
+    gathered.
+    """
+    shapes = q.shape, scale.shape
+    group = block.shape[-1]
+    flat, low, span = block.reshape(-1, group), low.reshape(-1), (high - low).reshape(-1)
+    q, error = q.reshape(-1, group), error.reshape(-1)
+    scale, offset = scale.reshape(-1), offset.reshape(-1)
+    todo = (error > 0).nonzero().squeeze(1)
+    if 2 * todo.numel() > error.numel():
+        todo = None  # most groups: all of them, in place
+    flat, low, span, error = (t if todo is None else t[todo] for t in (flat, low, span, error))
+    # The smallest positive gap, on the gaps' bits (>= 0 floats order as their int32 bits):
+    # bits - 1 wraps a zero gap's 0 to -1, which the mask turns into the largest int32.
+    bits = _sorted(flat).diff(dim=-1).view(torch.int32).sub_(1).bitwise_and_(0x7FFFFFFF)
+    gap = bits.amin(dim=-1).clamp_(max=0x7F7FFFFF).add_(1).view(torch.float32)  # inf: no gap
+    steps = torch.round(span / gap)  # 0 where the group is constant
+    gridded = (steps >= 1) & (steps <= 255) & (error > 0)
+    if todo is None and 2 * int(gridded.sum()) > gridded.numel():  # a source on a grid
+        q_grid, scale_grid, offset_grid, grid_error = _on_grid(
+            flat, low, span, torch.where(gridded, steps, torch.ones_like(steps))
+        )
+        better = gridded & (grid_error < error)
+        q = torch.where(better[:, None], q_grid, q)
+        scale = torch.where(better, scale_grid, scale)
+        offset = torch.where(better, offset_grid, offset)
+        error = torch.where(better, grid_error, error)
+        missed = (gridded & (grid_error > 0)).nonzero().squeeze(1)
+    else:
+        picked = gridded.nonzero().squeeze(1)
+        grids = _on_grid(flat[picked], low[picked], span[picked], steps[picked])
+        missed = _take(picked, grids, error, todo, q, scale, offset)
+    if missed.numel():
+        steps = _finer_steps(flat[missed], span[missed])
+        found = (steps >= 1) & (steps <= 255)
+        missed = missed[found]
+        grids = _on_grid(flat[missed], low[missed], span[missed], steps[found])
+        _take(missed, grids, error, todo, q, scale, offset)
+    return q.view(shapes[0]), scale.view(shapes[1]), offset.view(shapes[1])
+
+
+def _take(picked, grids, error, todo, q, scale, offset):
+    """Where `grids` (`_on_grid` of the groups `picked`) beat `error`, their q, scale and offset
+    go into q [n, group], scale [n], offset [n] (at todo[picked] when `todo` is not None), and
+    their error into `error`; returns those of `picked` that were not reproduced exactly."""
+    q_grid, scale_grid, offset_grid, grid_error = grids
+    better = grid_error < error[picked]
+    error[picked[better]] = grid_error[better]
+    taken = picked[better] if todo is None else todo[picked[better]]
+    q[taken], scale[taken], offset[taken] = q_grid[better], scale_grid[better], offset_grid[better]
+    return picked[grid_error > 0]
+
+
+def _finer_steps(flat, span, rounds=12):
+    """Step counts of the groups flat [n, group] whose smallest gap spans several steps of their
+    grid, e.g. Q4_0 levels -8, 0, 3 (gaps 8d, 3d): span / d, d the greatest common divisor of
+    their gaps; 0 where there is none (no grid) or the count is off.
+
+    Euclid's algorithm on floats: fmod is exact in IEEE arithmetic, so on gaps that are whole
+    multiples of d (< 2^24 d) each remainder is too, and the last nonzero one is d itself. A
+    pair's gcd takes at most 11 rounds for multiples below 256 (Fibonacci); `rounds` bounds it
+    for gaps that are no multiples of anything (floats), whose result is then discarded.
+    """
+    gaps = _sorted(flat).diff(dim=-1)
+    while gaps.shape[1] > 1:  # gcd of pairs of columns, halving them
+        if gaps.shape[1] % 2:
+            gaps = torch.cat([gaps, torch.zeros_like(gaps[:, :1])], dim=1)  # gcd(x, 0) = x
+        a, b = gaps[:, 0::2], gaps[:, 1::2]
+        for _ in range(rounds):
+            more = b > 0
+            if not more.any():
+                break
+            a, b = torch.where(more, b, a), torch.where(more, torch.fmod(a, b), b)
+        gaps = torch.where(b > 0, torch.nan, a)  # unfinished: no step
+    steps = torch.round(span / gaps[:, 0])
+    return torch.where(steps.isfinite(), steps, torch.zeros_like(steps))
+
+
+def _on_grid(flat, low, span, steps):
+    """Groups flat [n, group] spanning `span` [n] from `low` [n] in `steps` [n] whole source steps,
+    as (q, scales, offsets, squared errors) on the int8 grid of step d / k, d = span / steps,
+    k = _SUBSTEPS[steps] (a power of two, so the step is exact in fp32).
+
+    The group's min gets the int8 level nearest min / step that leaves room for the steps * k
+    int8 steps above it: zero stays at q = 0 where it fits (Q4_0, Q5_0, Q8_0), so q * step is the
+    source value itself; else the offset is a whole number of steps from the min, also exact in
+    fp32 for fp16 d and m (Q4_1, Q5_1). The error is inf where the grid does not reproduce the
+    group to within _ON_GRID of its step (root mean square; fp32 rounding of d*j + m stays far
+    below it), so a float group that merely shows few distinct values keeps its affine grid, and
+    where the step underflows to 0.
+    """
+    substeps = _SUBSTEPS.to(flat.device)[steps.long()].to(flat.dtype)
+    scale = span / steps / substeps
+    underflow = scale == 0
+    safe = torch.where(underflow, torch.ones_like(scale), scale)
+    q_low = torch.minimum(torch.round(low / safe).clamp_(min=-128), 127 - steps * substeps)
+    offset = low - q_low * safe
+    q = (flat - offset[:, None]).div_(safe[:, None]).round_().clamp_(-128, 127)
+    error = _squared_error(q, safe, offset, flat)
+    off_grid = underflow | (error > flat.shape[1] * (_ON_GRID * safe).square())
+    return q, scale, offset, error.masked_fill_(off_grid, torch.inf)
+
+
+def _sorted(flat):
+    """flat [n, group] sorted along its rows: numpy's SIMD sort on the CPU (~10x torch's for
+    rows of 32), torch's elsewhere."""
+    if flat.device.type == "cpu" and flat.dtype == torch.float32:
+        import numpy as np
+
+        return torch.from_numpy(np.sort(flat.detach().numpy(), axis=-1))
+    return flat.sort(dim=-1).values
