@@ -11,7 +11,7 @@ from typing import Any, Mapping
 
 from tierlm.quant.modes import QuantMode, parse_quant_mode
 
-CODEC_VERSION = 1  # bump when the same inputs would encode to different bytes
+CODEC_VERSION = 2  # bump when the same inputs would encode to different bytes (2: asym modes carry Q4_0/Q5_x grids exactly)
 FLOAT_DTYPES = ("float32", "float16", "bfloat16")
 # encoding -> (parts it must have, parts it may have)
 ENCODINGS = {"plain": ({"data"}, set()), "int8": ({"qweight", "scales"}, {"offsets"})}

@@ -4,7 +4,7 @@
     int8-g<N>     int8 weights, one fp32 scale per group of N input columns (e.g. int8-g128)
     int8-asym, int8-g<N>-asym   the same with a float offset per row/group (zero point): the
                   256 levels span [min, max] instead of [-max|w|, max|w|]. Costs 4 more bytes per
-                  group; reproduces 4-bit affine sources (GGUF Q4_0/Q4_1, groups of 32) exactly.
+                  group; reproduces GGUF Q4_0/Q4_1/Q5_0/Q5_1/Q8_0 sources (groups of 32) bit for bit.
     fp16 / bf16 / fp32   no quantization: weights stored in that float dtype
     none          the checkpoint's weights as stored, in the compute dtype (offload/sizes.py)
     auto          a concrete mode chosen per model and device by `auto_quant` (the profiles'
