@@ -32,29 +32,21 @@ MaxNewOpt = typer.Option(256, "--max-new-tokens", "-n", min=1, help="Most tokens
 _FALLBACK = GenerationDefaults()
 
 
-def _model_default(fallback) -> str:
-    return f"(default: the model's generation_config.json, else {fallback:g})"
+def _sampling_option(names: tuple[str, ...], text: str, fallback: float, **bounds):
+    """A sampling flag whose unset value defers to the model's generation_config.json."""
+    help_text = f"{text} (default: the model's generation_config.json, else {fallback:g})"
+    return typer.Option(None, *names, show_default=False, help=help_text, **bounds)
 
 
-TempOpt = typer.Option(
-    None, "--temperature", "-t", min=0.0, show_default=False,
-    help=f"Sampling temperature; 0 = greedy {_model_default(_FALLBACK.temperature)}",
+TempOpt = _sampling_option(("--temperature", "-t"), "Sampling temperature; 0 = greedy", _FALLBACK.temperature, min=0.0)
+TopPOpt = _sampling_option(("--top-p",), "Nucleus sampling mass; 1 = off", _FALLBACK.top_p, min=0.0, max=1.0)
+TopKOpt = _sampling_option(("--top-k",), "Sample among the k most likely tokens; 0 = off", _FALLBACK.top_k, min=0)
+MinPOpt = _sampling_option(
+    ("--min-p",), "Keep tokens at least this fraction as likely as the top one; 0 = off", _FALLBACK.min_p,
+    min=0.0, max=1.0,
 )
-TopPOpt = typer.Option(
-    None, "--top-p", min=0.0, max=1.0, show_default=False,
-    help=f"Nucleus sampling mass; 1 = off {_model_default(_FALLBACK.top_p)}",
-)
-TopKOpt = typer.Option(
-    None, "--top-k", min=0, show_default=False,
-    help=f"Sample among the k most likely tokens; 0 = off {_model_default(_FALLBACK.top_k)}",
-)
-MinPOpt = typer.Option(
-    None, "--min-p", min=0.0, max=1.0, show_default=False,
-    help=f"Keep tokens at least this fraction as likely as the top one; 0 = off {_model_default(_FALLBACK.min_p)}",
-)
-RepOpt = typer.Option(
-    None, "--repetition-penalty", min=0.01, show_default=False,
-    help=f"Penalty for repeated tokens; 1 = off {_model_default(_FALLBACK.repetition_penalty)}",
+RepOpt = _sampling_option(
+    ("--repetition-penalty",), "Penalty for repeated tokens; 1 = off", _FALLBACK.repetition_penalty, min=0.01
 )
 ThreadsOpt = typer.Option(
     None, "--threads", min=0, show_default=False,
