@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from tierlm.models.base import attention_mask, position_mask
+
 
 def _empty_buffers(layers, sequences, kv_heads, head_dim, max_len, device, dtype):
     """Keys and values [layers, sequences, kv_heads, max_len, head_dim], left uninitialised."""
@@ -16,7 +18,21 @@ def _model_dims(config) -> tuple[int, int, int]:
     return config.num_hidden_layers, config.num_key_value_heads, config.head_dim
 
 
-class KVCache:
+class _Contiguous:
+    """Positions and mask for a cache whose rows all append T tokens after one `offset`."""
+
+    def rope(self, table, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [T, 1, R] for positions offset..offset+T-1; raises if they exceed max_len."""
+        if self.offset + length > self.max_len:
+            raise ValueError(f"{self.offset + length} positions exceed the KV cache ({self.max_len})")
+        return table.slice(self.offset, length)
+
+    def mask(self, length: int, groups: int, window: int | None) -> torch.Tensor | None:
+        """Causal (and sliding-window) mask [groups * T, offset + T] for T new queries, or None."""
+        return attention_mask(length, self.offset + length, groups, window, self.device)
+
+
+class KVCache(_Contiguous):
     """Keys and values for every layer: [layers, batch, kv_heads, max_len, head_dim] each.
 
     Allocated once with `torch.empty`, so pages are only touched as positions fill and
@@ -41,6 +57,10 @@ class KVCache:
     @classmethod
     def for_model(cls, config, max_len: int, *, batch: int = 1, device="cpu", dtype=torch.float32):
         return cls(*_model_dims(config), max_len, batch=batch, device=device, dtype=dtype)
+
+    @property
+    def device(self) -> torch.device:
+        return self.keys.device
 
     def update(
         self, layer: int, keys: torch.Tensor, values: torch.Tensor
@@ -78,7 +98,7 @@ class SlotKVCache:
     Each slot has its own length, so sequences of different ages share one buffer and one
     decode step (continuous batching). `slot(i)` is a single-sequence view with the KVCache
     interface, used to prefill one sequence; `batch(slots)` describes one decode step over
-    several slots for `LlamaModel.forward_batch`. Allocated with `torch.empty`, like KVCache.
+    several slots for `LlamaModel.forward`. Allocated with `torch.empty`, like KVCache.
     """
 
     def __init__(
@@ -140,7 +160,7 @@ class SlotKVCache:
         return self.nbytes * sum(self.lengths) // (self.max_len * self.slots)
 
 
-class SlotView:
+class SlotView(_Contiguous):
     """One slot of a SlotKVCache behind the single-sequence KVCache interface (batch 1)."""
 
     def __init__(self, parent: SlotKVCache, index: int):
@@ -151,6 +171,10 @@ class SlotView:
     @property
     def offset(self) -> int:
         return self.parent.lengths[self.index]
+
+    @property
+    def device(self) -> torch.device:
+        return self.parent.keys.device
 
     def update(
         self, layer: int, keys: torch.Tensor, values: torch.Tensor
@@ -199,6 +223,16 @@ class SlotBatch:
         # Adjacent slots are read as a view of the buffer; others are gathered (a copy per layer).
         adjacent = self.slots == list(range(first, first + len(self.slots)))
         self._rows = slice(first, first + len(self.slots)) if adjacent else self._index
+
+    def rope(self, table, length: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [n, 1, 1, R], one position per slot (a step adds one token per slot)."""
+        if length != 1:
+            raise ValueError(f"a batched step adds one token per slot, not {length}")
+        return table.at(self.positions)
+
+    def mask(self, length: int, groups: int, window: int | None) -> torch.Tensor:
+        """[n, 1, 1, key_len]: each slot sees its own keys up to its position (within the window)."""
+        return position_mask(self.positions, self.key_len, window)
 
     def update(
         self, layer: int, keys: torch.Tensor, values: torch.Tensor

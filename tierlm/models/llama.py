@@ -108,24 +108,19 @@ class LlamaModel:
     def forward(
         self, ids: torch.Tensor, cache, logits: Literal["last", "all"] = "last"
     ) -> torch.Tensor:
-        """Run ids [B, T] after the cache's current offset; returns logits [B, T or 1, V] (fp32).
+        """Run ids [B, T] at the cache's next positions; returns logits [B, T or 1, V] (fp32).
 
-        Writes the new keys/values into `cache` and advances it by T.
+        One path for prefill, decode and batched decode: `cache` (cache/kv.py) supplies the
+        positions (as cos/sin) and the mask, writes the new keys/values and advances by T. A
+        `KVCache` or `SlotView` puts T tokens after its offset; a `SlotBatch` puts one token per
+        slot at that slot's own length, and each row gets the logits it would get alone.
         """
         length = ids.shape[1]
-        start = cache.offset
-        if start + length > cache.max_len:
-            raise ValueError(f"{start + length} positions exceed the KV cache ({cache.max_len})")
+        cos, sin = cache.rope(self.rotary, length)  # raises first if the tokens do not fit
+        groups = self.config.num_attention_heads // self.config.num_key_value_heads
+        mask = cache.mask(length, groups, self.config.sliding_window)
         with self.store.block("embed") as w:
             x = base.embed(w["embed"], ids).to(self.dtype)
-        cos, sin = self.rotary.slice(start, length)
-        mask = base.attention_mask(
-            length,
-            start + length,
-            self.config.num_attention_heads // self.config.num_key_value_heads,
-            self.config.sliding_window,
-            self.device,
-        )
         for i in range(self.config.num_hidden_layers):
             with self.store.block(layer_block(i)) as w:
                 x = self.decoder_layer(w, x, cache, i, cos, sin, mask)
@@ -137,28 +132,9 @@ class LlamaModel:
         with self.store.block("head") as w:
             return base.linear(x, w["head"]).float()
 
-    @torch.inference_mode()
     def forward_batch(self, ids: torch.Tensor, batch) -> torch.Tensor:
-        """One decode step for B sequences at their own positions: ids [B, 1] -> logits [B, V] (fp32).
-
-        `batch` is a `SlotBatch` (cache/kv.py): it gives each sequence's position, writes each
-        new key/value into that sequence's slot and returns the slots' keys/values padded to the
-        longest; the mask hides every slot's positions past its own. Each row gets the logits it
-        would get decoded alone.
-        """
-        positions = batch.positions
-        with self.store.block("embed") as w:
-            x = base.embed(w["embed"], ids).to(self.dtype)
-        cos, sin = self.rotary.at(positions)
-        mask = base.position_mask(positions, batch.key_len, self.config.sliding_window)
-        for i in range(self.config.num_hidden_layers):
-            with self.store.block(layer_block(i)) as w:
-                x = self.decoder_layer(w, x, batch, i, cos, sin, mask)
-        batch.advance(1)
-        with self.store.block("norm") as w:
-            x = base.rms_norm(x, w["norm"], self.config.rms_norm_eps)
-        with self.store.block("head") as w:
-            return base.linear(x, w["head"]).float()[:, 0]
+        """One decode step over a `SlotBatch`: ids [B, 1] -> logits [B, V]; `forward` does the work."""
+        return self.forward(ids, batch)[:, -1]
 
     def decoder_layer(self, w, x, cache, index, cos, sin, mask) -> torch.Tensor:
         """One pre-norm block: x [B, T, H] -> [B, T, H]."""

@@ -2,10 +2,10 @@
 
 A new sequence is prefilled alone into its slot (one chunk per step, so running sequences
 keep decoding meanwhile), then joins the shared decode step: one forward over ids [n, 1] at
-each sequence's own position (`LlamaModel.forward_batch`). Every sequence keeps its own
-`SequenceState` (sampler and seed, stop matcher, stream decoder, limits), the one the engine
-uses too, so its tokens, text and finish reason are the ones it would get decoded alone. Only
-the worker thread touches a runner.
+each sequence's own position (`LlamaModel.forward` over a `SlotBatch`, via `forward_batch`).
+Every sequence keeps its own `SequenceState` (sampler and seed, stop matcher, stream decoder,
+limits), the one the engine uses too, so its tokens, text and finish reason are the ones it
+would get decoded alone. Only the worker thread touches a runner.
 
 Failures are contained where they happen: an exception in one sequence's own work (admission,
 its prefill, sampling, detokenizing, stop matching, emitting) ends that sequence alone with a
