@@ -19,7 +19,8 @@ import pytest
 from tierlm.config import ModelConfig
 from tierlm.errors import TierlmError
 from tierlm.offload.placement import DEVICE, DISK, HOST
-from tierlm.offload.planner import plan, placement_to_dict
+from tierlm.offload.placement import placement_to_dict
+from tierlm.offload.planner import plan
 from tierlm.offload.probe import Bandwidths
 from tierlm.offload.sizes import kv_cache_bytes, sizes_from_config
 from tierlm.profile import load_profile, shipped_profiles
@@ -55,6 +56,7 @@ CPU = Bandwidths(device_bytes_per_s=20e9, host_bytes_per_s=20e9, link_bytes_per_
 GPU = Bandwidths(device_bytes_per_s=800e9, host_bytes_per_s=40e9, link_bytes_per_s=25e9, disk_bytes_per_s=3e9,
                  device_flops=100e12, host_flops=1e12, per_block_overhead_s=30e-6, device="cuda")  # fmt: skip
 PROFILES = shipped_profiles()  # largest first
+FALLBACKS = [load_profile(name) for name in PROFILES]  # what a refusal may suggest, as the loader passes them
 MODES = [pytest.param(False, id="cpu-only"), pytest.param(True, id="accelerator")]
 
 
@@ -73,7 +75,8 @@ def make_plan(model_dirs, model: str, profile, accelerator: bool, quant: str = "
     config = ModelConfig.from_dir(model_dirs[model])
     profile = load_profile(profile) if isinstance(profile, str) else profile
     sizes = sizes_from_config(config, quant, accelerator=accelerator)
-    return plan(config, sizes, profile, GPU if accelerator else CPU, accelerator=accelerator, baseline_bytes=BASELINE)
+    return plan(config, sizes, profile, GPU if accelerator else CPU, accelerator=accelerator, baseline_bytes=BASELINE,
+                fallbacks=FALLBACKS)  # fmt: skip
 
 
 def layer_tiers(placement) -> list[str]:

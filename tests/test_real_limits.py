@@ -30,10 +30,12 @@ from tierlm.offload.planner import cap_profile, check_fits, plan
 from tierlm.offload.probe import Bandwidths
 from tierlm.offload.sizes import sizes_from_config
 from tierlm.profile import auto_profile, load_profile
+from tierlm.runtime.loader import shipped_fallbacks
 
 MiB, GiB = 2**20, 2**30
 UNLIMITED_V1 = "9223372036854771712"  # what cgroup v1 writes for "no limit"
 BASELINE = 400 * MiB
+FALLBACKS = shipped_fallbacks()  # what a refusal may suggest, as the loader passes them
 LLAMA_2_7B = {"model_type": "llama", "torch_dtype": "bfloat16", "rms_norm_eps": 1e-5, "tie_word_embeddings": False,
               "hidden_size": 4096, "intermediate_size": 11008, "num_hidden_layers": 32, "num_attention_heads": 32,
               "num_key_value_heads": 32, "vocab_size": 32000, "max_position_embeddings": 4096}  # fmt: skip
@@ -139,7 +141,7 @@ def plan_under(config, profile_name: str, limits: MemoryLimits | None, *, accele
     profile = replace(load_profile(profile_name), **changes)
     sizes = sizes_from_config(config, "int8", accelerator=accelerator)
     return plan(config, sizes, profile, GPU if accelerator else CPU, accelerator=accelerator,
-                baseline_bytes=BASELINE, limits=limits)  # fmt: skip
+                baseline_bytes=BASELINE, limits=limits, fallbacks=FALLBACKS)  # fmt: skip
 
 
 def test_plan_caps_the_ram_budget_at_the_cgroup_limit_and_streams_within_it(llama):
@@ -207,7 +209,8 @@ def test_check_fits_refuses_as_plan_does_without_bandwidths(llama):
     sizes = sizes_from_config(llama, "int8")
     limits = MemoryLimits(250 * MiB, "cgroup memory limit")
     with pytest.raises(TierlmError) as early:
-        check_fits(llama, sizes, load_profile("4gb"), accelerator=False, baseline_bytes=BASELINE, limits=limits)
+        check_fits(llama, sizes, load_profile("4gb"), accelerator=False, baseline_bytes=BASELINE, limits=limits,
+                   fallbacks=FALLBACKS)  # fmt: skip
     with pytest.raises(TierlmError) as planned:
         plan_under(llama, "4gb", limits)
     assert str(early.value) == str(planned.value)

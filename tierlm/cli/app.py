@@ -293,7 +293,7 @@ def plan(
 
     from tierlm.cli.models import pick_model
     from tierlm.cli.plan_view import plan_for, render_plan
-    from tierlm.offload.planner import placement_to_dict
+    from tierlm.offload.placement import placement_to_dict
     from tierlm.profile import load_profile
     from tierlm.runtime.session import resolve_model_dir
 

@@ -25,6 +25,7 @@ def plan_for(model_dir: Path, profile, quant: str | None = None, device: str | N
     from tierlm.offload.probe import bandwidths_path, load_probe
     from tierlm.offload.sizes import cached_artifact, resolve_quant, sizes_from_artifact, sizes_from_config
     from tierlm.runtime.baseline import runtime_baseline
+    from tierlm.runtime.loader import shipped_fallbacks
 
     target = resolve_device(device)
     accelerator = target.type != "cpu"
@@ -37,10 +38,12 @@ def plan_for(model_dir: Path, profile, quant: str | None = None, device: str | N
     baseline = runtime_baseline(target, sizes.quant, model_dir)
     limits = process_limits(target)  # the budgets are capped at what the process really has
     # Refused before the probe: a missing probe runs in a child, which a tight limit would kill.
-    check_fits(config, sizes, profile, accelerator=accelerator, baseline_bytes=baseline.charged, limits=limits)
+    fallbacks = shipped_fallbacks()  # what a refusal may suggest instead, as the loader passes them
+    check_fits(config, sizes, profile, accelerator=accelerator, baseline_bytes=baseline.charged, limits=limits,
+               fallbacks=fallbacks)  # fmt: skip
     probe = load_probe(target)
     placement = plan(config, sizes, profile, probe.bandwidths, accelerator=accelerator,
-                     baseline_bytes=baseline.charged, limits=limits)  # fmt: skip
+                     baseline_bytes=baseline.charged, limits=limits, fallbacks=fallbacks)  # fmt: skip
     header = [
         f"model    {model_dir} ({config.model_type}, {config.num_hidden_layers} layers)",
         f"profile  {profile.summary()}",
@@ -64,9 +67,70 @@ def limits_line(limits) -> str:
 
 
 def render_plan(placement, header: list[str]) -> str:
-    from tierlm.offload.planner import describe
-
     return "\n".join([*header, "", describe(placement)])
+
+
+def placement_rows(placement) -> list[tuple[str, str, int]]:
+    """(blocks, where, bytes), consecutive layers on the same tier grouped as `layers.0-27`."""
+    from tierlm.offload.placement import DEVICE
+    from tierlm.offload.planner import EMBED, HEAD
+
+    rows: list[tuple[str, str, int]] = []
+    run: list = []  # BlockPlacements
+
+    def where(blocks: list) -> str:
+        first = blocks[0]
+        if first.name == EMBED and first.tier != DEVICE:
+            return f"{first.tier}, rows on demand"
+        if first.tier == DEVICE:
+            return "device, resident"
+        on_cpu = sum(1 for b in blocks if not b.streamed)
+        if on_cpu == len(blocks):
+            return f"{first.tier}, computed on CPU"
+        if on_cpu == 0:
+            return f"{first.tier}, streamed"
+        return f"{first.tier}, {on_cpu} on CPU + {len(blocks) - on_cpu} streamed"
+
+    def flush():
+        if run:
+            first, last = run[0].name, run[-1].name.split(".", 1)[1]
+            name = first if len(run) == 1 else f"{first}-{last}"
+            rows.append((name, where(run), sum(b.nbytes for b in run)))
+            run.clear()
+
+    for b in placement.blocks:
+        if b.name.startswith("layers."):
+            if run and run[-1].tier != b.tier:
+                flush()
+            run.append(b)
+            continue
+        flush()
+        tied = b.name == HEAD and b.nbytes == 0
+        rows.append(("head (tied: = embed)" if tied else b.name, where([b]), b.nbytes))
+    flush()
+    return rows
+
+
+def describe(placement) -> str:
+    """The human-readable plan: blocks, per-tier totals against budgets (itemised), speeds."""
+    from tierlm.profile import format_size
+
+    lines = [f"{'block':22} {'tier':32} {'bytes':>10}"]
+    lines += [f"{name:22} {where:32} {format_size(n):>10}" for name, where, n in placement_rows(placement)]
+    lines.append("")
+    for tier, items in placement.charges.items():
+        budget = placement.budgets.get(tier)
+        shown = format_size(budget) if budget is not None else "unbounded"
+        lines.append(f"{tier:6} {format_size(placement.total(tier)):>10} of {shown}")
+        lines += [f"         {k:10} {format_size(v):>10}" for k, v in items.items() if v]
+    lines.append("")
+    if placement.ring_slots:
+        lines.append(f"ring     {placement.ring_slots} slots x {format_size(placement.ring_slot_bytes)}")
+    lines.append(f"prefill  {placement.predicted_prefill_tokens_per_s:.1f} tokens/s (predicted)")
+    lines.append(f"decode   {placement.predicted_decode_tokens_per_s:.2f} tokens/s (predicted), "
+                 f"bound by {placement.binding_limit}")  # fmt: skip
+    lines += [f"note     {note}" for note in placement.notes]
+    return "\n".join(lines)
 
 
 def probe_lines(record, name: str, now: float | None = None) -> list[str]:

@@ -1,7 +1,8 @@
 """A Placement: where every weight block lives, what each tier is charged, what speed to expect.
 
 The planner produces it (a pure function of sizes, profile and bandwidths); the tiered store
-obeys it; the ledger compares its planned bytes with measured ones.
+obeys it; the ledger compares its planned bytes with measured ones. `placement_to_dict` is its
+JSON form (`tierlm plan --json`); the human text is cli/plan_view.py's.
 """
 
 from __future__ import annotations
@@ -79,3 +80,23 @@ class Placement:
     @property
     def fully_resident(self) -> bool:
         return all(b.tier == DEVICE for b in self.blocks)
+
+
+def placement_to_dict(placement: Placement) -> dict:
+    """The Placement as plain JSON-able data (`tierlm plan --json`)."""
+    return {
+        "blocks": [
+            {"name": b.name, "tier": b.tier, "nbytes": b.nbytes, "compute": b.compute, "streamed": b.streamed}
+            for b in placement.blocks
+        ],
+        "budgets": dict(placement.budgets),
+        "charges": {tier: dict(items) for tier, items in placement.charges.items()},
+        "totals": {tier: placement.total(tier) for tier in placement.charges},
+        "ring_slots": placement.ring_slots,
+        "ring_slot_bytes": placement.ring_slot_bytes,
+        "hot_cache_bytes": placement.hot_cache_bytes,
+        "predicted_prefill_tokens_per_s": placement.predicted_prefill_tokens_per_s,
+        "predicted_decode_tokens_per_s": placement.predicted_decode_tokens_per_s,
+        "binding_limit": placement.binding_limit,
+        "notes": list(placement.notes),
+    }

@@ -1,7 +1,9 @@
 """The planner: a pure function of (config, block sizes, profile, bandwidths) to a Placement.
 
 No I/O and no torch: the caller measures the baseline, the bandwidths and the process's limits
-and passes them in. (Only a refusal reads the shipped profiles, to name one that would fit.)
+and passes them in, and the profiles a refusal may suggest (`fallbacks`: runtime/loader.py's
+`shipped_fallbacks`). Presentation lives elsewhere: `placement_to_dict` beside Placement, the
+human text in cli/plan_view.py.
 
 What each tier is charged (`Placement.charges`), all of which must fit its budget:
 
@@ -75,7 +77,7 @@ from tierlm.offload.sizes import (
     sizes_from_config,
     workspace_bytes,
 )
-from tierlm.profile import Profile, format_size
+from tierlm.profile import Profile
 
 EMBED, NORM, HEAD = "embed", "norm", "head"
 LIMITS = ("device bandwidth", "host bandwidth", "dispatch overhead", "link", "disk")
@@ -98,13 +100,14 @@ def plan(
     *,
     accelerator: bool,
     baseline_bytes: int,
-    fallbacks: Sequence[Profile] | None = None,
+    fallbacks: Sequence[Profile] = (),
     limits: MemoryLimits | None = None,
 ) -> Placement:
     """Place every block of `sizes` within `profile`'s budgets, or refuse before anything loads.
 
     `baseline_bytes`: the process's RSS before weights (host RAM; on CPU-only the RAM tier).
-    `fallbacks`: profiles to suggest when refusing (default: the shipped ones).
+    `fallbacks`: profiles a refusal may suggest, from the caller (the loader and `tierlm plan` pass
+    the shipped ones: runtime/loader.py `shipped_fallbacks`); none given, no profile is suggested.
     `limits`: what the process really may use (device/memory.py `process_limits`); every budget
     is capped at them (see `cap_profile`) and the placement notes each cap.
     Raises TierlmError naming the shortfall in GiB and the smallest profile / quant that fits;
@@ -126,7 +129,7 @@ def check_fits(
     *,
     accelerator: bool,
     baseline_bytes: int,
-    fallbacks: Sequence[Profile] | None = None,
+    fallbacks: Sequence[Profile] = (),
     limits: MemoryLimits | None = None,
     bandwidths: Bandwidths | None = None,
 ) -> None:
@@ -695,94 +698,9 @@ def _refusal(ctx: _Context, shortfall: str, fallbacks, limits) -> TierlmError:
 
 
 def _ordered_fallbacks(fallbacks: Sequence[Profile] | None) -> list[Profile]:
-    """`fallbacks` (default: the shipped profiles), smallest first."""
-    if fallbacks is None:
-        from tierlm.profile import load_profile, shipped_profiles
-
-        fallbacks = [load_profile(name) for name in shipped_profiles()]
-    return sorted(fallbacks, key=lambda p: (p.device_memory, p.host_memory))
+    """The caller's `fallbacks` (none: no profile to suggest), smallest first."""
+    return sorted(fallbacks or (), key=lambda p: (p.device_memory, p.host_memory))
 
 
 def _gib(nbytes: int) -> str:
     return f"{nbytes / GiB:.2f} GiB"
-
-
-# -- presentation ----------------------------------------------------------------------------
-
-
-def placement_to_dict(placement: Placement) -> dict:
-    """The Placement as plain JSON-able data (`tierlm plan --json`)."""
-    return {
-        "blocks": [
-            {"name": b.name, "tier": b.tier, "nbytes": b.nbytes, "compute": b.compute, "streamed": b.streamed}
-            for b in placement.blocks
-        ],
-        "budgets": dict(placement.budgets),
-        "charges": {tier: dict(items) for tier, items in placement.charges.items()},
-        "totals": {tier: placement.total(tier) for tier in placement.charges},
-        "ring_slots": placement.ring_slots,
-        "ring_slot_bytes": placement.ring_slot_bytes,
-        "hot_cache_bytes": placement.hot_cache_bytes,
-        "predicted_prefill_tokens_per_s": placement.predicted_prefill_tokens_per_s,
-        "predicted_decode_tokens_per_s": placement.predicted_decode_tokens_per_s,
-        "binding_limit": placement.binding_limit,
-        "notes": list(placement.notes),
-    }
-
-
-def placement_rows(placement: Placement) -> list[tuple[str, str, int]]:
-    """(blocks, where, bytes), consecutive layers on the same tier grouped as `layers.0-27`."""
-    rows: list[tuple[str, str, int]] = []
-    run: list[BlockPlacement] = []
-
-    def where(blocks: list[BlockPlacement]) -> str:
-        first = blocks[0]
-        if first.name == EMBED and first.tier != DEVICE:
-            return f"{first.tier}, rows on demand"
-        if first.tier == DEVICE:
-            return "device, resident"
-        on_cpu = sum(1 for b in blocks if not b.streamed)
-        if on_cpu == len(blocks):
-            return f"{first.tier}, computed on CPU"
-        if on_cpu == 0:
-            return f"{first.tier}, streamed"
-        return f"{first.tier}, {on_cpu} on CPU + {len(blocks) - on_cpu} streamed"
-
-    def flush():
-        if run:
-            first, last = run[0].name, run[-1].name.split(".", 1)[1]
-            name = first if len(run) == 1 else f"{first}-{last}"
-            rows.append((name, where(run), sum(b.nbytes for b in run)))
-            run.clear()
-
-    for b in placement.blocks:
-        if b.name.startswith("layers."):
-            if run and run[-1].tier != b.tier:
-                flush()
-            run.append(b)
-            continue
-        flush()
-        tied = b.name == HEAD and b.nbytes == 0
-        rows.append(("head (tied: = embed)" if tied else b.name, where([b]), b.nbytes))
-    flush()
-    return rows
-
-
-def describe(placement: Placement) -> str:
-    """The human-readable plan: blocks, per-tier totals against budgets (itemised), speeds."""
-    lines = [f"{'block':22} {'tier':32} {'bytes':>10}"]
-    lines += [f"{name:22} {where:32} {format_size(n):>10}" for name, where, n in placement_rows(placement)]
-    lines.append("")
-    for tier, items in placement.charges.items():
-        budget = placement.budgets.get(tier)
-        shown = format_size(budget) if budget is not None else "unbounded"
-        lines.append(f"{tier:6} {format_size(placement.total(tier)):>10} of {shown}")
-        lines += [f"         {k:10} {format_size(v):>10}" for k, v in items.items() if v]
-    lines.append("")
-    if placement.ring_slots:
-        lines.append(f"ring     {placement.ring_slots} slots x {format_size(placement.ring_slot_bytes)}")
-    lines.append(f"prefill  {placement.predicted_prefill_tokens_per_s:.1f} tokens/s (predicted)")
-    lines.append(f"decode   {placement.predicted_decode_tokens_per_s:.2f} tokens/s (predicted), "
-                 f"bound by {placement.binding_limit}")  # fmt: skip
-    lines += [f"note     {note}" for note in placement.notes]
-    return "\n".join(lines)

@@ -165,8 +165,17 @@ def _check_fits(config, sizes, profile, device, baseline: int):
     from tierlm.offload.planner import check_fits
 
     limits = process_limits(device)  # the cgroup limit, RLIMIT_AS, free device memory: as `tierlm plan`
-    check_fits(config, sizes, profile, accelerator=device.type != "cpu", baseline_bytes=baseline, limits=limits)
+    check_fits(config, sizes, profile, accelerator=device.type != "cpu", baseline_bytes=baseline, limits=limits,
+               fallbacks=shipped_fallbacks())  # fmt: skip
     return limits
+
+
+def shipped_fallbacks() -> list:
+    """The shipped profiles (Profile objects), which a refusal may suggest instead: read here, so
+    that the planner reads no files (`tierlm plan` passes the same)."""
+    from tierlm.profile import load_profile, shipped_profiles
+
+    return [load_profile(name) for name in shipped_profiles()]
 
 
 def _plan(config, sizes, profile, device, bandwidths, baseline: int):
@@ -182,6 +191,7 @@ def _plan(config, sizes, profile, device, bandwidths, baseline: int):
         accelerator=device.type != "cpu",
         baseline_bytes=baseline,
         limits=limits,
+        fallbacks=shipped_fallbacks(),
     )
 
 
