@@ -116,9 +116,9 @@ def chat(
     from tierlm.cli.repl import run_chat
 
     model = pick_model(model_arg, model)
-    session = _open(model, profile, device, dtype, quant, lora, threads)
-    params = _params(session, max_new_tokens, temperature, top_p, top_k, min_p, repetition_penalty, seed, stop)
-    run_chat(session, params, system)
+    with _open(model, profile, device, dtype, quant, lora, threads) as session:
+        params = _params(session, max_new_tokens, temperature, top_p, top_k, min_p, repetition_penalty, seed, stop)
+        run_chat(session, params, system)
 
 
 @app.command(short_help="Generate one reply to a prompt; only the text goes to stdout.")
@@ -145,24 +145,21 @@ def generate(
     """Generate one reply. Only the generated text goes to stdout, so it can be piped."""
     if prompt == "-":
         prompt = sys.stdin.read()
-    session = _open(model, profile, device, dtype, quant, lora, threads)
-    params = _params(session, max_new_tokens, temperature, top_p, top_k, min_p, repetition_penalty, seed, stop)
-    tokenizer = session.engine.tokenizer
-    if raw:
-        # A raw prompt gets what the tokenizer's post-processor adds (BOS for Llama-style models).
-        ids = tokenizer.encode(prompt, add_special_tokens=True)
-    else:
-        messages = ([{"role": "system", "content": system}] if system else []) + [
-            {"role": "user", "content": prompt}
-        ]
-        ids = tokenizer.encode_chat(messages, add_generation_prompt=True)
-    try:
+    with _open(model, profile, device, dtype, quant, lora, threads) as session:
+        params = _params(session, max_new_tokens, temperature, top_p, top_k, min_p, repetition_penalty, seed, stop)
+        tokenizer = session.engine.tokenizer
+        if raw:
+            # A raw prompt gets what the tokenizer's post-processor adds (BOS for Llama-style models).
+            ids = tokenizer.encode(prompt, add_special_tokens=True)
+        else:
+            messages = ([{"role": "system", "content": system}] if system else []) + [
+                {"role": "user", "content": prompt}
+            ]
+            ids = tokenizer.encode_chat(messages, add_generation_prompt=True)
         for delta in session.engine.generate(ids, params):
             sys.stdout.write(delta)
             sys.stdout.flush()
         sys.stdout.write("\n")
-    finally:
-        session.engine.loaded.close()  # persists hot-row statistics for the next start
 
 
 @app.command(short_help="Merge LoRA adapters and quantize into a cached artifact.")
@@ -326,11 +323,8 @@ def bench(
     from tierlm.cli.bench import format_bench, run_bench
     from tierlm.cli.models import pick_model
 
-    session = _open(pick_model(model_arg, model), profile, device, dtype, quant, lora, threads)
-    try:
+    with _open(pick_model(model_arg, model), profile, device, dtype, quant, lora, threads) as session:
         result = run_bench(session, prompt_tokens, tokens, runs)
-    finally:
-        session.engine.loaded.close()
     print(json.dumps(result, indent=1) if as_json else format_bench(result))
 
 
@@ -382,27 +376,27 @@ def serve(
     chosen = load_profile(profile)
     if batch_size is not None:  # the planner then reserves KV memory for this many sequences
         chosen = dataclasses.replace(chosen, batch_size=batch_size)
-    session = open_session(
+    with open_session(
         pick_model(model_arg, model), chosen, device=device, dtype=dtype, quant=quant, loras=tuple(lora or ()),
         threads=threads, progress=progress_factory(),
-    )
-    # Sampling flags become the server's defaults for requests that omit the field.
-    given = dict(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, repetition_penalty=repetition_penalty)
-    session.generation_defaults = dataclasses.replace(
-        session.generation_defaults, **{k: v for k, v in given.items() if v is not None}
-    )
-    options = ServerOptions(
-        model_id=model_name,
-        aliases=tuple(alias or ()),
-        api_key=api_key,
-        max_queue=max_queue,
-        default_timeout=timeout or None,
-        stall_timeout=stall_timeout,
-        access_log=not quiet,
-        # Fault injection for the server tests only: an explicit environment switch.
-        debug_hooks=os.environ.get("TIERLM_SERVE_DEBUG_HOOKS") == "1",
-    )
-    run_server(session, options, host=host, port=port)
+    ) as session:
+        # Sampling flags become the server's defaults for requests that omit the field.
+        given = dict(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, repetition_penalty=repetition_penalty)
+        session.generation_defaults = dataclasses.replace(
+            session.generation_defaults, **{k: v for k, v in given.items() if v is not None}
+        )
+        options = ServerOptions(
+            model_id=model_name,
+            aliases=tuple(alias or ()),
+            api_key=api_key,
+            max_queue=max_queue,
+            default_timeout=timeout or None,
+            stall_timeout=stall_timeout,
+            access_log=not quiet,
+            # Fault injection for the server tests only: an explicit environment switch.
+            debug_hooks=os.environ.get("TIERLM_SERVE_DEBUG_HOOKS") == "1",
+        )
+        run_server(session, options, host=host, port=port)
 
 
 @app.command(short_help="What this machine offers and why an option is missing.")

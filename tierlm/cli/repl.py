@@ -34,7 +34,6 @@ def run_chat(session, params, system: str | None) -> None:
     finally:
         if history_file is not None:
             _save_line_history(history_file)
-        session.engine.loaded.close()  # persists hot-row statistics for the next start
 
 
 def _loop(session, params, system: str | None, interactive: bool) -> None:
@@ -273,8 +272,8 @@ def format_stats(session, stats) -> str:
         )
         planned = ", ".join(f"{tier} {format_size(placement.total(tier))}" for tier in placement.charges)
         lines.append(f"planned   {planned}")
-    ledger = getattr(engine.loaded.store, "ledger", None)
-    if ledger is not None:
+    ledger = engine.loaded.store.stats()
+    if ledger.planned:  # a tiered store; a resident one streams nothing and plans nothing
         per_forward = ", ".join(f"{tier} {format_size(int(n))}" for tier, n in ledger.bytes_per_forward().items())
         lines.append(
             f"streaming {per_forward or 'nothing'} read per forward, stall {ledger.stall_s:.2f} s, "

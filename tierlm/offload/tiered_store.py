@@ -127,6 +127,10 @@ class TieredStore(WeightStore):
         total += self._embed_rows.nbytes if self._embed_rows else 0
         return total
 
+    def stats(self) -> Ledger:
+        """The live ledger: planned bytes per tier and what streaming has read, stalled and hit."""
+        return self.ledger
+
     def close(self) -> None:
         if self.ring is not None:
             self.ring.close()

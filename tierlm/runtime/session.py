@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable
 
@@ -15,10 +15,11 @@ ProgressFactory = Callable[[str], Callable[[int, int], None]]
 
 @dataclass
 class Session:
-    """An engine with the profile and model it was opened for.
+    """An engine with the profile and model it was opened for; it owns the model's lifetime.
 
     `profile` carries what the run resolved: the concrete quant mode and the thread count.
     `generation_defaults`: the model's sampling settings, for options the user left unset.
+    Use it as a context manager (`with open_session(...) as session:`), or call `close()`.
     """
 
     engine: object
@@ -26,6 +27,21 @@ class Session:
     model_dir: Path
     load_s: float
     generation_defaults: GenerationDefaults = GenerationDefaults()
+    closed: bool = field(default=False, init=False)
+
+    def close(self) -> None:
+        """Release the weight store's reader threads and files and persist its hot-row
+        statistics; a second call does nothing."""
+        if self.closed:
+            return
+        self.closed = True
+        self.engine.loaded.close()
+
+    def __enter__(self) -> "Session":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
 def resolve_model_dir(model: str | None, progress: ProgressFactory | None = None) -> Path:

@@ -95,7 +95,7 @@ def serve(session, options: ServerOptions, host: str = "127.0.0.1", port: int = 
     try:
         server.run(sockets=[sock])
     finally:
-        session.engine.loaded.close()  # reader threads, files; persists hot-row statistics
+        session.close()  # before re-raising a signal, which may end the process; idempotent
     for sig in reversed(server.signals):  # last in, first out, as uvicorn does
         signal.raise_signal(sig)
 

@@ -42,6 +42,14 @@ class WeightStore:
         """Bytes of weights this store holds in memory."""
         raise NotImplementedError
 
+    def stats(self):
+        """The store's streaming figures (offload/ledger.Ledger): planned bytes per tier, bytes
+        read, prefetch stall, hot-row hits. A resident store streams nothing: an empty ledger,
+        every figure zero and nothing planned."""
+        from tierlm.offload.ledger import Ledger
+
+        return Ledger()
+
     def close(self) -> None:
         """Release threads and files; a resident store holds none."""
 
