@@ -186,7 +186,8 @@ def test_chat_stats_corrects_a_poisoned_probe(model_dir, fixed_probe, tmp_path):
     assert done.returncode == 0, done.stderr
     assert "corrected from this run's" in done.stderr
     record = read_probe(path)
-    assert record.bandwidths.device_bytes_per_s > 10 * POISONED.device_bytes_per_s
+    # Raised, not by how much: a busy machine measures slowly too, only never as slowly as the poison.
+    assert record.bandwidths.device_bytes_per_s > POISONED.device_bytes_per_s
     assert "chat" in record.corrections[-1]["source"]
 
 
