@@ -87,6 +87,8 @@ def load_model(
     if compiled:
         quant = artifact_quant(model_dir)
     baseline = runtime_baseline(device, quant, model_dir).charged if profile is not None else 0
+    # Read once per load: the real limits budgets are capped at, and the profiles a refusal may suggest.
+    limits, fallbacks = (_process_limits(device), shipped_fallbacks()) if profile is not None else (None, ())
     placement = sizes = None
     as_stored = not compiled and quant == "none" and not adapters
     if as_stored and profile is not None:
@@ -95,7 +97,7 @@ def load_model(
         from tierlm.offload.sizes import sizes_from_config
 
         sizes = sizes_from_config(config, "none", accelerator=device.type != "cpu")
-        placement = _plan(config, sizes, profile, device, bandwidths, baseline)
+        placement = _plan(config, sizes, profile, device, bandwidths, baseline, limits, fallbacks)
         as_stored = placement.fully_resident
     if as_stored:
         from tierlm.weights.checkpoint import Checkpoint
@@ -108,7 +110,8 @@ def load_model(
     else:
         if profile is not None and not compiled:
             # Refused before converting or probing: under a tight limit those are what gets killed.
-            _check_fits(config, _expected_sizes(model_dir, config, quant, device), profile, device, baseline)
+            _check_fits(config, _expected_sizes(model_dir, config, quant, device), profile, device, baseline,
+                        limits, fallbacks)  # fmt: skip
         artifact_dir = model_dir if compiled else _artifact_for(
             model_dir, quant, adapters, convert_progress
         )
@@ -116,7 +119,7 @@ def load_model(
             from tierlm.offload.sizes import sizes_from_artifact
 
             sizes = sizes_from_artifact(artifact_dir)
-            placement = _plan(config, sizes, profile, device, bandwidths, baseline)
+            placement = _plan(config, sizes, profile, device, bandwidths, baseline, limits, fallbacks)
         store = _artifact_store(artifact_dir, placement, device, dtype, read_delay_s, progress)
         weight_format = artifact_quant(artifact_dir)
     model = family(config, store, max_len, device, dtype)
@@ -159,15 +162,19 @@ def _expected_sizes(model_dir: Path, config: ModelConfig, quant: str, device):
     return sizes_from_artifact(artifact) if artifact else sizes_from_config(config, mode, accelerator=device.type != "cpu")
 
 
-def _check_fits(config, sizes, profile, device, baseline: int):
-    """Refuse as the planner would, before anything is probed; the limits the budgets are capped at."""
+def _process_limits(device):
+    """The cgroup limit, RLIMIT_AS and free device memory, as `tierlm plan` reads them."""
     from tierlm.device.memory import process_limits
+
+    return process_limits(device)
+
+
+def _check_fits(config, sizes, profile, device, baseline: int, limits, fallbacks) -> None:
+    """Refuse as the planner would, before anything is probed."""
     from tierlm.offload.planner import check_fits
 
-    limits = process_limits(device)  # the cgroup limit, RLIMIT_AS, free device memory: as `tierlm plan`
     check_fits(config, sizes, profile, accelerator=device.type != "cpu", baseline_bytes=baseline, limits=limits,
-               fallbacks=shipped_fallbacks())  # fmt: skip
-    return limits
+               fallbacks=fallbacks)  # fmt: skip
 
 
 def shipped_fallbacks() -> list:
@@ -178,11 +185,11 @@ def shipped_fallbacks() -> list:
     return [load_profile(name) for name in shipped_profiles()]
 
 
-def _plan(config, sizes, profile, device, bandwidths, baseline: int):
+def _plan(config, sizes, profile, device, bandwidths, baseline: int, limits, fallbacks):
     from tierlm.offload.planner import plan
     from tierlm.offload.probe import load_bandwidths
 
-    limits = _check_fits(config, sizes, profile, device, baseline)  # a missing probe runs in a child
+    _check_fits(config, sizes, profile, device, baseline, limits, fallbacks)  # a missing probe runs in a child
     return plan(
         config,
         sizes,
@@ -191,7 +198,7 @@ def _plan(config, sizes, profile, device, bandwidths, baseline: int):
         accelerator=device.type != "cpu",
         baseline_bytes=baseline,
         limits=limits,
-        fallbacks=shipped_fallbacks(),
+        fallbacks=fallbacks,
     )
 
 
