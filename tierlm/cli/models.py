@@ -201,13 +201,13 @@ def render_show(spec: str, profile_name: str, device: str | None) -> str:
 def _template_lines(model_dir: Path, shown: int = 4) -> list[str]:
     import json
 
-    from tierlm.runtime.tokenizer import _select_chat_template
+    from tierlm.runtime.tokenizer import select_chat_template
 
     try:
         config = json.loads((model_dir / "tokenizer_config.json").read_text(encoding="utf-8"))
     except (OSError, ValueError):
         config = {}
-    template, why_not = _select_chat_template(model_dir, config if isinstance(config, dict) else {})
+    template, why_not = select_chat_template(model_dir, config if isinstance(config, dict) else {})
     if template is None:
         return [f"template    none: {why_not}; use `generate --raw`"]
     body = template.strip().splitlines()

@@ -80,7 +80,7 @@ class Tokenizer:
             if value is not None:
                 special[name] = value
 
-        template, reason = _select_chat_template(root, config)
+        template, reason = select_chat_template(root, config)
         eos_ids = _eos_ids(_read_json(root / "generation_config.json")) | _eos_ids(_read_json(root / "config.json"))
         return cls(backend, special_tokens=special, chat_template=template, extra_eos_token_ids=eos_ids,
                    no_template_reason=reason)
@@ -209,7 +209,7 @@ def _token_content(value: Any) -> str | None:
     return value if isinstance(value, str) else None
 
 
-def _select_chat_template(root: Path, config: Mapping[str, Any]) -> tuple[str | None, str | None]:
+def select_chat_template(root: Path, config: Mapping[str, Any]) -> tuple[str | None, str | None]:
     """(template source, None) or (None, why there is none)."""
     jinja_file = root / "chat_template.jinja"
     if jinja_file.is_file():
