@@ -2,8 +2,9 @@
 
 `resolve` picks the device (cuda, npu through torch_npu, mps, cpu) and says why one is
 unavailable; `backend` gives streams, events, pinned host buffers and device memory figures
-behind one interface; `memory` reads this process's memory. None of them imports torch
-before it is needed.
+behind one interface; `memory` reads this process's memory and limits; `proc` parses
+/proc/self/status for both, so `memory` sits above `backend` and no import runs in a circle.
+None of them imports torch before it is needed.
 """
 
 from tierlm.device.backend import DeviceBackend, DeviceMemory, backend_for

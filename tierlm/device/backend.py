@@ -165,7 +165,7 @@ def _on_stream(stream, module):
 def _host_memory() -> DeviceMemory:
     import psutil
 
-    from tierlm.device.memory import read_memory
+    from tierlm.device.proc import resident_bytes
 
-    process, machine = read_memory(), psutil.virtual_memory()
-    return DeviceMemory(process.rss, process.peak_rss, machine.total, machine.available)
+    (rss, peak), machine = resident_bytes(), psutil.virtual_memory()
+    return DeviceMemory(rss, peak or rss, machine.total, machine.available)

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
+
+from tierlm.device.proc import STATUS, resident_bytes, status_bytes
 
 
 @dataclass(frozen=True)
@@ -20,12 +21,7 @@ class MemoryReading:
 
 def read_memory(device=None) -> MemoryReading:
     """RSS and peak RSS now; with an accelerator `device`, torch's allocated and peak bytes on it."""
-    rss, peak = _proc_status_bytes("VmRSS"), _proc_status_bytes("VmHWM")
-    if rss is None:
-        import psutil
-
-        rss = psutil.Process(os.getpid()).memory_info().rss
-        peak = rss
+    rss, peak = resident_bytes()
     allocated = device_peak = 0
     if device is not None and device.type != "cpu":
         from tierlm.device.backend import DeviceBackend
@@ -52,17 +48,6 @@ def trim_heap() -> None:
         trim = None  # not glibc (musl, macOS): nothing to trim this way
     if trim is not None:
         trim(0)
-
-
-def _proc_status_bytes(field: str, path: Path = Path("/proc/self/status")) -> int | None:
-    """A `kB` field of a /proc/<pid>/status file, in bytes; None where it cannot be read."""
-    try:
-        for line in path.read_text().splitlines():
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
 
 
 def cgroup_memory_limit(
@@ -121,7 +106,7 @@ def process_limits(
     cgroup_root: Path = Path("/sys/fs/cgroup"),
     proc_cgroup: Path = Path("/proc/self/cgroup"),
     getrlimit: Callable[[int], tuple[int, int]] | None = None,
-    proc_status: Path = Path("/proc/self/status"),
+    proc_status: Path = STATUS,
 ) -> MemoryLimits:
     """The limits this process really runs under: the cgroup memory limit, RLIMIT_AS, and with an
     accelerator `device`, its free memory. The keyword arguments are for tests."""
@@ -138,7 +123,7 @@ def process_limits(
 
 
 def address_space_room(
-    getrlimit: Callable[[int], tuple[int, int]] | None = None, proc_status: Path = Path("/proc/self/status")
+    getrlimit: Callable[[int], tuple[int, int]] | None = None, proc_status: Path = STATUS
 ) -> tuple[int | None, str]:
     """(RAM the soft RLIMIT_AS leaves for resident memory, or None when unlimited; in words).
 
@@ -150,7 +135,8 @@ def address_space_room(
     soft, _ = (getrlimit or resource.getrlimit)(resource.RLIMIT_AS)
     if soft == resource.RLIM_INFINITY or soft < 0:
         return None, ""
-    size, rss = _proc_status_bytes("VmSize", proc_status), _proc_status_bytes("VmRSS", proc_status)
+    status = status_bytes(proc_status)
+    size, rss = status.get("VmSize"), status.get("VmRSS")
     unresident = max(size - rss, 0) if size is not None and rss is not None else 0
     return max(soft - unresident, 0), "address-space limit (RLIMIT_AS)"
 
