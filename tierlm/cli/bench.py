@@ -50,7 +50,7 @@ def run_bench(session, prompt_tokens: int, new_tokens: int, runs: int) -> dict:
         for _ in generation:
             pass
         samples.append(generation.stats)
-    loaded = engine.loaded
+    loaded = session.loaded
     memory = read_memory(loaded.device)
     result = {
         "model": str(session.model_dir),
@@ -78,8 +78,8 @@ def run_bench(session, prompt_tokens: int, new_tokens: int, runs: int) -> dict:
         result["predicted_decode_tokens_per_s"] = placement.predicted_decode_tokens_per_s
         result["predicted_prefill_tokens_per_s"] = placement.predicted_prefill_tokens_per_s
         result["binding_limit"] = placement.binding_limit
-    ledger = getattr(loaded.store, "ledger", None)
-    if ledger is not None:
+    ledger = loaded.store.stats()
+    if ledger.planned:  # a tiered store; a resident one streams nothing and plans nothing
         result["ledger"] = ledger.snapshot(loaded.device)
     source = f"bench {session.model_dir.name}, profile {session.profile.name}"
     result["probe_check"] = note_measured_decode(

@@ -5,21 +5,6 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
-
-
-def proc_memory() -> dict[str, int]:
-    """RssAnon, RssFile, VmRSS and VmHWM of this process in bytes (Linux /proc)."""
-    wanted = ("RssAnon", "RssFile", "VmRSS", "VmHWM")
-    found: dict[str, int] = {}
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            key = line.split(":", 1)[0]
-            if key in wanted:
-                found[key] = int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return found
 
 
 @dataclass
@@ -70,7 +55,10 @@ class Ledger:
 
     def snapshot(self, device=None) -> dict:
         """Everything /stats, bench and /metrics show, measured now."""
-        measured = proc_memory()
+        from tierlm.device.proc import status_bytes
+
+        status = status_bytes()
+        measured = {key: status[key] for key in ("RssAnon", "RssFile", "VmRSS", "VmHWM") if key in status}
         if device is not None and getattr(device, "type", "cpu") != "cpu":
             from tierlm.device import DeviceBackend
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from functools import cached_property
 from pathlib import Path
 from typing import Callable
 
@@ -15,19 +16,29 @@ ProgressFactory = Callable[[str], Callable[[int, int], None]]
 
 @dataclass
 class Session:
-    """An engine with the profile and model it was opened for; it owns the model's lifetime.
+    """A loaded model with its tokenizer, the profile and directory it was opened for; it owns
+    the model's lifetime.
 
     `profile` carries what the run resolved: the concrete quant mode and the thread count.
     `generation_defaults`: the model's sampling settings, for options the user left unset.
+    `engine` (batch 1, for chat, generate and bench) is built on first use, so `serve`, whose
+    worker keeps its own slotted cache, never allocates its KV cache.
     Use it as a context manager (`with open_session(...) as session:`), or call `close()`.
     """
 
-    engine: object
+    loaded: object  # runtime.loader.LoadedModel
+    tokenizer: object
     profile: Profile
     model_dir: Path
     load_s: float
     generation_defaults: GenerationDefaults = GenerationDefaults()
     closed: bool = field(default=False, init=False)
+
+    @cached_property
+    def engine(self):
+        from tierlm.runtime.engine import Engine
+
+        return Engine(self.loaded, self.tokenizer)
 
     def close(self) -> None:
         """Release the weight store's reader threads and files and persist its hot-row
@@ -35,7 +46,7 @@ class Session:
         if self.closed:
             return
         self.closed = True
-        self.engine.loaded.close()
+        self.loaded.close()
 
     def __enter__(self) -> "Session":
         return self
@@ -65,7 +76,7 @@ def open_session(
     threads: int | None = None,
     progress: ProgressFactory | None = None,
 ) -> Session:
-    """Load the model resident within the profile's context and return an engine over it.
+    """Load the model within the profile's context and return a session over it.
 
     `quant` overrides the profile's quant mode; `loras` are `path[:weight]` adapter specs;
     `threads` (else the profile's; 0 or None: the CPUs this process may use) is set in torch
@@ -77,7 +88,6 @@ def open_session(
 
     from tierlm.device.cpu import apply_threads
     from tierlm.offload.sizes import resolve_auto
-    from tierlm.runtime.engine import Engine
     from tierlm.runtime.loader import load_model
     from tierlm.runtime.tokenizer import Tokenizer
 
@@ -99,12 +109,11 @@ def open_session(
         progress=progress("loading weights") if progress else None,
         convert_progress=progress("converting (merge + quantize)") if progress else None,
     )
-    engine = Engine(loaded, tokenizer)
     requested = quant or profile.quant
     resolved = resolve_auto(requested, model_dir, accelerator=loaded.device.type != "cpu")
     profile = replace(profile, quant=requested, quant_resolved=resolved)
     defaults = GenerationDefaults.from_dir(model_dir)
-    return Session(engine, profile, model_dir, time.perf_counter() - started, defaults)
+    return Session(loaded, tokenizer, profile, model_dir, time.perf_counter() - started, defaults)
 
 
 def _parse_dtype(name: str | None):

@@ -1,4 +1,4 @@
-"""The HTTP side: routes that validate, enqueue and stream. Built per server by `create_app`.
+"""The HTTP side: routes that validate, enqueue and stream; `create_app` builds one server's app.
 
 Routes: GET /v1/models, POST /v1/chat/completions, POST /v1/completions, GET /metrics,
 GET /health (never behind the API key), and POST /debug/worker when test hooks are enabled.
@@ -59,139 +59,163 @@ CLIENT_GONE = 499  # nginx's "client closed request": for the access log, no cli
 
 
 def create_app(session, options: ServerOptions) -> FastAPI:
-    """A FastAPI app serving `session` (runtime.session.Session); its worker starts with the app."""
-    engine = session.engine
-    tokenizer = engine.tokenizer
-    profile = session.profile
-    model_id = options.served_name(session.model_dir)
-    created = int(time.time())
-    slots = options.batch_size or profile.batch_size
-    context = engine.loaded.max_len
+    """A FastAPI app serving `session` (runtime.session.Session); its worker starts with the app.
 
-    def live() -> dict[str, float]:
-        readings = {
-            "tierlm_queue_depth": worker.queue_depth,
-            "tierlm_active_sequences": worker.active,
-            "tierlm_batch_slots": slots,
-            "tierlm_worker_healthy": 1.0 if worker.health()["status"] == "ok" else 0.0,
-            **process_memory(),
-            **store_metrics(engine.loaded.store),
-        }
-        kv = worker.kv_bytes()
-        if kv is not None:
-            readings['tierlm_kv_cache_bytes{state="reserved"}'], readings['tierlm_kv_cache_bytes{state="used"}'] = kv
-        return readings
-
-    metrics = Metrics(live)
-    worker = Worker(
-        engine.loaded,
-        tokenizer,
-        WorkerSettings(slots, options.max_queue, options.stall_timeout, options.restart_backoff),
+    The routes below are module-level and read what they serve from `request.app.state`."""
+    app = FastAPI(title="tierlm", lifespan=_lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    state = app.state
+    state.session = session
+    state.options = options
+    state.model_id = options.served_name(session.model_dir)
+    state.created = int(time.time())
+    state.slots = options.batch_size or session.profile.batch_size
+    state.context = session.loaded.max_len
+    state.metrics = metrics = Metrics(lambda: _live(state))
+    state.worker = Worker(
+        session.loaded,
+        session.tokenizer,
+        WorkerSettings(state.slots, options.max_queue, options.stall_timeout, options.restart_backoff),
         on_step=metrics.step,
         on_restart=lambda _problem: metrics.restarts.inc(),
     )
-
-    @asynccontextmanager
-    async def lifespan(_app):
-        worker.start()
-        try:
-            yield
-        finally:
-            await run_in_threadpool(worker.stop)
-
-    app = FastAPI(title="tierlm", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
-    app.state.worker = worker
-    app.state.drain = worker.drain  # run.py: the moment shutdown begins
-    app.state.metrics = metrics
-    app.state.model_id = model_id
+    state.drain = state.worker.drain  # run.py: the moment shutdown begins
     _install_error_handlers(app, metrics)
     if options.access_log:
         app.add_middleware(AccessLog)
-
-    async def require_key(request: Request) -> None:
-        if options.api_key is None:
-            return
-        scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), options.api_key.encode()):
-            raise ApiError(401, "invalid or missing API key (send `Authorization: Bearer <key>`)",
-                           code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
-
-    api = APIRouter(dependencies=[Depends(require_key)])
-
-    @app.get("/health")
-    async def health():
-        report = worker.health()
-        report["model"] = model_id
-        report["profile"] = {"name": profile.name, "context_length": context, "batch_size": slots,
-                             "quant": profile.quant_resolved or profile.quant, "summary": profile.summary()}
-        return JSONResponse(report, status_code=200 if report["status"] == "ok" else 503)
-
-    @api.get("/v1/models")
-    async def list_models():
-        return {"object": "list", "data": [_model_card(model_id, created)]}
-
-    @api.get("/v1/models/{name:path}")
-    async def get_model(name: str):
-        _check_model(name, model_id, options.aliases)
-        return _model_card(model_id, created)
-
-    @api.get("/metrics")
-    async def prometheus():
-        body, content_type = metrics.render()
-        return Response(body, media_type=content_type)
-
-    @api.post("/v1/chat/completions")
-    async def chat_completions(request: Request):
-        req = parse_chat(await _read_json(request, options.max_body_bytes), max_messages=options.max_messages)
-        _check_model(req.model, model_id, options.aliases)
-        ids = await run_in_threadpool(_encode_chat, tokenizer, req.messages)
-        return await generate(request, req, ids, chat=True)
-
-    @api.post("/v1/completions")
-    async def completions(request: Request):
-        req = parse_completion(await _read_json(request, options.max_body_bytes))
-        _check_model(req.model, model_id, options.aliases)
-        if isinstance(req.prompt, str):
-            ids = await run_in_threadpool(tokenizer.encode, req.prompt, add_special_tokens=True)
-        else:
-            ids = _in_vocabulary(req.prompt, engine.loaded.config.vocab_size)
-        return await generate(request, req, ids, chat=False)
-
-    async def generate(request: Request, req: GenerationRequest, ids: list[int], *, chat: bool):
-        log = entry(request.scope)
-        log.prompt_tokens = len(ids)
-        if not ids:
-            raise ApiError(400, "the prompt is empty", param="prompt", code="invalid_value")
-        if len(ids) >= context:
-            raise ApiError(400, f"the prompt is {len(ids)} tokens but the context holds {context} "
-                                f"(profile {profile.name!r}); shorten it", param="messages" if chat else "prompt",
-                           code="context_length_exceeded")
-        budget = _token_budget(req, len(ids), context)
-        params = _sampling(req, budget, session.generation_defaults)  # omitted fields: the model's
-        job = Job(ids, params, deadline=_deadline(req, options), loop=asyncio.get_running_loop(),
-                  on_end=metrics.ended)
-        log.job = job
-        if not worker.submit(job):
-            raise _refusal(worker)
-        shape = Shape(chat, model_id, req.include_usage)
-        if req.stream:
-            return EventStream(_stream(job, shape, req), on_disconnect=job.cancel)
-        return await _collect(request, job, shape)
-
+    app.include_router(_public)
+    app.include_router(_api)
     if options.debug_hooks:
-
-        @api.post("/debug/worker")
-        async def debug_worker(request: Request):
-            body = await _read_json(request, 4096)
-            action = body.get("action") if isinstance(body, dict) else None
-            seconds = body.get("seconds", 0) if isinstance(body, dict) else None
-            if action not in DEBUG_ACTIONS or not _is_seconds(seconds):  # a bad sleep would kill the worker
-                raise ApiError(400, f"action must be one of {', '.join(DEBUG_ACTIONS)}; seconds a number ≥ 0")
-            worker.debug(action, float(seconds))
-            return {"ok": True}
-
-    app.include_router(api)
+        app.include_router(_debug)
     return app
+
+
+@asynccontextmanager
+async def _lifespan(app: FastAPI):
+    worker = app.state.worker
+    worker.start()
+    try:
+        yield
+    finally:
+        await run_in_threadpool(worker.stop)
+
+
+def _live(state) -> dict[str, float]:
+    """The gauges /metrics reads at scrape time."""
+    worker = state.worker
+    readings = {
+        "tierlm_queue_depth": worker.queue_depth,
+        "tierlm_active_sequences": worker.active,
+        "tierlm_batch_slots": state.slots,
+        "tierlm_worker_healthy": 1.0 if worker.health()["status"] == "ok" else 0.0,
+        **process_memory(),
+        **store_metrics(state.session.loaded.store),
+    }
+    kv = worker.kv_bytes()
+    if kv is not None:
+        readings['tierlm_kv_cache_bytes{state="reserved"}'], readings['tierlm_kv_cache_bytes{state="used"}'] = kv
+    return readings
+
+
+async def _require_key(request: Request) -> None:
+    api_key = request.app.state.options.api_key
+    if api_key is None:
+        return
+    scheme, _, token = request.headers.get("authorization", "").partition(" ")
+    if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), api_key.encode()):
+        raise ApiError(401, "invalid or missing API key (send `Authorization: Bearer <key>`)",
+                       code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+
+
+_public = APIRouter()  # /health: never behind the API key
+_api = APIRouter(dependencies=[Depends(_require_key)])
+_debug = APIRouter(dependencies=[Depends(_require_key)])  # included only when test hooks are on
+
+
+@_public.get("/health")
+async def health(request: Request):
+    state = request.app.state
+    profile = state.session.profile
+    report = state.worker.health()
+    report["model"] = state.model_id
+    report["profile"] = {"name": profile.name, "context_length": state.context, "batch_size": state.slots,
+                         "quant": profile.quant_resolved or profile.quant, "summary": profile.summary()}
+    return JSONResponse(report, status_code=200 if report["status"] == "ok" else 503)
+
+
+@_api.get("/v1/models")
+async def list_models(request: Request):
+    state = request.app.state
+    return {"object": "list", "data": [_model_card(state.model_id, state.created)]}
+
+
+@_api.get("/v1/models/{name:path}")
+async def get_model(name: str, request: Request):
+    state = request.app.state
+    _check_model(name, state.model_id, state.options.aliases)
+    return _model_card(state.model_id, state.created)
+
+
+@_api.get("/metrics")
+async def prometheus(request: Request):
+    body, content_type = request.app.state.metrics.render()
+    return Response(body, media_type=content_type)
+
+
+@_api.post("/v1/chat/completions")
+async def chat_completions(request: Request):
+    state = request.app.state
+    options = state.options
+    req = parse_chat(await _read_json(request, options.max_body_bytes), max_messages=options.max_messages)
+    _check_model(req.model, state.model_id, options.aliases)
+    ids = await run_in_threadpool(_encode_chat, state.session.tokenizer, req.messages)
+    return await _generate(request, req, ids, chat=True)
+
+
+@_api.post("/v1/completions")
+async def completions(request: Request):
+    state = request.app.state
+    req = parse_completion(await _read_json(request, state.options.max_body_bytes))
+    _check_model(req.model, state.model_id, state.options.aliases)
+    if isinstance(req.prompt, str):
+        ids = await run_in_threadpool(state.session.tokenizer.encode, req.prompt, add_special_tokens=True)
+    else:
+        ids = _in_vocabulary(req.prompt, state.session.loaded.config.vocab_size)
+    return await _generate(request, req, ids, chat=False)
+
+
+@_debug.post("/debug/worker")
+async def debug_worker(request: Request):
+    body = await _read_json(request, 4096)
+    action = body.get("action") if isinstance(body, dict) else None
+    seconds = body.get("seconds", 0) if isinstance(body, dict) else None
+    if action not in DEBUG_ACTIONS or not _is_seconds(seconds):  # a bad sleep would kill the worker
+        raise ApiError(400, f"action must be one of {', '.join(DEBUG_ACTIONS)}; seconds a number ≥ 0")
+    request.app.state.worker.debug(action, float(seconds))
+    return {"ok": True}
+
+
+async def _generate(request: Request, req: GenerationRequest, ids: list[int], *, chat: bool):
+    state = request.app.state
+    session, context, worker = state.session, state.context, state.worker
+    log = entry(request.scope)
+    log.prompt_tokens = len(ids)
+    if not ids:
+        raise ApiError(400, "the prompt is empty", param="prompt", code="invalid_value")
+    if len(ids) >= context:
+        raise ApiError(400, f"the prompt is {len(ids)} tokens but the context holds {context} "
+                            f"(profile {session.profile.name!r}); shorten it", param="messages" if chat else "prompt",
+                       code="context_length_exceeded")
+    budget = _token_budget(req, len(ids), context)
+    params = _sampling(req, budget, session.generation_defaults)  # omitted fields: the model's
+    job = Job(ids, params, deadline=_deadline(req, state.options), loop=asyncio.get_running_loop(),
+              on_end=state.metrics.ended)
+    log.job = job
+    if not worker.submit(job):
+        raise _refusal(worker)
+    shape = Shape(chat, state.model_id, req.include_usage)
+    if req.stream:
+        return EventStream(_stream(job, shape, req), on_disconnect=job.cancel)
+    return await _collect(request, job, shape)
 
 
 def _model_card(model_id: str, created: int) -> dict:

@@ -123,18 +123,12 @@ def _split_labels(key: str) -> tuple[str, dict[str, str]]:
 
 
 def process_memory() -> dict[str, float]:
-    """VmRSS and VmHWM of this process in bytes, from /proc (psutil where /proc is absent)."""
-    try:
-        with open("/proc/self/status", encoding="ascii") as status:
-            fields = dict(line.split(":", 1) for line in status if ":" in line)
-        return {
-            "tierlm_process_resident_bytes": int(fields["VmRSS"].split()[0]) * 1024,
-            "tierlm_process_peak_resident_bytes": int(fields["VmHWM"].split()[0]) * 1024,
-        }
-    except (OSError, KeyError, ValueError):
-        import psutil
+    """VmRSS and VmHWM of this process in bytes (the peak is left out where /proc is absent)."""
+    from tierlm.device.proc import resident_bytes
 
-        return {"tierlm_process_resident_bytes": psutil.Process().memory_info().rss}
+    rss, peak = resident_bytes()
+    peak_field = {} if peak is None else {"tierlm_process_peak_resident_bytes": peak}
+    return {"tierlm_process_resident_bytes": rss, **peak_field}
 
 
 def store_metrics(store) -> dict[str, float]:
