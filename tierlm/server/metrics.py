@@ -140,8 +140,8 @@ def store_metrics(store) -> dict[str, float]:
         out["tierlm_weight_bytes_held"] = store.nbytes()
     except (AttributeError, NotImplementedError):
         pass
-    ledger = getattr(store, "ledger", None)
-    if ledger is None:
+    ledger = store.stats()
+    if not ledger.planned:  # a resident store streams nothing: no figures to report
         return out
     try:
         snapshot = ledger.snapshot()
