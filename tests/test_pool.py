@@ -1,0 +1,191 @@
+"""The native thread pool (tierlm/quant/csrc/pool.h): every index runs exactly once, and a pool
+that shares its CPUs with a busy-looping process backs off to fewer threads instead of waiting
+out a scheduler time slice per call.
+
+The pool is driven through a small test kernel compiled with it (pool.cpp + the kernel below),
+the same sources the kernels' library builds from."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import random
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+CSRC = Path(__file__).resolve().parents[1] / "tierlm" / "quant" / "csrc"
+
+# visit: out[i] += 1 for every index handed out; gemv: y[N] = w[N, K] (int8) @ x[K]; late:
+# visit, where each chunk sleeps caller_us on the calling thread and helper_us on a helper (a
+# helper descheduled while it holds a chunk, made deterministic).
+KERNEL = r"""
+#include <chrono>
+#include <thread>
+#include "pool.h"
+extern "C" {
+int pool_test_late(int64_t n, int threads, int caller_us, int helper_us, int32_t* out) {
+  const std::thread::id caller = std::this_thread::get_id();
+  tl::parallel_for(n, 1, threads, [&](int64_t b, int64_t e) {
+    const bool on_caller = std::this_thread::get_id() == caller;
+    std::this_thread::sleep_for(std::chrono::microseconds(on_caller ? caller_us : helper_us));
+    for (int64_t i = b; i < e; ++i) __atomic_fetch_add(&out[i], 1, __ATOMIC_RELAXED);
+  });
+  return 0;
+}
+int pool_test_visit(int64_t n, int64_t grain, int threads, int32_t* out) {
+  tl::parallel_for(n, grain, threads, [&](int64_t b, int64_t e) {
+    for (int64_t i = b; i < e; ++i) __atomic_fetch_add(&out[i], 1, __ATOMIC_RELAXED);
+  });
+  return 0;
+}
+int pool_test_gemv(const int8_t* w, const float* x, float* y, int64_t N, int64_t K, int64_t grain,
+                   int threads) {
+  tl::parallel_for(N, grain, threads, [&](int64_t b, int64_t e) {
+    for (int64_t n = b; n < e; ++n) {
+      float acc = 0.f;
+      for (int64_t k = 0; k < K; ++k) acc += float(w[n * K + k]) * x[k];
+      y[n] = acc;
+    }
+  });
+  return 0;
+}
+}
+"""
+
+STATS = ("calls", "reduced", "late", "wait_s", "threads", "helpers", "backoff_s", "sleeps",
+         "helper_chunks", "chunks")  # fmt: skip
+
+
+class PoolLib:
+    def __init__(self, path: Path):
+        lib = ctypes.CDLL(str(path))
+        i64, ptr, c_int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
+        lib.pool_test_visit.argtypes = [i64, i64, c_int, ptr]
+        lib.pool_test_gemv.argtypes = [ptr, ptr, ptr, i64, i64, i64, c_int]
+        lib.pool_test_late.argtypes = [i64, c_int, c_int, c_int, ptr]
+        lib.tierlm_pool_configure.argtypes = [c_int, c_int]
+        lib.tierlm_pool_stats.argtypes = [ptr, c_int]
+        self.lib = lib
+
+    def stats(self) -> dict[str, float]:
+        out = (ctypes.c_double * len(STATS))()
+        self.lib.tierlm_pool_stats(out, len(STATS))
+        return dict(zip(STATS, out))
+
+
+@pytest.fixture(scope="module")
+def pool(tmp_path_factory) -> PoolLib:
+    compiler = next(filter(None, (shutil.which(c) for c in (os.environ.get("CXX") or "c++", "g++"))), None)
+    assert compiler, "the pool's tests need a C++ compiler (as the native kernels do)"
+    build = tmp_path_factory.mktemp("pool")
+    (build / "kernel.cpp").write_text(KERNEL)
+    library = build / "libpooltest.so"
+    subprocess.run(
+        [compiler, "-O2", "-std=c++17", "-shared", "-fPIC", "-pthread", f"-I{CSRC}",
+         str(CSRC / "pool.cpp"), str(build / "kernel.cpp"), "-o", str(library)],
+        check=True, capture_output=True, timeout=600,
+    )  # fmt: skip
+    # Backoff 0.2-0.8 s (the pool reads these once, when first used): long enough that "the
+    # next call" is inside the backoff even on a loaded machine.
+    os.environ.update(TIERLM_POOL_BACKOFF_MIN_US="200000", TIERLM_POOL_BACKOFF_MAX_US="800000")
+    try:
+        lib = PoolLib(library)
+        lib.lib.tierlm_pool_configure(0, 1)  # creates the pool, which reads them
+        return lib
+    finally:
+        del os.environ["TIERLM_POOL_BACKOFF_MIN_US"], os.environ["TIERLM_POOL_BACKOFF_MAX_US"]
+
+
+def test_every_index_runs_exactly_once(pool):
+    rng = random.Random(13)
+    pool.lib.tierlm_pool_configure(0, 1)
+    for _ in range(2000):
+        n = rng.choice([0, 1, 2, 3, 7, 63, 64, 65, 1000, 4097])
+        grain = rng.choice([1, 2, 5, 16, 64, 1000, 10**6])
+        threads = rng.choice([1, 2, 3, 4, 8])
+        out = np.zeros(n + 1, np.int32)  # one guard element past the end
+        pool.lib.pool_test_visit(n, grain, threads, out.ctypes.data)
+        assert (out[:n] == 1).all() and out[n] == 0, (n, grain, threads)
+    stats = pool.stats()
+    assert stats["calls"] > 0 and stats["helpers"] >= 1  # the parallel path ran, not just inline
+    assert stats["chunks"] >= stats["helper_chunks"] > 0
+
+
+def test_a_capped_pool_runs_on_the_caller_alone(pool):
+    pool.lib.tierlm_pool_configure(1, 1)
+    out = np.zeros(10_000, np.int32)
+    pool.lib.pool_test_visit(10_000, 10, 4, out.ctypes.data)
+    assert (out == 1).all()
+    assert pool.lib.tierlm_pool_threads() == 1 and pool.stats()["calls"] == 0
+    pool.lib.tierlm_pool_configure(0, 1)
+
+
+def _late(pool: PoolLib, helper_us: int) -> None:
+    out = np.zeros(200, np.int32)
+    pool.lib.pool_test_late(200, 2, 100, helper_us, out.ctypes.data)  # the caller needs ~20 ms
+    assert (out == 1).all()
+
+
+def test_a_late_helper_starts_a_backoff_that_doubles_and_recovers(pool):
+    pool.lib.tierlm_pool_configure(0, 1)
+    _late(pool, helper_us=30_000)  # the helper holds its chunk 30 ms: the caller waits for it
+    first = pool.stats()
+    assert first["late"] == 1 and first["backoff_s"] == pytest.approx(0.2) and first["helper_chunks"] >= 1
+    assert pool.lib.tierlm_pool_threads() == 1
+    _late(pool, helper_us=30_000)  # inside the backoff: the caller runs every chunk itself
+    second = pool.stats()
+    assert second["reduced"] == 1 and second["late"] == 1 and second["helper_chunks"] == first["helper_chunks"]
+    time.sleep(0.25)
+    _late(pool, helper_us=30_000)  # the probe after the backoff finds the helper late again
+    third = pool.stats()
+    assert third["late"] == 2 and third["backoff_s"] == pytest.approx(0.4)
+    time.sleep(0.45)
+    for _ in range(64):  # on time again: the backoff halves
+        _late(pool, helper_us=0)
+    assert pool.stats()["backoff_s"] == pytest.approx(0.2) and pool.lib.tierlm_pool_threads() == 2
+
+
+def test_without_adaptive_mode_a_late_helper_changes_nothing(pool):
+    pool.lib.tierlm_pool_configure(0, 0)
+    _late(pool, helper_us=30_000)
+    _late(pool, helper_us=30_000)
+    stats = pool.stats()
+    assert stats["late"] == 2 and stats["reduced"] == 0 and stats["helper_chunks"] >= 2
+    pool.lib.tierlm_pool_configure(0, 1)
+
+
+def _busy_sibling(cpu: int) -> subprocess.Popen:
+    sibling = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    os.sched_setaffinity(sibling.pid, {cpu})
+    return sibling
+
+
+def test_a_busy_sibling_does_not_corrupt_the_pool(pool):
+    """2-thread GEMVs for 2 s with a busy-looping process on one of this process's CPUs all give
+    numpy's results. (Speed under contention is measured by benchmarks, not asserted here.)"""
+    rng = np.random.default_rng(0)
+    n, k = 2048, 576
+    w = rng.integers(-127, 128, (n, k), dtype=np.int8)
+    x = rng.standard_normal(k).astype(np.float32)
+    reference = w.astype(np.float32) @ x
+    y = np.empty(n, np.float32)
+    sibling = _busy_sibling(max(os.sched_getaffinity(0)))
+    try:
+        time.sleep(0.1)  # the sibling is spinning before the first call
+        pool.lib.tierlm_pool_configure(0, 1)
+        deadline = time.monotonic() + 2.0
+        while time.monotonic() < deadline:
+            y.fill(np.nan)
+            pool.lib.pool_test_gemv(w.ctypes.data, x.ctypes.data, y.ctypes.data, n, k, 64, 2)
+            np.testing.assert_allclose(y, reference, rtol=1e-4, atol=1e-2)
+    finally:
+        sibling.kill()
+        sibling.wait()
+    stats = pool.stats()
+    assert stats["helper_chunks"] + stats["reduced"] > 0, stats  # the parallel path ran
