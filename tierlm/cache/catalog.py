@@ -29,16 +29,14 @@ import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 from tierlm.cache.artifact import FORMAT_VERSION, MANIFEST_NAME
 from tierlm.cache.entries import cache_entries, usage_stamp
 from tierlm.errors import TierlmError
 from tierlm.paths import cache_root
+from tierlm.progress import ProgressFactory
 from tierlm.weights import embedded
 from tierlm.weights.gguf_import import IMPORT_FORMAT_VERSION, read_import_record
-
-ProgressFactory = Callable[[str], Callable[[int, int], None]]
 
 # Older import directories end in `-<12 hex digits of the content key>`; names drop it.
 _KEY_SUFFIX = re.compile(r"-[0-9a-f]{12}$")

@@ -13,7 +13,7 @@ import json
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Sequence
 
 from tierlm.atomic import atomic_directory, directory_lock, make_dirs
 from tierlm.cache import codec
@@ -22,8 +22,8 @@ from tierlm.cache.fingerprint import checkpoint_digest
 from tierlm.config import ModelConfig
 from tierlm.errors import TierlmError
 from tierlm.paths import cache_root
+from tierlm.progress import Progress
 
-Progress = Callable[[int, int], None]
 # Files besides the weights that make an artifact directory a complete model for the runtime.
 MODEL_FILES = (
     "config.json",

@@ -3,15 +3,15 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Callable
 
 from tierlm.cache import codec
 from tierlm.cache.artifact import Artifact
+from tierlm.progress import Progress
 from tierlm.weights.store import ResidentStore
 
 
 def load_resident_artifact(
-    directory: Path, *, device="cpu", dtype=None, progress: Callable[[int, int], None] | None = None
+    directory: Path, *, device="cpu", dtype=None, progress: Progress | None = None
 ) -> ResidentStore:
     """Every block of the artifact read once (one read per block) and decoded for `device`.
 

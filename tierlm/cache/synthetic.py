@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any, Mapping
 
 from tierlm.atomic import atomic_directory, directory_lock
 from tierlm.cache import codec
 from tierlm.cache.artifact import MANIFEST_NAME, ArtifactWriter
 from tierlm.cache.convert import write_layout
 from tierlm.config import ModelConfig
+from tierlm.progress import Progress
 
 WEIGHT_STD = 0.02
 
@@ -26,7 +27,7 @@ def write_synthetic_artifact(
     *,
     quant: str = "int8",
     seed: int = 0,
-    progress: Callable[[int, int], None] | None = None,
+    progress: Progress | None = None,
 ) -> Path:
     """An artifact directory at `target` for `raw_config` (a config.json dict), unless present."""
     import torch

@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-from typing import Callable
-
-Progress = Callable[[int, int], None]
+from tierlm.progress import Progress, ProgressFactory
 
 
-def progress_factory() -> Callable[[str], Progress]:
+def progress_factory() -> ProgressFactory:
     """Returns `start(label) -> update(done, total)`.
 
     On a terminal each phase shows a transient bar; when stderr is a pipe or a log file, a phase

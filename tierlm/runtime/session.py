@@ -5,13 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from functools import cached_property
 from pathlib import Path
-from typing import Callable
 
 from tierlm.config import GenerationDefaults
 from tierlm.errors import TierlmError
 from tierlm.profile import Profile
-
-ProgressFactory = Callable[[str], Callable[[int, int], None]]
+from tierlm.progress import ProgressFactory
 
 
 @dataclass

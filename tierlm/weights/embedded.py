@@ -20,9 +20,9 @@ from pathlib import Path
 from tierlm.atomic import directory_lock, make_dirs
 from tierlm.errors import TierlmError
 from tierlm.paths import cache_root
+from tierlm.progress import Progress
 from tierlm.weights.gguf_import import (
     IMPORT_FORMAT_VERSION,
-    Progress,
     gguf_content_key,
     import_gguf,
     read_import_record,

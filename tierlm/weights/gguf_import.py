@@ -25,7 +25,6 @@ import hashlib
 import json
 import math
 import re
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
@@ -34,6 +33,7 @@ from typing import Any
 from tierlm.atomic import atomic_directory, directory_lock, fsync_file, make_dirs, write_json
 from tierlm.config import LIMITS, MAX_ROPE_THETA, ModelConfig, shown_value
 from tierlm.errors import TierlmError
+from tierlm.progress import Progress
 from tierlm.weights.gguf_reader import GgufMetadata, open_gguf
 # SUPPORTED_TOKENIZERS is re-exported: it is part of this module's public API.
 from tierlm.weights.gguf_tokenizer import SUPPORTED_TOKENIZERS, build_tokenizer  # noqa: F401
@@ -87,8 +87,6 @@ _BLOCK_TENSORS = MappingProxyType(
     }
 )
 _BLOCK_NAME = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
-
-Progress = Callable[[int, int], None]
 
 
 # ----------------------------------------------------------------------------- public API

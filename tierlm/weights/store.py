@@ -8,14 +8,14 @@ by fetching blocks from host RAM or disk, so model code never changes.
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import Callable, Iterator, Mapping
+from typing import Iterator, Mapping
 
 import torch
 
+from tierlm.progress import Progress
 from tierlm.weights.checkpoint import Checkpoint
 
 Layout = Mapping[str, Mapping[str, tuple[str, ...]]]
-Progress = Callable[[int, int], None]
 
 
 class WeightStore:
