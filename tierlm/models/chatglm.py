@@ -40,15 +40,16 @@ Differences found, and how they resolve:
 
 from __future__ import annotations
 
+from tierlm.blocks import CheckpointLayout
 from tierlm.config import ModelConfig
 from tierlm.models.glm import GlmModel
-from tierlm.models.llama import Layout, layer_block
+from tierlm.models.llama import layer_block
 
 
 class ChatGLMModel(GlmModel):
     @classmethod
-    def checkpoint_layout(cls, config: ModelConfig) -> Layout:
-        layout: Layout = {"embed": {"embed": ("transformer.embedding.word_embeddings.weight",)}}
+    def checkpoint_layout(cls, config: ModelConfig) -> CheckpointLayout:
+        layout: CheckpointLayout = {"embed": {"embed": ("transformer.embedding.word_embeddings.weight",)}}
         for i in range(config.num_hidden_layers):
             layer = f"transformer.encoder.layers.{i}."
             block = {

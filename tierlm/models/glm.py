@@ -10,6 +10,7 @@ The Llama decoder with three differences, all in code here:
 
 from __future__ import annotations
 
+from tierlm.blocks import BlockLayout
 from tierlm.config import ModelConfig
 from tierlm.models import base
 from tierlm.models.llama import LlamaModel
@@ -24,13 +25,13 @@ class GlmModel(LlamaModel):
         )
 
     @classmethod
-    def layer_layout(cls, config: ModelConfig, i: int) -> dict[str, tuple[str, ...]]:
+    def layer_layout(cls, config: ModelConfig, i: int) -> BlockLayout:
         block = super().layer_layout(config, i)
         block["w13"] = (f"model.layers.{i}.mlp.gate_up_proj.weight",)
         return block
 
     @staticmethod
-    def bias_layout(config: ModelConfig, attn: str, mlp: str) -> dict[str, tuple[str, ...]]:
+    def bias_layout(config: ModelConfig, attn: str, mlp: str) -> BlockLayout:
         if not config.attention_bias:
             return {}
         return {"bqkv": tuple(f"{attn}{p}_proj.bias" for p in "qkv")}

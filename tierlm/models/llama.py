@@ -10,11 +10,9 @@ from typing import Literal
 
 import torch
 
+from tierlm.blocks import BlockLayout, CheckpointLayout
 from tierlm.config import ModelConfig
 from tierlm.models import base
-
-# One block per weight-store request: the embedding, each decoder layer, the final norm, the head.
-Layout = dict[str, dict[str, tuple[str, ...]]]
 
 
 def layer_block(index: int) -> str:
@@ -43,13 +41,13 @@ class LlamaModel:
         return base.RotaryTable(config.rope, config.head_dim, max_len, device, dtype)
 
     @classmethod
-    def checkpoint_layout(cls, config: ModelConfig) -> Layout:
+    def checkpoint_layout(cls, config: ModelConfig) -> CheckpointLayout:
         """Map each block's canonical tensors to the checkpoint tensors they are built from.
 
         A tuple of several names is concatenated along the output dimension (fused q/k/v,
         fused gate/up), so one matmul replaces two or three.
         """
-        layout: Layout = {"embed": {"embed": ("model.embed_tokens.weight",)}}
+        layout: CheckpointLayout = {"embed": {"embed": ("model.embed_tokens.weight",)}}
         for i in range(config.num_hidden_layers):
             layout[layer_block(i)] = cls.layer_layout(config, i)
         layout["norm"] = {"norm": ("model.norm.weight",)}
@@ -58,7 +56,7 @@ class LlamaModel:
         return layout
 
     @classmethod
-    def layer_layout(cls, config: ModelConfig, i: int) -> dict[str, tuple[str, ...]]:
+    def layer_layout(cls, config: ModelConfig, i: int) -> BlockLayout:
         """Layer `i`'s canonical tensors and their checkpoint sources (HF Llama names)."""
         attn = f"model.layers.{i}.self_attn."
         mlp = f"model.layers.{i}.mlp."
@@ -94,8 +92,8 @@ class LlamaModel:
         }
 
     @staticmethod
-    def bias_layout(config: ModelConfig, attn: str, mlp: str) -> dict[str, tuple[str, ...]]:
-        biases: dict[str, tuple[str, ...]] = {}
+    def bias_layout(config: ModelConfig, attn: str, mlp: str) -> BlockLayout:
+        biases: BlockLayout = {}
         if config.attention_bias:
             biases["bqkv"] = tuple(f"{attn}{p}_proj.bias" for p in "qkv")
             biases["bo"] = (f"{attn}o_proj.bias",)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from tierlm.blocks import BlockLayout
 from tierlm.config import ModelConfig
 from tierlm.models import base
 from tierlm.models.llama import LlamaModel
@@ -16,7 +17,7 @@ from tierlm.models.llama import LlamaModel
 
 class Qwen3Model(LlamaModel):
     @classmethod
-    def layer_layout(cls, config: ModelConfig, i: int) -> dict[str, tuple[str, ...]]:
+    def layer_layout(cls, config: ModelConfig, i: int) -> BlockLayout:
         block = super().layer_layout(config, i)
         attn = f"model.layers.{i}.self_attn."
         block["q_norm"] = (f"{attn}q_norm.weight",)

@@ -12,10 +12,9 @@ from typing import Iterator, Mapping
 
 import torch
 
+from tierlm.blocks import CheckpointLayout
 from tierlm.progress import Progress
 from tierlm.weights.checkpoint import Checkpoint
-
-Layout = Mapping[str, Mapping[str, tuple[str, ...]]]
 
 
 class WeightStore:
@@ -77,7 +76,7 @@ class ResidentStore(WeightStore):
 
 def load_resident(
     checkpoint: Checkpoint,
-    layout: Layout,
+    layout: CheckpointLayout,
     *,
     device="cpu",
     dtype: torch.dtype = torch.float32,
