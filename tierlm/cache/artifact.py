@@ -64,8 +64,25 @@ class BlockRecord:
     offset: int
     nbytes: int
     tensors: Mapping[str, TensorRecord]
-    aliases: Mapping[str, str] = field(default_factory=dict)  # name -> "block/tensor"
+    aliases: Mapping[str, str] = field(default_factory=dict)  # name -> "block/tensor" (split_alias)
     crc32: tuple[int, ...] = ()  # one per CHECK_CHUNK bytes of the block, the last one shorter
+
+    def alias_targets(self) -> dict[str, tuple[str, str]]:
+        """{alias: (block, tensor)}: each name this block takes from an earlier block's tensor."""
+        return {alias: split_alias(target) for alias, target in self.aliases.items()}
+
+    @property
+    def borrowed_from(self) -> str | None:
+        """The block whose bytes this one reads when it holds only aliases (a tied head), else None."""
+        if self.aliases and not self.tensors:
+            return split_alias(next(iter(self.aliases.values())))[0]
+        return None
+
+
+def split_alias(target: str) -> tuple[str, str]:
+    """An alias target as the manifest records it, "block/tensor" -> (block, tensor); the one parser."""
+    block, _, tensor = target.partition("/")
+    return block, tensor
 
 
 class ArtifactWriter:
@@ -190,6 +207,10 @@ class Artifact:
     @property
     def weights_path(self) -> Path:
         return self.directory / WEIGHTS_NAME
+
+    def source_block(self, name: str) -> str:
+        """The block whose bytes block `name` uses: itself, or the one a tied head borrows from."""
+        return self.blocks[name].borrowed_from or name
 
     # -- reading ------------------------------------------------------------------------------
 
@@ -410,7 +431,7 @@ def _parse_manifest(manifest: Mapping[str, Any]) -> dict[str, BlockRecord]:
     earlier: dict[str, BlockRecord] = {}
     for name, block in blocks.items():
         for alias, target in block.aliases.items():
-            source, _, tensor = target.partition("/")
+            source, tensor = split_alias(target)
             if alias in block.tensors or tensor not in getattr(earlier.get(source), "tensors", {}):
                 raise _Malformed(f"block {name!r}: alias {alias!r} -> {target!r} does not name an earlier block's tensor")
         earlier[name] = block

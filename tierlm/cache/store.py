@@ -28,8 +28,7 @@ def load_resident_artifact(
                 tensor: codec.decode(record, parts, device=device, dtype=dtype)
                 for tensor, (record, parts) in raw.items()
             }
-            for alias, target in artifact.blocks[name].aliases.items():
-                source_block, source_tensor = target.split("/", 1)
+            for alias, (source_block, source_tensor) in artifact.blocks[name].alias_targets().items():
                 blocks[name][alias] = blocks[source_block][source_tensor]
             if progress and done < len(names):
                 progress(done, len(names))

@@ -117,6 +117,7 @@ class LlamaModel:
         cos, sin = cache.rope(self.rotary, length)  # raises first if the tokens do not fit
         groups = self.config.num_attention_heads // self.config.num_key_value_heads
         mask = cache.mask(length, groups, self.config.sliding_window)
+        self.store.note_forward(ids.numel())
         with self.store.block("embed") as w:
             x = base.embed(w["embed"], ids).to(self.dtype)
         for i in range(self.config.num_hidden_layers):

@@ -15,8 +15,8 @@ class Ledger:
     bytes_read: dict[str, int] = field(default_factory=dict)  # source tier -> bytes moved
     read_s: float = 0.0  # time reader threads spent moving bytes
     stall_s: float = 0.0  # time compute waited for a streamed block
-    forwards: int = 0
-    tokens: int = 0
+    forwards: int = 0  # counted by the model's forward (WeightStore.note_forward), not by block reads
+    tokens: int = 0  # token positions those forwards ran: a prompt's length, a batch step's slots
     hot_hits: int = 0
     hot_misses: int = 0
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
@@ -31,6 +31,7 @@ class Ledger:
             self.stall_s += seconds
 
     def record_forward(self, tokens: int) -> None:
+        """One forward over `tokens` token positions."""
         with self._lock:
             self.forwards += 1
             self.tokens += tokens
@@ -53,6 +54,9 @@ class Ledger:
     def bytes_per_forward(self) -> dict[str, float]:
         return {tier: n / self.forwards for tier, n in self.bytes_read.items()} if self.forwards else {}
 
+    def bytes_per_token(self) -> dict[str, float]:
+        return {tier: n / self.tokens for tier, n in self.bytes_read.items()} if self.tokens else {}
+
     def snapshot(self, device=None) -> dict:
         """Everything /stats, bench and /metrics show, measured now."""
         from tierlm.device.proc import status_bytes
@@ -67,7 +71,10 @@ class Ledger:
         return {
             "planned": {tier: sum(items.values()) for tier, items in self.planned.items()},
             "measured": measured,
+            "forwards": self.forwards,
+            "tokens": self.tokens,
             "bytes_read_per_forward": self.bytes_per_forward(),
+            "bytes_read_per_token": self.bytes_per_token(),
             "stall_s": self.stall_s,
             "overlap": self.overlap,
             "hot_cache_hit_rate": self.hit_rate,

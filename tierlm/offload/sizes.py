@@ -119,8 +119,8 @@ def sizes_from_artifact(directory: Path) -> BlockSizes:
     for name, block in artifact.blocks.items():
         nbytes[name] = block.nbytes
         params[name] = sum(_matmul_elements(t.parts) for t in block.tensors.values())
-        if block.aliases and not block.tensors:
-            aliases[name] = next(iter(block.aliases.values())).split("/", 1)[0]
+        if block.borrowed_from is not None:
+            aliases[name] = block.borrowed_from
     for name, target in aliases.items():
         params[name] = params[target]
     embed = artifact.blocks["embed"].tensors["embed"]

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Mapping
+from typing import Callable, Mapping
 
 import torch
 
@@ -59,7 +59,7 @@ class TieredStore(WeightStore):
         self.host_bytes: dict[str, torch.Tensor] = {}
         self._embed_rows = None
         for placed in placement.blocks:
-            source = self._source_block(placed.name)
+            source = artifact.source_block(placed.name)
             if placed.name == EMBED_BLOCK and placed.tier != DEVICE:
                 if placed.tier == HOST:
                     self.host_bytes[source] = self._read_raw(source)
@@ -74,20 +74,28 @@ class TieredStore(WeightStore):
                     self.host_bytes[source] = self._read_raw(source)
                 if placed.compute == HOST:
                     self.resident[placed.name] = self._decode(
-                        placed.name, self._views(source, self.host_bytes[source]), torch.device("cpu")
+                        placed.name, artifact.views(source, self.host_bytes[source]), torch.device("cpu")
                     )
-        tied_head = self._source_block("head") == EMBED_BLOCK and "head" in self.resident
+        tied_head = artifact.source_block("head") == EMBED_BLOCK and "head" in self.resident
         if tied_head and EMBED_BLOCK not in self.resident:
             # A resident tied head is the embedding matrix: rows come from it for free.
             self.resident[EMBED_BLOCK] = {"embed": self.resident["head"]["head"]}
         if EMBED_BLOCK not in self.resident:
-            self._embed_rows = EmbeddingRows(self, placement.hot_cache_bytes)
+            self._embed_rows = EmbeddingRows(
+                artifact.blocks[EMBED_BLOCK].tensors["embed"],
+                self._read_embed_rows,
+                ledger=self.ledger,
+                device=self.device,
+                dtype=self.dtype,
+                cache_bytes=placement.hot_cache_bytes,
+                counts_path=Path(artifact.directory) / COUNTS_NAME,
+            )
         streamed = [b.name for b in placement.blocks if b.streamed and b.name != EMBED_BLOCK]
         self.ring = None
         if streamed:
-            sizes = {n: artifact.blocks[self._source_block(n)].nbytes for n in streamed}
+            sizes = {n: artifact.blocks[artifact.source_block(n)].nbytes for n in streamed}
             # Only disk reads need host staging; host-tier bytes are copied from where they lie.
-            from_disk = [n for b, n in sizes.items() if self._source_block(b) not in self.host_bytes]
+            from_disk = [n for b, n in sizes.items() if artifact.source_block(b) not in self.host_bytes]
             self.ring = PrefetchRing(
                 streamed,
                 self._fill_slot,
@@ -102,15 +110,13 @@ class TieredStore(WeightStore):
     # -- the WeightStore contract -------------------------------------------------------------
 
     def acquire(self, block: str) -> Mapping[str, object]:
-        if block == EMBED_BLOCK:
-            self.ledger.record_forward(0)
         if block == EMBED_BLOCK and self._embed_rows is not None:
             return {"embed": self._embed_rows}
         found = self.resident.get(block)
         if found is not None:
             return found
         buffer = self.ring.acquire(block)
-        return self._decode(block, self._views(self._source_block(block), buffer), self.device)
+        return self._decode(block, self.artifact.views(self.artifact.source_block(block), buffer), self.device)
 
     def release(self, block: str) -> None:
         if self.ring is not None and block in self.ring.held:
@@ -127,6 +133,9 @@ class TieredStore(WeightStore):
         total += self._embed_rows.nbytes if self._embed_rows else 0
         return total
 
+    def note_forward(self, tokens: int) -> None:
+        self.ledger.record_forward(tokens)
+
     def stats(self) -> Ledger:
         """The live ledger: planned bytes per tier and what streaming has read, stalled and hit."""
         return self.ledger
@@ -139,13 +148,6 @@ class TieredStore(WeightStore):
         self.artifact.close()
 
     # -- reading and decoding -----------------------------------------------------------------
-
-    def _source_block(self, block: str) -> str:
-        """The artifact block whose bytes `block` uses (a tied head reads the embedding's)."""
-        aliases = self.artifact.blocks[block].aliases
-        if aliases and not self.artifact.blocks[block].tensors:
-            return next(iter(aliases.values())).split("/", 1)[0]
-        return block
 
     def _read_raw(self, source: str) -> torch.Tensor:
         """Block `source`'s bytes in a host buffer (pinned where an accelerator copies from it)."""
@@ -164,7 +166,7 @@ class TieredStore(WeightStore):
 
     def _in_host_memory(self, block: str, staging: torch.Tensor) -> torch.Tensor:
         """Host-tier bytes as they lie, or a disk read into `staging` (the ring slot on the CPU)."""
-        source = self._source_block(block)
+        source = self.artifact.source_block(block)
         record = self.artifact.blocks[source]
         started = time.perf_counter()
         if self.read_delay_s:
@@ -178,17 +180,19 @@ class TieredStore(WeightStore):
 
     def _record_upload(self, block: str, nbytes: int, seconds: float) -> None:
         """Copy time (issue time, where the copy is asynchronous); its bytes counted at the read."""
-        tier = HOST if self._source_block(block) in self.host_bytes else DISK
+        tier = HOST if self.artifact.source_block(block) in self.host_bytes else DISK
         self.ledger.record_read(tier, 0, seconds)
 
-    def _views(self, source: str, buffer: torch.Tensor) -> dict:
-        """{tensor: (record, {part: view})} over a buffer holding block `source`'s bytes."""
-        return self.artifact.views(source, buffer)
+    def _read_embed_rows(self, rows: list[int]) -> dict:
+        """{part: those rows} of the embedding, from its host copy or disk, counted as read."""
+        host = self.host_bytes.get(EMBED_BLOCK)
+        parts = self.artifact.read_rows(EMBED_BLOCK, "embed", rows, host=host)
+        self.ledger.record_read(HOST if host is not None else DISK, sum(p.nbytes for p in parts.values()), 0.0)
+        return parts
 
     def _decode(self, block: str, raw: dict, device) -> dict:
         tensors = {name: codec.decode(record, parts, device=device, dtype=self.dtype) for name, (record, parts) in raw.items()}
-        for alias, target in self.artifact.blocks[block].aliases.items():
-            target_block, target_tensor = target.split("/", 1)
+        for alias, (target_block, target_tensor) in self.artifact.blocks[block].alias_targets().items():
             if target_block in self.resident and target_tensor in self.resident[target_block]:
                 tensors[alias] = self.resident[target_block][target_tensor]
             else:
@@ -197,18 +201,23 @@ class TieredStore(WeightStore):
 
 
 class EmbeddingRows:
-    """A non-resident embedding: `rows(ids)` reads only the needed rows, hot ones from the cache."""
+    """A non-resident embedding: `rows(ids)` reads only the needed rows, hot ones from the cache.
 
-    def __init__(self, store: TieredStore, cache_bytes: int):
-        self.store = store
-        self.record = store.artifact.blocks[EMBED_BLOCK]
-        self.embed = self.record.tensors["embed"]
-        vocab, width = self.embed.parts["qweight" if self.embed.encoding == "int8" else "data"].shape
-        row_bytes = width * torch.empty((), dtype=store.dtype).element_size()
+    `read_rows(rows) -> {part: rows of that part}` is the store's reader (host copy or disk,
+    verified and counted there), so this class knows the embedding's record, not the store.
+    """
+
+    def __init__(self, record, read_rows: Callable[[list[int]], dict], *, ledger: Ledger, device, dtype,
+                 cache_bytes: int, counts_path: Path | None = None):  # fmt: skip
+        self.embed = record
+        self.read_rows = read_rows
+        self.ledger = ledger
+        self.device, self.dtype = device, dtype
+        vocab, width = record.parts["qweight" if record.encoding == "int8" else "data"].shape
+        row_bytes = width * torch.empty((), dtype=dtype).element_size()
         capacity = cache_bytes // row_bytes if cache_bytes else 0
         self.cache = (
-            HotRowCache(capacity, width, device=store.device, dtype=store.dtype,
-                        counts_path=Path(store.artifact.directory) / COUNTS_NAME)
+            HotRowCache(capacity, width, device=device, dtype=dtype, counts_path=counts_path)
             if capacity else None
         )  # fmt: skip
         if self.cache is not None:
@@ -225,10 +234,10 @@ class EmbeddingRows:
         """ids [B, T] -> rows [B, T, H] on the store's device."""
         if self.cache is None:
             flat = ids.reshape(-1).tolist()
-            self.store.ledger.record_rows(0, len(flat))
+            self.ledger.record_rows(0, len(flat))
             return self._fetch(flat).view(*ids.shape, -1)
         out, hits, misses = self.cache.lookup(ids, self._fetch)
-        self.store.ledger.record_rows(hits, misses)
+        self.ledger.record_rows(hits, misses)
         return out
 
     def save(self) -> None:
@@ -236,11 +245,7 @@ class EmbeddingRows:
             self.cache.save()
 
     def _fetch(self, rows: list[int]) -> torch.Tensor:
-        """Decoded rows [len(rows), H], read from host RAM or with one small read per row."""
-        host = self.store.host_bytes.get(EMBED_BLOCK)
-        parts = self.store.artifact.read_rows(EMBED_BLOCK, "embed", rows, host=host)
-        self.store.ledger.record_read(HOST if EMBED_BLOCK in self.store.host_bytes else DISK,
-                                      sum(p.nbytes // p.shape[0] for p in self.embed.parts.values()) * len(rows), 0.0)  # fmt: skip
-        weight = codec.decode(self.embed, parts, device="cpu", dtype=self.store.dtype)
+        """Decoded rows [len(rows), H] on the device."""
+        weight = codec.decode(self.embed, self.read_rows(rows), device="cpu", dtype=self.dtype)
         dense = weight if isinstance(weight, torch.Tensor) else weight.dequantize()
-        return dense.to(device=self.store.device, dtype=self.store.dtype)
+        return dense.to(device=self.device, dtype=self.dtype)

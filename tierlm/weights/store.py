@@ -41,6 +41,10 @@ class WeightStore:
         """Bytes of weights this store holds in memory."""
         raise NotImplementedError
 
+    def note_forward(self, tokens: int) -> None:
+        """A forward over `tokens` token positions begins; a streaming store counts it (its
+        ledger's traffic per forward and per token), a resident one has nothing to count."""
+
     def stats(self):
         """The store's streaming figures (offload/ledger.Ledger): planned bytes per tier, bytes
         read, prefetch stall, hot-row hits. A resident store streams nothing: an empty ledger,
