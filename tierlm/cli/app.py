@@ -174,14 +174,15 @@ def convert(
     from tierlm.cache.convert import ConversionRequest, ensure_artifact
     from tierlm.cli.progress import progress_factory
     from tierlm.lora.spec import parse_lora_spec
-    from tierlm.offload.sizes import resolve_quant
+    from tierlm.offload.sizes import resolve_auto
+    from tierlm.quant.modes import concrete_mode
     from tierlm.runtime.session import resolve_model_dir
 
     progress = progress_factory()
     adapters = tuple(parse_lora_spec(spec) for spec in lora or ())
     model_dir = resolve_model_dir(model, progress)
-    mode = resolve_quant(quant, model_dir=model_dir)
-    print(ensure_artifact(ConversionRequest(model_dir, adapters, mode.name), progress("converting")))
+    mode = concrete_mode(resolve_auto(quant, model_dir), accelerator=False, converted=True)
+    print(ensure_artifact(ConversionRequest(model_dir, adapters, mode), progress("converting")))
 
 
 cache_app = typer.Typer(help="List, verify or remove cached models and artifacts.", no_args_is_help=True)

@@ -15,45 +15,30 @@ MiB = 2**20
 
 def plan_for(model_dir: Path, profile, quant: str | None = None, device: str | None = None):
     """(Placement, header lines) for `model_dir` under `profile` (a Profile), as `tierlm plan`
-    prints them. Reads no weights: block sizes come from the model's cached artifact for that
-    quant mode when there is one, else from config.json. Raises TierlmError when it cannot fit."""
-    from tierlm.config import ModelConfig
+    prints them, from the loader's own steps (resolve the weight source, read the budget, plan).
+    Reads no weights: block sizes come as the loader expects them, from an artifact's manifest
+    or config.json. Raises TierlmError when it cannot fit."""
     from tierlm.device import resolve_device
-    from tierlm.device.memory import process_limits
-    from tierlm.models import family_class
-    from tierlm.offload.planner import check_fits, plan
     from tierlm.offload.probe import bandwidths_path, load_probe
-    from tierlm.offload.sizes import cached_artifact, resolve_quant, sizes_from_artifact, sizes_from_config
-    from tierlm.runtime.baseline import runtime_baseline
-    from tierlm.runtime.loader import shipped_fallbacks
+    from tierlm.runtime.loader import plan_load, read_budget, requested_quant, resolve_source
 
     target = resolve_device(device)
-    accelerator = target.type != "cpu"
-    config = ModelConfig.from_dir(model_dir)
-    mode = resolve_quant(quant or profile.quant, accelerator, model_dir)  # "auto" needs the model
-    artifact = cached_artifact(model_dir, mode.name)
-    sizes = sizes_from_artifact(artifact) if artifact else sizes_from_config(config, mode, accelerator=accelerator)
+    source = resolve_source(model_dir, requested_quant(quant, profile), accelerator=target.type != "cpu")
     tokenizer = _tokenizer_as_a_session_holds_it(model_dir)  # noqa: F841 - held while measuring
-    family_class(config)  # imported before the baseline, as the loader does
-    baseline = runtime_baseline(target, sizes.quant, model_dir)
-    limits = process_limits(target)  # the budgets are capped at what the process really has
-    # Refused before the probe: a missing probe runs in a child, which a tight limit would kill.
-    fallbacks = shipped_fallbacks()  # what a refusal may suggest instead, as the loader passes them
-    check_fits(config, sizes, profile, accelerator=accelerator, baseline_bytes=baseline.charged, limits=limits,
-               fallbacks=fallbacks)  # fmt: skip
-    probe = load_probe(target)
-    placement = plan(config, sizes, profile, probe.bandwidths, accelerator=accelerator,
-                     baseline_bytes=baseline.charged, limits=limits, fallbacks=fallbacks)  # fmt: skip
+    budget = read_budget(source, profile, target)
+    planned = plan_load(source, budget)
+    probe = load_probe(target)  # the record the plan's bandwidths came from, for its age
+    config, baseline = source.config, budget.baseline
     header = [
         f"model    {model_dir} ({config.model_type}, {config.num_hidden_layers} layers)",
         f"profile  {profile.summary()}",
-        f"quant    {_quant_line(mode.name, quant, profile.quant)}",
+        f"quant    {_quant_line(planned.sizes.quant, quant, profile.quant)}",
         f"device   {target}; baseline {_mib(baseline.charged)} charged ({_mib(baseline.measured)} RSS with the "
         f"runtime loaded: torch, tokenizer, kernels)",
-        limits_line(limits),
+        limits_line(budget.limits),
         *probe_lines(probe, bandwidths_path(target).stem),
     ]
-    return placement, header
+    return planned.placement, header
 
 
 def limits_line(limits) -> str:

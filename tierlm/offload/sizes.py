@@ -40,7 +40,7 @@ from typing import Mapping
 
 from tierlm.cache.artifact import MANIFEST_NAME, PART_ALIGN, Artifact
 from tierlm.config import ModelConfig
-from tierlm.quant.modes import AS_STORED, AUTO, QuantMode, auto_quant, check_mode_name, parse_quant_mode
+from tierlm.quant.modes import AUTO, QuantMode, auto_quant, check_mode_name, concrete_mode, parse_quant_mode
 
 PREFILL_CHUNK = 512  # tokens per prefill step; the engine and the batch runner import it from here
 HOT_CACHE_ROWS = 4096  # embedding rows the hot cache may hold (Zipfian tokens: most lookups)
@@ -84,14 +84,12 @@ class BlockSizes:
 def resolve_quant(
     quant: str | QuantMode, accelerator: bool = False, model_dir: Path | None = None
 ) -> QuantMode:
-    """A QuantMode; "none" (weights as stored) is the compute dtype: bf16 on accelerators, else
-    fp32; "auto" is the mode `resolve_auto` picks for the model in `model_dir`."""
+    """A QuantMode; "none" is the weights as stored, in the mode `concrete_mode` gives them;
+    "auto" is the mode `resolve_auto` picks for the model in `model_dir`."""
     if isinstance(quant, QuantMode):
         return quant
     name = resolve_auto(quant, model_dir, accelerator)
-    if name == AS_STORED:
-        return parse_quant_mode("bf16" if accelerator else "fp32")
-    return parse_quant_mode(name)
+    return parse_quant_mode(concrete_mode(name, accelerator=accelerator, converted=False))
 
 
 def resolve_auto(quant: str, model_dir: Path | None, accelerator: bool = False) -> str:

@@ -6,7 +6,7 @@
                   256 levels span [min, max] instead of [-max|w|, max|w|]. Costs 4 more bytes per
                   group; reproduces GGUF Q4_0/Q4_1/Q5_0/Q5_1/Q8_0 sources (groups of 32) bit for bit.
     fp16 / bf16 / fp32   no quantization: weights stored in that float dtype
-    none          the checkpoint's weights as stored, in the compute dtype (offload/sizes.py)
+    none          the checkpoint's weights as stored, in the compute dtype (`concrete_mode`)
     auto          a concrete mode chosen per model and device by `auto_quant` (the profiles'
                   default): weights already on a quantized grid keep it, float weights get int8
 
@@ -87,6 +87,15 @@ def check_mode_name(name: str) -> str:
     if text not in (AUTO, AS_STORED):
         parse_quant_mode(text)
     return text
+
+
+def concrete_mode(name: str, *, accelerator: bool, converted: bool) -> str:
+    """A checked mode name (not "auto") with "none" replaced by what it means: weights loaded as
+    stored are held in the compute dtype (bf16 on accelerators, fp32 on CPUs); weights that must
+    be converted to an artifact (LoRA merged in, or too big to stay resident) are kept in fp32."""
+    if name != AS_STORED:
+        return name
+    return "bf16" if accelerator and not converted else "fp32"
 
 
 # GGUF tensor types that hold floats; every other type is a quantized grid.

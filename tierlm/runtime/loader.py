@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable
 
 from tierlm.config import ModelConfig
 from tierlm.errors import TierlmError
+from tierlm.quant.modes import AS_STORED, concrete_mode
 
 
 @dataclass
@@ -39,6 +40,41 @@ class LoadedModel:
         )
 
 
+@dataclass(frozen=True)
+class WeightSource:
+    """Where a load's weights come from, decided before any is read: the checkpoint as stored,
+    or an artifact (compiled already, or to be converted for `quant` and `adapters`)."""
+
+    directory: Path  # the model directory, or the artifact once converted
+    config: ModelConfig
+    family: type  # the family Model class (models/llama.py, ...)
+    quant: str  # a concrete mode ("auto" resolved; an artifact's own) or "none": as stored
+    adapters: tuple[tuple[Path, float], ...] = ()
+    compiled: bool = False  # `directory` is an artifact
+    as_stored: bool = False  # the checkpoint's tensors are loaded as they are, no artifact
+
+
+@dataclass(frozen=True)
+class Budget:
+    """What a plan is charged against, read once per load (and by `tierlm plan`)."""
+
+    profile: object  # a Profile
+    device: object
+    baseline: object  # runtime/baseline.py Baseline: its `charged` bytes are charged
+    limits: object  # the process's real limits (device/memory.py), which budgets are capped at
+    fallbacks: list  # the shipped profiles a refusal may suggest instead
+    bandwidths: object = None  # None: the probe's, read after the fit check
+
+
+@dataclass(frozen=True)
+class Planned:
+    """A plan's outcome, with the source and sizes it was made for."""
+
+    source: WeightSource  # as resolved, or as an artifact when the weights as stored do not fit resident
+    sizes: object  # the BlockSizes the placement was made from
+    placement: object  # a Placement
+
+
 def load_model(
     model_dir: Path,
     *,
@@ -55,75 +91,124 @@ def load_model(
 ) -> LoadedModel:
     """Load a model for `device` in `dtype` (defaults: the device's compute dtype).
 
-    `model_dir` is a Hugging Face checkpoint or a compiled artifact directory. With a quant
-    mode other than "none" (`quant`, else the profile's) or LoRA `adapters` ((path, weight)
-    pairs), weights come from the artifact for that combination, converted on first use.
-    With a `profile`, the planner places every block within its budget (the process baseline
-    is charged here, before any weight is loaded, by the `runtime_baseline` `tierlm plan` uses);
-    blocks that do not fit are streamed by a TieredStore. "none" loads the checkpoint as stored
-    when it fits resident.
-    The context is the profile's (or `context_length`), capped by max_position_embeddings.
+    `model_dir` is a Hugging Face checkpoint or a compiled artifact directory. In steps:
+    resolve the weight source (`quant`, else the profile's, with LoRA `adapters` as
+    (path, weight) pairs), plan it under the `profile` when one is given, convert to the
+    artifact the source needs on first use, open the store. The context is the profile's
+    (or `context_length`), capped by max_position_embeddings.
     """
     import torch
 
     from tierlm.device import compute_dtype, resolve_device
+
+    device = resolve_device(device) if not isinstance(device, torch.device) else device
+    dtype = dtype or compute_dtype(device)
+    source = resolve_source(model_dir, requested_quant(quant, profile), adapters, accelerator=device.type != "cpu")
+    budget = read_budget(source, profile, device, bandwidths) if profile is not None else None
+    planned = plan_load(source, budget) if budget is not None else None
+    if planned is not None:
+        source = planned.source
+    if not (source.as_stored or source.compiled):
+        source = convert_source(source, device.type != "cpu", convert_progress)
+        if budget is not None:
+            planned = plan_load(source, budget)  # the artifact's exact sizes
+    placement = planned.placement if planned is not None else None
+    store = open_store(source, placement, device, dtype, read_delay_s=read_delay_s, progress=progress)
+    max_len = context_for(source.config, context_length, profile)
+    model = source.family(source.config, store, max_len, device, dtype)
+    weight_format = dtype_name(dtype) if source.as_stored else source.quant  # as stored: converted as they load
+    sizes = planned.sizes if planned is not None else None
+    return LoadedModel(source.config, model, store, max_len, device, dtype, placement, sizes, weight_format)
+
+
+def requested_quant(quant: str | None, profile) -> str:
+    """The quant mode asked for: `quant`, else the profile's, else "none" (weights as stored)."""
+    return quant or (profile.quant if profile is not None else None) or AS_STORED
+
+
+def context_for(config: ModelConfig, context_length: int | None, profile) -> int:
+    """`context_length`, else the profile's, capped by max_position_embeddings."""
+    context = context_length or (profile.context_length if profile is not None else None)
+    return min(context or config.max_position_embeddings, config.max_position_embeddings)
+
+
+def resolve_source(model_dir: Path, quant: str, adapters=(), *, accelerator: bool) -> WeightSource:
+    """Step 1: the model's config and family, and the format its weights will be read in. The
+    family is imported here, before any baseline is measured, as a session imports it."""
     from tierlm.models import family_class
-    from tierlm.runtime.baseline import runtime_baseline
+    from tierlm.offload.sizes import resolve_auto
 
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
         raise TierlmError(f"model directory {model_dir} does not exist")
     config = ModelConfig.from_dir(model_dir)
-    device = resolve_device(device) if not isinstance(device, torch.device) else device
-    dtype = dtype or compute_dtype(device)
-    context = context_length or (profile.context_length if profile is not None else None)
-    max_len = min(context or config.max_position_embeddings, config.max_position_embeddings)
     family = family_class(config)
-    quant = quant or (profile.quant if profile is not None else None) or "none"
-    from tierlm.offload.sizes import resolve_auto  # "auto" -> a concrete mode before anything is keyed on it
-
-    quant = resolve_auto(quant, model_dir, accelerator=device.type != "cpu")
+    mode = resolve_auto(quant, model_dir, accelerator)  # before anything is keyed on the mode
     compiled = is_artifact(model_dir)
     if compiled:
-        quant = artifact_quant(model_dir)
-    baseline = runtime_baseline(device, quant, model_dir).charged if profile is not None else 0
-    # Read once per load: the real limits budgets are capped at, and the profiles a refusal may suggest.
-    limits, fallbacks = (_process_limits(device), shipped_fallbacks()) if profile is not None else (None, ())
-    placement = sizes = None
-    as_stored = not compiled and quant == "none" and not adapters
-    if as_stored and profile is not None:
-        # Weights as stored still obey the budget: when they do not fit resident, they are
-        # converted to an fp32 artifact and tiered like any other.
-        from tierlm.offload.sizes import sizes_from_config
+        mode = artifact_quant(model_dir)
+    as_stored = not compiled and mode == AS_STORED and not adapters
+    return WeightSource(model_dir, config, family, mode, tuple(adapters), compiled, as_stored)
 
-        sizes = sizes_from_config(config, "none", accelerator=device.type != "cpu")
-        placement = _plan(config, sizes, profile, device, bandwidths, baseline, limits, fallbacks)
-        as_stored = placement.fully_resident
-    if as_stored:
-        from tierlm.weights.checkpoint import Checkpoint
-        from tierlm.weights.store import load_resident
 
-        checkpoint = Checkpoint(model_dir)
-        store = load_resident(checkpoint, family.checkpoint_layout(config), device=device, dtype=dtype, progress=progress)
-        check_shapes(config, store, family)  # conversion checks artifacts as it writes them
-        weight_format = dtype_name(dtype)  # converted to the compute dtype as they load
-    else:
-        if profile is not None and not compiled:
-            # Refused before converting or probing: under a tight limit those are what gets killed.
-            _check_fits(config, _expected_sizes(model_dir, config, quant, device), profile, device, baseline,
-                        limits, fallbacks)  # fmt: skip
-        artifact_dir = model_dir if compiled else _artifact_for(
-            model_dir, quant, adapters, convert_progress
-        )
-        if profile is not None:
-            from tierlm.offload.sizes import sizes_from_artifact
+def read_budget(source: WeightSource, profile, device, bandwidths=None) -> Budget:
+    """The baseline charged for the runtime, measured before any weight is loaded
+    (runtime/baseline.py), the process limits and the shipped fallback profiles."""
+    from tierlm.device.memory import process_limits
+    from tierlm.runtime.baseline import runtime_baseline
 
-            sizes = sizes_from_artifact(artifact_dir)
-            placement = _plan(config, sizes, profile, device, bandwidths, baseline, limits, fallbacks)
-        store = _artifact_store(artifact_dir, placement, device, dtype, read_delay_s, progress)
-        weight_format = artifact_quant(artifact_dir)
-    model = family(config, store, max_len, device, dtype)
-    return LoadedModel(config, model, store, max_len, device, dtype, placement, sizes, weight_format)
+    baseline = runtime_baseline(device, source.quant, source.directory)
+    return Budget(profile, device, baseline, process_limits(device), shipped_fallbacks(), bandwidths)
+
+
+def plan_load(source: WeightSource, budget: Budget) -> Planned:
+    """Step 2: refuse what cannot fit (before probing or converting: under a tight limit those
+    are what gets killed), then place every block within the budget. Weights as stored obey it
+    too: when they do not fit resident, they are planned (and converted) as an artifact."""
+    sizes = expected_sizes(source, budget.device.type != "cpu")
+    placement = _plan(source.config, sizes, budget)
+    if source.as_stored and not placement.fully_resident:
+        return plan_load(replace(source, as_stored=False), budget)
+    return Planned(source, sizes, placement)
+
+
+def expected_sizes(source: WeightSource, accelerator: bool):
+    """The BlockSizes `source` will have, without reading a weight: an artifact's manifest; as
+    stored, predicted from config.json; to be converted, the cached artifact's for that mode, else
+    predicted."""
+    from tierlm.offload.sizes import cached_artifact, sizes_from_artifact, sizes_from_config
+
+    if source.compiled:
+        return sizes_from_artifact(source.directory)
+    if source.as_stored:
+        return sizes_from_config(source.config, AS_STORED, accelerator=accelerator)
+    mode = concrete_mode(source.quant, accelerator=accelerator, converted=True)
+    if artifact := cached_artifact(source.directory, mode):
+        return sizes_from_artifact(artifact)
+    return sizes_from_config(source.config, mode, accelerator=accelerator)
+
+
+def convert_source(source: WeightSource, accelerator: bool, progress) -> WeightSource:
+    """The artifact for `source`'s mode and adapters, converted on first use."""
+    from tierlm.cache.convert import ConversionRequest, ensure_artifact
+
+    mode = concrete_mode(source.quant, accelerator=accelerator, converted=True)
+    artifact_dir = Path(ensure_artifact(ConversionRequest(source.directory, source.adapters, mode), progress))
+    return replace(source, directory=artifact_dir, quant=artifact_quant(artifact_dir), compiled=True)
+
+
+def open_store(source: WeightSource, placement, device, dtype, *, read_delay_s: float = 0.0, progress=None):
+    """Step 3: the WeightStore over `source`: the checkpoint as stored, resident in `dtype`; an
+    artifact resident, or tiered by `placement` when some blocks are streamed."""
+    if not source.as_stored:
+        return _artifact_store(source.directory, placement, device, dtype, read_delay_s, progress)
+    from tierlm.weights.checkpoint import Checkpoint
+    from tierlm.weights.store import load_resident
+
+    layout = source.family.checkpoint_layout(source.config)
+    store = load_resident(Checkpoint(source.directory), layout, device=device, dtype=dtype, progress=progress)
+    check_shapes(source.config, store, source.family)  # conversion checks artifacts as it writes them
+    return store
 
 
 def artifact_quant(artifact_dir: Path) -> str:
@@ -144,37 +229,12 @@ def is_artifact(model_dir: Path) -> bool:
     return (Path(model_dir) / MANIFEST_NAME).is_file()
 
 
-def _artifact_for(model_dir: Path, quant: str, adapters, progress) -> Path:
-    from tierlm.cache.convert import ConversionRequest, ensure_artifact
-
-    # LoRA on an unquantized model: the merged weights are kept in fp32.
-    mode = quant if quant != "none" else "fp32"
-    return ensure_artifact(ConversionRequest(model_dir, tuple(adapters), mode), progress)
-
-
-def _expected_sizes(model_dir: Path, config: ModelConfig, quant: str, device):
-    """The block sizes the artifact will have, as `tierlm plan` reckons them: a cached artifact's
-    manifest, else predicted from config.json."""
-    from tierlm.offload.sizes import cached_artifact, sizes_from_artifact, sizes_from_config
-
-    mode = quant if quant != "none" else "fp32"  # as _artifact_for converts it
-    artifact = cached_artifact(model_dir, mode)
-    return sizes_from_artifact(artifact) if artifact else sizes_from_config(config, mode, accelerator=device.type != "cpu")
-
-
-def _process_limits(device):
-    """The cgroup limit, RLIMIT_AS and free device memory, as `tierlm plan` reads them."""
-    from tierlm.device.memory import process_limits
-
-    return process_limits(device)
-
-
-def _check_fits(config, sizes, profile, device, baseline: int, limits, fallbacks) -> None:
+def _check_fits(config, sizes, budget: Budget) -> None:
     """Refuse as the planner would, before anything is probed."""
     from tierlm.offload.planner import check_fits
 
-    check_fits(config, sizes, profile, accelerator=device.type != "cpu", baseline_bytes=baseline, limits=limits,
-               fallbacks=fallbacks)  # fmt: skip
+    check_fits(config, sizes, budget.profile, accelerator=budget.device.type != "cpu",
+               baseline_bytes=budget.baseline.charged, limits=budget.limits, fallbacks=budget.fallbacks)  # fmt: skip
 
 
 def shipped_fallbacks() -> list:
@@ -185,20 +245,20 @@ def shipped_fallbacks() -> list:
     return [load_profile(name) for name in shipped_profiles()]
 
 
-def _plan(config, sizes, profile, device, bandwidths, baseline: int, limits, fallbacks):
+def _plan(config, sizes, budget: Budget):
     from tierlm.offload.planner import plan
     from tierlm.offload.probe import load_bandwidths
 
-    _check_fits(config, sizes, profile, device, baseline, limits, fallbacks)  # a missing probe runs in a child
+    _check_fits(config, sizes, budget)  # a missing probe runs in a child
     return plan(
         config,
         sizes,
-        profile,
-        bandwidths or load_bandwidths(device),
-        accelerator=device.type != "cpu",
-        baseline_bytes=baseline,
-        limits=limits,
-        fallbacks=fallbacks,
+        budget.profile,
+        budget.bandwidths or load_bandwidths(budget.device),
+        accelerator=budget.device.type != "cpu",
+        baseline_bytes=budget.baseline.charged,
+        limits=budget.limits,
+        fallbacks=budget.fallbacks,
     )
 
 
