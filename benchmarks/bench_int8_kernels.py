@@ -14,7 +14,7 @@ Candidates:
   int8pack-fp32    torch._weight_int8pack_mm with fp32 activations
   int8pack-bf16    the same with bf16 activations (changes accuracy: bf16 inputs/outputs)
   fbgemm-w8a8      torch.ops.quantized.linear_dynamic (quantizes activations to int8: W8A8)
-  chosen           Int8Weight.linear with the plan tierlm calibrated in this process
+  chosen           Int8Weight.linear with the kernels tierlm chose in this process
 
 Method: 2 threads (`--threads`), fp32 activations. Every candidate cycles through enough
 copies of its weight to read at least `--working-set` MiB (default 512, twice this machine's
@@ -58,17 +58,17 @@ def main() -> None:
         shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
     rows_list = tuple(int(v) for v in args.rows.split(",")) if args.rows else ROWS
 
-    from tierlm.quant.dispatch import plan_for
+    from tierlm.quant.dispatch import kernel_choice
 
     reads = "hot (one copy)" if args.hot else f"working set >= {args.working_set} MiB"
     print(f"load average before: {os.getloadavg()[0]:.2f}; threads {args.threads}; {reads}")
     start = time.perf_counter()
-    plan = plan_for(torch.device("cpu"))
+    chosen = kernel_choice(torch.device("cpu"))
     print(
-        f"calibrated plan in {time.perf_counter() - start:.2f} s: gemv={plan.gemv.name}, "
-        f"gemm={plan.gemm.name}, crossover={plan.crossover} rows; skipped={list(plan.skipped)}"
+        f"calibrated kernel choice in {time.perf_counter() - start:.2f} s: gemv={chosen.gemv.name}, "
+        f"gemm={chosen.gemm.name}, crossover={chosen.crossover} rows; skipped={list(chosen.skipped)}"
     )
-    candidates = _candidates(plan)
+    candidates = _candidates(chosen)
     if args.only:
         keep = set(args.only.split(",")) | {"fp32"}
         candidates = [c for c in candidates if c[0] in keep]
@@ -77,7 +77,7 @@ def main() -> None:
     print(f"load average after: {os.getloadavg()[0]:.2f}")
 
 
-def _candidates(plan):
+def _candidates(chosen):
     """(name, prepare(w) -> state, run(state, x) -> y, weight bytes of state)."""
     from tierlm.quant.int8 import quantize_int8
     from tierlm.quant.kernel_api import KernelUnavailable
@@ -117,7 +117,7 @@ def _candidates(plan):
     out.append(("int8pack-fp32", int8, int8pack(torch.float32), _int8_bytes))
     out.append(("int8pack-bf16", int8, int8pack(torch.bfloat16), _int8_bytes))
     out.append(("fbgemm-w8a8", _fbgemm_pack, _fbgemm_run, lambda p: p[1]))
-    out.append(("chosen", int8, lambda qw, x: plan.linear(x, qw), _int8_bytes))
+    out.append(("chosen", int8, lambda qw, x: chosen.linear(x, qw), _int8_bytes))
     return out
 
 

@@ -266,7 +266,7 @@ def test_usable_cpus_reads_affinity_and_cgroup_quota(tmp_path, files, proc, affi
 
 
 def test_threads_flag_reaches_torch(tmp_path):
-    """`--threads 1` is what torch runs with (the INT8 kernel plan is keyed on it); unset, the
+    """`--threads 1` is what torch runs with (the INT8 kernel choice is keyed on it); unset, the
     usable CPUs."""
     from tests.tiny import make_model
     from tierlm.device.cpu import usable_cpus

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from tierlm.errors import TierlmError
-from tierlm.quant.dispatch import KernelPlan, calibrate
+from tierlm.quant.dispatch import KernelChoice, calibrate
 from tierlm.quant.int8 import Int8Weight, quantize_int8
 from tierlm.quant.kernel_api import KernelUnavailable
 from tierlm.quant.modes import parse_quant_mode
@@ -190,16 +190,16 @@ def test_missing_compiler_is_reported_not_raised_elsewhere(tmp_path, monkeypatch
 # -- the weight object and dispatch -----------------------------------------------------------
 
 
-def _fixed_plan(kernels, gemv="native", crossover=8):
+def _fixed_choice(kernels, gemv="native", crossover=8):
     small = kernels.get(gemv, kernels["blas-torch"])
     large = kernels.get("blas-native", kernels["blas-torch"])
-    return KernelPlan(gemv=small, gemm=large, crossover=crossover)
+    return KernelChoice(gemv=small, gemm=large, crossover=crossover)
 
 
 @pytest.mark.parametrize("group_size", [None, 128])
 def test_linear_on_3d_input_with_and_without_bias(kernels, group_size):
     qw = quantize_int8(_weight(*ODD), group_size)
-    qw.plan = _fixed_plan(kernels)
+    qw.kernels = _fixed_choice(kernels)
     bias = torch.randn(ODD[0])
     for shape in ((1, 1, ODD[1]), (2, 3, ODD[1]), (2, 20, ODD[1])):  # decode, small, prefill
         x = torch.randn(shape)
@@ -211,37 +211,37 @@ def test_linear_on_3d_input_with_and_without_bias(kernels, group_size):
 
 def test_bf16_activations_come_back_bf16(kernels):
     qw = quantize_int8(_weight(64, 96))
-    qw.plan = _fixed_plan(kernels)
+    qw.kernels = _fixed_choice(kernels)
     x = torch.randn(2, 5, 96, dtype=torch.bfloat16)
     y = qw.linear(x)
     assert y.dtype == torch.bfloat16
     torch.testing.assert_close(y.float(), _reference(x.float(), qw).float(), rtol=1e-2, atol=1e-2)
 
 
-def test_accelerator_plan_keeps_half_precision_activations():
+def test_accelerator_kernels_keep_half_precision_activations():
     # The accelerator path (dequantize to x's dtype + F.linear) runs on CPU tensors as well.
-    from tierlm.quant.dispatch import accelerator_plan
+    from tierlm.quant.dispatch import accelerator_kernel_choice
 
     qw = quantize_int8(_weight(64, 96), 32)
-    qw.plan = accelerator_plan("cuda")
+    qw.kernels = accelerator_kernel_choice("cuda")
     for dtype in (torch.bfloat16, torch.float16):
         x = torch.randn(3, 96).to(dtype)
         y = qw.linear(x, torch.randn(64).to(dtype))
         assert y.dtype == dtype and y.shape == (3, 64)
     per_channel = quantize_int8(_weight(64, 96))
-    per_channel.plan = qw.plan
+    per_channel.kernels = qw.kernels
     x = torch.randn(2, 96)
     _assert_matches(per_channel.linear(x), _reference(x, per_channel))
-    assert qw.to("cpu").plan is None
+    assert qw.to("cpu").kernels is None
 
 
 def test_empty_batch(kernels):
     qw = quantize_int8(_weight(*ODD))
-    qw.plan = _fixed_plan(kernels)
+    qw.kernels = _fixed_choice(kernels)
     assert qw.linear(torch.randn(0, ODD[1])).shape == (0, ODD[0])
 
 
-def test_linear_through_model_base_uses_the_default_plan():
+def test_linear_through_model_base_uses_the_default_kernels():
     from tierlm.models import base
 
     qw = quantize_int8(_weight(96, 160), 32)
@@ -255,11 +255,11 @@ def test_calibration_skips_a_kernel_that_cannot_load(tmp_path):
     def broken(build_root):
         raise KernelUnavailable("simulated: compiler missing")
 
-    plan = calibrate([("native", broken)], tmp_path, shape=(128, 256), reps=1)
-    assert plan.skipped == ("native: simulated: compiler missing",)
-    assert plan.gemv.name == "dequant-blas" and plan.gemm.name == "dequant-blas"
+    choice = calibrate([("native", broken)], tmp_path, shape=(128, 256), reps=1)
+    assert choice.skipped == ("native: simulated: compiler missing",)
+    assert choice.gemv.name == "dequant-blas" and choice.gemm.name == "dequant-blas"
     qw = quantize_int8(_weight(*ODD), 128)
-    qw.plan = plan
+    qw.kernels = choice
     x = torch.randn(3, ODD[1])
     _assert_matches(qw.linear(x), _reference(x, qw))
 
@@ -275,26 +275,26 @@ def test_calibration_falls_back_to_the_next_candidate(tmp_path):
         raise KernelUnavailable("simulated: build failed")
 
     loaders = [("first", broken), ("second", lambda root: Slow())]
-    plan = calibrate(loaders, tmp_path, shape=(128, 256), reps=1)
-    assert plan.skipped == ("first: simulated: build failed",)
-    measured = {name for name, _, _ in plan.timings}
+    choice = calibrate(loaders, tmp_path, shape=(128, 256), reps=1)
+    assert choice.skipped == ("first: simulated: build failed",)
+    measured = {name for name, _, _ in choice.timings}
     assert measured >= {"second-choice", "dequant-blas"}
-    assert plan.crossover >= 1 and plan.kernel_for(10_000) is plan.gemm
+    assert choice.crossover >= 1 and choice.kernel_for(10_000) is choice.gemm
 
 
 def test_calibration_picks_the_measured_fastest(tmp_path, kernels):
     if "native" not in kernels:
         pytest.skip("no native kernel here")
     loaders = [("native", lambda root: kernels["native"])]
-    plan = calibrate(loaders, tmp_path, shape=(512, 1024), reps=3)
-    batch1 = {name: seconds for name, rows, seconds in plan.timings if rows == 1}
+    choice = calibrate(loaders, tmp_path, shape=(512, 1024), reps=3)
+    batch1 = {name: seconds for name, rows, seconds in choice.timings if rows == 1}
     assert set(batch1) == {kernels["native"].name, "native-dequant+blas"}
-    assert plan.gemv.name == min(batch1, key=batch1.get)
-    assert plan.gemm.name == "native-dequant+blas"
+    assert choice.gemv.name == min(batch1, key=batch1.get)
+    assert choice.gemm.name == "native-dequant+blas"
     # Every row count sent to gemv was measured no slower there than in the GEMM path.
-    for rows in {r for _, r, _ in plan.timings if 1 < r <= plan.crossover}:
-        at = {name: seconds for name, r, seconds in plan.timings if r == rows}
-        assert at[plan.gemv.name] <= at[plan.gemm.name]
+    for rows in {r for _, r, _ in choice.timings if 1 < r <= choice.crossover}:
+        at = {name: seconds for name, r, seconds in choice.timings if r == rows}
+        assert at[choice.gemv.name] <= at[choice.gemm.name]
 
 
 # -- mode names -------------------------------------------------------------------------------

@@ -35,7 +35,7 @@ def collect(probe: bool = False) -> dict:
     from tierlm.device import resolve_device
     from tierlm.device.cpu import apply_threads
 
-    apply_threads()  # what every command runs with unless told: the kernel plan and probe are keyed on it
+    apply_threads()  # what every command runs with unless told: the kernel choice and probe are keyed on it
     report = {
         "tierlm": __version__,
         "python": platform.python_version(),
@@ -183,21 +183,21 @@ def _cpu() -> dict:
 
 
 def _kernel(device) -> dict:
-    """The INT8 plan the dispatcher picks for the auto-detected device (calibrates on the CPU)."""
+    """The INT8 kernels the dispatcher picks for the auto-detected device (calibrates on the CPU)."""
     if device is None:
         return {"error": "no compute device resolved"}
     try:
-        from tierlm.quant.dispatch import plan_for
+        from tierlm.quant.dispatch import kernel_choice
 
-        plan = plan_for(device)
+        kernels = kernel_choice(device)
     except Exception as err:  # noqa: BLE001 - reported, not raised
         return {"device": str(device), "error": f"{type(err).__name__}: {err}"}
     return {
         "device": str(device),
-        "gemv": plan.gemv.name,
-        "gemm": plan.gemm.name,
-        "crossover": plan.crossover,
-        "skipped": list(plan.skipped),
+        "gemv": kernels.gemv.name,
+        "gemm": kernels.gemm.name,
+        "crossover": kernels.crossover,
+        "skipped": list(kernels.skipped),
     }
 
 

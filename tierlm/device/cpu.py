@@ -118,7 +118,7 @@ def resolve_threads(requested: int | None = None) -> int:
 
 
 def apply_threads(requested: int | None = None) -> int:
-    """Set torch's intra-op thread count (call before the INT8 kernels are calibrated: their plan
+    """Set torch's intra-op thread count (call before the INT8 kernels are calibrated: their choice
     is keyed on it) and return it."""
     import torch
 

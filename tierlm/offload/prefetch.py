@@ -4,7 +4,7 @@ Streamed blocks are used in a fixed cyclic order (the forward pass). While block
 blocks i+1 … i+depth are being brought into free slots by worker threads; releasing block i
 frees its slot for the next one. Filling a slot has two steps:
 
-1. the loader puts the block's bytes in host memory (a disk read into the slot's staging
+1. the reader puts the block's bytes in host memory (a disk read into the slot's staging
    buffer, or a host-tier copy that is already there);
 2. on an accelerator, the bytes go host -> device on a separate copy stream, and the slot's
    `ready` event is recorded after the copy.
@@ -14,7 +14,7 @@ and the copy is enqueued), then `compute_stream.wait_event(slot.ready)`, which o
 device work without blocking the host. Reuse is ordered by events too: a copy into a slot
 waits for its `consumed` event (recorded on the compute stream at release), and the staging
 buffer is overwritten only after the slot's previous copy has completed. Never a global
-synchronize. On the CPU the device memory is the host's: the loader reads straight into the
+synchronize. On the CPU the device memory is the host's: the reader reads straight into the
 slot and the stream/event calls complete immediately.
 """
 
@@ -30,7 +30,7 @@ import torch
 
 # Puts the named block's bytes in host memory: reads into `staging` and returns that slice, or
 # returns a host tensor that already holds them.
-Loader = Callable[[str, torch.Tensor], torch.Tensor]
+BlockReader = Callable[[str, torch.Tensor], torch.Tensor]
 
 
 @dataclass(frozen=True)
@@ -44,17 +44,17 @@ class Slot:
 
 
 class PrefetchRing:
-    """`slots` uint8 buffers of `slot_bytes` on `backend.device`, filled by `loader` in `order`.
+    """`slots` uint8 buffers of `slot_bytes` on `backend.device`, filled by `reader` in `order`.
 
     `backend` is a tierlm.device.DeviceBackend (or an object with the same methods, as the
-    tests inject). `staging_bytes`: the largest block the loader reads into a staging buffer;
+    tests inject). `staging_bytes`: the largest block the reader reads into a staging buffer;
     0 when every streamed block already lies in host memory, so no staging is allocated.
     """
 
     def __init__(
         self,
         order: Sequence[str],
-        loader: Loader,
+        reader: BlockReader,
         *,
         slots: int,
         slot_bytes: int,
@@ -67,7 +67,7 @@ class PrefetchRing:
             raise ValueError("a prefetch ring needs at least one slot")
         self.order = list(order)
         self.index = {name: i for i, name in enumerate(self.order)}
-        self.loader = loader
+        self.reader = reader
         self.backend = backend
         staging_bytes = slot_bytes if staging_bytes is None else staging_bytes
         self.slots = []
@@ -130,10 +130,10 @@ class PrefetchRing:
             slot.ready.synchronize()
 
     def _fill(self, name: str, slot: Slot) -> None:
-        """Worker thread: bring block `name` into `slot` (loader, then the copy on the copy stream)."""
+        """Worker thread: bring block `name` into `slot` (reader, then the copy on the copy stream)."""
         if slot.staging is not slot.buffer:
             slot.ready.synchronize()  # the previous copy out of this staging buffer has finished
-        host = self.loader(name, slot.staging)
+        host = self.reader(name, slot.staging)
         if host.data_ptr() != slot.buffer.data_ptr():
             started = time.perf_counter()
             self.copy_stream.wait_event(slot.consumed)

@@ -154,7 +154,7 @@ class TieredStore(WeightStore):
         return self.artifact.read_bytes(source, into=self.backend.empty_host(self.artifact.blocks[source].nbytes))
 
     def _fill_slot(self, block: str, staging: torch.Tensor) -> torch.Tensor:
-        """Worker thread: block's bytes in host memory (ring loader; see PrefetchRing)."""
+        """Worker thread: block's bytes in host memory (the ring's BlockReader; see PrefetchRing)."""
         try:
             return self._in_host_memory(block, staging)
         except OSError as err:

@@ -2,7 +2,7 @@
 
     modes.py          quant mode names (int8, int8-g128, fp16, bf16, fp32) -> QuantMode
     int8.py           quantize_int8() and Int8Weight (.linear, .rows, .dequantize, .tensors)
-    dispatch.py       KernelPlan: which kernel runs where, calibrated once per process
+    dispatch.py       KernelChoice: which kernel runs where, calibrated once per process
     kernel_api.py     the kernel interface and KernelUnavailable
     native.py         the C++ CPU kernel (AVX-512), built once into the cache
     numba_kernel.py   the numba CPU kernel, for machines without a compiler (optional numba)

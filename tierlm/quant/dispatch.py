@@ -1,15 +1,15 @@
 """Which INT8 kernel runs where, decided by measuring the candidates once per process.
 
-A `KernelPlan` names two kernels: `gemv` for few activation rows (decode, small batches),
+A `KernelChoice` names two kernels: `gemv` for few activation rows (decode, small batches),
 where the int8 weight bytes stream from memory once, and `gemm` for many rows (prefill),
 where dequantizing blocks into BLAS wins; `crossover` is the largest row count still sent
-to `gemv`. On CPUs `calibrate` builds the plan: it loads each candidate (a loader that
+to `gemv`. On CPUs `calibrate` makes the choice: it loads each candidate (a loader that
 raises KernelUnavailable is skipped with its reason), times them at batch 1 on a
 representative layer, then finds the crossover against dequantize+BLAS. Accelerators use
 torch ops (dequantize to bf16/fp16 + the device GEMM).
 
-The per-process cache is `functools.lru_cache` on `cpu_plan(threads, build_root)` and
-`accelerator_plan(device_type)`; nothing else is kept.
+The per-process cache is `functools.lru_cache` on `cpu_kernel_choice(threads, build_root)` and
+`accelerator_kernel_choice(device_type)`; nothing else is kept.
 """
 
 from __future__ import annotations
@@ -31,11 +31,11 @@ CALIBRATION_SHAPE = (2048, 4096)
 # Row counts tried for the gemv -> gemm crossover, in order; the first where gemm wins ends it.
 CROSSOVER_ROWS = (2, 4, 8, 16, 32, 64)
 
-Loader = Callable[[Path | None], Int8Kernel]
+KernelLoader = Callable[[Path | None], Int8Kernel]  # build dir -> the kernel, or KernelUnavailable
 
 
 @dataclass(frozen=True)
-class KernelPlan:
+class KernelChoice:
     """The kernels for one device (and CPU thread count), with what calibration saw."""
 
     gemv: Int8Kernel
@@ -81,15 +81,15 @@ class KernelPlan:
         return out if x.dim() == 2 else out.view(*x.shape[:-1], out_features)
 
 
-def plan_for(device: torch.device) -> KernelPlan:
-    """The calibrated plan for `device` at the current torch thread count."""
+def kernel_choice(device: torch.device) -> KernelChoice:
+    """The calibrated choice for `device` at the current torch thread count."""
     if device.type == "cpu":
-        return cpu_plan(torch.get_num_threads())
-    return accelerator_plan(device.type)
+        return cpu_kernel_choice(torch.get_num_threads())
+    return accelerator_kernel_choice(device.type)
 
 
 @functools.lru_cache(maxsize=None)
-def cpu_plan(threads: int, build_root: Path | None = None) -> KernelPlan:
+def cpu_kernel_choice(threads: int, build_root: Path | None = None) -> KernelChoice:
     """Calibrate the CPU candidates once per (thread count, build dir) in this process.
 
     `threads` must be torch's current thread count: the kernels run with that many.
@@ -98,13 +98,13 @@ def cpu_plan(threads: int, build_root: Path | None = None) -> KernelPlan:
 
 
 @functools.lru_cache(maxsize=None)
-def accelerator_plan(device_type: str) -> KernelPlan:
+def accelerator_kernel_choice(device_type: str) -> KernelChoice:
     """Accelerators: dequantize to the activation dtype and use the device's GEMM."""
     kernel = TorchKernel()
-    return KernelPlan(gemv=kernel, gemm=kernel, crossover=0, fp32_only=False)
+    return KernelChoice(gemv=kernel, gemm=kernel, crossover=0, fp32_only=False)
 
 
-def default_cpu_loaders() -> list[tuple[str, Loader]]:
+def default_cpu_loaders() -> list[tuple[str, KernelLoader]]:
     """CPU candidates in order of preference: native C++ first, numba when there is no compiler.
 
     numba only stands in for the native kernel: on the 2-core AVX-512 Xeon it read 9-19 GB/s
@@ -118,14 +118,14 @@ def default_cpu_loaders() -> list[tuple[str, Loader]]:
 
 
 def calibrate(
-    loaders: Sequence[tuple[str, Loader]],
+    loaders: Sequence[tuple[str, KernelLoader]],
     build_root: Path | None = None,
     *,
     first_only: bool = True,
     shape: tuple[int, int] = CALIBRATION_SHAPE,
     reps: int = 5,
     budget_s: float = 1.0,
-) -> KernelPlan:
+) -> KernelChoice:
     """Load the candidates and time them; dequantize+BLAS is always a candidate.
 
     With `first_only`, loading stops at the first candidate that loads (the list is a
@@ -168,7 +168,7 @@ def calibrate(
             if time.perf_counter() - started > budget_s or timed(blas, rows) < timed(gemv, rows):
                 break
             crossover = rows
-    return KernelPlan(gemv, blas, crossover, True, tuple(skipped), tuple(timings))
+    return KernelChoice(gemv, blas, crossover, True, tuple(skipped), tuple(timings))
 
 
 def _median_seconds(run: Callable[[], object], reps: int) -> float:

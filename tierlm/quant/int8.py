@@ -32,7 +32,7 @@ from collections.abc import Mapping
 
 import torch
 
-from tierlm.quant.dispatch import plan_for
+from tierlm.quant.dispatch import kernel_choice
 from tierlm.quant.kernel_api import group_count
 from tierlm.quant.torch_kernels import dequantize_into
 
@@ -45,7 +45,7 @@ class Int8Weight:
     and for asymmetric modes `offsets` of the scales' shape.
 
     `dtype` is what `rows()` returns by default (fp32 on CPUs, bf16/fp16 on accelerators).
-    `plan` pins a `dispatch.KernelPlan`; None uses the plan calibrated for x's device.
+    `kernels` pins a `dispatch.KernelChoice`; None uses the choice calibrated for x's device.
     The tensors are used as given when contiguous, so buffers mapped from an artifact are not
     copied; only fp16 scales get an fp32 copy ([out, G], small) for the kernels.
     """
@@ -58,7 +58,7 @@ class Int8Weight:
         *,
         offsets: torch.Tensor | None = None,
         dtype: torch.dtype = torch.float32,
-        plan=None,
+        kernels=None,
     ):
         if qweight.dtype != torch.int8 or qweight.dim() != 2:
             raise ValueError(
@@ -82,7 +82,7 @@ class Int8Weight:
         self.offsets = offsets
         self.group_size = group_size
         self.dtype = dtype
-        self.plan = plan
+        self.kernels = kernels
         # The kernels' view of the scales: fp32 [out, G] (G = 1 per channel).
         self.group = group
         self.scales_2d = scales.float().reshape(out_features, -1).contiguous()
@@ -108,8 +108,8 @@ class Int8Weight:
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """x [..., in] @ W.T (+ bias [out]) -> [..., out] in x's dtype, with W = dequantize()."""
-        plan = self.plan or plan_for(x.device)
-        return plan.linear(x, self, bias)
+        kernels = self.kernels or kernel_choice(x.device)
+        return kernels.linear(x, self, bias)
 
     def rows(self, ids: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
         """Embedding lookup: ids [B, T] (any shape) -> dequantized rows [B, T, in] in `dtype`."""
@@ -129,7 +129,7 @@ class Int8Weight:
     def to(self, device, dtype: torch.dtype | None = None) -> Int8Weight:
         """The same weight on `device` (rows() then in `dtype`, default unchanged).
 
-        A pinned plan is dropped: it belongs to the old device.
+        A pinned kernel choice is dropped: it belongs to the old device.
         """
         offsets = None if self.offsets is None else self.offsets.to(device)
         return Int8Weight(

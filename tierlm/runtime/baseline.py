@@ -58,9 +58,9 @@ def prepare_runtime(device, int8: bool) -> None:
     import tierlm.runtime.engine  # noqa: F401
 
     if int8:
-        from tierlm.quant.dispatch import plan_for
+        from tierlm.quant.dispatch import kernel_choice
 
-        plan_for(device)
+        kernel_choice(device)
 
 
 def steady_charge(measured: int, path: Path) -> int:

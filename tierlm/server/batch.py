@@ -28,8 +28,8 @@ from tierlm.server.jobs import Job
 
 
 @dataclass(eq=False)  # identity, not field equality (it holds tensors)
-class Sequence:
-    """A job's decoding state in slot `slot`."""
+class ActiveSequence:
+    """A job's decoding state in slot `slot` (named apart from typing.Sequence)."""
 
     job: Job
     slot: int
@@ -69,7 +69,7 @@ class BatchRunner:
         self.cache = SlotKVCache.for_model(
             loaded.config, loaded.max_len, slots, device=loaded.device, dtype=loaded.dtype
         )
-        self.active: list[Sequence] = []
+        self.active: list[ActiveSequence] = []
         self._free = list(range(slots))
         self._sampled = 0
 
@@ -84,7 +84,7 @@ class BatchRunner:
     def jobs(self) -> list[Job]:
         return [s.job for s in list(self.active)]
 
-    def admit(self, job: Job) -> Sequence | None:
+    def admit(self, job: Job) -> ActiveSequence | None:
         """Give `job` a free slot (cheap: no model work until `step`); None if it failed to start."""
         slot = self._free.pop(0)
         self.cache.free(slot)
@@ -117,7 +117,7 @@ class BatchRunner:
         report.sampled = self._sampled - sampled_before
         return report
 
-    def end(self, seq: Sequence, reason: str) -> None:
+    def end(self, seq: ActiveSequence, reason: str) -> None:
         """End a sequence early (deadline: the text so far is flushed; cancel: nothing more)."""
         if reason != "cancelled":
             self._contained(seq, self._flush)
@@ -131,14 +131,14 @@ class BatchRunner:
 
     # -- internals -------------------------------------------------------------------------
 
-    def _sequence(self, job: Job, slot: int) -> Sequence:
+    def _sequence(self, job: Job, slot: int) -> ActiveSequence:
         params = job.params
         # Sampler and StopMatcher are looked up here, so tests can inject a failing one.
         state = SequenceState(job.prompt_ids, params, self.tokenizer, self.context_length,
                               sampler=Sampler(params), stops=StopMatcher(params.stop))
-        return Sequence(job, slot, state)
+        return ActiveSequence(job, slot, state)
 
-    def _contained(self, seq: Sequence, work: Callable, *args):
+    def _contained(self, seq: ActiveSequence, work: Callable, *args):
         """`work(seq, *args)`; an exception ends `seq` alone with an error, never the batch."""
         try:
             return work(seq, *args)
@@ -147,7 +147,7 @@ class BatchRunner:
             self._release(seq)
             return None
 
-    def _prefill_chunk(self, seq: Sequence) -> int:
+    def _prefill_chunk(self, seq: ActiveSequence) -> int:
         prompt = seq.job.prompt_ids
         chunk = prompt[seq.prefilled : seq.prefilled + PREFILL_CHUNK]
         ids = torch.tensor([chunk], dtype=torch.long, device=self.loaded.device)
@@ -157,14 +157,14 @@ class BatchRunner:
             self._accept(seq, logits[0, -1])
         return len(chunk)
 
-    def _decode(self, ready: list[Sequence]) -> None:
+    def _decode(self, ready: list[ActiveSequence]) -> None:
         ready.sort(key=lambda s: s.slot)  # adjacent slots read the cache as a view
         ids = torch.tensor([[s.pending] for s in ready], dtype=torch.long, device=self.loaded.device)
         logits = self.model.forward_batch(ids, self.cache.batch([s.slot for s in ready]))
         for seq, row in zip(ready, logits):
             self._contained(seq, self._accept, row)
 
-    def _accept(self, seq: Sequence, logits: torch.Tensor) -> None:
+    def _accept(self, seq: ActiveSequence, logits: torch.Tensor) -> None:
         """Sample the next token from logits [V]; the sequence's state decides whether it goes on."""
         seq.pending = None
         token = seq.state.sample(logits)
@@ -182,11 +182,11 @@ class BatchRunner:
         else:
             seq.pending = token
 
-    def _flush(self, seq: Sequence) -> None:
+    def _flush(self, seq: ActiveSequence) -> None:
         """Emit text still held back: an incomplete character, a possible stop-string prefix."""
         seq.job.emit_text(seq.state.flush())
 
-    def _release(self, seq: Sequence) -> None:
+    def _release(self, seq: ActiveSequence) -> None:
         if seq in self.active:
             self.active.remove(seq)
             self.cache.free(seq.slot)
