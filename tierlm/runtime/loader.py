@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Callable
 
 from tierlm.config import ModelConfig
 from tierlm.errors import TierlmError
+from tierlm.progress import Progress
 from tierlm.quant.modes import AS_STORED, concrete_mode
 
 
@@ -86,8 +86,8 @@ def load_model(
     profile=None,
     bandwidths=None,
     read_delay_s: float = 0.0,
-    progress: Callable[[int, int], None] | None = None,
-    convert_progress: Callable[[int, int], None] | None = None,
+    progress: Progress | None = None,
+    convert_progress: Progress | None = None,
 ) -> LoadedModel:
     """Load a model for `device` in `dtype` (defaults: the device's compute dtype).
 
