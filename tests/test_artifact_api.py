@@ -15,6 +15,7 @@ from tierlm.models.llama import LlamaModel
 from tierlm.offload.ledger import Ledger
 from tierlm.offload.placement import DEVICE, DISK, HOST, BlockPlacement, Placement
 from tierlm.offload.tiered_store import EmbeddingRows, TieredStore
+from tierlm.server.metrics import store_metrics
 
 
 @pytest.fixture(scope="module")
@@ -27,7 +28,8 @@ def tied(tmp_path_factory):
 def placement(art: Artifact, tiers: dict[str, str], hot_rows: int = 0) -> Placement:
     width = art.blocks["embed"].tensors["embed"].parts["qweight"].shape[1]
     blocks = tuple(BlockPlacement(name, tiers.get(name, DEVICE), art.blocks[name].nbytes) for name in art.blocks)
-    return Placement(blocks, {}, {}, ring_slots=2, hot_cache_bytes=hot_rows * width * 4)
+    charges = {tier: {"weights": sum(b.nbytes for b in blocks if b.tier == tier)} for tier in {b.tier for b in blocks}}
+    return Placement(blocks, {}, charges, ring_slots=2, hot_cache_bytes=hot_rows * width * 4)
 
 
 def test_alias_string_has_one_parser(tied):
@@ -72,5 +74,9 @@ def test_ledger_counts_each_forward_and_its_tokens(tied, tiers):
         read = store.ledger.bytes_read
         assert snapshot["bytes_read_per_token"] == {tier: n / 8 for tier, n in read.items()}
         assert bool(read) == bool(tiers)  # only a placement off the device streams bytes
+        metrics = store_metrics(store)  # what /metrics shows
+        assert (metrics["tierlm_forwards"], metrics["tierlm_forward_tokens"]) == (4, 8)
+        for tier, nbytes in read.items():
+            assert metrics[f'tierlm_weight_bytes_read_per_token{{tier="{tier}"}}'] == nbytes / 8
     finally:
         store.close()

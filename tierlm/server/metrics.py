@@ -133,8 +133,8 @@ def process_memory() -> dict[str, float]:
 
 def store_metrics(store) -> dict[str, float]:
     """Weight bytes the store holds in memory and, for a tiered store, its ledger: planned bytes
-    per tier, weight bytes read (total and per forward) per source tier, prefetch stall and
-    overlap, hot-row cache hit rate. Bytes read per token = rate(read) / rate(tokens generated)."""
+    per tier, forwards and the token positions they ran, weight bytes read (total, per forward
+    and per token) per source tier, prefetch stall and overlap, hot-row cache hit rate."""
     out: dict[str, float] = {}
     try:
         out["tierlm_weight_bytes_held"] = store.nbytes()
@@ -154,6 +154,9 @@ def store_metrics(store) -> dict[str, float]:
         out[f'tierlm_weight_bytes_read{{tier="{tier}"}}'] = nbytes
     for tier, nbytes in snapshot["bytes_read_per_forward"].items():
         out[f'tierlm_weight_bytes_read_per_forward{{tier="{tier}"}}'] = nbytes
+    for tier, nbytes in snapshot["bytes_read_per_token"].items():
+        out[f'tierlm_weight_bytes_read_per_token{{tier="{tier}"}}'] = nbytes
+    out["tierlm_forwards"], out["tierlm_forward_tokens"] = snapshot["forwards"], snapshot["tokens"]
     out["tierlm_prefetch_stall_seconds"] = snapshot["stall_s"]
     out["tierlm_prefetch_overlap_ratio"] = snapshot["overlap"]
     out["tierlm_hot_cache_hit_rate"] = snapshot["hot_cache_hit_rate"]
