@@ -189,3 +189,63 @@ def test_a_busy_sibling_does_not_corrupt_the_pool(pool):
         sibling.wait()
     stats = pool.stats()
     assert stats["helper_chunks"] + stats["reduced"] > 0, stats  # the parallel path ran
+
+
+class _FakeMachine:
+    """A clock and a thread setter: a step costs `cost[threads]` seconds per token."""
+
+    def __init__(self, cost: dict[int, float]):
+        self.cost, self.now, self.threads, self.changes = cost, 0.0, 2, 0
+
+    def set_threads(self, count: int) -> None:
+        self.threads, self.changes = count, self.changes + 1
+
+    def run(self, governor, steps: int, kind: str = "decode", tokens: int = 1) -> list[int]:
+        used = []
+        for _ in range(steps):
+            with governor.step(kind, tokens) as count:
+                assert count == self.threads
+                self.now += self.cost[count] * tokens
+            used.append(count)
+        return used
+
+
+def test_the_governor_moves_to_one_thread_when_two_are_slower_and_back_when_they_are_not():
+    from tierlm.device.threads import PROBE_GAP_MAX, PROBE_STEPS, ThreadGovernor
+
+    machine = _FakeMachine({2: 1.0, 1: 1.6})  # quiet: two threads win
+    governor = ThreadGovernor(2, machine.set_threads, lambda: machine.now)
+    used = machine.run(governor, 200)
+    assert governor.counts() == {"decode": 2} and used.count(1) < 0.1 * len(used)
+    machine.cost = {2: 10.0, 1: 1.7}  # a busy core: two threads collapse
+    used = machine.run(governor, 40)
+    assert governor.counts() == {"decode": 1} and used[-20:].count(2) <= PROBE_STEPS
+    probes = machine.run(governor, 4 * PROBE_GAP_MAX).count(2)
+    assert 0 < probes < 0.05 * 4 * PROBE_GAP_MAX  # probes back off while two threads keep losing
+    machine.cost = {2: 1.0, 1: 1.6}  # quiet again
+    machine.run(governor, 2 * PROBE_GAP_MAX)
+    assert governor.counts() == {"decode": 2}
+    machine.run(governor, 10, "prefill", 64)  # prefill has its own choice
+    assert governor.counts() == {"decode": 2, "prefill": 2}
+
+
+def test_a_one_thread_governor_never_changes_threads():
+    from tierlm.device.threads import ThreadGovernor
+
+    machine = _FakeMachine({1: 1.0})
+    machine.threads = 1
+    machine.run(ThreadGovernor(1, machine.set_threads, lambda: machine.now), 100)
+    assert machine.changes == 0
+
+
+@pytest.mark.parametrize(
+    ("given", "expected"),
+    [({}, "1000"), ({"GOMP_SPINCOUNT": "5"}, "5"), ({"OMP_WAIT_POLICY": "ACTIVE"}, None)],
+)
+def test_importing_tierlm_bounds_openmp_spinning_unless_the_user_chose(given, expected):
+    """Set on `import tierlm`, before torch loads libgomp (which reads it only then)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")}
+    code = "import os, tierlm, torch; print(os.environ.get('GOMP_SPINCOUNT'))"
+    done = subprocess.run([sys.executable, "-c", code], env={**env, **given}, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == str(expected)
