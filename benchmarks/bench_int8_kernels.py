@@ -7,7 +7,10 @@ bytes for the int8 kernels) and the speed-up over fp32 F.linear (t_fp32 / t_kern
 
 Candidates:
   fp32             F.linear on the fp32 weight (the baseline)
-  native           tierlm's AVX-512 C++ W8A16 kernel (streams int8, fp32 FMA)
+  native           tierlm's C++ W8A16 kernel, per channel (AVX-512, AVX2 or portable vectors,
+                   whichever -march=native gives; streams int8, fp32 FMA)
+  native-g128      the same, one scale per 128 columns (int8-g128)
+  native-g32-asym  the same, scale and offset per 32 columns (int8-g32-asym, GGUF sources)
   numba            tierlm's numba W8A16 kernel (if numba is installed)
   native-deq+blas  tierlm: dequantize blocks of rows with the native code, then BLAS GEMM
   torch-deq+blas   the same with torch ops for the dequantization (the no-compiler path)
@@ -88,12 +91,15 @@ def _candidates(chosen):
         return quantize_int8(w)
 
     def kernel_run(kernel):
-        return lambda qw, x: kernel.matmul(x, qw.qweight, qw.scales_2d, qw.group)
+        return lambda qw, x: kernel.matmul(x, qw.qweight, qw.scales_2d, qw.group, offsets=qw.offsets_2d)
 
     out = [("fp32", lambda w: w, lambda w, x: F.linear(x, w), lambda w: w.nbytes)]
     try:
         native = load_native()
         out.append(("native", int8, kernel_run(native), _int8_bytes))
+        out.append(("native-g128", lambda w: quantize_int8(w, 128), kernel_run(native), _int8_bytes))
+        out.append(("native-g32-asym", lambda w: quantize_int8(w, 32, asymmetric=True), kernel_run(native),
+                    _int8_bytes))  # fmt: skip
     except KernelUnavailable as err:
         print(f"native kernel unavailable: {err}")
         native = None
@@ -171,7 +177,8 @@ def _clone(state):
         return torch.ops.quantized.linear_prepack(qweight.clone(), bias), state[1]
     from tierlm.quant.int8 import Int8Weight
 
-    return Int8Weight(state.qweight.clone(), state.scales.clone(), state.group_size)
+    offsets = None if state.offsets is None else state.offsets.clone()
+    return Int8Weight(state.qweight.clone(), state.scales.clone(), state.group_size, offsets=offsets)
 
 
 def _time(call, min_seconds: float) -> tuple[float, float]:

@@ -71,6 +71,11 @@ class KVCache(_Contiguous):
         self.values[layer, :, :, self.offset : end].copy_(values.transpose(1, 2))
         return self.keys[layer, :, :, :end], self.values[layer, :, :, :end]
 
+    def decode_rows(self) -> tuple[torch.Tensor, torch.Tensor, list[int], list[int]]:
+        """For a fused one-token step: (keys, values, each row's slot, each row's position)."""
+        rows = self.keys.shape[1]
+        return self.keys, self.values, list(range(rows)), [self.offset] * rows
+
     def advance(self, length: int) -> None:
         """Commit `length` new positions after every layer has written them."""
         self.offset += length
@@ -187,6 +192,12 @@ class SlotView(_Contiguous):
         self.parent.finite[self.index] = max(self.parent.finite[self.index], end)
         return self.parent.keys[layer, rows, :, :end], self.parent.values[layer, rows, :, :end]
 
+    def decode_rows(self) -> tuple[torch.Tensor, torch.Tensor, list[int], list[int]]:
+        """For a fused one-token step: (keys, values, [slot], [position]); the position counts
+        as written."""
+        self.parent.finite[self.index] = max(self.parent.finite[self.index], self.offset + 1)
+        return self.parent.keys, self.parent.values, [self.index], [self.offset]
+
     def advance(self, length: int) -> None:
         self.parent.lengths[self.index] += length
 
@@ -245,6 +256,10 @@ class SlotBatch:
             self.parent.keys[layer][self._rows, :, span],
             self.parent.values[layer][self._rows, :, span],
         )
+
+    def decode_rows(self) -> tuple[torch.Tensor, torch.Tensor, list[int], list[int]]:
+        """For a fused step: (keys, values, each row's slot, each row's position)."""
+        return self.parent.keys, self.parent.values, self.slots, [self.parent.lengths[s] for s in self.slots]
 
     def advance(self, length: int = 1) -> None:
         for slot in self.slots:

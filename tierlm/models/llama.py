@@ -12,7 +12,7 @@ import torch
 
 from tierlm.blocks import BlockLayout, CheckpointLayout
 from tierlm.config import ModelConfig
-from tierlm.models import base
+from tierlm.models import base, fused_decode
 
 
 def layer_block(index: int) -> str:
@@ -114,15 +114,18 @@ class LlamaModel:
         slot at that slot's own length, and each row gets the logits it would get alone.
         """
         length = ids.shape[1]
-        cos, sin = cache.rope(self.rotary, length)  # raises first if the tokens do not fit
-        groups = self.config.num_attention_heads // self.config.num_key_value_heads
-        mask = cache.mask(length, groups, self.config.sliding_window)
+        # A decode step runs each layer as one native call where it can (models/fused_decode.py).
+        fused = fused_decode.step_for(self, cache, ids)
+        eager = None if fused else self.eager_inputs(cache, length)  # raises if tokens do not fit
         self.store.note_forward(ids.numel())
         with self.store.block("embed") as w:
             x = base.embed(w["embed"], ids).to(self.dtype)
         for i in range(self.config.num_hidden_layers):
             with self.store.block(layer_block(i)) as w:
-                x = self.decoder_layer(w, x, cache, i, cos, sin, mask)
+                if fused is not None and fused.run(w, x, i):
+                    continue
+                eager = eager or self.eager_inputs(cache, length)
+                x = self.decoder_layer(w, x, cache, i, *eager)
         cache.advance(length)
         if logits == "last":
             x = x[:, -1:]
@@ -130,6 +133,12 @@ class LlamaModel:
             x = base.rms_norm(x, w["norm"], self.config.rms_norm_eps)
         with self.store.block("head") as w:
             return base.linear(x, w["head"]).float()
+
+    def eager_inputs(self, cache, length: int) -> tuple:
+        """(cos, sin, mask) for `length` new tokens at the cache's positions (the eager layers)."""
+        cos, sin = cache.rope(self.rotary, length)  # raises first if the tokens do not fit
+        groups = self.config.num_attention_heads // self.config.num_key_value_heads
+        return cos, sin, cache.mask(length, groups, self.config.sliding_window)
 
     def forward_batch(self, ids: torch.Tensor, batch) -> torch.Tensor:
         """One decode step over a `SlotBatch`: ids [B, 1] -> logits [B, V]; `forward` does the work."""

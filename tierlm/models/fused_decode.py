@@ -1,0 +1,156 @@
+"""A decode step's decoder layers as one native call each, instead of ~15 eager torch ops.
+
+`LlamaModel.forward` asks `step_for` whether this step can be fused: one token per row (T == 1,
+batch 1 or a server `SlotBatch`), fp32 activations on the CPU, a KV cache of fp32 CPU buffers,
+and the native library loaded (csrc/fused_decode.h). Then each layer whose weights are INT8
+(`Int8Weight`, any group size, symmetric or not) or fp32 tensors on the CPU runs as
+`tierlm_decode_layer`: RMSNorm, QKV (+ bias), Qwen3's q/k head norms (when the block has
+`q_norm`/`k_norm`), RoPE from the model's `RotaryTable` (rotate-half or interleaved, partial
+rotary_dim), the K/V write at each row's slot and position, single-query grouped attention
+over the row's span (causal, sliding window), Wo + residual, RMSNorm, W13 with SiLU(gate) * up,
+W2 + residual. Any other layer runs the eager reference (`run` returns False).
+
+The weight-store contract is unchanged: the caller holds each block while its call runs.
+`TIERLM_FUSED=0` forces the eager path (tests and benchmarks compare both).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import os
+
+import torch
+
+_c_ptr, _c_i64, _c_i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32
+
+
+class WeightArg(ctypes.Structure):
+    """tl::Weight (csrc/gemv.h)."""
+
+    _fields_ = [("data", _c_ptr), ("scales", _c_ptr), ("offsets", _c_ptr), ("bias", _c_ptr),
+                ("rows", _c_i64), ("cols", _c_i64), ("group", _c_i64), ("int8", _c_i32),
+                ("reserved", _c_i32)]  # fmt: skip
+
+
+class LayerArgs(ctypes.Structure):
+    """tl::LayerArgs (csrc/fused_decode.h)."""
+
+    _fields_ = [("qkv", WeightArg), ("o", WeightArg), ("w13", WeightArg), ("w2", WeightArg),
+                ("attn_norm", _c_ptr), ("mlp_norm", _c_ptr), ("q_norm", _c_ptr), ("k_norm", _c_ptr),
+                ("cos", _c_ptr), ("sin", _c_ptr), ("keys", _c_ptr), ("values", _c_ptr),
+                ("slots", _c_ptr), ("positions", _c_ptr),
+                ("batch", _c_i64), ("hidden", _c_i64), ("n_q", _c_i64), ("n_kv", _c_i64),
+                ("head_dim", _c_i64), ("inter", _c_i64), ("rotary_dim", _c_i64), ("max_len", _c_i64),
+                ("window", _c_i64), ("eps", ctypes.c_float), ("interleaved", _c_i32),
+                ("threads", _c_i32), ("reserved", _c_i32)]  # fmt: skip
+
+
+def enabled() -> bool:
+    return os.environ.get("TIERLM_FUSED", "1") != "0"
+
+
+@functools.lru_cache(maxsize=None)
+def native_library():
+    """The native library's ctypes handle, or None where it cannot load (the eager path runs)."""
+    from tierlm.quant.kernel_api import KernelUnavailable
+    from tierlm.quant.native import load_native
+
+    try:
+        kernel = load_native()
+    except KernelUnavailable:
+        return None
+    if kernel.lib.tierlm_decode_args_size() != ctypes.sizeof(LayerArgs):
+        return None  # a layout mismatch would corrupt memory: refuse rather than guess
+    return kernel.lib
+
+
+def step_for(model, cache, ids: torch.Tensor) -> FusedStep | None:
+    """The fused decode step for this forward call, or None when the eager path must run."""
+    if ids.shape[1] != 1 or model.device.type != "cpu" or model.dtype != torch.float32:
+        return None
+    if not enabled():
+        return None
+    rows = cache.decode_rows() if hasattr(cache, "decode_rows") else None
+    if rows is None:
+        return None
+    keys, values, slots, positions = rows
+    if len(slots) != ids.shape[0] or not _is_cpu_fp32(keys) or not _is_cpu_fp32(values):
+        return None
+    if max(positions) >= cache.max_len:  # what cache.rope raises on the eager path
+        raise ValueError(f"{max(positions) + 1} positions exceed the KV cache ({cache.max_len})")
+    lib = native_library()
+    if lib is None:
+        return None
+    return FusedStep(lib, model, keys, values, slots, positions)
+
+
+class FusedStep:
+    """One decode step's per-layer native calls; the step-wide arguments are filled once."""
+
+    def __init__(self, lib, model, keys, values, slots, positions):
+        cfg, rotary = model.config, model.rotary
+        self._lib = lib
+        self._keys, self._values = keys, values
+        self._layer_bytes = keys.stride(0) * keys.element_size()
+        self._slots = (_c_i64 * len(slots))(*slots)
+        self._positions = (_c_i64 * len(positions))(*positions)
+        a = self._args = LayerArgs()
+        a.cos, a.sin = rotary.cos.data_ptr(), rotary.sin.data_ptr()
+        a.slots, a.positions = ctypes.addressof(self._slots), ctypes.addressof(self._positions)
+        a.batch, a.hidden = len(slots), cfg.hidden_size
+        a.n_q, a.n_kv, a.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        a.inter, a.rotary_dim, a.max_len = cfg.intermediate_size, rotary.rotary_dim, keys.shape[3]
+        a.window = cfg.sliding_window or 0
+        a.eps, a.interleaved = cfg.rms_norm_eps, int(rotary.interleaved)
+        a.threads = torch.get_num_threads()
+        self._rotary = rotary  # keeps cos/sin alive for the step
+
+    def run(self, w, x: torch.Tensor, layer: int) -> bool:
+        """Run layer `layer` on x [B, 1, H] in place; False (nothing done) if its weights do not fit."""
+        a, keep = self._args, []
+        if not (_set_weight(a.qkv, w["wqkv"], w.get("bqkv"), keep)
+                and _set_weight(a.o, w["wo"], w.get("bo"), keep)
+                and _set_weight(a.w13, w["w13"], w.get("b13"), keep)
+                and _set_weight(a.w2, w["w2"], w.get("b2"), keep)):  # fmt: skip
+            return False
+        norms = [w["attn_norm"], w["mlp_norm"], w.get("q_norm"), w.get("k_norm")]
+        if not all(n is None or _is_cpu_fp32(n) for n in norms) or not _is_cpu_fp32(x):
+            return False
+        a.attn_norm, a.mlp_norm = norms[0].data_ptr(), norms[1].data_ptr()
+        a.q_norm = norms[2].data_ptr() if norms[2] is not None else None
+        a.k_norm = norms[3].data_ptr() if norms[3] is not None else None
+        a.keys = self._keys.data_ptr() + layer * self._layer_bytes
+        a.values = self._values.data_ptr() + layer * self._layer_bytes
+        self._lib.tierlm_decode_layer(ctypes.addressof(a), x.data_ptr())
+        return True
+
+
+def _is_cpu_fp32(t) -> bool:
+    return isinstance(t, torch.Tensor) and t.dtype == torch.float32 and t.is_cpu and t.is_contiguous()
+
+
+def _set_weight(arg: WeightArg, weight, bias, keep: list) -> bool:
+    """Describe `weight` (Int8Weight or fp32 tensor) and its bias in `arg`; False if unsupported."""
+    if bias is not None:
+        if not (isinstance(bias, torch.Tensor) and bias.is_cpu):
+            return False
+        bias = bias.float().contiguous()
+        keep.append(bias)  # a converted copy must outlive the call
+    if isinstance(weight, torch.Tensor):
+        if not _is_cpu_fp32(weight) or weight.dim() != 2:
+            return False
+        arg.data, arg.scales, arg.offsets = weight.data_ptr(), None, None
+        arg.rows, arg.cols = weight.shape
+        arg.group, arg.int8 = arg.cols, 0
+    else:
+        qweight = getattr(weight, "qweight", None)
+        if qweight is None or not qweight.is_cpu or qweight.dtype != torch.int8:
+            return False
+        offsets = weight.offsets_2d
+        arg.data, arg.scales = qweight.data_ptr(), weight.scales_2d.data_ptr()
+        arg.offsets = offsets.data_ptr() if offsets is not None else None
+        arg.rows, arg.cols = qweight.shape
+        arg.group, arg.int8 = weight.group, 1
+    arg.bias = bias.data_ptr() if bias is not None else None
+    return True

@@ -1,0 +1,223 @@
+// W8A16 (and fp32) matrix-vector products for few activation rows, written once over `Vec`.
+//
+// A tile is R weight rows x MB activation rows: each step widens R x lanes weights to fp32 and
+// FMAs them with MB activation rows, so each weight byte is read from memory once per call.
+// Grouped int8 keeps each group's partial dot in its own accumulator and scales it once per
+// group (one FMA per row per group) instead of multiplying every widened weight by its scale;
+// per channel the scale multiplies the finished sum. Each cache line of a row also prefetches
+// the same line of the next tile's rows, which keeps enough misses in flight per core.
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <vector>
+
+#include "pool.h"
+#include "simd.h"
+
+#ifndef TL_PREFETCH
+#define TL_PREFETCH 1
+#endif
+
+namespace tl {
+
+// A weight matrix [rows, cols]: int8 with fp32 scales [rows, G] (G = ceil(cols / group)) and,
+// for asymmetric modes, offsets of that shape; or fp32 (scales and offsets null).
+// The layout is mirrored by `WeightArg` in tierlm/models/fused_decode.py.
+struct Weight {
+  const void* data;
+  const float* scales;
+  const float* offsets;
+  const float* bias;  // [rows] or null
+  int64_t rows, cols, group;
+  int32_t int8;
+  int32_t reserved;
+
+  int64_t groups() const { return int8 ? (cols + group - 1) / group : 1; }
+};
+
+template <typename T>
+inline void prefetch(const T* p) {
+  __builtin_prefetch(p, 0, 2);
+}
+
+// out[m][r] = sum_k x[m * ldx + k] * w[r * K + k] * s[r * G + k / group] (s null: unscaled).
+template <int R, int MB, bool GROUPED, typename WT>
+inline void tile(const float* x, int64_t ldx, const WT* w, int64_t K, const float* s, int64_t G,
+                 int64_t group, float (&out)[MB][R]) {
+  using reg = Vec::reg;
+  constexpr int L = Vec::lanes;
+  constexpr int64_t LINE = 64 / sizeof(WT);  // elements per cache line
+  reg acc[R][MB] = {};
+  reg total[GROUPED ? R : 1][GROUPED ? MB : 1] = {};
+  float tail[R][MB] = {};
+  float tail_total[R][MB] = {};
+  for (int64_t g = 0; g < G; ++g) {
+    const int64_t k0 = g * group, k1 = std::min(K, k0 + group);
+    for (int r = 0; r < R; ++r)
+      for (int m = 0; m < MB; ++m) acc[r][m] = Vec::zero();
+    auto step = [&](int64_t k) __attribute__((always_inline)) {
+      reg wf[R];
+      for (int r = 0; r < R; ++r) wf[r] = Vec::load(w + r * K + k);
+      for (int m = 0; m < MB; ++m) {
+        const reg xv = Vec::load(x + m * ldx + k);
+        for (int r = 0; r < R; ++r) acc[r][m] = Vec::fma(wf[r], xv, acc[r][m]);
+      }
+    };
+    int64_t k = k0;
+    for (; k + LINE <= k1; k += LINE) {  // one cache line per row per iteration
+      if (TL_PREFETCH)
+        for (int r = 0; r < R; ++r) prefetch(w + (r + R) * K + k);
+      for (int u = 0; u < LINE; u += L) step(k + u);
+    }
+    for (; k + L <= k1; k += L) {  // groups shorter than a line (int8-g32) still prefetch
+      if (TL_PREFETCH && (k & (LINE - 1)) == 0)
+        for (int r = 0; r < R; ++r) prefetch(w + (r + R) * K + k);
+      step(k);
+    }
+    for (; k < k1; ++k)  // ragged end of a group (or of K)
+      for (int r = 0; r < R; ++r)
+        for (int m = 0; m < MB; ++m) tail[r][m] += static_cast<float>(w[r * K + k]) * x[m * ldx + k];
+    if constexpr (GROUPED) {
+      for (int r = 0; r < R; ++r) {
+        const float sg = s[r * G + g];
+        const reg sv = Vec::set1(sg);
+        for (int m = 0; m < MB; ++m) {
+          total[r][m] = Vec::fma(acc[r][m], sv, total[r][m]);
+          tail_total[r][m] += tail[r][m] * sg;
+          tail[r][m] = 0.0f;
+        }
+      }
+    }
+  }
+  for (int m = 0; m < MB; ++m)
+    for (int r = 0; r < R; ++r) {
+      if constexpr (GROUPED) {
+        out[m][r] = Vec::sum(total[r][m]) + tail_total[r][m];
+      } else {
+        const float v = Vec::sum(acc[r][m]) + tail[r][m];
+        out[m][r] = s ? v * s[r] : v;
+      }
+    }
+}
+
+inline float dot(const float* a, const float* b, int64_t n) {
+  constexpr int L = Vec::lanes;
+  Vec::reg acc = Vec::zero();
+  int64_t i = 0;
+  for (; i + L <= n; i += L) acc = Vec::fma(Vec::load(a + i), Vec::load(b + i), acc);
+  float s = Vec::sum(acc);
+  for (; i < n; ++i) s += a[i] * b[i];
+  return s;
+}
+
+// Weight rows per tile: wide tiles for one activation row, fewer rows as more activation rows
+// share each widened weight (the accumulators must stay in registers).
+inline int rows_per_tile(int64_t M) {
+#if TIERLM_ISA == 512
+  return M == 1 ? 8 : 4;
+#else
+  return M <= 2 ? 4 : 2;
+#endif
+}
+
+// One tile of R rows starting at n for activation rows [0, MB) of x: finished outputs
+// (scale, asymmetric offsets, bias) stored into, or added to, y[m * ldy + r].
+template <int R, int MB>
+inline void block(const Weight& W, const float* x, int64_t ldx, const float* xs, int64_t n,
+                  float* y, int64_t ldy, bool accumulate) {
+  float out[MB][R];
+  const int64_t K = W.cols, G = W.groups();
+  if (!W.int8) {
+    tile<R, MB, false>(x, ldx, static_cast<const float*>(W.data) + n * K, K, nullptr, 1, K, out);
+  } else {
+    const int8_t* w = static_cast<const int8_t*>(W.data) + n * K;
+    if (G > 1) tile<R, MB, true>(x, ldx, w, K, W.scales + n * G, G, W.group, out);
+    else tile<R, MB, false>(x, ldx, w, K, W.scales + n, 1, K, out);
+  }
+  for (int m = 0; m < MB; ++m)
+    for (int r = 0; r < R; ++r) {
+      float v = out[m][r];
+      // Asymmetric weights W = q*s + o per group: x @ W.T gains sum_g o[g] * (x summed over g).
+      if (W.offsets) v += dot(W.offsets + (n + r) * G, xs + m * G, G);
+      if (W.bias) v += W.bias[n + r];
+      float& dst = y[m * ldy + r];
+      dst = accumulate ? dst + v : v;
+    }
+}
+
+template <int R>
+inline void block_rows(int mb, const Weight& W, const float* x, int64_t ldx, const float* xs,
+                       int64_t n, float* y, int64_t ldy, bool accumulate) {
+  switch (mb) {
+    case 1: return block<R, 1>(W, x, ldx, xs, n, y, ldy, accumulate);
+    case 2: return block<R, 2>(W, x, ldx, xs, n, y, ldy, accumulate);
+    case 3: return block<R, 3>(W, x, ldx, xs, n, y, ldy, accumulate);
+    default: return block<R, 4>(W, x, ldx, xs, n, y, ldy, accumulate);
+  }
+}
+
+inline void block_any(int r, int mb, const Weight& W, const float* x, int64_t ldx,
+                      const float* xs, int64_t n, float* y, int64_t ldy, bool accumulate) {
+  switch (r) {
+    case 1: return block_rows<1>(mb, W, x, ldx, xs, n, y, ldy, accumulate);
+    case 2: return block_rows<2>(mb, W, x, ldx, xs, n, y, ldy, accumulate);
+    case 3: return block_rows<3>(mb, W, x, ldx, xs, n, y, ldy, accumulate);
+    case 4: return block_rows<4>(mb, W, x, ldx, xs, n, y, ldy, accumulate);
+#if TIERLM_ISA == 512
+    case 5: return block<5, 1>(W, x, ldx, xs, n, y, ldy, accumulate);
+    case 6: return block<6, 1>(W, x, ldx, xs, n, y, ldy, accumulate);
+    case 7: return block<7, 1>(W, x, ldx, xs, n, y, ldy, accumulate);
+    default: return block<8, 1>(W, x, ldx, xs, n, y, ldy, accumulate);
+#else
+    default: return block_rows<4>(mb, W, x, ldx, xs, n, y, ldy, accumulate);
+#endif
+  }
+}
+
+// y[m * ldy + (n - n0)] (+)= (x[m] @ W.T)[n] for weight rows n in [n0, n1), m < M.
+// xs [M, G]: x summed per group, needed only when W has offsets.
+inline void gemv_rows(const Weight& W, const float* x, int64_t ldx, int64_t M, const float* xs,
+                      int64_t n0, int64_t n1, float* y, int64_t ldy, bool accumulate) {
+  const int rows = rows_per_tile(M);
+  const int64_t G = W.groups();
+  for (int64_t n = n0; n < n1; n += rows) {
+    const int r = static_cast<int>(std::min<int64_t>(rows, n1 - n));
+    for (int64_t m0 = 0; m0 < M; m0 += 4) {
+      const int mb = static_cast<int>(std::min<int64_t>(4, M - m0));
+      block_any(r, mb, W, x + m0 * ldx, ldx, xs ? xs + m0 * G : nullptr, n,
+                y + m0 * ldy + (n - n0), ldy, accumulate);
+    }
+  }
+}
+
+// x [M, K] summed per group of W: [M, G] (empty unless W is asymmetric).
+inline std::vector<float> group_sums(const Weight& W, const float* x, int64_t ldx, int64_t M) {
+  if (!W.offsets) return {};
+  const int64_t K = W.cols, G = W.groups();
+  std::vector<float> xs(M * G);
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t g = 0; g < G; ++g) {
+      float acc = 0.0f;
+      for (int64_t k = g * W.group; k < std::min(K, (g + 1) * W.group); ++k) acc += x[m * ldx + k];
+      xs[m * G + g] = acc;
+    }
+  return xs;
+}
+
+// Chunks of tiles per parallel_for call: several per thread, so a slow thread holds little.
+inline int64_t tile_grain(int64_t tiles, int threads) {
+  return std::max<int64_t>(1, tiles / (8 * std::max(threads, 1)));
+}
+
+// y[M, ldy] (+)= x @ W.T over all of W's rows, in parallel over tiles of rows.
+inline void gemv(const Weight& W, const float* x, int64_t ldx, int64_t M, const float* xs,
+                 float* y, int64_t ldy, bool accumulate, int threads) {
+  const int64_t R = rows_per_tile(M), N = W.rows, tiles = (N + R - 1) / R;
+  parallel_for(tiles, tile_grain(tiles, threads), threads, [&](int64_t t0, int64_t t1) {
+    const int64_t n0 = t0 * R, n1 = std::min(N, t1 * R);
+    gemv_rows(W, x, ldx, M, xs, n0, n1, y + n0, ldy, accumulate);
+  });
+}
+
+}  // namespace tl
