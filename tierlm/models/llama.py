@@ -12,7 +12,7 @@ import torch
 
 from tierlm.blocks import BlockLayout, CheckpointLayout
 from tierlm.config import ModelConfig
-from tierlm.models import base, fused_decode
+from tierlm.models import base, fused_decode, graph_decode
 
 
 def layer_block(index: int) -> str:
@@ -34,6 +34,8 @@ class LlamaModel:
         self.dtype = dtype
         self.max_len = max_len
         self.rotary = self.rotary_table(config, max_len, device, dtype)
+        # Decode captured as a graph on an accelerator holding every block; None: eager (CPU).
+        self.graphs = graph_decode.graphs_for(self)
 
     @staticmethod
     def rotary_table(config: ModelConfig, max_len: int, device, dtype) -> base.RotaryTable:
@@ -114,6 +116,10 @@ class LlamaModel:
         slot at that slot's own length, and each row gets the logits it would get alone.
         """
         length = ids.shape[1]
+        if self.graphs is not None and length == 1:
+            graphed = self.graphs.forward(ids, cache)  # models/graph_decode.py; None: run eagerly
+            if graphed is not None:
+                return graphed
         # A decode step runs each layer as one native call where it can (models/fused_decode.py).
         fused = fused_decode.step_for(self, cache, ids)
         eager = None if fused else self.eager_inputs(cache, length)  # raises if tokens do not fit

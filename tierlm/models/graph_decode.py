@@ -1,0 +1,203 @@
+"""The decode step with static shapes and addresses, captured once and replayed per token.
+
+`LlamaModel.forward` hands a one-token step to `GraphedDecode.forward` when the model has one
+(`graphs_for`: an accelerator that captures graphs, every layer, the norm and the head resident
+on it, `TIERLM_GRAPHS` not 0). The captured step is the family's own `decoder_layer` fed from
+device tensors instead of Python ints: cos/sin are `index_select`ed from the rotary table at a
+positions tensor, the mask is built from it over a fixed key span, and keys/values are written
+with `index_put_` at (slot, position) tensors and read over the same span (`StaticRows`).
+Unwritten positions inside the span are zeroed once (masked keys still enter SDPA: 0 * NaN).
+
+One graph per (rows, key span, KV buffers): spans are powers of two from `min_span` up to the
+cache's max_len, so early tokens do not pay attention over the whole reserved context. The
+embedding lookup stays eager (a streamed embedding reads rows on the host); the logits come
+back as a copy of the static output, so a later replay cannot overwrite what a caller holds.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from tierlm.device.graphs import AcceleratorGraph, DecodeGraph, GraphUnavailable, graph_kind
+from tierlm.models import base
+
+MIN_SPAN = 256
+log = logging.getLogger("tierlm.graphs")
+
+
+def graphs_for(model) -> GraphedDecode | None:
+    """The model's graphed decode, or None (logged with the reason) when decode stays eager."""
+    reason = refusal(model)
+    if reason is not None:
+        level = logging.DEBUG if model.device.type == "cpu" else logging.INFO
+        log.log(level, "decode graphs off: %s", reason)
+        return None
+    kind, _ = graph_kind(model.device)
+    pool = AcceleratorGraph(kind).pool
+    return GraphedDecode(model, lambda: AcceleratorGraph(kind, pool))
+
+
+def refusal(model) -> str | None:
+    """Why `model`'s decode cannot be captured as a graph, or None when it can."""
+    kind, why = graph_kind(model.device)
+    if kind is None:
+        return why
+    return streamed_refusal(model.store)
+
+
+def streamed_refusal(store) -> str | None:
+    """A block the graph would read that is not resident on the device, or None.
+
+    The embedding is looked up outside the graph, so it may live anywhere; any other block
+    streamed through the ring (host syncs, changing buffers) or computed on the host refuses.
+    """
+    placement = getattr(store, "placement", None)
+    if placement is None:
+        return None  # a resident store: every block lives on the compute device
+    for placed in placement.blocks:
+        if placed.name == "embed":
+            continue
+        if placed.tier != "device":
+            how = "streamed through the ring" if placed.streamed else "computed on the host"
+            return f"block {placed.name} lives on {placed.tier} ({how}); graphs need every block resident"
+    return None
+
+
+class StaticRows:
+    """The KV cache as a captured step sees it (the `update` that `LlamaModel.attention` calls).
+
+    keys/values [layers, rows, kv_heads, max_len, D] are the cache's buffers; `slots` [B] and
+    `positions` [B] (long, on the device) say where each row's new token goes. `gather`: the
+    step's rows are not the whole buffer, so they are read with index_select (a copy).
+    """
+
+    def __init__(self, keys, values, slots, positions, span: int, gather: bool):
+        self.keys, self.values = keys, values
+        self.slots, self.positions = slots, positions
+        self.span, self.gather = span, gather
+        self.heads = torch.arange(keys.shape[2], device=keys.device)
+
+    def update(self, layer: int, keys: torch.Tensor, values: torch.Tensor):
+        """Write keys/values [B, 1, kv_heads, D] at each row's (slot, position); return the
+        rows' keys/values over the span [B, kv_heads, span, D]."""
+        where = (self.slots[:, None], self.heads[None, :], self.positions[:, None])
+        self.keys[layer].index_put_(where, keys[:, 0])
+        self.values[layer].index_put_(where, values[:, 0])
+        return self._read(self.keys[layer]), self._read(self.values[layer])
+
+    def _read(self, buffer: torch.Tensor) -> torch.Tensor:
+        spanned = buffer[:, :, : self.span]
+        return spanned.index_select(0, self.slots) if self.gather else spanned
+
+
+class StaticStep:
+    """One captured shape: its static inputs (hidden, slots, positions), output (logits) and graph."""
+
+    def __init__(self, model, rows: int, span: int, keys, values, gather: bool, graph: DecodeGraph):
+        cfg, device = model.config, model.device
+        self.model = model
+        self.hidden = torch.zeros(rows, 1, cfg.hidden_size, dtype=model.dtype, device=device)
+        self.slots = torch.zeros(rows, dtype=torch.long, device=device)
+        self.positions = torch.zeros(rows, dtype=torch.long, device=device)
+        self.logits = torch.zeros(rows, 1, cfg.vocab_size, dtype=torch.float32, device=device)
+        self.rows = StaticRows(keys, values, self.slots, self.positions, span, gather)
+        self.graph = graph
+        self.captured = False
+
+    def __call__(self) -> None:
+        """The step the graph captures: reads hidden/slots/positions, writes logits."""
+        from tierlm.models.llama import layer_block
+
+        model, cfg, rotary = self.model, self.model.config, self.model.rotary
+        cos = rotary.cos.index_select(0, self.positions)[:, None, None, :]
+        sin = rotary.sin.index_select(0, self.positions)[:, None, None, :]
+        mask = base.position_mask(self.positions, self.rows.span, cfg.sliding_window)
+        x = self.hidden
+        for i in range(cfg.num_hidden_layers):
+            with model.store.block(layer_block(i)) as w:
+                x = model.decoder_layer(w, x, self.rows, i, cos, sin, mask)
+        with model.store.block("norm") as w:
+            x = base.rms_norm(x, w["norm"], cfg.rms_norm_eps)
+        with model.store.block("head") as w:
+            self.logits.copy_(base.linear(x, w["head"]))
+
+    def run(self, hidden: torch.Tensor, slots: list[int], positions: list[int]) -> torch.Tensor:
+        """Copy the inputs in, replay (capturing on first use); the static logits [B, 1, V]."""
+        self.hidden.copy_(hidden)
+        self.slots.copy_(torch.tensor(slots, dtype=torch.long))
+        self.positions.copy_(torch.tensor(positions, dtype=torch.long))
+        if not self.captured:
+            self.graph.capture(self)
+            self.captured = True
+        self.graph.replay()
+        return self.logits
+
+
+class GraphedDecode:
+    """A model's one-token decode steps through captured graphs; `forward` or None (run eager)."""
+
+    def __init__(self, model, new_graph, *, min_span: int = MIN_SPAN):
+        self.model = model
+        self.new_graph = new_graph
+        self.min_span = min_span
+        self.steps: dict[tuple, StaticStep] = {}
+        self.buffers = None  # the KV buffers the steps were captured over
+        self.zeroed = 0  # a plain KVCache: positions below this inside the span hold finite numbers
+        self.failed: str | None = None
+
+    def forward(self, ids: torch.Tensor, cache) -> torch.Tensor | None:
+        """Logits [B, 1, V] (fp32) for ids [B, 1] at the cache's positions, advancing it; None when
+        this call must run eagerly (the cache is not a preallocated one, or capture failed)."""
+        if self.failed is not None or ids.shape[1] != 1 or not hasattr(cache, "decode_rows"):
+            return None
+        keys, values, slots, positions = cache.decode_rows()
+        if len(slots) != ids.shape[0]:
+            return None
+        if max(positions) >= cache.max_len:  # what cache.rope raises on the eager path
+            raise ValueError(f"{max(positions) + 1} positions exceed the KV cache ({cache.max_len})")
+        span = self.span_for(max(positions) + 1, cache.max_len)
+        step = self._step(len(slots), span, keys, values, gather=slots != list(range(keys.shape[1])))
+        self._make_finite(cache, keys, values, slots, positions, span)
+        model = self.model
+        model.store.note_forward(ids.numel())
+        with model.store.block("embed") as w:
+            hidden = base.embed(w["embed"], ids)
+        try:
+            logits = step.run(hidden, slots, positions)
+        except GraphUnavailable as err:
+            self.failed = str(err)
+            log.warning("decode graphs off: %s", err)
+            self.steps.clear()
+            return None
+        cache.advance(1)
+        return logits.clone()
+
+    def span_for(self, needed: int, max_len: int) -> int:
+        """The key span a step attends over: a power of two from min_span, at most max_len."""
+        span = self.min_span
+        while span < needed:
+            span *= 2
+        return min(span, max_len)
+
+    def _step(self, rows: int, span: int, keys, values, gather: bool) -> StaticStep:
+        if self.buffers is None or self.buffers[0] is not keys or self.buffers[1] is not values:
+            self.steps.clear()  # a new cache: graphs over the old buffers would write into them
+            self.buffers, self.zeroed = (keys, values), 0
+        key = (rows, span, gather)
+        if key not in self.steps:
+            self.steps[key] = StaticStep(self.model, rows, span, keys, values, gather, self.new_graph())
+        return self.steps[key]
+
+    def _make_finite(self, cache, keys, values, slots, positions, span: int) -> None:
+        """Zero the positions in the span no sequence has written (torch.empty may hold NaN)."""
+        parent = getattr(cache, "parent", None)
+        if parent is not None:  # a SlotKVCache tracks this per slot
+            parent.make_finite(slots, span)
+            return
+        start = max(self.zeroed, min(positions))  # past the offset nothing belongs to the sequence
+        if start < span:
+            keys[:, :, :, start:span].zero_()
+            values[:, :, :, start:span].zero_()
+        self.zeroed = max(self.zeroed, span)
