@@ -9,6 +9,7 @@ times the largest released checkpoints, so no real model is refused by them.
 
 from __future__ import annotations
 
+import importlib
 import json
 import math
 import reprlib
@@ -19,7 +20,7 @@ from typing import Any, Mapping
 
 from tierlm.errors import TierlmError
 
-# model_type -> module that implements the family; imported lazily by `family_module`.
+# model_type -> module that implements the family; imported lazily by `family_class`.
 FAMILIES: Mapping[str, str] = MappingProxyType(
     {
         "llama": "tierlm.models.llama",
@@ -113,9 +114,8 @@ class ModelConfig:
                 f"unsupported model_type {shown_value(model_type)} in {source}",
                 f"tierlm supports: {', '.join(sorted(FAMILIES))}",
             )
-        fields = _Fields(raw, source)
-        if model_type == "chatglm":
-            fields = _Fields(_chatglm_as_glm(fields), source)
+        family = family_class(model_type)
+        fields = _Fields(family.translate_config(_Fields(raw, source)), source)
         hidden = fields.integer("hidden_size")
         heads = fields.integer("num_attention_heads")
         layers = fields.integer("num_hidden_layers")
@@ -134,13 +134,13 @@ class ModelConfig:
             tie_word_embeddings=fields.flag("tie_word_embeddings", False),
             attention_bias=fields.flag("attention_bias", False),
             mlp_bias=fields.flag("mlp_bias", False),
-            rope=_rope_config(fields, model_type),
+            rope=_rope_config(fields, family),
             bos_token_id=fields.integer("bos_token_id", None, low=0, limit="token_id"),
             eos_token_ids=fields.token_ids("eos_token_id"),
             torch_dtype=fields.text("torch_dtype", None) or fields.text("dtype", None) or "float32",
-            sliding_window=_sliding_window(fields, model_type, layers),
+            sliding_window=_sliding_window(fields, family, layers),
         )
-        _check_shapes(config, source)
+        _check_shapes(config, family, source)
         return config
 
     @classmethod
@@ -152,6 +152,12 @@ class ModelConfig:
                 "pass --model a Hugging Face model directory, or import a GGUF with `tierlm import-gguf`",
             )
         return cls.from_dict(read_config_json(path), str(path))
+
+
+def family_class(model_type: str):
+    """The class implementing `model_type` (FAMILIES), which also knows what its config.json
+    means; its module, and torch with it, is imported on first use, not with this one."""
+    return importlib.import_module(FAMILIES[model_type]).Model
 
 
 def read_config_json(path: Path) -> Any:
@@ -302,7 +308,7 @@ def _head_dim(fields: _Fields, hidden: int, heads: int) -> int:
     return hidden // heads
 
 
-def _check_shapes(config: ModelConfig, source: str) -> None:
+def _check_shapes(config: ModelConfig, family, source: str) -> None:
     """Relations between values that are each in range on their own."""
     if config.num_attention_heads % config.num_key_value_heads:
         raise TierlmError(
@@ -310,9 +316,7 @@ def _check_shapes(config: ModelConfig, source: str) -> None:
             f"num_key_value_heads ({config.num_key_value_heads})"
         )
     # RoPE rotates channel pairs, so the rotated width must be even and not empty.
-    rotated = config.head_dim
-    if config.model_type in ("glm", "chatglm"):
-        rotated = int(config.head_dim * config.rope.partial_rotary_factor)
+    rotated = family.rotated_channels(config)
     if rotated < 2 or rotated % 2:
         raise TierlmError(
             f"{source}: RoPE would rotate {rotated} of each head's {config.head_dim} channels; "
@@ -326,80 +330,21 @@ def _check_shapes(config: ModelConfig, source: str) -> None:
         )
 
 
-# ---------------------------------------------------------------------------- ChatGLM
-
-# ChatGLM2/3 switches tierlm cannot honour: (key, ChatGLMConfig's default, the value it needs).
-_CHATGLM_REQUIRED = (
-    ("multi_query_attention", False, True),
-    ("rmsnorm", True, True),
-    ("post_layer_norm", True, True),
-    ("apply_residual_connection_post_layernorm", False, False),
-    ("add_bias_linear", False, False),
-)
-
-
-def _chatglm_as_glm(fields: _Fields) -> dict[str, Any]:
-    """A ChatGLM2/3 (or GLM-4 in ChatGLM layout) config.json under the keys GlmConfig uses.
-
-    ChatGLM keeps its own names (num_layers, padded_vocab_size, ffn_hidden_size, kv_channels,
-    multi_query_group_num, add_qkv_bias, layernorm_epsilon, seq_length); its RoPE is GLM's with
-    half of each head rotating and base 10000 * rope_ratio (models/chatglm.py says why).
-    Values are checked here, under ChatGLM's names, so errors name the key the file has.
-    """
-    raw = fields.raw
-    if "position_encoding_2d" in raw or "padded_vocab_size" not in raw:
-        raise TierlmError(
-            "config.json describes the first ChatGLM-6B (2-D positions, GELU), which tierlm does not run",
-            "tierlm runs ChatGLM2/3 and GLM-4 checkpoints",
-        )
-    for key, default, needed in _CHATGLM_REQUIRED:
-        if fields.flag(key, default) != needed:
-            raise TierlmError(
-                f"config.json sets {key} = {str(not needed).lower()}, which tierlm does not support",
-                f"tierlm runs ChatGLM checkpoints with {key} = {str(needed).lower()} (as ChatGLM2/3 ship)",
-            )
-    hidden = fields.integer("hidden_size")
-    heads = fields.integer("num_attention_heads")
-    return {
-        "model_type": "chatglm",
-        "vocab_size": fields.integer("padded_vocab_size", limit="vocab_size"),
-        "hidden_size": hidden,
-        "intermediate_size": fields.integer("ffn_hidden_size", limit="intermediate_size"),
-        "num_hidden_layers": fields.integer("num_layers", limit="num_hidden_layers"),
-        "num_attention_heads": heads,
-        "num_key_value_heads": fields.integer("multi_query_group_num", 1, limit="num_key_value_heads"),
-        "head_dim": fields.integer("kv_channels", None, limit="head_dim"),
-        "rms_norm_eps": fields.number("layernorm_epsilon", 1e-5, low=0.0, high=1.0, open_low=True),
-        "max_position_embeddings": fields.integer("seq_length", 2048, limit="max_position_embeddings"),
-        # ChatGLM never ties: output_layer is its own tensor whatever the config says.
-        "tie_word_embeddings": False,
-        "attention_bias": fields.flag("add_qkv_bias", False),
-        # rope_ratio >= 1e-4 keeps the base >= 1, as rope_theta is bounded.
-        "rope_theta": 10000.0 * fields.number("rope_ratio", 1.0, low=1e-4, high=MAX_ROPE_THETA / 1e4),
-        "partial_rotary_factor": 0.5,
-        "bos_token_id": raw.get("bos_token_id"),
-        "eos_token_id": raw.get("eos_token_id"),
-        "torch_dtype": raw.get("torch_dtype") or raw.get("dtype"),
-    }
-
-
 # ---------------------------------------------------------------------------- windows and RoPE
 
 
-def _sliding_window(fields: _Fields, model_type: str, layers: int) -> int | None:
+def _sliding_window(fields: _Fields, family, layers: int) -> int | None:
+    """The window every layer slides over, or None; the family says whether a given window is in
+    force and which layers slide when layer_types does not say."""
     window = fields.integer("sliding_window", None, low=0, limit="max_position_embeddings")
-    qwen = model_type in ("qwen2", "qwen3")
-    # Qwen configs carry a sliding_window that is inactive unless use_sliding_window is set.
-    if not window or (qwen and not fields.flag("use_sliding_window", False)):
+    if not window or not family.sliding_window_in_force(fields):
         return None
     _, kinds = fields.read("layer_types", None)
     if kinds is not None and (not isinstance(kinds, list) or len(kinds) != layers
                               or not all(isinstance(kind, str) for kind in kinds)):
         raise fields.bad("layer_types", kinds, f"a list of {layers} strings, one per layer")
-    if not kinds and qwen:
-        # ...and then it applies only to the layers from max_window_layers on.
-        first = fields.integer("max_window_layers", 28, low=0, limit="num_hidden_layers")  # Qwen2/3Config's default
-        kinds = ["full_attention"] * min(first, layers) + ["sliding_attention"] * max(layers - first, 0)
+    if not kinds:
+        kinds = family.default_layer_types(fields, layers)
     sliding = sum(kind == "sliding_attention" for kind in kinds) if kinds else layers
     if sliding == 0:
         return None
@@ -411,7 +356,7 @@ def _sliding_window(fields: _Fields, model_type: str, layers: int) -> int | None
     return window
 
 
-def _rope_config(fields: _Fields, model_type: str) -> RopeConfig:
+def _rope_config(fields: _Fields, family) -> RopeConfig:
     # transformers >= 5 nests everything under rope_parameters; older configs use
     # rope_theta + rope_scaling.
     params = fields.mapping("rope_parameters")
@@ -427,9 +372,7 @@ def _rope_config(fields: _Fields, model_type: str) -> RopeConfig:
             f"unsupported rope scaling {rope_type!r} in {fields.source}",
             f"tierlm supports: {', '.join(SUPPORTED_ROPE_TYPES)}",
         )
-    # GlmConfig rotates half of each head unless told otherwise.
-    partial = 0.5 if model_type == "glm" else 1.0
-    partial = fields.number("partial_rotary_factor", partial, low=0.0, high=1.0, open_low=True)
+    partial = fields.number("partial_rotary_factor", family.partial_rotary_default, low=0.0, high=1.0, open_low=True)
     return RopeConfig(
         theta=theta,
         rope_type=rope_type,

@@ -17,9 +17,15 @@ from tierlm.models.llama import LlamaModel
 
 
 class GlmModel(LlamaModel):
+    partial_rotary_default = 0.5  # GlmConfig's
+
     @staticmethod
-    def rotary_table(config: ModelConfig, max_len: int, device, dtype) -> base.RotaryTable:
-        rotary_dim = int(config.head_dim * config.rope.partial_rotary_factor)
+    def rotated_channels(config: ModelConfig) -> int:
+        return int(config.head_dim * config.rope.partial_rotary_factor)
+
+    @classmethod
+    def rotary_table(cls, config: ModelConfig, max_len: int, device, dtype) -> base.RotaryTable:
+        rotary_dim = cls.rotated_channels(config)
         return base.RotaryTable(
             config.rope, config.head_dim, max_len, device, dtype, rotary_dim=rotary_dim, interleaved=True
         )

@@ -6,7 +6,7 @@ chatglm.py): the checkpoint layout, the rotary table, what happens to q/k before
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal, Mapping
 
 import torch
 
@@ -103,6 +103,37 @@ class LlamaModel:
             biases["b13"] = (f"{mlp}gate_proj.bias", f"{mlp}up_proj.bias")
             biases["b2"] = (f"{mlp}down_proj.bias",)
         return biases
+
+    @classmethod
+    def block_shapes(cls, config: ModelConfig) -> dict[str, dict[str, tuple[int, ...]]]:
+        """Each block's canonical tensors and their shapes, in the order conversion stores them
+        (offload/sizes.py predicts an artifact's block sizes from this; no tensor is made)."""
+        shapes = cls.canonical_shapes(config)
+        return {block: {name: shapes[name] for name in tensors} for block, tensors in cls.checkpoint_layout(config).items()}
+
+    # -- what this family's config.json means: config.py asks while it parses -------------------
+
+    partial_rotary_default = 1.0  # share of each head's channels RoPE rotates unless config.json says
+
+    @staticmethod
+    def translate_config(fields) -> Mapping[str, Any]:
+        """config.json under the keys ModelConfig reads (`fields`: config.py's checked reads of it)."""
+        return fields.raw
+
+    @staticmethod
+    def sliding_window_in_force(fields) -> bool:
+        """Whether a sliding_window that config.json sets applies (else attention is full)."""
+        return True
+
+    @staticmethod
+    def default_layer_types(fields, layers: int) -> list[str] | None:
+        """Each layer's attention kind when config.json has no layer_types; None: every layer slides."""
+        return None
+
+    @staticmethod
+    def rotated_channels(config: ModelConfig) -> int:
+        """How many of each head's channels RoPE rotates: all of them."""
+        return config.head_dim
 
     @torch.inference_mode()
     def forward(

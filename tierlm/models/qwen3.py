@@ -2,7 +2,7 @@
 
 q_norm / k_norm are [head_dim] weights shared by every head; Qwen3 has no q/k/v bias (unless
 attention_bias says so, then o_proj has one too, as in Llama) and states head_dim explicitly
-(Hq * head_dim need not equal hidden_size).
+(Hq * head_dim need not equal hidden_size). Its sliding-window rule is Qwen2's (qwen2.py).
 """
 
 from __future__ import annotations
@@ -13,9 +13,10 @@ from tierlm.blocks import BlockLayout
 from tierlm.config import ModelConfig
 from tierlm.models import base
 from tierlm.models.llama import LlamaModel
+from tierlm.models.qwen2 import QwenWindow
 
 
-class Qwen3Model(LlamaModel):
+class Qwen3Model(QwenWindow, LlamaModel):
     @classmethod
     def layer_layout(cls, config: ModelConfig, i: int) -> BlockLayout:
         block = super().layer_layout(config, i)

@@ -153,35 +153,21 @@ def sizes_from_config(
 ) -> BlockSizes:
     """Predict the artifact's block sizes from config.json alone.
 
-    Mirrors `LlamaModel.checkpoint_layout` (offload may not import a model family): per layer
-    attn_norm [H], wqkv [qkv, H], wo [H, q], mlp_norm [H], w13 [2I, H], w2 [H, I], then biases
-    (Qwen2 always has bqkv; others per attention_bias / mlp_bias, GLM and ChatGLM without bo),
-    then Qwen3's q_norm, k_norm [head_dim]; embed [V, H]; norm [H]; head [V, H] or, tied, an
-    alias of the embedding. tests/test_planner.py checks it against
-    converted artifacts.
+    The blocks and their tensors, in stored order and canonical shapes, are the family's own
+    (`block_shapes` of the class `tierlm.models.family_class` gives, the layout conversion
+    writes); a tied head stores none of its own and is an alias of the embedding.
+    tests/test_planner.py and tests/test_families.py check it against converted artifacts.
     """
+    from tierlm.models import family_class  # the family is looked up, never named here
+
     mode = resolve_quant(quant, accelerator)
-    hidden, inter, vocab = config.hidden_size, config.intermediate_size, config.vocab_size
-    qkv = config.q_size + 2 * config.kv_size
-    layer = [("attn_norm", (hidden,)), ("wqkv", (qkv, hidden)), ("wo", (hidden, config.q_size)),
-             ("mlp_norm", (hidden,)), ("w13", (2 * inter, hidden)), ("w2", (hidden, inter))]  # fmt: skip
-    if config.attention_bias or config.model_type == "qwen2":
-        layer.append(("bqkv", (qkv,)))
-    # Qwen2's and the GLM families' attention biases stop at q/k/v: o_proj has none.
-    if config.attention_bias and config.model_type not in ("qwen2", "glm", "chatglm"):
-        layer.append(("bo", (hidden,)))
-    if config.mlp_bias:
-        layer += [("b13", (2 * inter,)), ("b2", (hidden,))]
-    if config.model_type == "qwen3":  # an RMSNorm weight over each query / key head
-        layer += [("q_norm", (config.head_dim,)), ("k_norm", (config.head_dim,))]
-    blocks: dict[str, list[tuple[str, tuple[int, ...]]]] = {"embed": [("embed", (vocab, hidden))]}
-    for i in range(config.num_hidden_layers):
-        blocks[f"layers.{i}"] = layer
-    blocks["norm"] = [("norm", (hidden,))]
-    blocks["head"] = [] if config.tie_word_embeddings else [("head", (vocab, hidden))]
-    nbytes = {name: _block_bytes([p for _, shape in tensors for p in _stored_parts(shape, mode)])
+    vocab, hidden = config.vocab_size, config.hidden_size
+    blocks = family_class(config).block_shapes(config)
+    if config.tie_word_embeddings:
+        blocks["head"] = {}
+    nbytes = {name: _block_bytes([p for shape in tensors.values() for p in _stored_parts(shape, mode)])
               for name, tensors in blocks.items()}  # fmt: skip
-    params = {name: sum(s[0] * s[1] for _, s in tensors if len(s) == 2) for name, tensors in blocks.items()}
+    params = {name: sum(s[0] * s[1] for s in tensors.values() if len(s) == 2) for name, tensors in blocks.items()}
     aliases = {"head": "embed"} if config.tie_word_embeddings else {}
     if aliases:
         params["head"] = params["embed"]
