@@ -10,6 +10,11 @@ resident and streamed.
    streamed from host RAM / disk through the copy stream); 32 greedy tokens each, tokens/s,
    the planner's prediction, peak device memory against the budget, and whether the streamed
    run's tokens equal the resident run's.
+3. Graphs (issue 13 item 6): decode captured as a CUDA graph (models/graph_decode.py) against the
+   eager step, on the embedded SmolLM2 (int8) and the 7B-shaped artifact under `24gb`: tokens/s of
+   each, whether their greedy tokens are equal, and per decode token the launch calls the host
+   makes and the kernels the device runs (torch.profiler). Where the device captures no graphs
+   (the CPU dry run, an NPU without NPUGraph) each row is skipped with the reason printed.
 
 Everything is written to `--out/gpu_check.json` and summarised on stdout. A dry run on the CPU
 (`--device cpu --layers 2`) checks the script itself on a machine without an accelerator.
@@ -36,6 +41,8 @@ LLAMA2_7B = {
 }  # fmt: skip
 PROMPT = [1, 450, 4996, 17354, 1701, 432, 17204, 975, 278, 17366, 11203, 29889]
 STEPS = 32
+# Host calls that launch device work: one per eager kernel, one per graph replay.
+LAUNCH_CALLS = ("cudaLaunch", "cuLaunch", "cudaGraphLaunch")
 
 
 def parity(device, workdir: Path) -> dict:
@@ -80,8 +87,6 @@ def parity(device, workdir: Path) -> dict:
 
 
 def decode(artifact: Path, profile_name: str, device) -> dict:
-    import torch
-
     from tierlm.device import backend_for
     from tierlm.profile import load_profile
     from tierlm.runtime.loader import load_model
@@ -91,16 +96,7 @@ def decode(artifact: Path, profile_name: str, device) -> dict:
     started = time.perf_counter()
     loaded = load_model(artifact, device=device, profile=profile, context_length=512)
     load_s = time.perf_counter() - started
-    cache = loaded.new_cache()
-    logits = loaded.model.forward(torch.tensor([PROMPT], device=device), cache)
-    tokens = [int(logits[0, -1].argmax())]
-    backend.synchronize()
-    started = time.perf_counter()
-    for _ in range(STEPS - 1):
-        logits = loaded.model.forward(torch.tensor([[tokens[-1]]], device=device), cache)
-        tokens.append(int(logits[0, -1].argmax()))
-    backend.synchronize()
-    elapsed = time.perf_counter() - started
+    tokens, elapsed = greedy_decode(loaded, loaded.new_cache(), backend)
     memory = backend.memory()
     ledger = getattr(loaded.store, "ledger", None)
     result = {
@@ -118,6 +114,97 @@ def decode(artifact: Path, profile_name: str, device) -> dict:
     }
     loaded.close()
     return result
+
+
+def greedy_decode(loaded, cache, backend) -> tuple[list[int], float]:
+    """Prefill PROMPT into `cache` (reset first), then STEPS - 1 greedy decode steps: the tokens
+    and the seconds the decode steps took."""
+    import torch
+
+    cache.reset()
+    logits = loaded.model.forward(torch.tensor([PROMPT], device=loaded.device), cache)
+    tokens = [int(logits[0, -1].argmax())]
+    backend.synchronize()
+    started = time.perf_counter()
+    for _ in range(STEPS - 1):
+        logits = loaded.model.forward(torch.tensor([[tokens[-1]]], device=loaded.device), cache)
+        tokens.append(int(logits[0, -1].argmax()))
+    backend.synchronize()
+    return tokens, time.perf_counter() - started
+
+
+def graph_rows(device, models: list[tuple[str, object, dict]]) -> list[dict]:
+    """Item 6 per model (name, directory or a callable giving it, load_model options): decode
+    eager vs graphed, or why the row is skipped."""
+    from tierlm.device.graphs import graph_kind
+    from tierlm.errors import TierlmError
+
+    kind, why = graph_kind(device)
+    rows = []
+    for name, where, options in models:
+        if kind is None:
+            rows.append({"model": name, "skipped": why})
+            continue
+        try:
+            rows.append(graph_row(name, where() if callable(where) else where, options, device))
+        except TierlmError as err:  # e.g. the embedded model's package is not installed
+            rows.append({"model": name, "skipped": err.message})
+    return rows
+
+
+def graph_row(name: str, model_dir: Path, options: dict, device) -> dict:
+    import torch
+
+    from tierlm.device import backend_for
+    from tierlm.models import graph_decode
+    from tierlm.runtime.loader import load_model
+
+    backend = backend_for(device)
+    loaded = load_model(model_dir, device=device, context_length=512, **options)
+    model, row = loaded.model, {"model": name}
+    graphs = model.graphs
+    if graphs is None:
+        loaded.close()
+        return {"model": name, "skipped": graph_decode.refusal(model) or "no graphs"}
+    cache = loaded.new_cache()  # one cache for both modes, so the graphs are captured once
+    step = torch.tensor([[PROMPT[-1]]], device=device)
+    for mode in ("eager", "graph"):
+        model.graphs = graphs if mode == "graph" else None
+        greedy_decode(loaded, cache, backend)  # warm-up: allocator, kernels, graph capture
+        tokens, elapsed = greedy_decode(loaded, cache, backend)
+        row[f"{mode}_tokens_per_s"] = (STEPS - 1) / elapsed
+        row[f"{mode}_tokens"] = tokens
+        row[f"{mode}_per_token"] = launch_counts(lambda: model.forward(step, cache), backend)
+    row["tokens_equal"] = row["eager_tokens"] == row["graph_tokens"]
+    row["graphs_captured"] = sorted(f"rows {r}, span {s}" for r, s, _ in graphs.steps)
+    loaded.close()
+    return row
+
+
+def launch_counts(run_step, backend) -> dict:
+    """Host launch calls and device kernels (memcpys included) of one decode step."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        run_step()
+        backend.synchronize()
+    events = prof.events()
+    return {
+        "launch_calls": sum(1 for e in events if e.name.startswith(LAUNCH_CALLS)),
+        "device_kernels": sum(1 for e in events if e.device_type == torch.autograd.DeviceType.CUDA),
+    }
+
+
+def print_graph_row(row: dict) -> None:
+    if "skipped" in row:
+        print(f"graphs {row['model']}: skipped ({row['skipped']})")
+        return
+    eager, graph = row["eager_per_token"], row["graph_per_token"]
+    print(f"graphs {row['model']}: eager {row['eager_tokens_per_s']:.1f} tok/s, graph "
+          f"{row['graph_tokens_per_s']:.1f} tok/s ({row['graph_tokens_per_s'] / row['eager_tokens_per_s']:.2f}x); "
+          f"tokens equal {row['tokens_equal']}; per token: launch calls {eager['launch_calls']} -> "
+          f"{graph['launch_calls']}, device kernels {eager['device_kernels']} -> {graph['device_kernels']}")  # fmt: skip
 
 
 def main() -> None:
@@ -153,6 +240,16 @@ def main() -> None:
               f"{run['predicted_tokens_per_s']:.2f}, {run['binding_limit']}); {tiers}; device peak "
               f"{run['device_peak'] / 2**30:.2f} of {run['device_budget'] / 2**30:.2f} GiB")  # fmt: skip
     print("streamed tokens equal resident:", report["streamed_tokens_equal_resident"])
+    from tierlm.profile import load_profile
+    from tierlm.weights.embedded import ensure_embedded_model
+
+    report["graphs"] = graph_rows(device, [
+        ("smollm2 (embedded, int8)", ensure_embedded_model, {"quant": "int8"}),
+        (f"llama2-7b-shaped {args.layers}l int8 (24gb)", artifact, {"profile": load_profile("24gb")}),
+    ])  # fmt: skip
+    (args.out / "gpu_check.json").write_text(json.dumps(report, indent=1))
+    for row in report["graphs"]:
+        print_graph_row(row)
 
 
 if __name__ == "__main__":

@@ -100,7 +100,7 @@ class AcceleratorGraph(DecodeGraph):
 class RecordedGraph(DecodeGraph):
     """The CPU stand-in: replays the aten ops recorded at capture on the same static tensors."""
 
-    def __init__(self, pool=None):
+    def __init__(self):
         self.tape: list = []
         self.static: list = []  # (tensor, data_ptr) of every tensor the tape reads or writes from outside
         self.replays = 0
