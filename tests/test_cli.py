@@ -74,6 +74,7 @@ def test_bench_reports_speed_memory_and_the_plan(tmp_path):
     assert figures["profile"] == "24gb" and figures["runs"] == 2
     assert figures["prefill_tokens_per_s"] > 0 and figures["decode_tokens_per_s"] > 0
     assert figures["predicted_decode_tokens_per_s"] > 0 and figures["binding_limit"]
+    assert abs(figures["decode_vs_predicted"] * figures["predicted_decode_tokens_per_s"] - figures["decode_tokens_per_s"]) < 1e-6 * figures["decode_tokens_per_s"]
     assert set(figures["placement_bytes"]) == {"device"}  # a tiny model is resident under 24gb
     assert 0 < figures["peak_rss_bytes"] <= figures["budget_bytes"]
     text = tierlm("bench", "--model", str(tmp_path), "--prompt-tokens", "20", "--tokens", "9", "--runs", "1")

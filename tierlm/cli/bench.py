@@ -76,6 +76,8 @@ def run_bench(session, prompt_tokens: int, new_tokens: int, runs: int) -> dict:
         result["placement_bytes"] = placement.block_bytes_by_tier()
         result["charges"] = {tier: dict(items) for tier, items in placement.charges.items()}
         result["predicted_decode_tokens_per_s"] = placement.predicted_decode_tokens_per_s
+        # How far the cost model was off, for `--json` readers as well as the text.
+        result["decode_vs_predicted"] = result["decode_tokens_per_s"] / placement.predicted_decode_tokens_per_s
         result["predicted_prefill_tokens_per_s"] = placement.predicted_prefill_tokens_per_s
         result["binding_limit"] = placement.binding_limit
     ledger = loaded.store.stats()
@@ -101,7 +103,7 @@ def format_bench(result: dict) -> str:
         f"decode    {result['decode_tokens_per_s']:.2f} tok/s",
     ]
     if "predicted_decode_tokens_per_s" in result:
-        ratio = result["decode_tokens_per_s"] / result["predicted_decode_tokens_per_s"]
+        ratio = result["decode_vs_predicted"]
         lines.append(
             f"predicted decode {result['predicted_decode_tokens_per_s']:.2f} tok/s "
             f"(measured {ratio:.0%} of it), prefill {result['predicted_prefill_tokens_per_s']:.1f} tok/s"

@@ -33,10 +33,12 @@ profile's batch size, streamed layers spread evenly among the host ones so prefe
 their copies behind the CPU's work.
 
 Cost model (seconds per decode step of `batch_size` tokens; per 512-token chunk for prefill):
-    device    sum over device-computed blocks of max(bytes / device_bytes_per_s,
-              2 x params x tokens / device_flops)
+    device    sum over device-computed blocks of max(bytes / device_bytes_per_s + rows x
+              (1 - hidden / 4096) x per_row_s, 2 x params x tokens / device_flops), rows =
+              params / hidden (short rows stream slower than the probe's 4096-wide ones)
     host      the same for CPU-computed blocks with host_bytes_per_s / host_flops
-    dispatch  (layers + 1) x per_block_overhead_s (+1 per CPU-computed layer: the hand-over)
+    dispatch  layers x per_block_overhead_s + per_token_overhead_s, both measured by the probe
+              on the real decode path (+1 per_block per CPU-computed layer: the hand-over)
     link      bytes crossing host -> device per step / link_bytes_per_s
     disk      bytes read from disk per step / disk_bytes_per_s
     step = max(device + host + dispatch, link, disk) with prefetch_depth >= 1, else the sum.
@@ -66,7 +68,7 @@ from tierlm.config import ModelConfig
 from tierlm.device.memory import MemoryLimits
 from tierlm.errors import TierlmError
 from tierlm.offload.placement import DEVICE, DISK, HOST, BlockPlacement, Placement
-from tierlm.offload.probe import Bandwidths
+from tierlm.offload.probe import MATRIX, Bandwidths
 from tierlm.offload.sizes import (
     PREFILL_CHUNK,
     BlockSizes,
@@ -501,7 +503,7 @@ def _terms(ctx: _Context, tiers, computes, tokens: int, prefill: bool) -> dict[s
                 terms["dispatch overhead"] += bw.per_block_overhead_s
         else:
             terms["device bandwidth"] += max(
-                read / _rate(bw.device_bytes_per_s), flops / _rate(bw.device_flops)
+                read / _rate(bw.device_bytes_per_s) + _row_seconds(ctx, block, bw), flops / _rate(bw.device_flops)
             )
         if block == EMBED or tiers[block] == DEVICE or computes[block] == HOST:
             continue
@@ -510,8 +512,19 @@ def _terms(ctx: _Context, tiers, computes, tokens: int, prefill: bool) -> dict[s
         # Accelerators: host and disk blocks cross the link; CPU emulation: host blocks are copied.
         if ctx.accelerator or tiers[block] == HOST:
             terms["link"] += read / _rate(bw.link_bytes_per_s)
-    terms["dispatch overhead"] += (ctx.config.num_hidden_layers + 1) * bw.per_block_overhead_s
+    # Measured fixed costs (probe.decode_overheads): what dominates a small model's step.
+    terms["dispatch overhead"] += ctx.config.num_hidden_layers * bw.per_block_overhead_s + bw.per_token_overhead_s
     return terms
+
+
+def _row_seconds(ctx: _Context, block: str, bw: Bandwidths) -> float:
+    """What `block`'s rows cost beyond its bytes (Bandwidths.per_row_s), its rows counted as if
+    hidden_size wide; an embedding is read by rows, not multiplied."""
+    if block == EMBED:
+        return 0.0
+    width = ctx.config.hidden_size
+    rows = ctx.sizes.params[block] / width
+    return rows * max(1.0 - width / MATRIX, 0.0) * bw.per_row_s
 
 
 def step_seconds(terms: Mapping[str, float], prefetch_depth: int) -> tuple[float, str]:
@@ -548,12 +561,15 @@ def decode_terms(
 
 # What each limit's time is made of. A CPU-only machine's compute terms are one processor's.
 _FIGURES = {
-    "device bandwidth": ("device_bytes_per_s", "device_flops"),
+    "device bandwidth": ("device_bytes_per_s", "device_flops", "per_row_s"),
     "host bandwidth": ("host_bytes_per_s", "host_flops"),
-    "dispatch overhead": ("per_block_overhead_s",),
+    "dispatch overhead": ("per_block_overhead_s", "per_token_overhead_s"),
     "link": ("link_bytes_per_s",),
     "disk": ("disk_bytes_per_s",),
 }
+
+
+_TIMES = ("per_block_overhead_s", "per_token_overhead_s", "per_row_s")  # seconds, not rates
 
 
 def implied_bandwidths(
@@ -599,7 +615,7 @@ def _scaled(bandwidths: Bandwidths, limits, factor: float) -> Bandwidths:
     changes = {}
     for figure in {f for name in limits for f in _FIGURES[name]}:
         value = getattr(bandwidths, figure)
-        changes[figure] = value / factor if figure == "per_block_overhead_s" else value * factor
+        changes[figure] = value / factor if figure in _TIMES else value * factor
     return replace(bandwidths, **changes)
 
 

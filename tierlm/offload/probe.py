@@ -14,6 +14,7 @@ prediction, and the corrections measured runs made (`record_measured_run`). `tie
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import subprocess
@@ -26,9 +27,12 @@ from typing import Callable
 from tierlm.paths import cache_root
 
 # 2: weights cycled past the last-level cache (v1's 64 MiB sat in a 260 MiB L3), best of 3
-# cold disk reads.
-PROBE_VERSION = 2
+# cold disk reads. 3: the per-layer and per-token overheads timed on the real decode path, and
+# the cost of a weight row (short rows stream slower).
+PROBE_VERSION = 3
 MATRIX = 4096  # the int8 bandwidth probe's weight: 4096 x 4096 (16 MiB), as a 7B layer's wo
+# The short-row probe's weight: 576-wide rows (a ~100M model's), 16 MiB as the long-row one.
+SHORT_ROW = 576
 # Weights cycled: twice the CPU's last-level cache, so each pass streams from memory as a
 # model's layers do; at least 64 MiB, at most 1 GiB (accelerators: 256 MiB, beyond any L2).
 MIN_WEIGHT_BYTES, MAX_WEIGHT_BYTES, ACCELERATOR_WEIGHT_BYTES = 64 << 20, 1 << 30, 256 << 20
@@ -37,6 +41,15 @@ DISK_BYTES = 128 << 20  # disk probe: a 128 MiB temporary file, read cold
 DISK_READS = 3  # cold reads of it; the fastest counts
 READ_CHUNK = 16 << 20
 KEPT_CORRECTIONS = 5  # the newest corrections kept in the record, for `doctor` and `plan`
+# The overhead probe's model: a real family's shape at widths where weight bytes are negligible
+# (a few KiB per layer), so a decode step times what a layer costs besides its bytes.
+OVERHEAD_CONFIG = {
+    "model_type": "llama", "vocab_size": 320, "hidden_size": 64, "intermediate_size": 128,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256,
+    "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "tie_word_embeddings": True,
+}  # fmt: skip
+OVERHEAD_LAYERS = (2, 8)  # the two depths whose difference is the per-layer cost
+OVERHEAD_STEPS = 16  # decode steps per timed generation
 
 
 @dataclass(frozen=True)
@@ -49,7 +62,13 @@ class Bandwidths:
     disk_bytes_per_s      sequential read of a file whose pages were dropped from the cache
     device_flops          GEMM throughput on the compute device (prefill), compute dtype
     host_flops            fp32 GEMM throughput of the CPU (= device_flops on CPU-only)
-    per_block_overhead_s  fixed cost of one decoder layer at batch 1 (dispatch, small ops)
+    per_block_overhead_s  fixed cost of one decoder layer's decode step (dispatch, small ops,
+                          kernel calls), besides its weight bytes
+    per_token_overhead_s  fixed cost of a decode step besides its layers (embedding, final
+                          norm, head call, sampling, the engine's bookkeeping)
+    per_row_s             extra cost of a weight row at batch 1 on the compute device, per
+                          row of 1/K of the 4096-wide probe's: a [N, K] matmul takes
+                          bytes / device_bytes_per_s + N x (1 - K / 4096) x per_row_s
     """
 
     device_bytes_per_s: float
@@ -59,6 +78,8 @@ class Bandwidths:
     device_flops: float
     host_flops: float
     per_block_overhead_s: float
+    per_token_overhead_s: float = 0.0
+    per_row_s: float = 0.0
     device: str = "cpu"
     notes: tuple[str, ...] = ()
 
@@ -78,11 +99,14 @@ def bandwidths_path(device=None) -> Path:
     import torch
 
     from tierlm.device import DeviceBackend
+    from tierlm.models import fused_decode
 
     device = _device(device)
     name = device.type
     if device.type != "cpu":
         name += "-" + DeviceBackend(device).name()
+    if device.type == "cpu" and not fused_decode.enabled():
+        name += "-eager"  # the per-layer overhead is the decode path's: eager layers cost ~10x more
     key = re.sub(r"[^A-Za-z0-9_.-]+", "_", f"{name}-{torch.get_num_threads()}t-v{PROBE_VERSION}")
     return cache_root() / "probe" / f"{key}.json"
 
@@ -214,6 +238,7 @@ def probe(device=None) -> Bandwidths:
     dtype = compute_dtype(device)
     notes: list[str] = []
     device_bw = int8_bytes_per_s(device, dtype)
+    short_bw = int8_bytes_per_s(device, dtype, cols=SHORT_ROW)
     host_bw = device_bw if device.type == "cpu" else int8_bytes_per_s(cpu, torch.float32)
     device_flops = gemm_flops(device, dtype)
     host_flops = device_flops if device.type == "cpu" else gemm_flops(cpu, torch.float32)
@@ -221,6 +246,7 @@ def probe(device=None) -> Bandwidths:
     if not dropped:
         notes.append("the disk probe could not drop the file's pages from the page cache; "
                      "disk bandwidth may be overstated")  # fmt: skip
+    per_block, per_token = decode_overheads(device, dtype)
     return Bandwidths(
         device_bytes_per_s=device_bw,
         host_bytes_per_s=host_bw,
@@ -228,7 +254,9 @@ def probe(device=None) -> Bandwidths:
         disk_bytes_per_s=disk_bw,
         device_flops=device_flops,
         host_flops=host_flops,
-        per_block_overhead_s=block_overhead_s(device, dtype),
+        per_block_overhead_s=per_block,
+        per_token_overhead_s=per_token,
+        per_row_s=row_seconds(device_bw, short_bw),
         device=str(device),
         notes=tuple(notes),
     )
@@ -237,15 +265,15 @@ def probe(device=None) -> Bandwidths:
 # -- the individual probes --------------------------------------------------------------------
 
 
-def int8_bytes_per_s(device, dtype) -> float:
-    """Weight bytes/s of `quantize_int8(W).linear(x)` at batch 1, W 4096 x 4096, copies cycled
-    (see MIN_WEIGHT_BYTES)."""
+def int8_bytes_per_s(device, dtype, cols: int = MATRIX) -> float:
+    """Weight bytes/s of `quantize_int8(W).linear(x)` at batch 1, W [16 MiB / cols, cols]
+    (4096 x 4096 by default), copies cycled (see MIN_WEIGHT_BYTES)."""
     import torch
 
     from tierlm.quant.int8 import Int8Weight, quantize_int8
 
     gen = torch.Generator().manual_seed(0)
-    base = quantize_int8(torch.randn(MATRIX, MATRIX, generator=gen))
+    base = quantize_int8(torch.randn(MATRIX * MATRIX // cols, cols, generator=gen))
     if device.type == "cpu":
         working = min(max(2 * last_level_cache_bytes(), MIN_WEIGHT_BYTES), MAX_WEIGHT_BYTES)
     else:
@@ -254,7 +282,7 @@ def int8_bytes_per_s(device, dtype) -> float:
         Int8Weight(base.qweight.clone(), base.scales.clone(), dtype=dtype).to(device)
         for _ in range(-(-working // base.qweight.nbytes))
     ]
-    x = torch.randn(1, MATRIX, generator=gen).to(device=device, dtype=dtype)
+    x = torch.randn(1, cols, generator=gen).to(device=device, dtype=dtype)
 
     def sweep():
         for weight in weights:
@@ -323,42 +351,60 @@ def disk_bytes_per_s(folder: Path, nbytes: int = DISK_BYTES) -> tuple[float, boo
     return nbytes / cold, dropped and cold > 1.3 * hot
 
 
-def block_overhead_s(device, dtype) -> float:
-    """Seconds per decoder layer at batch 1 when its bytes are negligible: a tiny layer-shaped
-    forward (norm, int8 q/k/v, attention over 16 cached positions, o, norm, SwiGLU)."""
-    import torch
+def row_seconds(long_bytes_per_s: float, short_bytes_per_s: float) -> float:
+    """`per_row_s` from the two int8 probes: the same bytes in SHORT_ROW-wide rows took longer
+    than in MATRIX-wide ones by (rows_short - rows_long) x per_row_s (never negative)."""
+    nbytes = MATRIX * MATRIX
+    extra = nbytes / short_bytes_per_s - nbytes / long_bytes_per_s
+    return max(extra / (nbytes / SHORT_ROW - nbytes / MATRIX), 0.0)
 
-    from tierlm.models import base
-    from tierlm.quant.int8 import quantize_int8
 
-    hidden, heads, kv_heads, dim, inter = 64, 4, 2, 16, 128
-    gen = torch.Generator().manual_seed(0)
+def decode_overheads(device, dtype, depths: tuple[int, int] = OVERHEAD_LAYERS) -> tuple[float, float]:
+    """(seconds per decoder layer, seconds per token besides the layers) of a decode step whose
+    weight bytes are negligible.
 
-    def weight(rows, cols):
-        return quantize_int8(torch.randn(rows, cols, generator=gen) * 0.1).to(device, dtype)
+    Times the path a real decode takes (the family's forward over a resident INT8 store and a
+    KV cache, driven by the Engine with greedy sampling and detokenizing) on OVERHEAD_CONFIG at
+    two depths, the best of a few generations each, alternated so that drift hits both: the
+    difference per layer is the layer's fixed cost, the rest the token's. A tiny layer (the
+    probe before v3) ran a fraction of a real layer's ops and under-charged small models ~2x.
+    """
+    import tempfile
 
-    wqkv, wo = weight((heads + 2 * kv_heads) * dim, hidden), weight(hidden, heads * dim)
-    w13, w2 = weight(2 * inter, hidden), weight(hidden, inter)
-    norm = torch.ones(hidden, device=device, dtype=dtype)
-    keys = torch.randn(1, kv_heads, 16, dim, generator=gen).to(device=device, dtype=dtype)
-    x = torch.randn(1, 1, hidden, generator=gen).to(device=device, dtype=dtype)
-    cos = torch.ones(dim, device=device, dtype=dtype)
+    with tempfile.TemporaryDirectory(prefix="tierlm-probe-") as folder:
+        step = {layers: _decode_step_timer(Path(folder) / f"{layers}l", layers, device, dtype) for layers in depths}
+        best = dict.fromkeys(depths, math.inf)
+        for _ in range(5):
+            for layers, timed in step.items():
+                best[layers] = min(best[layers], timed())
+    shallow, deep = depths
+    per_block = max((best[deep] - best[shallow]) / (deep - shallow), 1e-7)
+    return per_block, max(best[shallow] - shallow * per_block, 0.0)
 
-    def layer():
-        h = base.rms_norm(x, norm, 1e-6)
-        qkv = base.linear(h, wqkv).view(1, 1, heads + 2 * kv_heads, dim) * cos
-        q = qkv[:, :, :heads].transpose(1, 2)
-        out = base.grouped_attention(q, keys, keys, None).transpose(1, 2).reshape(1, 1, heads * dim)
-        y = x + base.linear(out, wo)
-        return y + base.swiglu(base.rms_norm(y, norm, 1e-6), w13, w2)
 
-    loops = 10
+def _decode_step_timer(folder: Path, layers: int, device, dtype) -> Callable[[], float]:
+    """A function timing one greedy generation of OVERHEAD_STEPS decode steps on a synthetic
+    `layers`-layer model written to `folder`; it returns seconds per decode step."""
+    from tierlm.cache.synthetic import write_synthetic_artifact
+    from tierlm.runtime.engine import Engine
+    from tierlm.runtime.loader import load_model
+    from tierlm.runtime.sampling import SamplingParams
+    from tierlm.runtime.tokenizer import Tokenizer
 
-    def repeated():
-        for _ in range(loops):
-            layer()
+    artifact = write_synthetic_artifact({**OVERHEAD_CONFIG, "num_hidden_layers": layers}, folder, quant="int8")
+    loaded = load_model(artifact, device=device, dtype=dtype, context_length=64)
+    engine = Engine(loaded, Tokenizer.from_dir(artifact))
+    params = SamplingParams(max_new_tokens=OVERHEAD_STEPS + 1, temperature=0.0, ignore_eos=True)
 
-    return _best_seconds(repeated, device, reps=3) / loops
+    def timed() -> float:
+        engine.reset()
+        generation = engine.generate(list(range(3, 11)), params)
+        for _ in generation:
+            pass
+        return generation.stats.decode_s / OVERHEAD_STEPS
+
+    timed()  # warm-up: kernel calibration, first-touch allocations
+    return timed
 
 
 # -- helpers ----------------------------------------------------------------------------------
