@@ -8,7 +8,7 @@ token costs one launch instead of hundreds. The caller refreshes the inputs' con
 
 - `AcceleratorGraph`: CUDA (`torch.cuda.CUDAGraph`) or the NPU (`torch.npu.NPUGraph` and
   `torch.npu.graph`, which torch_npu documents as mirroring the CUDA API); warm-up runs on a side
-  stream before capture, and every graph of one owner shares one memory pool.
+  stream before capture, and the graphs of one `graph_factory` share one memory pool.
 - `RecordedGraph`: the CPU stand-in the tests use. Capture records the aten ops the step issues
   (through a TorchDispatchMode); replay re-issues that tape on the same tensors, so Python-side
   values are frozen at capture exactly as in a device graph, a host sync during capture is an
@@ -61,15 +61,24 @@ class DecodeGraph:
         raise NotImplementedError
 
 
-class AcceleratorGraph(DecodeGraph):
-    """A CUDA graph or an NPUGraph; graphs made with the same `pool` share its memory."""
+def graph_factory(kind: str) -> Callable[[], DecodeGraph]:
+    """New graphs of `kind` ("cuda" | "npu") sharing one memory pool: they never run at once, and
+    whatever outlives a replay is in buffers allocated outside capture."""
+    import torch
 
-    def __init__(self, kind: str, pool=None):
+    pool = (torch.cuda if kind == "cuda" else torch.npu).graph_pool_handle()
+    return lambda: AcceleratorGraph(kind, pool)
+
+
+class AcceleratorGraph(DecodeGraph):
+    """A CUDA graph or an NPUGraph, allocating from `pool`."""
+
+    def __init__(self, kind: str, pool):
         import torch
 
         self.module = torch.cuda if kind == "cuda" else torch.npu
         self.kind = kind
-        self.pool = pool if pool is not None else self.module.graph_pool_handle()
+        self.pool = pool
         self.graph = None
 
     def capture(self, step: Callable[[], None]) -> None:

@@ -20,11 +20,10 @@ import logging
 
 import torch
 
-from tierlm.device.graphs import AcceleratorGraph, DecodeGraph, GraphUnavailable, graph_kind
+from tierlm.device.graphs import DecodeGraph, GraphUnavailable, graph_factory, graph_kind
 from tierlm.models import base
 
 MIN_SPAN = 256
-log = logging.getLogger("tierlm.graphs")
 
 
 def graphs_for(model) -> GraphedDecode | None:
@@ -32,11 +31,10 @@ def graphs_for(model) -> GraphedDecode | None:
     reason = refusal(model)
     if reason is not None:
         level = logging.DEBUG if model.device.type == "cpu" else logging.INFO
-        log.log(level, "decode graphs off: %s", reason)
+        logging.getLogger("tierlm.graphs").log(level, "decode graphs off: %s", reason)
         return None
     kind, _ = graph_kind(model.device)
-    pool = AcceleratorGraph(kind).pool
-    return GraphedDecode(model, lambda: AcceleratorGraph(kind, pool))
+    return GraphedDecode(model, graph_factory(kind))
 
 
 def refusal(model) -> str | None:
@@ -168,7 +166,7 @@ class GraphedDecode:
             logits = step.run(hidden, slots, positions)
         except GraphUnavailable as err:
             self.failed = str(err)
-            log.warning("decode graphs off: %s", err)
+            logging.getLogger("tierlm.graphs").warning("decode graphs off: %s", err)
             self.steps.clear()
             return None
         cache.advance(1)
