@@ -1,17 +1,30 @@
-"""tierlm INT8 and fp32 next to llama.cpp on the embedded SmolLM2-135M-Instruct, in one run.
+"""tierlm next to llama.cpp on the embedded SmolLM2-135M-Instruct, in one run, in three conditions.
+
+Conditions (each configuration is a fresh process; rounds interleave every configuration, so
+drift on a shared machine hits all alike):
+- quiet, 2 threads: tierlm int8 (fused decode, the default), int8 with `TIERLM_FUSED=0` (the
+  eager path: before/after the fused step in one run), int8-g32-asym, fp32; llama.cpp Q8_0 and
+  Q4_1 (`-t 2`);
+- 1 thread: tierlm int8 `--threads 1`, llama.cpp Q8_0 `-t 1`;
+- one core busy: a sibling process spins (`python3 -c "while True: pass"`) for the duration of
+  these rows only; tierlm int8 at its default thread count (fused and eager), llama.cpp Q8_0
+  `-t 2`.
 
 llama.cpp is measured with its own `llama-bench` (prompt processing of `--prompt` tokens and
-generation of `--gen` tokens, `-t 2`), on the package's Q4_1 GGUF and on a Q8_0 GGUF made from it
-with `llama-quantize --allow-requantize` (same weights, 8-bit format: the peer of W8A16). tierlm
-runs `tierlm bench`'s measurement in-process (the same prompt and token counts, greedy, median
-of `--runs`). Configurations alternate round by round so drift on a shared machine hits all.
+generation of `--gen` tokens, `--reps` repetitions), on the package's Q4_1 GGUF and on a Q8_0
+GGUF made from it with `llama-quantize --allow-requantize` (same weights, 8-bit format: the peer
+of W8A16). tierlm runs `tierlm bench`'s measurement in-process (the same prompt and token counts,
+greedy, median of `--runs`), without recording the run in the probe cache (a busy-core run
+would "correct" the user's probe); its planner's prediction is reported beside it. Ratios are
+against llama.cpp Q8_0 measured in the same condition of the same run.
 
 llama.cpp is not a dependency: build it once outside CI (e.g. from the llama-cpp-python sdist's
 vendor/llama.cpp: `cmake -B build -DGGML_NATIVE=ON && ninja -C build llama-bench llama-quantize`)
 and point `TIERLM_LLAMA_CPP_BIN` at the folder holding the two binaries. Without them the
 llama.cpp rows are skipped with a message.
 
-Run from the repo root: `.venv/bin/python benchmarks/bench_vs_llamacpp.py`.
+Run from the repo root: `.venv/bin/python benchmarks/bench_vs_llamacpp.py` (~8 min on 2 cores,
+plus ~1 min probing the machine afresh first).
 """
 
 from __future__ import annotations
@@ -19,12 +32,27 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import statistics
-import sys
 import subprocess
+import sys
 import tempfile
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
+
+QUIET, ONE_THREAD, BUSY = "quiet, 2 threads", "1 thread", "one core busy"
+PEER = "llama.cpp Q8_0"
+
+
+@dataclass
+class Config:
+    condition: str
+    engine: str
+    threads: str  # as shown: "2", "1", "default (N)"
+    run: Callable[[], dict]
+    samples: list[dict] = field(default_factory=list)
 
 
 def llama_cpp_bin(name: str) -> Path | None:
@@ -33,51 +61,105 @@ def llama_cpp_bin(name: str) -> Path | None:
     return Path(found) if found and Path(found).exists() else None
 
 
-def llama_bench(binary: Path, gguf: Path, prompt: int, gen: int) -> dict:
-    """{"prefill": tok/s, "decode": tok/s} from one llama-bench invocation (its own 5 repetitions)."""
+def llama_bench(binary: Path, gguf: Path, prompt: int, gen: int, threads: int, reps: int) -> dict:
+    """{"prefill": tok/s, "decode": tok/s} from one llama-bench invocation (`reps` repetitions)."""
     out = subprocess.run(
-        [str(binary), "-m", str(gguf), "-p", str(prompt), "-n", str(gen), "-t", "2", "-o", "json"],
+        [str(binary), "-m", str(gguf), "-p", str(prompt), "-n", str(gen), "-t", str(threads),
+         "-r", str(reps), "-o", "json"],
         capture_output=True, text=True, check=True, timeout=1800,
     )  # fmt: skip
-    rows = json.loads(out.stdout)
     figures = {}
-    for row in rows:
+    for row in json.loads(out.stdout):
         kind = "prefill" if row["n_prompt"] and not row["n_gen"] else "decode"
         figures[kind] = row["avg_ts"]
     return figures
 
 
-def tierlm_bench(quant: str, prompt: int, gen: int, runs: int) -> dict:
-    """`tierlm bench` figures in a fresh process (each quant mode loads alone)."""
-    code = (
-        "import json, sys, torch; torch.set_num_threads(2)\n"
-        "from tierlm.cli.bench import run_bench\n"
-        "from tierlm.profile import load_profile\n"
-        "from tierlm.runtime.session import open_session\n"
-        f"s = open_session(None, load_profile('24gb'), device='cpu', quant={quant!r})\n"
-        f"print(json.dumps(run_bench(s, {prompt}, {gen}, {runs})))\n"
-    )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=1800)
+# The child: `tierlm bench`'s measurement, its probe check switched off (see the docstring).
+TIERLM_CHILD = """
+import json, sys
+import tierlm.runtime.measured as measured
+measured.note_measured_decode = lambda *args, **kwargs: None
+from tierlm.cli.bench import run_bench
+from tierlm.profile import load_profile
+from tierlm.runtime.session import open_session
+quant, threads, prompt, gen, runs = sys.argv[1], int(sys.argv[2]) or None, *map(int, sys.argv[3:6])
+with open_session(None, load_profile("24gb"), device="cpu", quant=quant, threads=threads) as s:
+    print(json.dumps(run_bench(s, prompt, gen, runs)))
+"""
+
+
+def tierlm_bench(quant: str, threads: int, prompt: int, gen: int, runs: int, env: dict | None = None) -> dict:
+    """`tierlm bench` figures in a fresh process (each configuration loads alone); threads 0:
+    tierlm's default (the CPUs this process may use)."""
+    argv = [sys.executable, "-c", TIERLM_CHILD, quant, str(threads), str(prompt), str(gen), str(runs)]
+    out = subprocess.run(argv, capture_output=True, text=True, timeout=1800, env={**os.environ, **(env or {})})
+    if out.returncode != 0:
+        raise RuntimeError(f"tierlm {quant} ({threads} threads) failed: {out.stderr.strip()[-1500:]}")
     row = json.loads(out.stdout.strip().splitlines()[-1])
-    return {"prefill": row["prefill_tokens_per_s"], "decode": row["decode_tokens_per_s"]}
+    return {"prefill": row["prefill_tokens_per_s"], "decode": row["decode_tokens_per_s"],
+            "predicted": row.get("predicted_decode_tokens_per_s"), "threads": row["threads"]}  # fmt: skip
+
+
+def prepare_probes(env_threads: list[tuple[dict, int]]) -> None:
+    """Probe the machine afresh for each distinct (env, threads) before any row runs (the
+    prediction column compares with figures taken now, and no probe is taken while the busy
+    sibling spins); threads 0: tierlm's default. Rewrites the probe cache, as `doctor --probe`."""
+    from tierlm.device.cpu import resolve_threads
+
+    code = ("import sys, torch\ntorch.set_num_threads(int(sys.argv[1]))\n"
+            "from tierlm.offload.probe import load_probe\nload_probe('cpu', refresh=True)\n")  # fmt: skip
+    for env, threads in {(tuple(env.items()), resolve_threads(threads or None)) for env, threads in env_threads}:
+        subprocess.run([sys.executable, "-c", code, str(threads)], env={**os.environ, **dict(env)}, check=True,
+                       capture_output=True, timeout=900)  # fmt: skip
+
+
+def machine() -> dict:
+    """CPU model, vector ISA, L3 size and usable CPUs, for the report."""
+    from tierlm.offload.probe import last_level_cache_bytes
+
+    info = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    model = re.search(r"^model name\s*:\s*(.+)$", info, re.M)
+    listed = re.search(r"^flags\s*:\s*(.+)$", info, re.M)
+    flags = set(listed.group(1).split()) if listed else set()
+    isa = "AVX-512" if "avx512f" in flags else "AVX2" if "avx2" in flags else "no AVX2"
+    return {"cpu": model.group(1).strip() if model else "unknown", "isa": isa,
+            "l3_mib": last_level_cache_bytes() >> 20, "cpus": len(os.sched_getaffinity(0))}  # fmt: skip
+
+
+def busy_sibling() -> subprocess.Popen:
+    """A process spinning one core at 100% for as long as it lives."""
+    return subprocess.Popen(["python3", "-c", "while True: pass"])
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--prompt", type=int, default=128)
     parser.add_argument("--gen", type=int, default=64)
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--runs", type=int, default=3, help="tierlm runs per round (median)")
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--runs", type=int, default=2, help="tierlm runs per round (median)")
+    parser.add_argument("--reps", type=int, default=3, help="llama-bench repetitions per round")
+    parser.add_argument("--json", type=Path, help="also write the raw samples here")
     args = parser.parse_args()
 
     from tierlm.weights.embedded import embedded_gguf_path, ensure_embedded_model
 
     ensure_embedded_model()
-    configs = {
-        "tierlm int8": lambda: tierlm_bench("int8", args.prompt, args.gen, args.runs),
-        "tierlm int8-g32-asym": lambda: tierlm_bench("int8-g32-asym", args.prompt, args.gen, args.runs),
-        "tierlm fp32": lambda: tierlm_bench("fp32", args.prompt, args.gen, args.runs),
-    }
+    p, g, runs = args.prompt, args.gen, args.runs
+    eager = {"TIERLM_FUSED": "0"}
+
+    def tierlm(quant, threads, env=None):
+        return lambda: tierlm_bench(quant, threads, p, g, runs, env)
+
+    configs = [
+        Config(QUIET, "tierlm int8 (fused)", "2", tierlm("int8", 2)),
+        Config(QUIET, "tierlm int8 eager (TIERLM_FUSED=0)", "2", tierlm("int8", 2, eager)),
+        Config(QUIET, "tierlm int8-g32-asym", "2", tierlm("int8-g32-asym", 2)),
+        Config(QUIET, "tierlm fp32", "2", tierlm("fp32", 2)),
+        Config(ONE_THREAD, "tierlm int8 (fused)", "1", tierlm("int8", 1)),
+        Config(BUSY, "tierlm int8 (fused)", "default", tierlm("int8", 0)),
+        Config(BUSY, "tierlm int8 eager (TIERLM_FUSED=0)", "default", tierlm("int8", 0, eager)),
+    ]
     bench, quantize = llama_cpp_bin("llama-bench"), llama_cpp_bin("llama-quantize")
     scratch = Path(tempfile.mkdtemp(prefix="tierlm-llamacpp-"))
     if bench and quantize:
@@ -85,31 +167,77 @@ def main() -> None:
         q8 = scratch / "smollm2-q8_0.gguf"
         subprocess.run([str(quantize), "--allow-requantize", str(q4), str(q8), "Q8_0"],
                        capture_output=True, check=True, timeout=600)  # fmt: skip
-        configs["llama.cpp Q8_0"] = lambda: llama_bench(bench, q8, args.prompt, args.gen)
-        configs["llama.cpp Q4_1"] = lambda: llama_bench(bench, q4, args.prompt, args.gen)
+
+        def peer(gguf, threads):
+            return lambda: llama_bench(bench, gguf, p, g, threads, args.reps)
+
+        configs += [
+            Config(QUIET, PEER, "2", peer(q8, 2)),
+            Config(QUIET, "llama.cpp Q4_1", "2", peer(q4, 2)),
+            Config(ONE_THREAD, PEER, "1", peer(q8, 1)),
+            Config(BUSY, PEER, "2", peer(q8, 2)),
+        ]
     else:
         print("llama.cpp rows skipped: llama-bench / llama-quantize not found "
               "(set TIERLM_LLAMA_CPP_BIN to the folder holding them)\n")  # fmt: skip
-    samples: dict[str, list[dict]] = {name: [] for name in configs}
-    for _ in range(args.rounds):
-        for name, run in configs.items():
-            samples[name].append(run())
-    shutil.rmtree(scratch, ignore_errors=True)
+    prepare_probes([({}, 2), (eager, 2), ({}, 1), ({}, 0), (eager, 0)])
+    host = machine()
+    load_before = os.getloadavg()
+    try:
+        for index in range(args.rounds):
+            for condition in (QUIET, ONE_THREAD, BUSY):
+                rows = [c for c in configs if c.condition == condition]
+                rows = rows if index % 2 == 0 else rows[::-1]  # alternate the order round by round
+                sibling = busy_sibling() if condition == BUSY else None
+                try:
+                    for config in rows:
+                        config.samples.append(config.run())
+                finally:
+                    if sibling is not None:
+                        sibling.kill()
+                        sibling.wait()
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    load_after = os.getloadavg()
+    report(configs, host, load_before, load_after, args)
+    if args.json:
+        args.json.write_text(json.dumps({"machine": host, "load_before": load_before, "load_after": load_after,
+                                         "rows": [{"condition": c.condition, "engine": c.engine, "threads": c.threads,
+                                                   "samples": c.samples} for c in configs]}, indent=1))  # fmt: skip
 
-    def median(name: str, kind: str) -> float:
-        return statistics.median(s[kind] for s in samples[name])
 
-    peer = "llama.cpp Q8_0" if "llama.cpp Q8_0" in samples else None
-    print(f"SmolLM2-135M-Instruct, 2 threads, prompt {args.prompt} tokens, {args.gen} generated; "
-          f"median of {args.rounds} interleaved rounds\n")  # fmt: skip
-    print("| engine | prefill tok/s | decode tok/s | decode vs llama.cpp Q8_0 | decode vs tierlm fp32 |")
-    print("|---|---|---|---|---|")
-    for name in samples:
-        decode = median(name, "decode")
-        vs_peer = f"{decode / median(peer, 'decode'):.2f}x" if peer else "n/a"
-        vs_fp32 = f"{decode / median('tierlm fp32', 'decode'):.2f}x"
-        print(f"| {name} | {median(name, 'prefill'):.0f} | {decode:.1f} | {vs_peer} | {vs_fp32} |")
-    print("\nraw:", json.dumps(samples))
+def report(configs: list[Config], host: dict, load_before, load_after, args) -> None:
+    def median(config: Config, kind: str) -> float | None:
+        values = [s[kind] for s in config.samples if s.get(kind)]
+        return statistics.median(values) if values else None
+
+    def find(condition: str, engine: str) -> Config | None:
+        return next((c for c in configs if c.condition == condition and c.engine == engine), None)
+
+    print(f"CPU {host['cpu']}, {host['isa']}, L3 {host['l3_mib']} MiB, {host['cpus']} usable CPUs; "
+          f"load average {load_before[0]:.2f} before, {load_after[0]:.2f} after")  # fmt: skip
+    print(f"SmolLM2-135M-Instruct, prompt {args.prompt} tokens, {args.gen} generated; median of "
+          f"{args.rounds} interleaved rounds (tierlm: median of {args.runs} runs each; llama-bench: "
+          f"mean of {args.reps} repetitions each)\n")  # fmt: skip
+    print("| condition | engine | threads | prefill tok/s | decode tok/s | prefill vs Q8_0 | decode vs Q8_0 "
+          "| decode vs predicted |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|")
+    for config in configs:
+        prefill, decode = median(config, "prefill"), median(config, "decode")
+        peer = find(config.condition, PEER)
+        vs = {k: (f"{v / median(peer, k):.2f}x" if peer and v else "n/a") for k, v in
+              (("prefill", prefill), ("decode", decode))}  # fmt: skip
+        predicted = median(config, "predicted")
+        shown_threads = config.threads
+        if config.threads == "default" and config.samples:
+            shown_threads = f"default ({config.samples[0].get('threads')})"
+        print(f"| {config.condition} | {config.engine} | {shown_threads} | {prefill:.0f} | {decode:.1f} | "
+              f"{vs['prefill']} | {vs['decode']} | {f'{decode / predicted:.0%}' if predicted else 'n/a'} |")  # fmt: skip
+    busy, alone = find(BUSY, "tierlm int8 (fused)"), find(ONE_THREAD, "tierlm int8 (fused)")
+    if busy and alone:
+        print(f"\none core busy: tierlm default decode is {median(busy, 'decode') / median(alone, 'decode'):.2f}x "
+              f"its own quiet 1-thread figure (target >= 0.8x)")  # fmt: skip
+    print("\nraw:", json.dumps({f"{c.condition} | {c.engine}": c.samples for c in configs}))
 
 
 if __name__ == "__main__":
