@@ -62,25 +62,21 @@ STATS = ("calls", "reduced", "late", "wait_s", "threads", "helpers", "backoff_s"
          "helper_chunks", "chunks")  # fmt: skip
 
 
-class PoolLib:
-    def __init__(self, path: Path):
-        lib = ctypes.CDLL(str(path))
-        i64, ptr, c_int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
-        lib.pool_test_visit.argtypes = [i64, i64, c_int, ptr]
-        lib.pool_test_gemv.argtypes = [ptr, ptr, ptr, i64, i64, i64, c_int]
-        lib.pool_test_late.argtypes = [i64, c_int, c_int, c_int, ptr]
-        lib.tierlm_pool_configure.argtypes = [c_int, c_int]
-        lib.tierlm_pool_stats.argtypes = [ptr, c_int]
-        self.lib = lib
+def _controls(lib: ctypes.CDLL) -> ctypes.CDLL:
+    """lib with the pool's exported controls typed (the test kernel's or the real library's)."""
+    lib.tierlm_pool_configure.argtypes = [ctypes.c_int, ctypes.c_int]
+    lib.tierlm_pool_stats.argtypes = [ctypes.c_void_p, ctypes.c_int]
+    return lib
 
-    def stats(self) -> dict[str, float]:
-        out = (ctypes.c_double * len(STATS))()
-        self.lib.tierlm_pool_stats(out, len(STATS))
-        return dict(zip(STATS, out))
+
+def _stats(lib: ctypes.CDLL) -> dict[str, float]:
+    out = (ctypes.c_double * len(STATS))()
+    lib.tierlm_pool_stats(out, len(STATS))
+    return dict(zip(STATS, out))
 
 
 @pytest.fixture(scope="module")
-def pool(tmp_path_factory) -> PoolLib:
+def pool(tmp_path_factory) -> ctypes.CDLL:
     compiler = next(filter(None, (shutil.which(c) for c in (os.environ.get("CXX") or "c++", "g++"))), None)
     assert compiler, "the pool's tests need a C++ compiler (as the native kernels do)"
     build = tmp_path_factory.mktemp("pool")
@@ -95,8 +91,12 @@ def pool(tmp_path_factory) -> PoolLib:
     # next call" is inside the backoff even on a loaded machine.
     os.environ.update(TIERLM_POOL_BACKOFF_MIN_US="200000", TIERLM_POOL_BACKOFF_MAX_US="800000")
     try:
-        lib = PoolLib(library)
-        lib.lib.tierlm_pool_configure(0, 1)  # creates the pool, which reads them
+        lib = _controls(ctypes.CDLL(str(library)))
+        i64, ptr, c_int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
+        lib.pool_test_visit.argtypes = [i64, i64, c_int, ptr]
+        lib.pool_test_gemv.argtypes = [ptr, ptr, ptr, i64, i64, i64, c_int]
+        lib.pool_test_late.argtypes = [i64, c_int, c_int, c_int, ptr]
+        lib.tierlm_pool_configure(0, 1)  # creates the pool, which reads them
         return lib
     finally:
         del os.environ["TIERLM_POOL_BACKOFF_MIN_US"], os.environ["TIERLM_POOL_BACKOFF_MAX_US"]
@@ -104,60 +104,60 @@ def pool(tmp_path_factory) -> PoolLib:
 
 def test_every_index_runs_exactly_once(pool):
     rng = random.Random(13)
-    pool.lib.tierlm_pool_configure(0, 1)
+    pool.tierlm_pool_configure(0, 1)
     for _ in range(2000):
         n = rng.choice([0, 1, 2, 3, 7, 63, 64, 65, 1000, 4097])
         grain = rng.choice([1, 2, 5, 16, 64, 1000, 10**6])
         threads = rng.choice([1, 2, 3, 4, 8])
         out = np.zeros(n + 1, np.int32)  # one guard element past the end
-        pool.lib.pool_test_visit(n, grain, threads, out.ctypes.data)
+        pool.pool_test_visit(n, grain, threads, out.ctypes.data)
         assert (out[:n] == 1).all() and out[n] == 0, (n, grain, threads)
-    stats = pool.stats()
+    stats = _stats(pool)
     assert stats["calls"] > 0 and stats["helpers"] >= 1  # the parallel path ran, not just inline
     assert stats["chunks"] >= stats["helper_chunks"] > 0
 
 
 def test_a_capped_pool_runs_on_the_caller_alone(pool):
-    pool.lib.tierlm_pool_configure(1, 1)
+    pool.tierlm_pool_configure(1, 1)
     out = np.zeros(10_000, np.int32)
-    pool.lib.pool_test_visit(10_000, 10, 4, out.ctypes.data)
+    pool.pool_test_visit(10_000, 10, 4, out.ctypes.data)
     assert (out == 1).all()
-    assert pool.lib.tierlm_pool_threads() == 1 and pool.stats()["calls"] == 0
-    pool.lib.tierlm_pool_configure(0, 1)
+    assert pool.tierlm_pool_threads() == 1 and _stats(pool)["calls"] == 0
+    pool.tierlm_pool_configure(0, 1)
 
 
-def _late(pool: PoolLib, helper_us: int) -> None:
+def _late(pool: ctypes.CDLL, helper_us: int) -> None:
     out = np.zeros(200, np.int32)
-    pool.lib.pool_test_late(200, 2, 100, helper_us, out.ctypes.data)  # the caller needs ~20 ms
+    pool.pool_test_late(200, 2, 100, helper_us, out.ctypes.data)  # the caller needs ~20 ms
     assert (out == 1).all()
 
 
 def test_a_late_helper_starts_a_backoff_that_doubles_and_recovers(pool):
-    pool.lib.tierlm_pool_configure(0, 1)
+    pool.tierlm_pool_configure(0, 1)
     _late(pool, helper_us=30_000)  # the helper holds its chunk 30 ms: the caller waits for it
-    first = pool.stats()
+    first = _stats(pool)
     assert first["late"] == 1 and first["backoff_s"] == pytest.approx(0.2) and first["helper_chunks"] >= 1
-    assert pool.lib.tierlm_pool_threads() == 1
+    assert pool.tierlm_pool_threads() == 1
     _late(pool, helper_us=30_000)  # inside the backoff: the caller runs every chunk itself
-    second = pool.stats()
+    second = _stats(pool)
     assert second["reduced"] == 1 and second["late"] == 1 and second["helper_chunks"] == first["helper_chunks"]
     time.sleep(0.25)
     _late(pool, helper_us=30_000)  # the probe after the backoff finds the helper late again
-    third = pool.stats()
+    third = _stats(pool)
     assert third["late"] == 2 and third["backoff_s"] == pytest.approx(0.4)
     time.sleep(0.45)
     for _ in range(64):  # on time again: the backoff halves
         _late(pool, helper_us=0)
-    assert pool.stats()["backoff_s"] == pytest.approx(0.2) and pool.lib.tierlm_pool_threads() == 2
+    assert _stats(pool)["backoff_s"] == pytest.approx(0.2) and pool.tierlm_pool_threads() == 2
 
 
 def test_without_adaptive_mode_a_late_helper_changes_nothing(pool):
-    pool.lib.tierlm_pool_configure(0, 0)
+    pool.tierlm_pool_configure(0, 0)
     _late(pool, helper_us=30_000)
     _late(pool, helper_us=30_000)
-    stats = pool.stats()
+    stats = _stats(pool)
     assert stats["late"] == 2 and stats["reduced"] == 0 and stats["helper_chunks"] >= 2
-    pool.lib.tierlm_pool_configure(0, 1)
+    pool.tierlm_pool_configure(0, 1)
 
 
 def _busy_sibling(cpu: int) -> subprocess.Popen:
@@ -178,16 +178,16 @@ def test_a_busy_sibling_does_not_corrupt_the_pool(pool):
     sibling = _busy_sibling(max(os.sched_getaffinity(0)))
     try:
         time.sleep(0.1)  # the sibling is spinning before the first call
-        pool.lib.tierlm_pool_configure(0, 1)
+        pool.tierlm_pool_configure(0, 1)
         deadline = time.monotonic() + 2.0
         while time.monotonic() < deadline:
             y.fill(np.nan)
-            pool.lib.pool_test_gemv(w.ctypes.data, x.ctypes.data, y.ctypes.data, n, k, 64, 2)
+            pool.pool_test_gemv(w.ctypes.data, x.ctypes.data, y.ctypes.data, n, k, 64, 2)
             np.testing.assert_allclose(y, reference, rtol=1e-4, atol=1e-2)
     finally:
         sibling.kill()
         sibling.wait()
-    stats = pool.stats()
+    stats = _stats(pool)
     assert stats["helper_chunks"] + stats["reduced"] > 0, stats  # the parallel path ran
 
 
@@ -243,9 +243,62 @@ def test_a_one_thread_governor_never_changes_threads():
     [({}, "1000"), ({"GOMP_SPINCOUNT": "5"}, "5"), ({"OMP_WAIT_POLICY": "ACTIVE"}, None)],
 )
 def test_importing_tierlm_bounds_openmp_spinning_unless_the_user_chose(given, expected):
-    """Set on `import tierlm`, before torch loads libgomp (which reads it only then)."""
+    """Set on `import tierlm`, which imports no torch, so libgomp (loaded with torch, reading its
+    environment only then) sees it."""
     env = {k: v for k, v in os.environ.items() if k not in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")}
-    code = "import os, tierlm, torch; print(os.environ.get('GOMP_SPINCOUNT'))"
+    code = "import os, sys, tierlm; print(os.environ.get('GOMP_SPINCOUNT'), 'torch' in sys.modules)"
     done = subprocess.run([sys.executable, "-c", code], env={**env, **given}, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
-    assert done.stdout.strip() == str(expected)
+    assert done.stdout.split() == [str(expected), "False"]
+
+
+def test_fused_decode_with_a_busy_sibling_gives_the_eager_reference_tokens(tmp_path, monkeypatch):
+    """A tiny llama (big enough that every GEMV splits into many chunks) decodes 16 greedy steps
+    on 2 threads through the fused native step while a busy-looping process holds one of this
+    process's CPUs: the tokens equal the eager reference path's (TIERLM_FUSED=0, machine quiet)
+    and the native pool really ran those steps in parallel."""
+    import torch
+
+    from tests.tiny import make_case, prompt
+    from tierlm.models import fused_decode
+    from tierlm.runtime.loader import load_model
+
+    make_case(tmp_path, dict(family="llama", hidden=256, intermediate=768, heads=4, kv_heads=2))
+    loaded = load_model(tmp_path, device="cpu", dtype=torch.float32, context_length=64, quant="int8")
+    ids = prompt(loaded.config.vocab_size, 9)
+
+    def greedy(steps: int = 16):
+        cache = loaded.new_cache()
+        rows = [loaded.model.forward(ids, cache)[0, -1]]
+        for _ in range(steps):
+            rows.append(loaded.model.forward(torch.tensor([[int(rows[-1].argmax())]]), cache)[0, -1])
+        return torch.stack(rows)
+
+    fused = []
+    run = fused_decode.FusedStep.run
+    monkeypatch.setattr(fused_decode.FusedStep, "run", lambda *a: fused.append(run(*a)) or fused[-1])
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        monkeypatch.setenv("TIERLM_FUSED", "0")
+        expected = greedy()
+        monkeypatch.delenv("TIERLM_FUSED")
+        assert fused == []
+        lib = fused_decode.native_library()
+        assert lib is not None, "the native library did not load"
+        _controls(lib)
+        sibling = _busy_sibling(max(os.sched_getaffinity(0)))
+        try:
+            time.sleep(0.1)
+            lib.tierlm_pool_configure(0, 1)
+            actual = greedy()
+            pool = _stats(lib)
+        finally:
+            sibling.kill()
+            sibling.wait()
+    finally:
+        torch.set_num_threads(threads)
+    assert fused and all(fused) and len(fused) == 16 * loaded.config.num_hidden_layers
+    assert actual.argmax(-1).tolist() == expected.argmax(-1).tolist()
+    torch.testing.assert_close(actual, expected, atol=1e-4, rtol=0)
+    assert pool["calls"] > 0 and pool["helper_chunks"] + pool["reduced"] > 0, pool
