@@ -79,6 +79,8 @@ def step_for(model, cache, ids: torch.Tensor) -> FusedStep | None:
         return None
     if max(positions) >= cache.max_len:  # what cache.rope raises on the eager path
         raise ValueError(f"{max(positions) + 1} positions exceed the KV cache ({cache.max_len})")
+    if max(positions) >= model.rotary.cos.shape[0]:
+        return None  # past the rotary table: the eager path reports it
     lib = native_library()
     if lib is None:
         return None
@@ -105,17 +107,24 @@ class FusedStep:
         a.eps, a.interleaved = cfg.rms_norm_eps, int(rotary.interleaved)
         a.threads = torch.get_num_threads()
         self._rotary = rotary  # keeps cos/sin alive for the step
+        hidden, q_size, inter = cfg.hidden_size, a.n_q * a.head_dim, cfg.intermediate_size
+        self._shapes = {"wqkv": (q_size + 2 * a.n_kv * a.head_dim, hidden), "wo": (hidden, q_size),
+                        "w13": (2 * inter, hidden), "w2": (hidden, inter)}  # fmt: skip
 
     def run(self, w, x: torch.Tensor, layer: int) -> bool:
         """Run layer `layer` on x [B, 1, H] in place; False (nothing done) if its weights do not fit."""
-        a, keep = self._args, []
-        if not (_set_weight(a.qkv, w["wqkv"], w.get("bqkv"), keep)
-                and _set_weight(a.o, w["wo"], w.get("bo"), keep)
-                and _set_weight(a.w13, w["w13"], w.get("b13"), keep)
-                and _set_weight(a.w2, w["w2"], w.get("b2"), keep)):  # fmt: skip
+        a, keep, shapes = self._args, [], self._shapes
+        if not (_set_weight(a.qkv, w["wqkv"], w.get("bqkv"), shapes["wqkv"], keep)
+                and _set_weight(a.o, w["wo"], w.get("bo"), shapes["wo"], keep)
+                and _set_weight(a.w13, w["w13"], w.get("b13"), shapes["w13"], keep)
+                and _set_weight(a.w2, w["w2"], w.get("b2"), shapes["w2"], keep)):  # fmt: skip
             return False
         norms = [w["attn_norm"], w["mlp_norm"], w.get("q_norm"), w.get("k_norm")]
-        if not all(n is None or _is_cpu_fp32(n) for n in norms) or not _is_cpu_fp32(x):
+        sizes = (a.hidden, a.hidden, a.head_dim, a.head_dim)
+        # The native code trusts every size: anything unexpected runs the eager path instead.
+        if not all(n is None or (_is_cpu_fp32(n) and n.numel() == size) for n, size in zip(norms, sizes)):
+            return False
+        if not _is_cpu_fp32(x) or x.numel() != a.batch * a.hidden:
             return False
         a.attn_norm, a.mlp_norm = norms[0].data_ptr(), norms[1].data_ptr()
         a.q_norm = norms[2].data_ptr() if norms[2] is not None else None
@@ -130,10 +139,13 @@ def _is_cpu_fp32(t) -> bool:
     return isinstance(t, torch.Tensor) and t.dtype == torch.float32 and t.is_cpu and t.is_contiguous()
 
 
-def _set_weight(arg: WeightArg, weight, bias, keep: list) -> bool:
-    """Describe `weight` (Int8Weight or fp32 tensor) and its bias in `arg`; False if unsupported."""
+def _set_weight(arg: WeightArg, weight, bias, shape: tuple[int, int], keep: list) -> bool:
+    """Describe `weight` (Int8Weight or fp32 tensor of `shape`) and its bias in `arg`; False if
+    unsupported."""
+    if tuple(weight.shape) != shape:
+        return False
     if bias is not None:
-        if not (isinstance(bias, torch.Tensor) and bias.is_cpu):
+        if not (isinstance(bias, torch.Tensor) and bias.is_cpu and bias.numel() == shape[0]):
             return False
         bias = bias.float().contiguous()
         keep.append(bias)  # a converted copy must outlive the call

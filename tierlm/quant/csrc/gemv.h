@@ -42,51 +42,64 @@ inline void prefetch(const T* p) {
 }
 
 // out[m][r] = sum_k x[m * ldx + k] * w[r * K + k] * s[r * G + k / group] (s null: unscaled).
-template <int R, int MB, bool GROUPED, typename WT>
+// GS > 0: groups of exactly GS columns (K a multiple of GS), stepped with a compile-time count.
+template <int R, int MB, bool GROUPED, int GS, typename WT>
 inline void tile(const float* x, int64_t ldx, const WT* w, int64_t K, const float* s, int64_t G,
                  int64_t group, float (&out)[MB][R]) {
   using reg = Vec::reg;
   constexpr int L = Vec::lanes;
   constexpr int64_t LINE = 64 / sizeof(WT);  // elements per cache line
+  static_assert(GS % L == 0, "a fixed group is whole vectors");
   reg acc[R][MB] = {};
   reg total[GROUPED ? R : 1][GROUPED ? MB : 1] = {};
   float tail[R][MB] = {};
   float tail_total[R][MB] = {};
+  // Scalar tails only where a group (or K) is not whole vectors: none in the common modes.
+  const bool ragged = GS == 0 && (group % L != 0 || K % L != 0);
+  auto step = [&](int64_t k) __attribute__((always_inline)) {
+    reg wf[R];
+    for (int r = 0; r < R; ++r) wf[r] = Vec::load(w + r * K + k);
+    for (int m = 0; m < MB; ++m) {
+      const reg xv = Vec::load(x + m * ldx + k);
+      for (int r = 0; r < R; ++r) acc[r][m] = Vec::fma(wf[r], xv, acc[r][m]);
+    }
+  };
   for (int64_t g = 0; g < G; ++g) {
-    const int64_t k0 = g * group, k1 = std::min(K, k0 + group);
     for (int r = 0; r < R; ++r)
       for (int m = 0; m < MB; ++m) acc[r][m] = Vec::zero();
-    auto step = [&](int64_t k) __attribute__((always_inline)) {
-      reg wf[R];
-      for (int r = 0; r < R; ++r) wf[r] = Vec::load(w + r * K + k);
-      for (int m = 0; m < MB; ++m) {
-        const reg xv = Vec::load(x + m * ldx + k);
-        for (int r = 0; r < R; ++r) acc[r][m] = Vec::fma(wf[r], xv, acc[r][m]);
+    if constexpr (GS > 0) {
+      const int64_t k0 = g * GS;
+      if (TL_PREFETCH && (k0 & (LINE - 1)) == 0)
+        for (int r = 0; r < R; ++r) prefetch(w + (r + R) * K + k0);
+      for (int u = 0; u < GS; u += L) step(k0 + u);
+    } else {
+      const int64_t k0 = g * group, k1 = std::min(K, k0 + group);
+      int64_t k = k0;
+      for (; k + LINE <= k1; k += LINE) {  // one cache line per row per iteration
+        if (TL_PREFETCH)
+          for (int r = 0; r < R; ++r) prefetch(w + (r + R) * K + k);
+        for (int u = 0; u < LINE; u += L) step(k + u);
       }
-    };
-    int64_t k = k0;
-    for (; k + LINE <= k1; k += LINE) {  // one cache line per row per iteration
-      if (TL_PREFETCH)
-        for (int r = 0; r < R; ++r) prefetch(w + (r + R) * K + k);
-      for (int u = 0; u < LINE; u += L) step(k + u);
+      for (; k + L <= k1; k += L) {  // groups shorter than a line still prefetch
+        if (TL_PREFETCH && (k & (LINE - 1)) == 0)
+          for (int r = 0; r < R; ++r) prefetch(w + (r + R) * K + k);
+        step(k);
+      }
+      if (ragged)
+        for (; k < k1; ++k)  // ragged end of a group (or of K)
+          for (int r = 0; r < R; ++r)
+            for (int m = 0; m < MB; ++m) tail[r][m] += static_cast<float>(w[r * K + k]) * x[m * ldx + k];
     }
-    for (; k + L <= k1; k += L) {  // groups shorter than a line (int8-g32) still prefetch
-      if (TL_PREFETCH && (k & (LINE - 1)) == 0)
-        for (int r = 0; r < R; ++r) prefetch(w + (r + R) * K + k);
-      step(k);
-    }
-    for (; k < k1; ++k)  // ragged end of a group (or of K)
-      for (int r = 0; r < R; ++r)
-        for (int m = 0; m < MB; ++m) tail[r][m] += static_cast<float>(w[r * K + k]) * x[m * ldx + k];
     if constexpr (GROUPED) {
       for (int r = 0; r < R; ++r) {
         const float sg = s[r * G + g];
         const reg sv = Vec::set1(sg);
-        for (int m = 0; m < MB; ++m) {
-          total[r][m] = Vec::fma(acc[r][m], sv, total[r][m]);
-          tail_total[r][m] += tail[r][m] * sg;
-          tail[r][m] = 0.0f;
-        }
+        for (int m = 0; m < MB; ++m) total[r][m] = Vec::fma(acc[r][m], sv, total[r][m]);
+        if (ragged)
+          for (int m = 0; m < MB; ++m) {
+            tail_total[r][m] += tail[r][m] * sg;
+            tail[r][m] = 0.0f;
+          }
       }
     }
   }
@@ -129,11 +142,13 @@ inline void block(const Weight& W, const float* x, int64_t ldx, const float* xs,
   float out[MB][R];
   const int64_t K = W.cols, G = W.groups();
   if (!W.int8) {
-    tile<R, MB, false>(x, ldx, static_cast<const float*>(W.data) + n * K, K, nullptr, 1, K, out);
+    tile<R, MB, false, 0>(x, ldx, static_cast<const float*>(W.data) + n * K, K, nullptr, 1, K, out);
   } else {
     const int8_t* w = static_cast<const int8_t*>(W.data) + n * K;
-    if (G > 1) tile<R, MB, true>(x, ldx, w, K, W.scales + n * G, G, W.group, out);
-    else tile<R, MB, false>(x, ldx, w, K, W.scales + n, 1, K, out);
+    if (G == 1) tile<R, MB, false, 0>(x, ldx, w, K, W.scales + n, 1, K, out);
+    else if (W.group == 32 && K % 32 == 0)  // int8-g32 (GGUF sources): unrolled groups
+      tile<R, MB, true, 32>(x, ldx, w, K, W.scales + n * G, G, 32, out);
+    else tile<R, MB, true, 0>(x, ldx, w, K, W.scales + n * G, G, W.group, out);
   }
   for (int m = 0; m < MB; ++m)
     for (int r = 0; r < R; ++r) {
