@@ -9,6 +9,13 @@ run, then the median of 3. Prefill tok/s = 34 / prefill time; decode tok/s = 127
 Peak RSS = VmHWM of the side's process at the end (imports, loading and generation). The greedy
 tokens of every side are compared with transformers'. Run on an otherwise idle machine:
 `.venv/bin/python benchmarks/bench_core.py`.
+
+`--dram-bound [--layers N]` instead measures a Llama-2-7B-shaped synthetic INT8 model (random
+weights written once into the cache; 8 of its 32 layers unless `--layers` says otherwise)
+resident under the `24gb` profile: decode tok/s after a 16-token prompt next to the bound the
+machine's DRAM sets, (the probe's int8 bytes/s, measured before and after the decode) / (weight
+bytes one token reads: every layer and the head, an embedding row). The share of the bound does
+not depend on the layer count; the 32-layer tok/s is extrapolated from it.
 """
 
 from __future__ import annotations
@@ -81,9 +88,79 @@ def measure(side: str, model_dir: str) -> dict:
     }
 
 
+DRAM_STEPS = 16  # decode steps timed on the 7B-shaped model (one warm-up step first)
+# 8 of the 32 layers (1.9 GB, written in ~3 min on 2 cores; all 32 take ~10): far past any L3,
+# so the weights stream from DRAM as the whole model's would.
+DRAM_LAYERS = 8
+
+
+def dram_bound_side(artifact: str) -> dict:
+    """Decode of `artifact` resident under 24gb in this process, beside the DRAM bound."""
+    import torch
+
+    from tierlm.device.cpu import apply_threads
+    from tierlm.offload.probe import int8_bytes_per_s
+    from tierlm.profile import load_profile
+    from tierlm.runtime.loader import load_model
+
+    apply_threads(2)
+    loaded = load_model(artifact, device="cpu", dtype=torch.float32, profile=load_profile("24gb"))
+    sizes, placement = loaded.sizes, loaded.placement
+    layer_bytes = sum(sizes.bytes_used(b) for b in sizes.names if b.startswith("layers."))
+    per_token = sum(sizes.bytes_used(b) for b in sizes.names if b != "embed") + sizes.row_bytes
+    cache = loaded.new_cache()
+    # The probe's int8 bandwidth measured now, before and after the decode: the bound is this
+    # run's, not a cached figure from another hour of the machine's day.
+    dram = [int8_bytes_per_s(torch.device("cpu"), torch.float32)]
+    with torch.inference_mode():
+        token = int(loaded.model.forward(torch.tensor([PROMPT[:16]]) % loaded.config.vocab_size, cache)[0, -1].argmax())
+        token = int(loaded.model.forward(torch.tensor([[token]]), cache)[0, -1].argmax())  # warm-up step
+        started = time.perf_counter()
+        for _ in range(DRAM_STEPS):
+            token = int(loaded.model.forward(torch.tensor([[token]]), cache)[0, -1].argmax())
+        elapsed = time.perf_counter() - started
+    dram.append(int8_bytes_per_s(torch.device("cpu"), torch.float32))
+    return {"decode_tps": DRAM_STEPS / elapsed, "bytes_per_token": per_token, "layer_bytes": layer_bytes,
+            "dram_bytes_per_s": statistics.mean(dram), "resident": placement.fully_resident,
+            "predicted_tps": placement.predicted_decode_tokens_per_s, "peak_rss": peak_rss()}  # fmt: skip
+
+
+def dram_bound(layers: int) -> None:
+    from bench_offload import LLAMA2_7B
+
+    from tierlm.cache.synthetic import write_synthetic_artifact
+    from tierlm.paths import cache_root
+
+    target = cache_root() / "artifacts" / f"synthetic-llama2-7b-{layers}l-int8"
+    started = time.perf_counter()
+    write_synthetic_artifact({**LLAMA2_7B, "num_hidden_layers": layers}, target)
+    print(f"Llama-2-7B-shaped synthetic INT8, {layers} of 32 layers, ready in {time.perf_counter() - started:.0f} s")
+    out = subprocess.run([sys.executable, __file__, "--dram-side", str(target)], capture_output=True, text=True)
+    if out.returncode != 0:
+        sys.exit(out.stderr.strip()[-2000:])
+    row = json.loads(out.stdout.strip().splitlines()[-1])
+    bound = row["dram_bytes_per_s"] / row["bytes_per_token"]
+    share = row["decode_tps"] / bound
+    print("| layers | resident | GB read per token | probe DRAM GB/s | bound tok/s | decode tok/s | share of bound "
+          "| predicted tok/s | 32 layers, extrapolated tok/s | peak RSS GiB |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    # At 32 layers a token reads the other blocks' bytes plus 32 layers' at the same share of the bound.
+    bytes_32 = row["bytes_per_token"] + row["layer_bytes"] * (32 - layers) / layers
+    print(f"| {layers} | {row['resident']} | {row['bytes_per_token'] / 1e9:.2f} | {row['dram_bytes_per_s'] / 1e9:.1f} | "
+          f"{bound:.2f} | {row['decode_tps']:.2f} | {share:.0%} (target >= 90%) | {row['predicted_tps']:.2f} | "
+          f"{share * row['dram_bytes_per_s'] / bytes_32:.2f} | {row['peak_rss'] / 2**30:.2f} |")  # fmt: skip
+
+
 def main() -> None:
     if len(sys.argv) == 4 and sys.argv[1] == "--side":
         print(json.dumps(measure(sys.argv[2], sys.argv[3])))
+        return
+    if len(sys.argv) == 3 and sys.argv[1] == "--dram-side":
+        print(json.dumps(dram_bound_side(sys.argv[2])))
+        return
+    if "--dram-bound" in sys.argv:
+        layers = int(sys.argv[sys.argv.index("--layers") + 1]) if "--layers" in sys.argv else DRAM_LAYERS
+        dram_bound(layers)
         return
     from tierlm.weights.embedded import ensure_embedded_model
 
