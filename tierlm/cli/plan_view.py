@@ -57,8 +57,8 @@ def render_plan(placement, header: list[str]) -> str:
 
 def placement_rows(placement) -> list[tuple[str, str, int]]:
     """(blocks, where, bytes), consecutive layers on the same tier grouped as `layers.0-27`."""
+    from tierlm.blocks import EMBED, HEAD, is_layer, layer_index
     from tierlm.offload.placement import DEVICE
-    from tierlm.offload.planner import EMBED, HEAD
 
     rows: list[tuple[str, str, int]] = []
     run: list = []  # BlockPlacements
@@ -78,13 +78,13 @@ def placement_rows(placement) -> list[tuple[str, str, int]]:
 
     def flush():
         if run:
-            first, last = run[0].name, run[-1].name.split(".", 1)[1]
+            first, last = run[0].name, layer_index(run[-1].name)
             name = first if len(run) == 1 else f"{first}-{last}"
             rows.append((name, where(run), sum(b.nbytes for b in run)))
             run.clear()
 
     for b in placement.blocks:
-        if b.name.startswith("layers."):
+        if is_layer(b.name):
             if run and run[-1].tier != b.tier:
                 flush()
             run.append(b)

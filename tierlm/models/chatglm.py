@@ -42,11 +42,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from tierlm.blocks import CheckpointLayout
+from tierlm.blocks import EMBED, HEAD, NORM, CheckpointLayout, layer_block
 from tierlm.config import MAX_ROPE_THETA, ModelConfig
 from tierlm.errors import TierlmError
 from tierlm.models.glm import GlmModel
-from tierlm.models.llama import layer_block
 
 
 # ChatGLM2/3 switches tierlm cannot honour: (key, ChatGLMConfig's default, the value it needs).
@@ -107,7 +106,7 @@ class ChatGLMModel(GlmModel):
 
     @classmethod
     def checkpoint_layout(cls, config: ModelConfig) -> CheckpointLayout:
-        layout: CheckpointLayout = {"embed": {"embed": ("transformer.embedding.word_embeddings.weight",)}}
+        layout: CheckpointLayout = {EMBED: {"embed": ("transformer.embedding.word_embeddings.weight",)}}
         for i in range(config.num_hidden_layers):
             layer = f"transformer.encoder.layers.{i}."
             block = {
@@ -121,8 +120,8 @@ class ChatGLMModel(GlmModel):
             if config.attention_bias:  # add_qkv_bias
                 block["bqkv"] = (f"{layer}self_attention.query_key_value.bias",)
             layout[layer_block(i)] = block
-        layout["norm"] = {"norm": ("transformer.encoder.final_layernorm.weight",)}
-        layout["head"] = {"head": ("transformer.output_layer.weight",)}
+        layout[NORM] = {"norm": ("transformer.encoder.final_layernorm.weight",)}
+        layout[HEAD] = {"head": ("transformer.output_layer.weight",)}
         return layout
 
 

@@ -20,6 +20,7 @@ import logging
 
 import torch
 
+from tierlm.blocks import EMBED, HEAD, NORM, layer_block
 from tierlm.device.graphs import DecodeGraph, GraphUnavailable, graph_factory, graph_kind
 from tierlm.models import base
 
@@ -55,7 +56,7 @@ def streamed_refusal(store) -> str | None:
     if placement is None:
         return None  # a resident store: every block lives on the compute device
     for placed in placement.blocks:
-        if placed.name == "embed":
+        if placed.name == EMBED:
             continue
         if placed.tier != "device":
             how = "streamed through the ring" if placed.streamed else "computed on the host"
@@ -106,8 +107,6 @@ class StaticStep:
 
     def __call__(self) -> None:
         """The step the graph captures: reads hidden/slots/positions, writes logits."""
-        from tierlm.models.llama import layer_block
-
         model, cfg, rotary = self.model, self.model.config, self.model.rotary
         cos = rotary.cos.index_select(0, self.positions)[:, None, None, :]
         sin = rotary.sin.index_select(0, self.positions)[:, None, None, :]
@@ -116,9 +115,9 @@ class StaticStep:
         for i in range(cfg.num_hidden_layers):
             with model.store.block(layer_block(i)) as w:
                 x = model.decoder_layer(w, x, self.rows, i, cos, sin, mask)
-        with model.store.block("norm") as w:
+        with model.store.block(NORM) as w:
             x = base.rms_norm(x, w["norm"], cfg.rms_norm_eps)
-        with model.store.block("head") as w:
+        with model.store.block(HEAD) as w:
             self.logits.copy_(base.linear(x, w["head"]))
 
     def run(self, hidden: torch.Tensor, slots: list[int], positions: list[int]) -> torch.Tensor:
@@ -160,7 +159,7 @@ class GraphedDecode:
         self._make_finite(cache, keys, values, slots, positions, span)
         model = self.model
         model.store.note_forward(ids.numel())
-        with model.store.block("embed") as w:
+        with model.store.block(EMBED) as w:
             hidden = base.embed(w["embed"], ids)
         try:
             logits = step.run(hidden, slots, positions)

@@ -10,13 +10,9 @@ from typing import Any, Literal, Mapping
 
 import torch
 
-from tierlm.blocks import BlockLayout, CheckpointLayout
+from tierlm.blocks import EMBED, HEAD, NORM, BlockLayout, CheckpointLayout, layer_block
 from tierlm.config import ModelConfig
 from tierlm.models import base, fused_decode, graph_decode
-
-
-def layer_block(index: int) -> str:
-    return f"layers.{index}"
 
 
 class LlamaModel:
@@ -49,12 +45,12 @@ class LlamaModel:
         A tuple of several names is concatenated along the output dimension (fused q/k/v,
         fused gate/up), so one matmul replaces two or three.
         """
-        layout: CheckpointLayout = {"embed": {"embed": ("model.embed_tokens.weight",)}}
+        layout: CheckpointLayout = {EMBED: {"embed": ("model.embed_tokens.weight",)}}
         for i in range(config.num_hidden_layers):
             layout[layer_block(i)] = cls.layer_layout(config, i)
-        layout["norm"] = {"norm": ("model.norm.weight",)}
+        layout[NORM] = {"norm": ("model.norm.weight",)}
         head = "model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"
-        layout["head"] = {"head": (head,)}
+        layout[HEAD] = {"head": (head,)}
         return layout
 
     @classmethod
@@ -155,7 +151,7 @@ class LlamaModel:
         fused = fused_decode.step_for(self, cache, ids)
         eager = None if fused else self.eager_inputs(cache, length)  # raises if tokens do not fit
         self.store.note_forward(ids.numel())
-        with self.store.block("embed") as w:
+        with self.store.block(EMBED) as w:
             x = base.embed(w["embed"], ids).to(self.dtype)
         for i in range(self.config.num_hidden_layers):
             with self.store.block(layer_block(i)) as w:
@@ -166,9 +162,9 @@ class LlamaModel:
         cache.advance(length)
         if logits == "last":
             x = x[:, -1:]
-        with self.store.block("norm") as w:
+        with self.store.block(NORM) as w:
             x = base.rms_norm(x, w["norm"], self.config.rms_norm_eps)
-        with self.store.block("head") as w:
+        with self.store.block(HEAD) as w:
             return base.linear(x, w["head"]).float()
 
     def eager_inputs(self, cache, length: int) -> tuple:

@@ -64,6 +64,7 @@ import math
 from dataclasses import dataclass, replace
 from typing import Mapping, Sequence
 
+from tierlm.blocks import EMBED, HEAD, NORM, is_layer, layer_block
 from tierlm.config import ModelConfig
 from tierlm.device.memory import MemoryLimits
 from tierlm.errors import TierlmError
@@ -81,7 +82,6 @@ from tierlm.offload.sizes import (
 )
 from tierlm.profile import Profile
 
-EMBED, NORM, HEAD = "embed", "norm", "head"
 LIMITS = ("device bandwidth", "host bandwidth", "dispatch overhead", "link", "disk")
 GiB = 2**30
 
@@ -292,7 +292,7 @@ def _units(config: ModelConfig, sizes: BlockSizes) -> list[_Unit]:
     tied = sizes.source_block(HEAD) == EMBED
     units = [_Unit((NORM,), sizes.nbytes[NORM])]
     units.append(_Unit((EMBED, HEAD), sizes.nbytes[EMBED]) if tied else _Unit((HEAD,), sizes.nbytes[HEAD]))
-    units += [_Unit((f"layers.{i}",), sizes.nbytes[f"layers.{i}"]) for i in range(config.num_hidden_layers)]
+    units += [_Unit((layer_block(i),), sizes.nbytes[layer_block(i)]) for i in range(config.num_hidden_layers)]
     if not tied:
         units.append(_Unit((EMBED,), sizes.nbytes[EMBED]))
     return units
@@ -365,7 +365,7 @@ def _choose_compute(ctx: _Context, tiers: Mapping[str, str]) -> dict[str, str]:
     computes = _all_streamed(tiers)  # a cold embedding's rows are gathered where it lies
     if not ctx.accelerator:
         return computes  # CPU-only: one processor; emulated host blocks are streamed
-    host_layers = [b for b in tiers if tiers[b] == HOST and b.startswith("layers.")]
+    host_layers = [b for b in tiers if tiers[b] == HOST and is_layer(b)]
     head_options = (DEVICE, HOST) if tiers[HEAD] == HOST else (DEVICE,)
     best, best_time = computes, None
     for head in head_options:
@@ -499,7 +499,7 @@ def _terms(ctx: _Context, tiers, computes, tokens: int, prefill: bool) -> dict[s
             flops = 2.0 * sizes.params[block] * (1 if prefill and block == HEAD else tokens)
         if computes[block] == HOST:
             terms["host bandwidth"] += max(read / _rate(bw.host_bytes_per_s), flops / _rate(bw.host_flops))
-            if block.startswith("layers.") and ctx.accelerator:
+            if is_layer(block) and ctx.accelerator:
                 terms["dispatch overhead"] += bw.per_block_overhead_s
         else:
             terms["device bandwidth"] += max(

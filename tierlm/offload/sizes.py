@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Mapping
 
+from tierlm.blocks import EMBED, HEAD
 from tierlm.cache.artifact import MANIFEST_NAME, PART_ALIGN, Artifact
 from tierlm.config import ModelConfig
 from tierlm.quant.modes import AUTO, QuantMode, auto_quant, check_mode_name, concrete_mode, parse_quant_mode
@@ -121,7 +122,7 @@ def sizes_from_artifact(directory: Path) -> BlockSizes:
             aliases[name] = block.borrowed_from
     for name, target in aliases.items():
         params[name] = params[target]
-    embed = artifact.blocks["embed"].tensors["embed"]
+    embed = artifact.blocks[EMBED].tensors["embed"]
     row_bytes = sum(part.nbytes // part.shape[0] for part in embed.parts.values())
     quant = str(artifact.manifest.get("quant", "unknown"))
     return BlockSizes(quant, nbytes, params, aliases, row_bytes, str(artifact.directory))
@@ -164,13 +165,13 @@ def sizes_from_config(
     vocab, hidden = config.vocab_size, config.hidden_size
     blocks = family_class(config).block_shapes(config)
     if config.tie_word_embeddings:
-        blocks["head"] = {}
+        blocks[HEAD] = {}
     nbytes = {name: _block_bytes([p for shape in tensors.values() for p in _stored_parts(shape, mode)])
               for name, tensors in blocks.items()}  # fmt: skip
     params = {name: sum(s[0] * s[1] for s in tensors.values() if len(s) == 2) for name, tensors in blocks.items()}
-    aliases = {"head": "embed"} if config.tie_word_embeddings else {}
+    aliases = {HEAD: EMBED} if config.tie_word_embeddings else {}
     if aliases:
-        params["head"] = params["embed"]
+        params[HEAD] = params[EMBED]
     row_bytes = sum(part // vocab for part in _stored_parts((vocab, hidden), mode))
     return BlockSizes(mode.name, nbytes, params, aliases, row_bytes, "config")
 
@@ -264,4 +265,4 @@ def hot_cache_bytes(config: ModelConfig, sizes: BlockSizes, accelerator: bool) -
     """Decoded embedding rows kept on the device for a non-resident embedding: 4096 rows in the
     compute dtype, never more than the embedding's own stored bytes."""
     rows = min(config.vocab_size, HOT_CACHE_ROWS) * config.hidden_size * compute_bytes(accelerator)
-    return min(rows, sizes.nbytes["embed"])
+    return min(rows, sizes.nbytes[EMBED])

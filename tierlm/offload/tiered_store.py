@@ -20,6 +20,7 @@ from typing import Callable, Mapping
 
 import torch
 
+from tierlm.blocks import EMBED, HEAD
 from tierlm.cache import codec
 from tierlm.cache.artifact import Artifact
 from tierlm.device import backend_for
@@ -29,8 +30,6 @@ from tierlm.offload.ledger import Ledger
 from tierlm.offload.placement import DEVICE, DISK, HOST, Placement
 from tierlm.offload.prefetch import PrefetchRing
 from tierlm.weights.store import WeightStore
-
-EMBED_BLOCK = "embed"
 
 
 class TieredStore(WeightStore):
@@ -60,7 +59,7 @@ class TieredStore(WeightStore):
         self._embed_rows = None
         for placed in placement.blocks:
             source = artifact.source_block(placed.name)
-            if placed.name == EMBED_BLOCK and placed.tier != DEVICE:
+            if placed.name == EMBED and placed.tier != DEVICE:
                 if placed.tier == HOST:
                     self.host_bytes[source] = self._read_raw(source)
                 continue  # served row by row, below
@@ -76,13 +75,13 @@ class TieredStore(WeightStore):
                     self.resident[placed.name] = self._decode(
                         placed.name, artifact.views(source, self.host_bytes[source]), torch.device("cpu")
                     )
-        tied_head = artifact.source_block("head") == EMBED_BLOCK and "head" in self.resident
-        if tied_head and EMBED_BLOCK not in self.resident:
+        tied_head = artifact.source_block(HEAD) == EMBED and HEAD in self.resident
+        if tied_head and EMBED not in self.resident:
             # A resident tied head is the embedding matrix: rows come from it for free.
-            self.resident[EMBED_BLOCK] = {"embed": self.resident["head"]["head"]}
-        if EMBED_BLOCK not in self.resident:
+            self.resident[EMBED] = {"embed": self.resident[HEAD]["head"]}
+        if EMBED not in self.resident:
             self._embed_rows = EmbeddingRows(
-                artifact.blocks[EMBED_BLOCK].tensors["embed"],
+                artifact.blocks[EMBED].tensors["embed"],
                 self._read_embed_rows,
                 ledger=self.ledger,
                 device=self.device,
@@ -90,7 +89,7 @@ class TieredStore(WeightStore):
                 cache_bytes=placement.hot_cache_bytes,
                 counts_path=Path(artifact.directory) / COUNTS_NAME,
             )
-        streamed = [b.name for b in placement.blocks if b.streamed and b.name != EMBED_BLOCK]
+        streamed = [b.name for b in placement.blocks if b.streamed and b.name != EMBED]
         self.ring = None
         if streamed:
             sizes = {n: artifact.blocks[artifact.source_block(n)].nbytes for n in streamed}
@@ -110,7 +109,7 @@ class TieredStore(WeightStore):
     # -- the WeightStore contract -------------------------------------------------------------
 
     def acquire(self, block: str) -> Mapping[str, object]:
-        if block == EMBED_BLOCK and self._embed_rows is not None:
+        if block == EMBED and self._embed_rows is not None:
             return {"embed": self._embed_rows}
         found = self.resident.get(block)
         if found is not None:
@@ -185,8 +184,8 @@ class TieredStore(WeightStore):
 
     def _read_embed_rows(self, rows: list[int]) -> dict:
         """{part: those rows} of the embedding, from its host copy or disk, counted as read."""
-        host = self.host_bytes.get(EMBED_BLOCK)
-        parts = self.artifact.read_rows(EMBED_BLOCK, "embed", rows, host=host)
+        host = self.host_bytes.get(EMBED)
+        parts = self.artifact.read_rows(EMBED, "embed", rows, host=host)
         self.ledger.record_read(HOST if host is not None else DISK, sum(p.nbytes for p in parts.values()), 0.0)
         return parts
 
