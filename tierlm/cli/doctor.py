@@ -257,7 +257,8 @@ def _probe_lines(found: dict) -> list[str]:
     bw = record.bandwidths
     figures = (f"int8 {bw.device_bytes_per_s / 1e9:.2f} GB/s (host {bw.host_bytes_per_s / 1e9:.2f}), "
                f"link {bw.link_bytes_per_s / 1e9:.2f} GB/s, disk {bw.disk_bytes_per_s / 1e9:.2f} GB/s, "
-               f"{bw.device_flops / 1e9:.1f} GFLOP/s, {bw.per_block_overhead_s * 1e3:.2f} ms per layer")  # fmt: skip
+               f"{bw.device_flops / 1e9:.1f} GFLOP/s, {bw.per_block_overhead_s * 1e3:.2f} ms per layer, "
+               f"{bw.per_token_overhead_s * 1e3:.2f} ms per token, {bw.per_row_s * 1e9:.0f} ns per row")  # fmt: skip
     name = Path(found["path"]).stem
     lines = [f"probe     {name}: {figures}", f"{'':9} {'probed just now' if found['refreshed'] else probe_age_text(record)}"]
     last = last_run_text(record)
