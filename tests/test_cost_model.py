@@ -97,7 +97,7 @@ def test_the_overhead_probe_runs_the_real_decode_path(monkeypatch):
     timing is asserted), and the real run yields usable figures."""
     import torch
 
-    timings = {2: iter([5e-3, 4e-3, 4.5e-3, 4e-3, 6e-3]), 8: iter([9e-3, 7e-3, 7.5e-3, 8e-3, 7e-3])}
+    timings = {2: iter([5e-3, 4e-3, 4.5e-3, 4e-3, 6e-3]), 16: iter([9e-3, 7e-3, 7.5e-3, 8e-3, 7e-3])}
     built = []
 
     def fake_timer(folder, layers, device, dtype):
@@ -107,8 +107,8 @@ def test_the_overhead_probe_runs_the_real_decode_path(monkeypatch):
     with monkeypatch.context() as patched:
         patched.setattr(probe, "_decode_step_timer", fake_timer)
         per_block, per_token = probe.decode_overheads(torch.device("cpu"), torch.float32)
-    assert sorted(built) == [2, 8]
-    assert per_block == pytest.approx((7e-3 - 4e-3) / 6) and per_token == pytest.approx(4e-3 - 2 * per_block)
+    assert sorted(built) == [2, 16]
+    assert per_block == pytest.approx((7e-3 - 4e-3) / 14) and per_token == pytest.approx(4e-3 - 2 * per_block)
     per_block, per_token = probe.decode_overheads(torch.device("cpu"), torch.float32, depths=(1, 2))
     assert per_block > 0 and per_token >= 0
 
