@@ -152,7 +152,8 @@ class Pool {
     const int64_t chunks = (n + grain - 1) / grain;
     int want = std::min<int64_t>(std::max(1, threads), chunks);
     if (max_threads_ > 0) want = std::min(want, max_threads_);
-    if (want <= 1 || in_pool_work) return run_inline(n, grain, fn);
+    // Chunk numbers live in 32 bits of the ticket; so many chunks would not be worth a pool.
+    if (want <= 1 || in_pool_work || chunks > INT32_MAX) return run_inline(n, grain, fn);
     // One parallel call at a time; a second caller (another Python thread) runs inline.
     std::unique_lock<std::mutex> lock(dispatch_, std::try_to_lock);
     if (!lock.owns_lock()) return run_inline(n, grain, fn);
@@ -380,15 +381,6 @@ class Pool {
 inline void parallel_for(int64_t n, int64_t grain, int threads,
                          const std::function<void(int64_t, int64_t)>& fn) {
   Pool::instance().parallel_for(n, grain, threads, fn);
-}
-
-// A grain that gives each of `threads` threads about `per_thread` chunks, rounded up to a
-// multiple of `align` (a kernel's tile), so late helpers cost little and chunks stay whole tiles.
-inline int64_t grain_for(int64_t n, int threads, int64_t align = 1, int per_thread = 4) {
-  const int64_t parts = std::max<int64_t>(1, int64_t(std::max(1, threads)) * per_thread);
-  const int64_t grain = (n + parts - 1) / parts;
-  align = std::max<int64_t>(1, align);
-  return std::max<int64_t>(align, (grain + align - 1) / align * align);
 }
 
 }  // namespace tl
