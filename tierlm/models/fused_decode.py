@@ -34,7 +34,8 @@ class WeightArg(ctypes.Structure):
 
 
 class LayerArgs(ctypes.Structure):
-    """tl::LayerArgs (csrc/fused_decode.h)."""
+    """tl::LayerArgs (csrc/fused_decode.h), filled once per step; the native entry fills its
+    weight, norm and cache fields per layer from a flat array of words (see `FusedStep.run`)."""
 
     _fields_ = [("qkv", WeightArg), ("o", WeightArg), ("w13", WeightArg), ("w2", WeightArg),
                 ("attn_norm", _c_ptr), ("mlp_norm", _c_ptr), ("q_norm", _c_ptr), ("k_norm", _c_ptr),
@@ -93,7 +94,8 @@ class FusedStep:
     def __init__(self, lib, model, keys, values, slots, positions):
         cfg, rotary = model.config, model.rotary
         self._lib = lib
-        self._keys, self._values = keys, values
+        self._keys, self._values = keys, values  # held for the step: their pointers are used
+        self._keys_ptr, self._values_ptr = keys.data_ptr(), values.data_ptr()
         self._layer_bytes = keys.stride(0) * keys.element_size()
         self._slots = (_c_i64 * len(slots))(*slots)
         self._positions = (_c_i64 * len(positions))(*positions)
@@ -114,24 +116,27 @@ class FusedStep:
     def run(self, w, x: torch.Tensor, layer: int) -> bool:
         """Run layer `layer` on x [B, 1, H] in place; False (nothing done) if its weights do not fit."""
         a, keep, shapes = self._args, [], self._shapes
-        if not (_set_weight(a.qkv, w["wqkv"], w.get("bqkv"), shapes["wqkv"], keep)
-                and _set_weight(a.o, w["wo"], w.get("bo"), shapes["wo"], keep)
-                and _set_weight(a.w13, w["w13"], w.get("b13"), shapes["w13"], keep)
-                and _set_weight(a.w2, w["w2"], w.get("b2"), shapes["w2"], keep)):  # fmt: skip
-            return False
-        norms = [w["attn_norm"], w["mlp_norm"], w.get("q_norm"), w.get("k_norm")]
-        sizes = (a.hidden, a.hidden, a.head_dim, a.head_dim)
+        words = []
+        for name, bias in (("wqkv", "bqkv"), ("wo", "bo"), ("w13", "b13"), ("w2", "b2")):
+            described = _weight_words(w[name], w.get(bias), shapes[name], keep)
+            if described is None:
+                return False
+            words += described
         # The native code trusts every size: anything unexpected runs the eager path instead.
-        if not all(n is None or (_is_cpu_fp32(n) and n.numel() == size) for n, size in zip(norms, sizes)):
-            return False
+        for name, size in (("attn_norm", a.hidden), ("mlp_norm", a.hidden), ("q_norm", a.head_dim),
+                           ("k_norm", a.head_dim)):  # fmt: skip
+            norm = w.get(name)
+            if norm is None and name in ("q_norm", "k_norm"):
+                words.append(0)
+            elif _is_cpu_fp32(norm) and norm.numel() == size:
+                words.append(norm.data_ptr())
+            else:
+                return False
         if not _is_cpu_fp32(x) or x.numel() != a.batch * a.hidden:
             return False
-        a.attn_norm, a.mlp_norm = norms[0].data_ptr(), norms[1].data_ptr()
-        a.q_norm = norms[2].data_ptr() if norms[2] is not None else None
-        a.k_norm = norms[3].data_ptr() if norms[3] is not None else None
-        a.keys = self._keys.data_ptr() + layer * self._layer_bytes
-        a.values = self._values.data_ptr() + layer * self._layer_bytes
-        self._lib.tierlm_decode_layer(ctypes.addressof(a), x.data_ptr())
+        words += (self._keys_ptr + layer * self._layer_bytes, self._values_ptr + layer * self._layer_bytes)
+        block = (_c_i64 * len(words))(*words)
+        self._lib.tierlm_decode_layer(ctypes.addressof(a), ctypes.addressof(block), x.data_ptr())
         return True
 
 
@@ -139,30 +144,26 @@ def _is_cpu_fp32(t) -> bool:
     return isinstance(t, torch.Tensor) and t.dtype == torch.float32 and t.is_cpu and t.is_contiguous()
 
 
-def _set_weight(arg: WeightArg, weight, bias, shape: tuple[int, int], keep: list) -> bool:
-    """Describe `weight` (Int8Weight or fp32 tensor of `shape`) and its bias in `arg`; False if
-    unsupported."""
-    if tuple(weight.shape) != shape:
-        return False
+def _weight_words(weight, bias, shape: tuple[int, int], keep: list) -> tuple | None:
+    """`weight` (Int8Weight or fp32 tensor of `shape`) and its bias as tl::Weight's 8 words
+    (data, scales, offsets, bias, rows, cols, group, int8); None if unsupported."""
+    if weight.shape != shape:
+        return None
+    bias_ptr = 0
     if bias is not None:
         if not (isinstance(bias, torch.Tensor) and bias.is_cpu and bias.numel() == shape[0]):
-            return False
+            return None
         bias = bias.float().contiguous()
         keep.append(bias)  # a converted copy must outlive the call
+        bias_ptr = bias.data_ptr()
+    rows, cols = shape
     if isinstance(weight, torch.Tensor):
-        if not _is_cpu_fp32(weight) or weight.dim() != 2:
-            return False
-        arg.data, arg.scales, arg.offsets = weight.data_ptr(), None, None
-        arg.rows, arg.cols = weight.shape
-        arg.group, arg.int8 = arg.cols, 0
-    else:
-        qweight = getattr(weight, "qweight", None)
-        if qweight is None or not qweight.is_cpu or qweight.dtype != torch.int8:
-            return False
-        offsets = weight.offsets_2d
-        arg.data, arg.scales = qweight.data_ptr(), weight.scales_2d.data_ptr()
-        arg.offsets = offsets.data_ptr() if offsets is not None else None
-        arg.rows, arg.cols = qweight.shape
-        arg.group, arg.int8 = weight.group, 1
-    arg.bias = bias.data_ptr() if bias is not None else None
-    return True
+        if not _is_cpu_fp32(weight):
+            return None
+        return weight.data_ptr(), 0, 0, bias_ptr, rows, cols, cols, 0
+    qweight = getattr(weight, "qweight", None)
+    if qweight is None or not qweight.is_cpu or qweight.dtype != torch.int8:
+        return None
+    offsets = weight.offsets_2d
+    offsets_ptr = offsets.data_ptr() if offsets is not None else 0
+    return qweight.data_ptr(), weight.scales_2d.data_ptr(), offsets_ptr, bias_ptr, rows, cols, weight.group, 1

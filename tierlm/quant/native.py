@@ -53,7 +53,7 @@ class NativeKernel:
         lib.tierlm_i8_matmul.restype = ctypes.c_int
         lib.tierlm_i8_dequant.argtypes = [ptr, ptr, ptr, i64, i64, i64, ptr, ctypes.c_int]
         lib.tierlm_i8_dequant.restype = ctypes.c_int
-        lib.tierlm_decode_layer.argtypes = [ptr, ptr]
+        lib.tierlm_decode_layer.argtypes = [ptr, ptr, ptr]
         lib.tierlm_decode_layer.restype = ctypes.c_int
         lib.tierlm_decode_args_size.restype = i64
         self.lib = lib

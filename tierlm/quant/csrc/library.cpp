@@ -42,8 +42,27 @@ int tierlm_i8_dequant(const int8_t* w, const float* s, const float* o, int64_t N
 }
 
 // One decoder layer's decode step, x [batch, hidden] updated in place (see fused_decode.h).
-int tierlm_decode_layer(const tl::LayerArgs* args, float* x) {
-  tl::decode_layer(*args, x);
+// `step` holds what every layer of a step shares; `words` this layer's 38 int64 words:
+// 4 weights (qkv, o, w13, w2) x {data, scales, offsets, bias, rows, cols, group, int8},
+// attn_norm, mlp_norm, q_norm, k_norm, keys, values (pointers as integers, 0 for null).
+// One flat array is what Python fills fastest (a layer costs ~40 ctypes field writes otherwise).
+int tierlm_decode_layer(const tl::LayerArgs* step, const int64_t* words, float* x) {
+  tl::LayerArgs a = *step;
+  auto ptr = [&](int i) { return reinterpret_cast<void*>(static_cast<intptr_t>(words[i])); };
+  tl::Weight* weights[4] = {&a.qkv, &a.o, &a.w13, &a.w2};
+  for (int i = 0; i < 4; ++i) {
+    const int b = 8 * i;
+    *weights[i] = tl::Weight{ptr(b), static_cast<const float*>(ptr(b + 1)),
+                             static_cast<const float*>(ptr(b + 2)), static_cast<const float*>(ptr(b + 3)),
+                             words[b + 4], words[b + 5], words[b + 6], static_cast<int32_t>(words[b + 7]), 0};
+  }
+  a.attn_norm = static_cast<const float*>(ptr(32));
+  a.mlp_norm = static_cast<const float*>(ptr(33));
+  a.q_norm = static_cast<const float*>(ptr(34));
+  a.k_norm = static_cast<const float*>(ptr(35));
+  a.keys = static_cast<float*>(ptr(36));
+  a.values = static_cast<float*>(ptr(37));
+  tl::decode_layer(a, x);
   return 0;
 }
 
