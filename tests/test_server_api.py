@@ -12,7 +12,7 @@ from contextlib import contextmanager
 import httpx
 import pytest
 
-from tests.tiny import make_model
+from tests.tiny import make_model, write_profile
 from tierlm.profile import load_profile
 from tierlm.runtime.sampling import SamplingParams, resolve_sampling
 from tierlm.runtime.session import open_session
@@ -20,26 +20,14 @@ from tierlm.server.options import ServerOptions
 from tierlm.server.run import BackgroundServer
 
 CHAT = "/v1/chat/completions"
-PROFILE = """
-description = "server tests"
-device_memory = "2GiB"
-host_memory = "2GiB"
-disk_offload = false
-headroom = "256MiB"
-quant = "none"
-kv_dtype = "auto"
-context_length = 256
-batch_size = 4
-prefetch_depth = 0
-"""
 
 
 @pytest.fixture(scope="module")
 def session(tmp_path_factory):
     root = tmp_path_factory.mktemp("serve")
     make_model(root / "tiny-chat")
-    (root / "serve.toml").write_text(PROFILE)
-    return open_session(str(root / "tiny-chat"), load_profile(str(root / "serve.toml")), device="cpu", dtype="fp32")
+    profile = load_profile(str(write_profile(root / "serve.toml", context_length=256, batch_size=4)))
+    return open_session(str(root / "tiny-chat"), profile, device="cpu", dtype="fp32")
 
 
 @contextmanager

@@ -41,24 +41,12 @@ def test_resident_store_stats_are_empty():
     assert not stats.planned and not stats.bytes_read and stats.stall_s == 0 and stats.forwards == 0
 
 
-SERVE_PROFILE = """
-description = "serve without an engine"
-device_memory = "2GiB"
-host_memory = "2GiB"
-disk_offload = false
-headroom = "256MiB"
-quant = "none"
-kv_dtype = "auto"
-context_length = 128
-batch_size = 2
-prefetch_depth = 0
-"""
 
 
 def test_a_served_session_allocates_no_batch_one_kv_cache(tmp_path, monkeypatch):
     import httpx
 
-    from tests.tiny import make_model
+    from tests.tiny import make_model, write_profile
     from tierlm.cache.kv import KVCache
     from tierlm.profile import load_profile
     from tierlm.runtime.session import open_session
@@ -74,8 +62,7 @@ def test_a_served_session_allocates_no_batch_one_kv_cache(tmp_path, monkeypatch)
 
     monkeypatch.setattr(KVCache, "__init__", counting)
     make_model(tmp_path / "tiny")
-    (tmp_path / "serve.toml").write_text(SERVE_PROFILE)
-    profile = load_profile(str(tmp_path / "serve.toml"))
+    profile = load_profile(str(write_profile(tmp_path / "serve.toml", context_length=128, batch_size=2)))
     with open_session(str(tmp_path / "tiny"), profile, device="cpu", dtype="fp32") as session:
         with BackgroundServer(session, ServerOptions()) as server:
             reply = httpx.post(f"{server.url}/v1/completions", json={"prompt": "hello", "max_tokens": 3}, timeout=60)

@@ -250,3 +250,14 @@ def greedy(loaded, ids: torch.Tensor, steps: int, use_cache: bool) -> list[int]:
             logits = loaded.model.forward(torch.tensor([tokens]), cache)
     return out
 
+
+
+def write_profile(path: Path, *, context_length: int, batch_size: int) -> Path:
+    """A roomy CPU profile file (no offload, weights as stored) for tests that serve a tiny model."""
+    path.write_text(
+        'description = "tests: a tiny model, nothing streamed"\n'
+        'device_memory = "2GiB"\nhost_memory = "2GiB"\ndisk_offload = false\nheadroom = "256MiB"\n'
+        'quant = "none"\nkv_dtype = "auto"\nprefetch_depth = 0\n'
+        f"context_length = {context_length}\nbatch_size = {batch_size}\n"
+    )
+    return path
