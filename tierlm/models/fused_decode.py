@@ -78,6 +78,12 @@ def step_for(model, cache, ids: torch.Tensor) -> FusedStep | None:
     keys, values, slots, positions = rows
     if len(slots) != ids.shape[0] or not _is_cpu_fp32(keys) or not _is_cpu_fp32(values):
         return None
+    cfg = model.config
+    layout = (cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim)
+    if (keys.shape[0], keys.shape[2], keys.shape[4]) != layout or keys.shape != values.shape:
+        return None  # the native code trusts the cache layout: anything else runs eagerly
+    if not all(0 <= s < keys.shape[1] for s in slots):
+        return None
     if max(positions) >= cache.max_len:  # what cache.rope raises on the eager path
         raise ValueError(f"{max(positions) + 1} positions exceed the KV cache ({cache.max_len})")
     if max(positions) >= model.rotary.cos.shape[0]:
