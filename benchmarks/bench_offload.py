@@ -140,7 +140,7 @@ def budget_for_resident_share(artifact: Path, folder: Path, share: float) -> int
     from tierlm.config import ModelConfig
     from tierlm.errors import TierlmError
     from tierlm.offload.planner import plan
-    from tierlm.offload.probe import load_bandwidths
+    from tierlm.runtime.machine_probe import load_bandwidths
     from tierlm.offload.sizes import sizes_from_artifact
     from tierlm.profile import load_profile
 

@@ -108,7 +108,7 @@ def prepare_probes(env_threads: list[tuple[dict, int]]) -> None:
     from tierlm.device.cpu import resolve_threads
 
     code = ("import sys, torch\ntorch.set_num_threads(int(sys.argv[1]))\n"
-            "from tierlm.offload.probe import load_probe\nload_probe('cpu', refresh=True)\n")  # fmt: skip
+            "from tierlm.runtime.machine_probe import load_probe\nload_probe('cpu', refresh=True)\n")  # fmt: skip
     for env, threads in {(tuple(env.items()), resolve_threads(threads or None)) for env, threads in env_threads}:
         subprocess.run([sys.executable, "-c", code, str(threads)], env={**os.environ, **dict(env)}, check=True,
                        capture_output=True, timeout=900)  # fmt: skip

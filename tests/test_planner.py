@@ -327,13 +327,14 @@ def test_probe_pieces_run_and_the_cache_round_trips(tmp_path):
     import torch
 
     from tierlm.offload import probe
+    from tierlm.runtime import machine_probe
 
     cpu = torch.device("cpu")
     speed, dropped = probe.disk_bytes_per_s(tmp_path, nbytes=8 * MiB)
     assert speed > 0 and isinstance(dropped, bool) and not list(tmp_path.iterdir())  # temp file removed
     assert probe.link_bytes_per_s(cpu) > 0 and probe.row_seconds(10e9, 7e9) > 0
     probe.save_bandwidths(CPU, cpu)
-    assert probe.load_bandwidths(cpu) == CPU
+    assert machine_probe.load_bandwidths(cpu) == CPU
     assert probe.Bandwidths.from_dict(json.loads(json.dumps(GPU.to_dict()))) == GPU
 
 
@@ -343,7 +344,8 @@ def test_a_missing_probe_runs_in_a_child_and_costs_the_caller_no_memory(tmp_path
     code = (
         "import json, torch\n"
         "from tierlm.device import read_memory\n"
-        "from tierlm.offload.probe import bandwidths_path, last_level_cache_bytes, load_bandwidths\n"
+        "from tierlm.offload.probe import bandwidths_path, last_level_cache_bytes\n"
+        "from tierlm.runtime.machine_probe import load_bandwidths\n"
         "before = read_memory().peak_rss\n"
         "measured = load_bandwidths('cpu')\n"
         "print(json.dumps({'growth': read_memory().peak_rss - before, 'llc': last_level_cache_bytes(),\n"

@@ -236,7 +236,8 @@ def _probe(device, refresh: bool) -> dict:
     if device is None:
         return {"error": "no compute device resolved"}
     try:
-        from tierlm.offload.probe import bandwidths_path, load_probe, read_probe
+        from tierlm.offload.probe import bandwidths_path, read_probe
+        from tierlm.runtime.machine_probe import load_probe
 
         path = bandwidths_path(device)
         record = load_probe(device, refresh=True) if refresh else read_probe(path)

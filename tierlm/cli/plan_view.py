@@ -19,8 +19,9 @@ def plan_for(model_dir: Path, profile, quant: str | None = None, device: str | N
     Reads no weights: block sizes come as the loader expects them, from an artifact's manifest
     or config.json. Raises TierlmError when it cannot fit."""
     from tierlm.device import resolve_device
-    from tierlm.offload.probe import bandwidths_path, load_probe
+    from tierlm.offload.probe import bandwidths_path
     from tierlm.runtime.loader import plan_load, read_budget, requested_quant, resolve_source
+    from tierlm.runtime.machine_probe import load_probe
 
     target = resolve_device(device)
     source = resolve_source(model_dir, requested_quant(quant, profile), accelerator=target.type != "cpu")

@@ -247,7 +247,7 @@ def shipped_fallbacks() -> list:
 
 def _plan(config, sizes, budget: Budget):
     from tierlm.offload.planner import plan
-    from tierlm.offload.probe import load_bandwidths
+    from tierlm.runtime.machine_probe import load_bandwidths
 
     _check_fits(config, sizes, budget)  # a missing probe runs in a child
     return plan(
