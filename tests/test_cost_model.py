@@ -13,7 +13,7 @@ from dataclasses import replace
 import pytest
 
 from tierlm.config import ModelConfig
-from tierlm.runtime import machine_probe
+from tierlm.runtime import measure_machine
 from tierlm.offload.planner import decode_terms, implied_bandwidths, plan, step_seconds
 from tierlm.offload.probe import MATRIX, SHORT_ROW, Bandwidths, row_seconds
 from tierlm.offload.sizes import sizes_from_config
@@ -105,11 +105,11 @@ def test_the_overhead_probe_runs_the_real_decode_path(monkeypatch):
         return lambda: next(timings[layers])
 
     with monkeypatch.context() as patched:
-        patched.setattr(machine_probe, "_decode_step_timer", fake_timer)
-        per_block, per_token = machine_probe.decode_overheads(torch.device("cpu"), torch.float32)
+        patched.setattr(measure_machine, "_decode_step_timer", fake_timer)
+        per_block, per_token = measure_machine.decode_overheads(torch.device("cpu"), torch.float32)
     assert sorted(built) == [2, 16]
     assert per_block == pytest.approx((7e-3 - 4e-3) / 14) and per_token == pytest.approx(4e-3 - 2 * per_block)
-    per_block, per_token = machine_probe.decode_overheads(torch.device("cpu"), torch.float32, depths=(1, 2))
+    per_block, per_token = measure_machine.decode_overheads(torch.device("cpu"), torch.float32, depths=(1, 2))
     assert per_block > 0 and per_token >= 0
 
 

@@ -512,7 +512,7 @@ def _terms(ctx: _Context, tiers, computes, tokens: int, prefill: bool) -> dict[s
         # Accelerators: host and disk blocks cross the link; CPU emulation: host blocks are copied.
         if ctx.accelerator or tiers[block] == HOST:
             terms["link"] += read / _rate(bw.link_bytes_per_s)
-    # Measured fixed costs (runtime/machine_probe.decode_overheads): what dominates a small model's step.
+    # Measured fixed costs (runtime/measure_machine.decode_overheads): what dominates a small model's step.
     terms["dispatch overhead"] += ctx.config.num_hidden_layers * bw.per_block_overhead_s + bw.per_token_overhead_s
     return terms
 
