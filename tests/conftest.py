@@ -21,3 +21,19 @@ def tierlm_cache(tmp_path_factory):
         os.environ.pop("TIERLM_CACHE", None)
     else:
         os.environ["TIERLM_CACHE"] = previous
+
+
+@pytest.fixture(scope="module")
+def decode_checkpoint(tmp_path_factory):
+    """name -> folder of that tests.tiny.DECODE_CASES checkpoint, built once per test module."""
+    from tests.tiny import DECODE_CASES, make_case
+
+    made = {}
+
+    def get(case):
+        if case not in made:
+            made[case] = tmp_path_factory.mktemp(case)
+            make_case(made[case], DECODE_CASES[case])
+        return made[case]
+
+    return get

@@ -16,7 +16,7 @@ import subprocess
 import pytest
 import torch
 
-from tests.tiny import make_case
+from tests.tiny import DECODE_CASES
 from tierlm.cache.kv import SlotKVCache
 from tierlm.models import fused_decode
 from tierlm.quant.int8 import Int8Weight
@@ -27,46 +27,21 @@ from tierlm.runtime.loader import load_model
 ATOL = 1e-4
 STEPS = 16
 
-CASES = {
-    "llama-gqa": dict(family="llama", heads=4, kv_heads=2),
-    "llama-mqa-bias-head-dim-32": dict(family="llama", heads=4, kv_heads=1, head_dim=32, attention_bias=True,
-                                       mlp_bias=True),
-    "qwen2-bias": dict(family="qwen2", heads=4, kv_heads=2),
-    "qwen3-qk-norm": dict(family="qwen3", hidden=64, heads=4, kv_heads=2, head_dim=32),
-    "glm-quarter-rotary": dict(
-        family="glm", hidden=64, heads=2, kv_heads=1, head_dim=32,
-        rope_parameters={"rope_type": "default", "rope_theta": 500.0, "partial_rotary_factor": 0.25},
-    ),
-    "chatglm": dict(family="chatglm", heads=4, groups=2, rope_ratio=2.5),
-    "mistral-window-3": dict(family="mistral", heads=4, kv_heads=1, layers=3, sliding_window=3),
-}  # fmt: skip
 # Every family runs int8 (the CPU default); fp32 and grouped asymmetric int8 on a spread of them.
-PAIRS = [(case, "int8") for case in CASES] + [
+PAIRS = [(case, "int8") for case in DECODE_CASES] + [
     (case, quant)
     for quant in ("fp32", "int8-g32-asym")
     for case in ("llama-mqa-bias-head-dim-32", "qwen3-qk-norm", "glm-quarter-rotary", "mistral-window-3")
 ]
 
 
-@pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory):
-    made = {}
-
-    def get(case):
-        if case not in made:
-            made[case] = tmp_path_factory.mktemp(case)
-            make_case(made[case], CASES[case])
-        return made[case]
-
-    return get
-
 
 @pytest.fixture(params=PAIRS, ids=[f"{c}-{q}" for c, q in PAIRS])
-def loaded(request, checkpoints):
+def loaded(request, decode_checkpoint):
     case, quant = request.param
     if fused_decode.native_library() is None:
         pytest.skip("no native library here (no C++ compiler): decode runs the eager path only")
-    model = load_model(checkpoints(case), device="cpu", dtype=torch.float32, context_length=64, quant=quant)
+    model = load_model(decode_checkpoint(case), device="cpu", dtype=torch.float32, context_length=64, quant=quant)
     with model.model.store.block("layers.0") as w:
         assert isinstance(w["wqkv"], torch.Tensor if quant == "fp32" else Int8Weight)
         if quant == "int8-g32-asym":
@@ -186,8 +161,8 @@ def test_build_matmul_matches_dequantized_reference(build, group_size, asym):
         torch.testing.assert_close(y, x @ qw.dequantize().T + bias, atol=1e-4, rtol=1e-5)
 
 
-def test_build_runs_the_fused_step_like_eager(build, checkpoints, monkeypatch, fused_calls):
-    loaded = load_model(checkpoints("qwen3-qk-norm"), device="cpu", dtype=torch.float32, context_length=64,
+def test_build_runs_the_fused_step_like_eager(build, decode_checkpoint, monkeypatch, fused_calls):
+    loaded = load_model(decode_checkpoint("qwen3-qk-norm"), device="cpu", dtype=torch.float32, context_length=64,
                         quant="int8-g32-asym")  # fmt: skip
     ids = torch.randint(0, loaded.config.vocab_size, (1, 5), generator=torch.Generator().manual_seed(5))
     expected, expected_tokens = _eager(monkeypatch, lambda: _greedy(loaded, ids, 8))

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.tiny import make_case, make_model
+from tests.tiny import DECODE_CASES, make_model
 from tierlm.cache.kv import SlotKVCache
 from tierlm.device.graphs import GraphUnavailable, RecordedGraph, graph_kind
 from tierlm.models import graph_decode
@@ -24,18 +24,7 @@ ATOL = 1e-4
 STEPS = 12
 MIN_SPAN = 8  # small, so a dozen steps cross spans 16 and 32 (one graph each)
 
-CASES = {
-    "llama-gqa": dict(family="llama", heads=4, kv_heads=2),
-    "qwen2-bias": dict(family="qwen2", heads=4, kv_heads=2),
-    "qwen3-qk-norm": dict(family="qwen3", hidden=64, heads=4, kv_heads=2, head_dim=32),
-    "glm-quarter-rotary": dict(
-        family="glm", hidden=64, heads=2, kv_heads=1, head_dim=32,
-        rope_parameters={"rope_type": "default", "rope_theta": 500.0, "partial_rotary_factor": 0.25},
-    ),
-    "chatglm": dict(family="chatglm", heads=4, groups=2, rope_ratio=2.5),
-    "mistral-window-3": dict(family="mistral", heads=4, kv_heads=1, layers=3, sliding_window=3),
-}  # fmt: skip
-PAIRS = [(case, "fp32") for case in CASES] + [("llama-gqa", "int8"), ("mistral-window-3", "int8-g32-asym")]
+PAIRS = [(case, "fp32") for case in DECODE_CASES] + [("llama-gqa", "int8"), ("mistral-window-3", "int8-g32-asym")]
 
 
 @pytest.fixture(autouse=True)
@@ -46,23 +35,11 @@ def eager_reference(monkeypatch):
     monkeypatch.setattr(int8, "kernel_choice", lambda device: dispatch.accelerator_kernel_choice(device.type))
 
 
-@pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory):
-    made = {}
-
-    def get(case):
-        if case not in made:
-            made[case] = tmp_path_factory.mktemp(case)
-            make_case(made[case], CASES[case])
-        return made[case]
-
-    return get
-
 
 @pytest.fixture(params=PAIRS, ids=[f"{c}-{q}" for c, q in PAIRS])
-def loaded(request, checkpoints):
+def loaded(request, decode_checkpoint):
     case, quant = request.param
-    model = load_model(checkpoints(case), device="cpu", dtype=torch.float32, context_length=64, quant=quant)
+    model = load_model(decode_checkpoint(case), device="cpu", dtype=torch.float32, context_length=64, quant=quant)
     assert model.model.graphs is None  # the CPU decodes eagerly unless a test says otherwise
     return model
 
@@ -168,8 +145,8 @@ def test_graphed_batched_decode_matches_eager_over_slots_of_different_lengths(lo
     torch.testing.assert_close(actual, expected, atol=ATOL, rtol=0)
 
 
-def test_a_new_cache_drops_the_graphs_captured_over_the_old_buffers(checkpoints):
-    loaded = load_model(checkpoints("llama-gqa"), device="cpu", dtype=torch.float32, context_length=64)
+def test_a_new_cache_drops_the_graphs_captured_over_the_old_buffers(decode_checkpoint):
+    loaded = load_model(decode_checkpoint("llama-gqa"), device="cpu", dtype=torch.float32, context_length=64)
     ids = torch.tensor([[5, 6, 7]])
     expected = _decode(loaded, ids, 3)
     graphs = graphed(loaded.model)

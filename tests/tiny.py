@@ -261,3 +261,20 @@ def write_profile(path: Path, *, context_length: int, batch_size: int) -> Path:
         f"context_length = {context_length}\nbatch_size = {batch_size}\n"
     )
     return path
+
+
+# Decode cases for the fused CPU step and the device graphs: every family and each of its
+# quirks (bias, q/k norm, partial rotary, grouped KV heads, a sliding window shorter than the run).
+DECODE_CASES = {
+    "llama-gqa": dict(family="llama", heads=4, kv_heads=2),
+    "llama-mqa-bias-head-dim-32": dict(family="llama", heads=4, kv_heads=1, head_dim=32, attention_bias=True,
+                                       mlp_bias=True),
+    "qwen2-bias": dict(family="qwen2", heads=4, kv_heads=2),
+    "qwen3-qk-norm": dict(family="qwen3", hidden=64, heads=4, kv_heads=2, head_dim=32),
+    "glm-quarter-rotary": dict(
+        family="glm", hidden=64, heads=2, kv_heads=1, head_dim=32,
+        rope_parameters={"rope_type": "default", "rope_theta": 500.0, "partial_rotary_factor": 0.25},
+    ),
+    "chatglm": dict(family="chatglm", heads=4, groups=2, rope_ratio=2.5),
+    "mistral-window-3": dict(family="mistral", heads=4, kv_heads=1, layers=3, sliding_window=3),
+}  # fmt: skip
