@@ -16,7 +16,7 @@ import subprocess
 import pytest
 import torch
 
-from tests.tiny import DECODE_CASES
+from tests.tiny import DECODE_CASES, decode_steps
 from tierlm.cache.kv import SlotKVCache
 from tierlm.models import fused_decode
 from tierlm.quant.int8 import Int8Weight
@@ -64,16 +64,6 @@ def fused_calls(monkeypatch):
     return calls
 
 
-def _greedy(loaded, ids, steps):
-    """(logits [steps + 1, V], tokens) of a prefill then `steps` single-token decode steps."""
-    cache = loaded.new_cache()
-    rows = [loaded.model.forward(ids, cache)[0, -1]]
-    tokens = [int(rows[-1].argmax())]
-    for _ in range(steps):
-        rows.append(loaded.model.forward(torch.tensor([[tokens[-1]]]), cache)[0, -1])
-        tokens.append(int(rows[-1].argmax()))
-    return torch.stack(rows), tokens
-
 
 def _eager(monkeypatch, fn):
     """fn() on the eager path; afterwards the fused path is on (whatever the environment said)."""
@@ -86,9 +76,9 @@ def _eager(monkeypatch, fn):
 
 def test_fused_decode_matches_eager_batch_1(loaded, monkeypatch, fused_calls):
     ids = torch.randint(0, loaded.config.vocab_size, (1, 9), generator=torch.Generator().manual_seed(3))
-    expected, expected_tokens = _eager(monkeypatch, lambda: _greedy(loaded, ids, STEPS))
+    expected, expected_tokens = _eager(monkeypatch, lambda: decode_steps(loaded, ids, STEPS))
     assert fused_calls == []  # TIERLM_FUSED=0 ran no fused layer
-    actual, tokens = _greedy(loaded, ids, STEPS)
+    actual, tokens = decode_steps(loaded, ids, STEPS)
     assert fused_calls == [True] * (STEPS * loaded.config.num_hidden_layers)
     assert tokens == expected_tokens
     torch.testing.assert_close(actual, expected, atol=ATOL, rtol=0)
@@ -165,9 +155,9 @@ def test_build_runs_the_fused_step_like_eager(build, decode_checkpoint, monkeypa
     loaded = load_model(decode_checkpoint("qwen3-qk-norm"), device="cpu", dtype=torch.float32, context_length=64,
                         quant="int8-g32-asym")  # fmt: skip
     ids = torch.randint(0, loaded.config.vocab_size, (1, 5), generator=torch.Generator().manual_seed(5))
-    expected, expected_tokens = _eager(monkeypatch, lambda: _greedy(loaded, ids, 8))
+    expected, expected_tokens = _eager(monkeypatch, lambda: decode_steps(loaded, ids, 8))
     monkeypatch.setattr(fused_decode, "native_library", lambda: build.lib)
-    actual, tokens = _greedy(loaded, ids, 8)
+    actual, tokens = decode_steps(loaded, ids, 8)
     assert fused_calls and all(fused_calls)
     assert tokens == expected_tokens
     torch.testing.assert_close(actual, expected, atol=ATOL, rtol=0)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.tiny import DECODE_CASES, make_model
+from tests.tiny import DECODE_CASES, decode_steps, make_model
 from tierlm.cache.kv import SlotKVCache
 from tierlm.device.graphs import GraphUnavailable, RecordedGraph, graph_kind
 from tierlm.models import graph_decode
@@ -90,22 +90,12 @@ def test_recorded_graph_refuses_a_host_sync_and_a_static_tensor_that_moved():
 # -- the graphed decode step against the eager forward -------------------------------------------
 
 
-def _decode(loaded, ids, steps):
-    """(logits [steps + 1, V], tokens): an eager prefill, then `steps` one-token forwards."""
-    cache = loaded.new_cache()
-    rows = [loaded.model.forward(ids, cache)[0, -1]]
-    tokens = [int(rows[-1].argmax())]
-    for _ in range(steps):
-        rows.append(loaded.model.forward(torch.tensor([[tokens[-1]]]), cache)[0, -1])
-        tokens.append(int(rows[-1].argmax()))
-    return torch.stack(rows), tokens
-
 
 def test_graphed_decode_matches_eager_batch_1(loaded):
     ids = torch.randint(0, loaded.config.vocab_size, (1, 9), generator=torch.Generator().manual_seed(3))
-    expected, expected_tokens = _decode(loaded, ids, STEPS)
+    expected, expected_tokens = decode_steps(loaded, ids, STEPS)
     graphs = graphed(loaded.model)
-    actual, tokens = _decode(loaded, ids, STEPS)
+    actual, tokens = decode_steps(loaded, ids, STEPS)
     # Positions 9..20: spans 16 then 32, each captured once and replayed every step.
     assert replays(graphs) == {(1, 16, False): 7, (1, 32, False): 5}
     assert tokens == expected_tokens
@@ -148,11 +138,11 @@ def test_graphed_batched_decode_matches_eager_over_slots_of_different_lengths(lo
 def test_a_new_cache_drops_the_graphs_captured_over_the_old_buffers(decode_checkpoint):
     loaded = load_model(decode_checkpoint("llama-gqa"), device="cpu", dtype=torch.float32, context_length=64)
     ids = torch.tensor([[5, 6, 7]])
-    expected = _decode(loaded, ids, 3)
+    expected = decode_steps(loaded, ids, 3)
     graphs = graphed(loaded.model)
-    first = _decode(loaded, ids, 3)
+    first = decode_steps(loaded, ids, 3)
     old = graphs.steps[(1, 8, False)]
-    second = _decode(loaded, ids, 3)  # _decode makes a new KV cache
+    second = decode_steps(loaded, ids, 3)  # _decode makes a new KV cache
     assert graphs.steps[(1, 8, False)] is not old
     for got in (first, second):
         assert got[1] == expected[1]

@@ -278,3 +278,14 @@ DECODE_CASES = {
     "chatglm": dict(family="chatglm", heads=4, groups=2, rope_ratio=2.5),
     "mistral-window-3": dict(family="mistral", heads=4, kv_heads=1, layers=3, sliding_window=3),
 }  # fmt: skip
+
+
+def decode_steps(loaded, ids: torch.Tensor, steps: int) -> tuple[torch.Tensor, list[int]]:
+    """(logits [steps + 1, V], greedy tokens) of a prefill of `ids` [1, T] then `steps` one-token forwards."""
+    cache = loaded.new_cache()
+    rows = [loaded.model.forward(ids, cache)[0, -1]]
+    tokens = [int(rows[-1].argmax())]
+    for _ in range(steps):
+        rows.append(loaded.model.forward(torch.tensor([[tokens[-1]]]), cache)[0, -1])
+        tokens.append(int(rows[-1].argmax()))
+    return torch.stack(rows), tokens
