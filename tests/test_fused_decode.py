@@ -16,7 +16,7 @@ import subprocess
 import pytest
 import torch
 
-from tests.tiny import DECODE_CASES, decode_steps
+from tests.tiny import DECODE_CASES, decode_steps, scattered_slot_prompts
 from tierlm.cache.kv import SlotKVCache
 from tierlm.models import fused_decode
 from tierlm.quant.int8 import Int8Weight
@@ -86,10 +86,8 @@ def test_fused_decode_matches_eager_batch_1(loaded, monkeypatch, fused_calls):
 
 def test_fused_batched_decode_matches_eager_over_slots_of_different_lengths(loaded, monkeypatch, fused_calls):
     """forward_batch over scattered slots (lengths 11, 3, 7: past the window of the window case)."""
-    vocab, steps = loaded.config.vocab_size, 6
-    gen = torch.Generator().manual_seed(4)
-    prompts = [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in (11, 3, 7)]
-    slots = [2, 0, 3]
+    steps = 6
+    prompts, slots = scattered_slot_prompts(loaded.config.vocab_size)
 
     def run():
         cache = SlotKVCache.for_model(loaded.config, loaded.max_len, 4)

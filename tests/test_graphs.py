@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.tiny import DECODE_CASES, decode_steps, make_model
+from tests.tiny import DECODE_CASES, decode_steps, scattered_slot_prompts, make_model
 from tierlm.cache.kv import SlotKVCache
 from tierlm.device.graphs import GraphUnavailable, RecordedGraph, graph_kind
 from tierlm.models import graph_decode
@@ -105,10 +105,8 @@ def test_graphed_decode_matches_eager_batch_1(loaded):
 def test_graphed_batched_decode_matches_eager_over_slots_of_different_lengths(loaded):
     """forward_batch over scattered slots (lengths 11, 3, 7: past the window of the window case),
     NaN in every never-written position, slot sets changing between steps."""
-    vocab, steps = loaded.config.vocab_size, 6
-    gen = torch.Generator().manual_seed(4)
-    prompts = [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in (11, 3, 7)]
-    slots = [2, 0, 3]
+    steps = 6
+    prompts, slots = scattered_slot_prompts(loaded.config.vocab_size)
 
     def run():
         cache = SlotKVCache.for_model(loaded.config, loaded.max_len, 4)

@@ -289,3 +289,10 @@ def decode_steps(loaded, ids: torch.Tensor, steps: int) -> tuple[torch.Tensor, l
         rows.append(loaded.model.forward(torch.tensor([[tokens[-1]]]), cache)[0, -1])
         tokens.append(int(rows[-1].argmax()))
     return torch.stack(rows), tokens
+
+
+def scattered_slot_prompts(vocab: int) -> tuple[list[list[int]], list[int]]:
+    """Three prompts (11, 3 and 7 tokens: past a 3- or 6-token window) and the out-of-order
+    slots [2, 0, 3] of a 4-slot cache they go to, for batched decode tests."""
+    gen = torch.Generator().manual_seed(4)
+    return [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in (11, 3, 7)], [2, 0, 3]
