@@ -12,7 +12,7 @@ from tierlm.cache.kv import KVCache
 from tierlm.cache.store import load_resident_artifact
 from tierlm.config import ModelConfig
 from tierlm.models.llama import LlamaModel
-from tierlm.offload.ledger import Ledger
+from tierlm.weights.ledger import Ledger
 from tierlm.offload.placement import DEVICE, DISK, HOST, BlockPlacement, Placement
 from tierlm.offload.tiered_store import EmbeddingRows, TieredStore
 from tierlm.server.metrics import store_metrics

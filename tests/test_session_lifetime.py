@@ -2,7 +2,7 @@
 
 from pathlib import Path
 
-from tierlm.offload.ledger import Ledger
+from tierlm.weights.ledger import Ledger
 from tierlm.profile import Profile
 from tierlm.runtime.session import Session
 from tierlm.weights.store import ResidentStore

@@ -26,7 +26,7 @@ from tierlm.cache.artifact import Artifact
 from tierlm.device import backend_for
 from tierlm.errors import TierlmError
 from tierlm.offload.hot_cache import COUNTS_NAME, HotRowCache
-from tierlm.offload.ledger import Ledger
+from tierlm.weights.ledger import Ledger
 from tierlm.offload.placement import DEVICE, DISK, HOST, Placement
 from tierlm.offload.prefetch import PrefetchRing
 from tierlm.weights.store import WeightStore

@@ -46,10 +46,10 @@ class WeightStore:
         ledger's traffic per forward and per token), a resident one has nothing to count."""
 
     def stats(self):
-        """The store's streaming figures (offload/ledger.Ledger): planned bytes per tier, bytes
+        """The store's streaming figures (weights/ledger.Ledger): planned bytes per tier, bytes
         read, prefetch stall, hot-row hits. A resident store streams nothing: an empty ledger,
         every figure zero and nothing planned."""
-        from tierlm.offload.ledger import Ledger
+        from tierlm.weights.ledger import Ledger
 
         return Ledger()
 
