@@ -28,13 +28,14 @@ def base_dir(tmp_path_factory) -> Path:
     return path
 
 
-def make_adapter(base_dir: Path, out: Path, seed: int = 0, **config) -> Path:
+def make_adapter(base_dir: Path, out: Path, seed: int = 0, target_modules=("q_proj", "v_proj", "down_proj"),
+                 **config) -> Path:  # fmt: skip
     """A peft LoRA adapter with random (non-zero) weights, saved in PEFT's format."""
     import transformers
     from peft import LoraConfig, get_peft_model
 
     model = transformers.AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
-    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"], **config)
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=list(target_modules), **config)
     peft_model = get_peft_model(model, lora)
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():

@@ -135,7 +135,7 @@ def test_chatglm3_6b_fits_a_24gb_card_fully_resident(quant):
 @pytest.mark.parametrize(
     "case, quant",
     [("qwen3-gqa-head-dim-32", "int8"), ("glm-gqa-half-rotary", "int8-g32"), ("chatglm-mqa-rope-ratio", "int8"),
-     ("qwen3-mha-tied-bias", "fp16")],
+     ("qwen3-mha-tied-bias", "fp16"), ("qwen3-moe-dense-and-sparse", "int8"), ("qwen2-moe-shared", "int8")],
 )  # fmt: skip
 def test_sizes_from_config_match_the_converted_artifact(tmp_path, case, quant):
     from tierlm.cache.artifact import PART_ALIGN, Artifact

@@ -166,13 +166,12 @@ def tiny_hf_model(arch: str, tied: bool, vocab_size: int):
     return model.eval(), config
 
 
-def write_tiny_gguf(path: Path, model, config, *, arch: str = "llama", matrix_dtype=np.float32,
-                    tokenizer: str = "gpt2", pre: str = "smollm") -> dict[str, np.ndarray]:
-    """Write `model` as llama.cpp would (permuted Q/K for llama); returns the HF tensors written."""
+def gguf_writer(path: Path, arch: str, config, name: str):
+    """A GGUFWriter for `arch` holding the shape metadata every architecture shares (transformers `config`)."""
     import gguf
 
     writer = gguf.GGUFWriter(str(path), arch)
-    writer.add_name("tiny test model")
+    writer.add_name(name)
     writer.add_block_count(config.num_hidden_layers)
     writer.add_context_length(config.max_position_embeddings)
     writer.add_embedding_length(config.hidden_size)
@@ -181,6 +180,13 @@ def write_tiny_gguf(path: Path, model, config, *, arch: str = "llama", matrix_dt
     writer.add_head_count_kv(config.num_key_value_heads)
     writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    return writer
+
+
+def write_tiny_gguf(path: Path, model, config, *, arch: str = "llama", matrix_dtype=np.float32,
+                    tokenizer: str = "gpt2", pre: str = "smollm") -> dict[str, np.ndarray]:
+    """Write `model` as llama.cpp would (permuted Q/K for llama); returns the HF tensors written."""
+    writer = gguf_writer(path, arch, config, "tiny test model")
     if arch == "llama":
         writer.add_rope_dimension_count(config.head_dim)
     if tokenizer == "gpt2":

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.tiny import greedy, make_case, make_model, prompt
+from tests.tiny import MOE_CASES, greedy, make_case, make_model, prompt
 from tierlm.cache.kv import SlotKVCache
 from tierlm.runtime.loader import load_model
 
@@ -48,6 +48,7 @@ CASES = {
     "chatglm-mqa-rope-ratio": dict(family="chatglm", heads=4, groups=2, rope_ratio=2.5),
     "chatglm-one-group-no-bias": dict(family="chatglm", hidden=48, heads=3, groups=1, kv_channels=16,
                                       qkv_bias=False, layers=3),
+    **MOE_CASES,  # Mixtral, Qwen2-MoE (shared expert), Qwen3-MoE (dense and sparse layers)
 }  # fmt: skip
 
 

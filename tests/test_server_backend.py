@@ -66,7 +66,9 @@ def test_access_log_has_one_line_per_request_with_tokens_and_duration(session):
         ("POST", CHAT, 400, prompt, "-"),  # refused after tokenizing: the prompt's size is known
     ]), "".join(lines)
     assert streamed.completion_tokens == 12  # more than the first request's 5: its line is told apart
-    assert next(e[5] for e in got if e[4] == "12") >= 11 * 0.05 - 0.01  # a step's delay after each token but the last
+    # Logged at the stream's end, not its start: the delays of most of its 11 decode steps (how the first
+    # ones overlap the prefill's step varies with the machine, so not all 11 are required).
+    assert next(float(e[5]) for e in got if e[4] == "12") >= 9 * 0.05
     assert not any('HTTP/1.1"' in line for line in lines)  # uvicorn's own access log stays off
 
 

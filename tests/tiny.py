@@ -56,8 +56,8 @@ def make_model(
     with_tokenizer: bool = True,
     **extra,
 ):
-    """Save a random model of `family` (llama, qwen2, qwen3, mistral, glm) to model_dir; returns
-    the HF model.
+    """Save a random model of `family` (llama, qwen2, qwen3, mistral, glm, and the MoE families
+    mixtral, qwen2_moe, qwen3_moe: see MOE_CASES) to model_dir; returns the HF model.
 
     Every parameter (biases and norms included) is drawn at random so none is trivially zero
     or one, which would hide a missing bias or a mis-mapped norm.
@@ -70,9 +70,12 @@ def make_model(
         "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
         "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
         "glm": (transformers.GlmConfig, transformers.GlmForCausalLM),
+        "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM),
+        "qwen2_moe": (transformers.Qwen2MoeConfig, transformers.Qwen2MoeForCausalLM),
+        "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
     }
     config_cls, model_cls = classes[family]
-    if family in ("qwen3", "glm"):
+    if family in ("qwen3", "glm", "qwen3_moe"):
         extra.setdefault("head_dim", hidden // heads)  # their configs default to 128
     if family == "glm":
         extra.setdefault("pad_token_id", None)  # GlmConfig's default lies outside a tiny vocab
@@ -261,6 +264,19 @@ def write_profile(path: Path, *, context_length: int, batch_size: int) -> Path:
         f"context_length = {context_length}\nbatch_size = {batch_size}\n"
     )
     return path
+
+
+# Tiny mixture-of-experts models: Mixtral (every layer sparse, top-2 of 4), Qwen2-MoE (shared
+# expert, top-2 of 6, no renormalization), Qwen3-MoE (sparse layers 1 and 5 of 6: decoder_sparse_step
+# 2 and mlp_only_layers [3] leave 0, 2, 3, 4 dense; top-3 of 8 renormalized).
+MOE_CASES = {
+    "mixtral": dict(family="mixtral", heads=4, kv_heads=2, intermediate=48, num_local_experts=4, num_experts_per_tok=2),
+    "qwen2-moe-shared": dict(family="qwen2_moe", heads=4, kv_heads=2, num_experts=6, num_experts_per_tok=2,
+                             moe_intermediate_size=32, shared_expert_intermediate_size=48),
+    "qwen3-moe-dense-and-sparse": dict(family="qwen3_moe", heads=4, kv_heads=2, layers=6, num_experts=8,
+                                       num_experts_per_tok=3, moe_intermediate_size=32, decoder_sparse_step=2,
+                                       mlp_only_layers=[3], norm_topk_prob=True),
+}  # fmt: skip
 
 
 # Decode cases for the fused CPU step and the device graphs: every family and each of its

@@ -1,7 +1,9 @@
 """What a model's weights are grouped into: blocks, each fetched from a weight store as one unit.
 
 The block names live here and nowhere else: `embed`, one `layers.{i}` per decoder layer, the
-final `norm`, `head` (the forward pass's order). The families, offload's sizes, planner and
+final `norm`, `head` (the forward pass's order). A mixture-of-experts layer keeps its dense part
+(norms, attention, router, shared expert) in `layers.{i}` and each routed expert in its own block
+`experts.{i}.{e}`, stored right after its layer, so a store can hold, stream or cache one expert. The families, offload's sizes, planner and
 tiered store, and the plan view name blocks through this module. (`embed`, `norm` and `head` are
 also the canonical names of the one tensor each of those blocks holds.)
 
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 EMBED, NORM, HEAD = "embed", "norm", "head"
 _LAYER_PREFIX = "layers."
+_EXPERT_PREFIX = "experts."
 
 BlockLayout = dict[str, tuple[str, ...]]
 CheckpointLayout = dict[str, BlockLayout]
@@ -33,3 +36,21 @@ def layer_index(block: str) -> int | None:
 def is_layer(block: str) -> bool:
     """Whether a block is a decoder layer's."""
     return block.startswith(_LAYER_PREFIX)
+
+
+def expert_block(layer: int, expert: int) -> str:
+    """The block of routed expert `expert` of decoder layer `layer`."""
+    return f"{_EXPERT_PREFIX}{layer}.{expert}"
+
+
+def expert_of(block: str) -> tuple[int, int] | None:
+    """(layer, expert) of an expert block, None for every other block."""
+    if not block.startswith(_EXPERT_PREFIX):
+        return None
+    layer, _, expert = block[len(_EXPERT_PREFIX) :].partition(".")
+    return int(layer), int(expert)
+
+
+def is_expert(block: str) -> bool:
+    """Whether a block holds one routed expert of a mixture-of-experts layer."""
+    return block.startswith(_EXPERT_PREFIX)

@@ -29,6 +29,9 @@ FAMILIES: Mapping[str, str] = MappingProxyType(
         "qwen3": "tierlm.models.qwen3",
         "glm": "tierlm.models.glm",
         "chatglm": "tierlm.models.chatglm",
+        "mixtral": "tierlm.models.mixtral",
+        "qwen2_moe": "tierlm.models.qwen2_moe",
+        "qwen3_moe": "tierlm.models.qwen3_moe",
     }
 )
 
@@ -47,6 +50,8 @@ LIMITS: Mapping[str, int] = MappingProxyType(
         "head_dim": 4096,
         "max_position_embeddings": 1 << 24,
         "token_id": (1 << 24) - 1,
+        # Mixture of experts: DeepSeek-V3 routes over 256 experts, Qwen3-235B-A22B 8 of 128.
+        "num_experts": 1 << 12,
     }
 )
 MAX_ROPE_THETA = 1e30  # rope_inv_freq raises theta to a power in fp32 (max ~3.4e38)
@@ -65,6 +70,23 @@ class RopeConfig:
     original_max_position_embeddings: int = 8192
     # Share of each head's channels that rotate; only the GLM families read it, as transformers does.
     partial_rotary_factor: float = 1.0
+
+
+@dataclass(frozen=True)
+class MoeConfig:
+    """A mixture-of-experts decoder's routing: each sparse layer's MLP is `top_k` of `experts`
+    SwiGLU experts (intermediate `expert_intermediate`), chosen per token by a softmax router;
+    the other layers keep the dense MLP (intermediate_size)."""
+
+    experts: int
+    top_k: int
+    expert_intermediate: int
+    shared_intermediate: int = 0  # Qwen2-MoE's always-on shared expert; 0: none
+    norm_topk_prob: bool = True  # renormalize the chosen top-k probabilities to sum to 1
+    sparse_layers: tuple[int, ...] = ()
+
+    def is_sparse(self, layer: int) -> bool:
+        return layer in self.sparse_layers
 
 
 @dataclass(frozen=True)
@@ -89,6 +111,7 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
     torch_dtype: str = "float32"
     sliding_window: int | None = None
+    moe: MoeConfig | None = None  # None: a dense model
 
     @property
     def q_size(self) -> int:
@@ -139,6 +162,7 @@ class ModelConfig:
             eos_token_ids=fields.token_ids("eos_token_id"),
             torch_dtype=fields.text("torch_dtype", None) or fields.text("dtype", None) or "float32",
             sliding_window=_sliding_window(fields, family, layers),
+            moe=family.moe_config(fields, layers),
         )
         _check_shapes(config, family, source)
         return config
@@ -328,6 +352,42 @@ def _check_shapes(config: ModelConfig, family, source: str) -> None:
             f"{source}: llama3 RoPE scaling needs high_freq_factor ({rope.high_freq_factor:g}) "
             f"> low_freq_factor ({rope.low_freq_factor:g})"
         )
+
+
+# ---------------------------------------------------------------------------- mixture of experts
+
+
+def read_moe(fields: _Fields, layers: int, *, expert_intermediate: str, shared: bool,
+             norm_topk_prob: bool | None, sparse_rule: bool) -> MoeConfig:
+    """A MoE family's routing settings (the families in models/ say which keys apply).
+
+    The expert count is `num_experts` or `num_local_experts` (Mixtral's name, and what
+    transformers 5 writes for Qwen3-MoE); `norm_topk_prob` None reads the key (default false),
+    else it is fixed (Mixtral always renormalizes). With `sparse_rule`, a layer is sparse unless
+    listed in `mlp_only_layers` or off the `decoder_sparse_step` (Qwen-MoE); else every layer is.
+    """
+    experts_key = "num_experts" if fields.read("num_experts", None)[0] else "num_local_experts"
+    experts = fields.integer(experts_key, limit="num_experts")
+    top_k = fields.integer("num_experts_per_tok", limit="num_experts")
+    if top_k > experts:
+        raise TierlmError(f"{fields.source}: num_experts_per_tok ({top_k}) exceeds {experts_key} ({experts})",
+                          "each token chooses top_k of the experts; top_k must not exceed their number")
+    sparse = tuple(range(layers))
+    if sparse_rule:
+        step = fields.integer("decoder_sparse_step", 1, limit="num_hidden_layers")
+        _, dense = fields.read("mlp_only_layers", [])
+        if not isinstance(dense, list) or not all(
+                isinstance(i, int) and not isinstance(i, bool) and 0 <= i < layers for i in dense):
+            raise fields.bad("mlp_only_layers", dense, f"a list of layer indices in [0, {layers - 1}]")
+        sparse = tuple(i for i in sparse if i not in dense and (i + 1) % step == 0)
+    return MoeConfig(
+        experts=experts,
+        top_k=top_k,
+        expert_intermediate=fields.integer(expert_intermediate, limit="intermediate_size"),
+        shared_intermediate=fields.integer("shared_expert_intermediate_size", limit="intermediate_size") if shared else 0,
+        norm_topk_prob=fields.flag("norm_topk_prob", False) if norm_topk_prob is None else norm_topk_prob,
+        sparse_layers=sparse,
+    )
 
 
 # ---------------------------------------------------------------------------- windows and RoPE

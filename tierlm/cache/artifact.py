@@ -5,7 +5,16 @@ byte range of `weights.bin`, so a store can load or stream a block with one sequ
 one buffer and take its tensors as views. `manifest.json` records, per block, the byte range, a
 CRC32 of every 1 MiB chunk of it, and for every tensor its parts (e.g. an INT8 weight's `qweight`
 and `scales`): dtype, shape, offset. A tensor stored elsewhere (a tied head) is recorded as an
-alias of another block's tensor.
+alias of another block's tensor. Each block also records the sha256 of its bytes ("digest"), its
+content address: blocks of equal digest are the same bytes, wherever they are stored (manifests
+written before it lack it and stay readable).
+
+A variant artifact (a base plus LoRA adapters) stores, per block its adapters change, only the
+changed tensors; its manifest names its base artifact ("base", "base_key", a sibling directory
+in the cache) and the blocks it shares whole ("shared": {block: digest}). `Artifact.open` on it
+gives a `VariantArtifact`, which reads every block as a full conversion with those adapters
+stores it: the base's bytes with the variant's tensors over their places, each part checked
+against the checksums of the file it lives in.
 
 Bytes from disk are untrusted: `Artifact.open` validates the whole manifest (types, ranges,
 overlaps, encodings, and the model's block layout when config.json is beside it) before anything
@@ -15,13 +24,14 @@ This module is the only reader of `weights.bin`; stores go through `Artifact`'s 
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
 import threading
 import zlib
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -66,6 +76,7 @@ class BlockRecord:
     tensors: Mapping[str, TensorRecord]
     aliases: Mapping[str, str] = field(default_factory=dict)  # name -> "block/tensor" (split_alias)
     crc32: tuple[int, ...] = ()  # one per CHECK_CHUNK bytes of the block, the last one shorter
+    digest: str | None = None  # sha256 of the block's bytes; None in manifests written before it
 
     def alias_targets(self) -> dict[str, tuple[str, str]]:
         """{alias: (block, tensor)}: each name this block takes from an earlier block's tensor."""
@@ -97,6 +108,7 @@ class ArtifactWriter:
         self._tensors: dict[str, TensorRecord] = {}
         self._aliases: dict[str, str] = {}
         self._sums: _ChunkSums | None = None
+        self._sha = None
 
     def begin_block(self, name: str) -> None:
         if self._current is not None:
@@ -104,7 +116,7 @@ class ArtifactWriter:
         self._pad_to(BLOCK_ALIGN)
         self._current, self._start = name, self._file.tell()
         self._tensors, self._aliases = {}, {}
-        self._sums = _ChunkSums()
+        self._sums, self._sha = _ChunkSums(), hashlib.sha256()
 
     def add_tensor(self, name: str, encoding: str, parts: Mapping[str, Any], meta: Mapping[str, Any] | None = None) -> None:
         """Write `parts` (name -> CPU tensor) of one block tensor, each at a 64-byte boundary."""
@@ -127,9 +139,14 @@ class ArtifactWriter:
 
     def end_block(self) -> None:
         nbytes = self._file.tell() - self._start
-        sums = tuple(self._sums.finish())
-        self._blocks[self._current] = BlockRecord(self._start, nbytes, self._tensors, self._aliases, sums)
-        self._current, self._sums = None, None
+        sums, digest = tuple(self._sums.finish()), self._sha.hexdigest()
+        self._blocks[self._current] = BlockRecord(self._start, nbytes, self._tensors, self._aliases, sums, digest)
+        self._current, self._sums, self._sha = None, None, None
+
+    @property
+    def blocks(self) -> Mapping[str, BlockRecord]:
+        """The blocks written so far (a variant's manifest names their digests)."""
+        return dict(self._blocks)
 
     def finish(self, header: Mapping[str, Any]) -> None:
         """Flush the weights and write the manifest (`header` adds model/source facts)."""
@@ -154,6 +171,7 @@ class ArtifactWriter:
         self._file.write(data)
         if self._sums is not None:
             self._sums.update(data)
+            self._sha.update(data)
 
     def _pad_to(self, alignment: int) -> None:
         position = self._file.tell()
@@ -168,12 +186,14 @@ class Artifact:
     the check once per process; an embedding served row by row is checked a chunk at a time.
     """
 
+    base: "Artifact | None" = None  # a variant's base artifact; None for a complete artifact
+
     def __init__(self, directory: Path, manifest: Mapping[str, Any]):
         """`manifest` as parsed from JSON; anything malformed is a TierlmError naming the fault."""
         self.directory = Path(directory)
         self.manifest = manifest
         try:
-            self.blocks = _parse_manifest(manifest)
+            self.blocks = _parse_manifest(manifest, variant="base" in manifest)
         except _Malformed as err:
             raise _corrupt(self.directory, f"manifest: {err}") from None
         self._verified: set[str] = set()
@@ -182,9 +202,13 @@ class Artifact:
         self._file_lock = threading.Lock()
 
     @classmethod
-    def open(cls, directory: Path) -> "Artifact":
+    def open(cls, directory: Path, base: "Artifact | None" = None) -> "Artifact":
         """Validate and open `directory`; with config.json beside the manifest, its blocks must be
-        exactly the model family's layout, each tensor in the shape config.json implies."""
+        exactly the model family's layout, each tensor in the shape config.json implies.
+
+        A variant artifact opens as a VariantArtifact over its base: `base` when given (an open
+        Artifact of that directory, so its reads and checks are shared), else opened here.
+        """
         directory = Path(directory)
         try:
             if (directory / MANIFEST_NAME).stat().st_size > MAX_MANIFEST_BYTES:
@@ -196,13 +220,29 @@ class Artifact:
             raise _corrupt(directory, f"manifest is a JSON {type(manifest).__name__}, not an object")
         if manifest.get("format_version") != FORMAT_VERSION:
             raise _corrupt(directory, f"format version {manifest.get('format_version')!r}, expected {FORMAT_VERSION}")
-        artifact = cls(directory, manifest)
         weights = directory / WEIGHTS_NAME
+        artifact = VariantArtifact(directory, manifest, base) if "base" in manifest else cls(directory, manifest)
         if not weights.is_file() or weights.stat().st_size != manifest["weights_bytes"]:
+            artifact.close()
             raise _corrupt(directory, "weights.bin is missing or has the wrong size")
         if (directory / "config.json").is_file():
             artifact._check_layout()
         return artifact
+
+    @property
+    def variant(self) -> bool:
+        """Whether the manifest is a variant's (its blocks complete only over its base)."""
+        return "base" in self.manifest
+
+    @property
+    def own_blocks(self) -> tuple[str, ...]:
+        """The blocks stored in this directory's weights.bin (every block, but for a variant)."""
+        return tuple(self.blocks)
+
+    @property
+    def own_bytes(self) -> int:
+        """Bytes of weights this directory adds (all of them, but for a variant)."""
+        return sum(self.blocks[name].nbytes for name in self.own_blocks)
 
     @property
     def weights_path(self) -> Path:
@@ -387,6 +427,153 @@ class Artifact:
                     raise _corrupt(self.directory, f"{name}/{tensor}: {problem}")
 
 
+class VariantArtifact(Artifact):
+    """A variant over its base artifact: every block of the model as a full conversion with its
+    adapters would store it, from the base's blocks and the variant's own tensors.
+
+    The variant's weights.bin holds, per block its adapters change, only the changed tensors,
+    each encoded exactly as in a full `--lora` conversion (same parts, dtypes, shapes). Reading
+    such a block reads the base's block (under the base's checksums) and writes the changed
+    tensors' bytes (under the variant's) over their places in it, which gives the full
+    conversion's block byte for byte; so `blocks` are the base's records. The manifest's
+    "shared" {block: digest} names the base's untouched blocks with the digests the base records,
+    and "base_key" must be the base manifest's key: a base rebuilt from other weights is refused.
+    """
+
+    def __init__(self, directory: Path, manifest: Mapping[str, Any], base: Artifact | None = None):
+        # Not Artifact.__init__: every read goes to the base or to `_own`, this directory's file.
+        self.directory, self.manifest = Path(directory), manifest
+        self._own = Artifact(directory, manifest)
+        self.stored = self._own.blocks  # the variant's own (partial) blocks, as its weights.bin holds them
+        self.base = None
+        self._closes_base = base is None
+        self.base = self._open_base(base)
+        try:
+            self._check_against_base()
+        except _Malformed as err:
+            self.close()
+            raise _corrupt(self.directory, f"manifest: {err}") from None
+        # The base's records: a changed block composes to the same layout, though not its digest.
+        self.blocks = {
+            name: replace(record, digest=None) if name in self.stored else record
+            for name, record in self.base.blocks.items()
+        }
+
+    @property
+    def own_blocks(self) -> tuple[str, ...]:
+        return tuple(name for name in self.blocks if name in self.stored)
+
+    @property
+    def own_bytes(self) -> int:
+        return sum(block.nbytes for block in self.stored.values())
+
+    @property
+    def shared_blocks(self) -> tuple[str, ...]:
+        return tuple(name for name in self.blocks if name not in self.stored)
+
+    def changed_tensors(self, block: str) -> tuple[str, ...]:
+        """The tensors (and aliases) of `block` that differ from the base's; none for a shared block."""
+        stored = self.stored.get(block)
+        return (*stored.tensors, *stored.aliases) if stored is not None else ()
+
+    def read_stored(self, name: str) -> dict[str, tuple[TensorRecord, dict]]:
+        """Only the changed tensors of block `name`, {tensor: (record, {part: view})}, read from
+        this directory alone (a store holding the base's block needs nothing else); {} if shared."""
+        return self._own.read_block(name) if name in self.stored else {}
+
+    def read_bytes(self, name: str, into=None):
+        """Block `name`'s bytes as the full conversion stores them: the base's, with the
+        variant's changed tensors written over their places (both checked on their reads)."""
+        buffer = self.base.read_bytes(name, into)
+        stored = self.stored.get(name)
+        if stored is None or not stored.tensors:
+            return buffer
+        own = self._own.read_bytes(name)
+        for tensor, record in stored.tensors.items():
+            for part, source in record.parts.items():
+                target = self.blocks[name].tensors[tensor].parts[part]
+                span = slice(source.offset, source.offset + source.nbytes)
+                buffer[target.offset : target.offset + target.nbytes].copy_(own[span])
+        return buffer
+
+    def read_rows(self, block: str, tensor: str, rows: list[int], host=None) -> dict:
+        if host is not None:
+            return super().read_rows(block, tensor, rows, host)
+        holder = self._own if tensor in getattr(self.stored.get(block), "tensors", {}) else self.base
+        return holder.read_rows(block, tensor, rows)
+
+    def verify(self, progress=None) -> None:
+        for done, name in enumerate(self.blocks, start=1):
+            self.read_bytes(name)
+            if progress:
+                progress(done, len(self.blocks))
+
+    def close(self) -> None:
+        self._own.close()
+        if self._closes_base and self.base is not None:
+            self.base.close()
+
+    def _open_base(self, base: Artifact | None) -> Artifact:
+        name, key = self.manifest.get("base"), self.manifest.get("base_key")
+        if not isinstance(name, str) or name in ("", ".", "..") or "/" in name or "\\" in name:
+            raise _corrupt(self.directory, f"manifest: base {name!r} is not an artifact directory name")
+        where = self.directory.parent / name
+        if base is None:
+            if not (where / MANIFEST_NAME).is_file():
+                raise TierlmError(
+                    f"variant artifact {self.directory} needs its base artifact {where}, which is gone",
+                    "building the variant again (the same --lora) rebuilds its base; "
+                    f"or remove it with `tierlm cache rm {self.directory.name}`",
+                )
+            try:
+                base = Artifact.open(where)
+            except TierlmError as err:
+                why = f"variant artifact {self.directory}: its base is unusable: {err.message}"
+                raise TierlmError(why, err.hint) from None
+        elif Path(base.directory).resolve() != where.resolve():
+            raise ValueError(f"{self.directory} is a variant of {where}, not of {base.directory}")
+        if base.variant or base.manifest.get("key") != key:
+            if self._closes_base:
+                base.close()
+            raise TierlmError(
+                f"variant artifact {self.directory} was built over another {where} (base key {key!r})",
+                f"remove it with `tierlm cache rm {self.directory.name}`; it is rebuilt on next use",
+            )
+        return base
+
+    def _check_against_base(self) -> None:
+        """Every stored tensor fits its place in the base's block exactly; "shared" names the rest."""
+        base_blocks = self.base.blocks
+        for name, stored in self.stored.items():
+            block = base_blocks.get(name)
+            if block is None:
+                raise _Malformed(f"block {name!r} is not a block of the base")
+            for tensor, record in stored.tensors.items():
+                place = block.tensors.get(tensor)
+                if place is None or place.encoding != record.encoding or dict(place.meta) != dict(record.meta):
+                    raise _Malformed(f"{name}/{tensor} is not stored as the base stores it")
+                if _part_shapes(place) != _part_shapes(record):
+                    raise _Malformed(f"{name}/{tensor} has other parts than the base's")
+            for alias, target in stored.aliases.items():
+                if block.aliases.get(alias) != target:
+                    raise _Malformed(f"block {name!r}: alias {alias!r} is not the base's")
+        shared = _mapping(self.manifest.get("shared"), "shared")
+        expected = [name for name in base_blocks if name not in self.stored]
+        if sorted(shared) != sorted(expected):
+            odd = sorted(set(shared) ^ set(expected))
+            raise _Malformed(f"block {odd[0]!r} is not exactly one of stored or shared")
+        for name, digest in shared.items():
+            recorded = base_blocks[name].digest
+            if digest is not None and not _is_digest(digest):
+                raise _Malformed(f"shared block {name!r} has digest {digest!r}, not a sha256 in hex")
+            if digest and recorded and digest != recorded:
+                raise _Malformed(f"shared block {name!r} has other bytes in the base than the variant was built over")
+
+
+def _part_shapes(record: TensorRecord) -> dict[str, tuple[str, tuple[int, ...]]]:
+    return {name: (part.dtype, part.shape) for name, part in record.parts.items()}
+
+
 class _ChunkSums:
     """CRC32 of each CHECK_CHUNK bytes of a block, fed the block's bytes in order."""
 
@@ -417,15 +604,16 @@ class _Malformed(ValueError):
     """A manifest field that is not what the format says; becomes one TierlmError line."""
 
 
-def _parse_manifest(manifest: Mapping[str, Any]) -> dict[str, BlockRecord]:
-    """Every block record, checked against the manifest's own facts before any byte is read."""
+def _parse_manifest(manifest: Mapping[str, Any], variant: bool = False) -> dict[str, BlockRecord]:
+    """Every block record, checked against the manifest's own facts before any byte is read
+    (a variant's own blocks: it may have none, when its adapters change nothing)."""
     size = _count(manifest.get("weights_bytes"), "weights_bytes")
     checksum = manifest.get("checksum")
     if checksum != {"algorithm": CHECKSUM, "chunk_bytes": CHECK_CHUNK}:
         raise _Malformed(f"checksum {checksum!r}, expected {CHECKSUM} over {CHECK_CHUNK}-byte chunks")
     raw_blocks = _mapping(manifest.get("blocks"), "blocks")
     blocks = {str(name): _block(str(name), raw, size) for name, raw in raw_blocks.items()}
-    if not blocks:
+    if not blocks and not variant:
         raise _Malformed("no blocks")
     _no_overlap([(b.offset, b.nbytes, f"block {n!r}") for n, b in blocks.items()])
     earlier: dict[str, BlockRecord] = {}
@@ -453,6 +641,9 @@ def _block(name: str, raw: Any, weights_bytes: int) -> BlockRecord:
         raise _Malformed(f"block {name!r} has no checksum per {CHECK_CHUNK}-byte chunk")
     if not all(_is_count(v) and v < 1 << 32 for v in sums):
         raise _Malformed(f"block {name!r} has checksums that are not 32-bit values")
+    digest = raw.get("digest")
+    if digest is not None and not _is_digest(digest):
+        raise _Malformed(f"block {name!r} has digest {digest!r}, not a sha256 in hex")
     tensors = {}
     for tensor, t in _mapping(raw.get("tensors"), f"block {name!r} tensors").items():
         record = _tensor(f"{name}/{tensor}", t, nbytes)
@@ -463,7 +654,7 @@ def _block(name: str, raw: Any, weights_bytes: int) -> BlockRecord:
     aliases = _mapping(raw.get("aliases", {}), f"block {name!r} aliases")
     if not all(isinstance(v, str) for v in aliases.values()):
         raise _Malformed(f"block {name!r} has aliases that are not 'block/tensor' strings")
-    return BlockRecord(offset, nbytes, tensors, {str(k): v for k, v in aliases.items()}, tuple(sums))
+    return BlockRecord(offset, nbytes, tensors, {str(k): v for k, v in aliases.items()}, tuple(sums), digest)
 
 
 def _tensor(what: str, raw: Any, block_bytes: int) -> TensorRecord:
@@ -513,6 +704,10 @@ def _count(value: Any, what: str) -> int:
     return value
 
 
+def _is_digest(value: Any) -> bool:
+    return isinstance(value, str) and len(value) == 64 and all(c in "0123456789abcdef" for c in value)
+
+
 def _is_count(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
@@ -535,6 +730,7 @@ def _block_to_json(block: BlockRecord) -> dict:
         "offset": block.offset,
         "nbytes": block.nbytes,
         "crc32": list(block.crc32),
+        **({"digest": block.digest} if block.digest else {}),
         "tensors": {
             name: {
                 "encoding": t.encoding,

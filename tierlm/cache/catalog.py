@@ -10,6 +10,9 @@ Names are short, stable and lowercase, as ollama users expect:
     smollm2:int8               a compiled artifact: BASE:QUANT, then `+ADAPTER` for each merged LoRA
     smollm2:int8+my-lora@0.5   adapter (its directory name, `@WEIGHT` unless the weight is 1)
 
+A variant artifact (tierlm.cache.artifact: only the tensors its adapters change, over a base
+artifact) has the name the full artifact of those adapters would have; its size is what it adds.
+
 Every cache entry also answers to its directory name as `tierlm cache list` prints it, which is
 unique: that is how to pick one of several entries sharing a name. Names match case-insensitively.
 A name that fits several models is an error listing them; an unknown name is an error listing
@@ -65,6 +68,7 @@ class Entry:
     # False for what a rebuild supersedes: an import in another import format (tierlm imports
     # the GGUF afresh), an artifact of such an import or of a base that is gone.
     current: bool = True
+    shares: str | None = None  # a variant artifact: the base artifact directory whose blocks it reads
 
 
 @dataclass(frozen=True)
@@ -169,9 +173,31 @@ def _artifact_entry(path: Path, nbytes: int) -> Entry:
     base = _base_name(base_dir) if manifest.get("source") else embedded.slug(path.name)
     variant = _variant(manifest)
     loadable = manifest.get("format_version") == FORMAT_VERSION
+    shares = manifest.get("base") if isinstance(manifest.get("base"), str) else None
+    if shares is not None:  # what the variant adds: not the model files it links from its base
+        nbytes = _unlinked_bytes(path, path.parent / shares)
+    # A variant whose base artifact is gone is superseded: building it again rebuilds the base.
+    current = loadable and _is_current_base(base_dir) and (shares is None or (path.parent / shares).is_dir())
     return Entry(f"{base}:{variant}", "artifact", path, base, base_dir, variant, f"dir {base_dir}",
                  manifest.get("model_type"), nbytes, path.stat().st_mtime, loadable=loadable,
-                 current=loadable and _is_current_base(base_dir))  # fmt: skip
+                 current=current, shares=shares)  # fmt: skip
+
+
+def _unlinked_bytes(directory: Path, other: Path) -> int:
+    """Bytes of the files under `directory` that are not hard links to files in `other`."""
+    try:
+        theirs = {(f.stat().st_dev, f.stat().st_ino) for f in other.iterdir() if f.is_file()}
+    except OSError:
+        theirs = set()
+    total = 0
+    for file in directory.rglob("*"):
+        try:
+            stat = file.stat()
+        except OSError:
+            continue
+        if file.is_file() and (stat.st_dev, stat.st_ino) not in theirs:
+            total += stat.st_size
+    return total
 
 
 def known_names(entries: list[Entry] | None = None) -> list[str]:

@@ -2,7 +2,7 @@
 
 2-D weights (projections, embedding, head) take the quant mode's format: INT8 with scales (and
 offsets when asymmetric), or a float dtype. 1-D tensors (norms, biases) always stay fp32: they
-are tiny and precision-critical.
+are tiny and precision-critical. So do the 2-D weights named in `FLOAT_WEIGHTS`.
 """
 
 from __future__ import annotations
@@ -16,20 +16,31 @@ FLOAT_DTYPES = ("float32", "float16", "bfloat16")
 # encoding -> (parts it must have, parts it may have)
 ENCODINGS = {"plain": ({"data"}, set()), "int8": ({"qweight", "scales"}, {"offsets"})}
 
+# Canonical names of 2-D weights kept in fp32 under every mode: an MoE router's near-tied logits
+# choose experts, and an error that flips one changes the token (llama.cpp keeps ffn_gate_inp in F32).
+FLOAT_WEIGHTS = frozenset({"router", "shared_gate"})
+
 parse_mode = parse_quant_mode
 
 
-def encode(tensor, mode: QuantMode) -> tuple[str, dict[str, Any], dict[str, Any]]:
-    """fp32 tensor -> (encoding name, {part: tensor}, metadata) for `ArtifactWriter.add_tensor`."""
+def keeps_float(name: str | None, shape: tuple[int, ...]) -> bool:
+    """Whether a tensor of canonical `name` and `shape` is stored in fp32 whatever the mode."""
+    return len(shape) != 2 or name in FLOAT_WEIGHTS
+
+
+def encode(tensor, mode: QuantMode, name: str | None = None) -> tuple[str, dict[str, Any], dict[str, Any]]:
+    """fp32 tensor (canonical `name`) -> (encoding name, {part: tensor}, metadata) for
+    `ArtifactWriter.add_tensor`."""
     import torch
 
-    if tensor.dim() == 2 and mode.quantized:
+    if keeps_float(name, tuple(tensor.shape)):
+        return "plain", {"data": tensor.to(torch.float32)}, {}
+    if mode.quantized:
         from tierlm.quant.int8 import quantize_int8
 
         weight = quantize_int8(tensor, mode.group_size, asymmetric=mode.asymmetric)
         return "int8", weight.tensors(), {"group_size": mode.group_size}
-    dtype = getattr(torch, mode.weight_dtype) if tensor.dim() == 2 else torch.float32
-    return "plain", {"data": tensor.to(dtype)}, {}
+    return "plain", {"data": tensor.to(getattr(torch, mode.weight_dtype))}, {}
 
 
 def decode(record, parts: Mapping[str, Any], *, device="cpu", dtype=None):

@@ -4,12 +4,17 @@ Tensor by tensor: read one base tensor, merge the adapters into it in fp32, fuse
 block partners (q/k/v, gate/up), quantize, append to the artifact, let it go. The model is
 never held in float as a whole. The artifact is keyed by a content hash of everything that
 determines its bytes and built in a temporary directory that is renamed into place when done.
+
+A variant (`ensure_variant_artifact`) is the same conversion restricted to the blocks whose
+tensors the adapters change, over the adapter-free base artifact it names: those blocks are byte
+for byte the ones a full `--lora` conversion writes, and the base's blocks serve the rest.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -78,14 +83,27 @@ def ensure_artifact(request: ConversionRequest, progress: Progress | None = None
 
 def convert(request: ConversionRequest, out_dir: Path, key: str, merger=None, progress: Progress | None = None) -> None:
     """Write the artifact for `request` into `out_dir` (which the caller renames into place)."""
+    model_dir = Path(request.model_dir)
+    config = ModelConfig.from_dir(model_dir)
+    mode = codec.parse_mode(request.quant)
+    layout, tensor_for = _sources(model_dir, config, merger)
+    writer = ArtifactWriter(out_dir)
+    try:
+        write_layout(writer, layout, tensor_for, mode, progress)
+        writer.finish(_header(key, config, model_dir, mode, request.adapters))
+    finally:
+        writer.close()
+    _copy_model_files(model_dir, out_dir)
+
+
+def _sources(model_dir: Path, config: ModelConfig, merger):
+    """(the family's block layout, tensor_for(block, name, sources) -> merged fp32 tensor); the
+    adapters are validated against the checkpoint first."""
     from tierlm.models import family_class
     from tierlm.weights.checkpoint import Checkpoint
 
     import torch
 
-    model_dir = Path(request.model_dir)
-    config = ModelConfig.from_dir(model_dir)
-    mode = codec.parse_mode(request.quant)
     family = family_class(config)
     layout, shapes = family.checkpoint_layout(config), family.canonical_shapes(config)
     checkpoint = Checkpoint(model_dir)
@@ -105,23 +123,104 @@ def convert(request: ConversionRequest, out_dir: Path, key: str, merger=None, pr
             )
         return tensor
 
-    writer = ArtifactWriter(out_dir)
-    try:
-        write_layout(writer, layout, tensor_for, mode, progress)
-        writer.finish(
-            {
-                "key": key,
-                "model_type": config.model_type,
-                "source": str(model_dir.resolve()),
-                "quant": mode.name,
-                "adapters": [[str(Path(p).resolve()), w] for p, w in request.adapters],
-            }
-        )
-    finally:
-        writer.close()
+    return layout, tensor_for
+
+
+def _header(key: str, config: ModelConfig, model_dir: Path, mode, adapters) -> dict:
+    return {
+        "key": key,
+        "model_type": config.model_type,
+        "source": str(Path(model_dir).resolve()),
+        "quant": mode.name,
+        "adapters": [[str(Path(p).resolve()), w] for p, w in adapters],
+    }
+
+
+def _copy_model_files(model_dir: Path, out_dir: Path) -> None:
     for name in MODEL_FILES:
         if (model_dir / name).is_file():
             shutil.copyfile(model_dir / name, out_dir / name)
+
+
+def _link_model_files(base_dir: Path, out_dir: Path) -> None:
+    """The base artifact's model files, hard-linked where the disk allows (a variant then adds no
+    bytes for its tokenizer), else copied."""
+    for name in MODEL_FILES:
+        if (base_dir / name).is_file():
+            try:
+                os.link(base_dir / name, out_dir / name)
+            except OSError:
+                shutil.copyfile(base_dir / name, out_dir / name)
+
+
+# ----------------------------------------------------------------------------- variants
+
+
+def ensure_variant_artifact(
+    base: ConversionRequest, adapters: tuple[tuple[Path, float], ...], progress: Progress | None = None
+) -> Path:
+    """The variant artifact of `base` (no adapters) with `adapters`, building its base first.
+
+    The adapters are checked against the checkpoint before anything is written to the cache, so
+    an adapter for another model leaves the cache as it was. `progress(done, total)` counts the
+    base's blocks (when it is built) and then the variant's.
+    """
+    if base.adapters:
+        raise ValueError("a variant's base request carries no adapters; pass them as `adapters`")
+    config = ModelConfig.from_dir(base.model_dir)
+    merger = _merger(adapters)
+    if merger is None:
+        raise TierlmError("a variant needs at least one LoRA adapter")
+    layout, tensor_for = _sources(Path(base.model_dir), config, merger)  # validates the adapters
+    base_dir = ensure_artifact(base, progress)
+    base_key = Artifact.open(base_dir).manifest["key"]
+    key = variant_key(base_key, merger)
+    mode = codec.parse_mode(base.quant)
+    target = artifacts_root() / f"{Path(base.model_dir).name}-{mode.name}-{key[:16]}"
+    with directory_lock(target):
+        if _is_complete(target, key):
+            return target
+        with atomic_directory(target) as tmp:
+            header = _header(key, config, Path(base.model_dir), mode, adapters)
+            header.update(base=base_dir.name, base_key=base_key)
+            write_variant(tmp, base_dir, layout, tensor_for, merger.touched_names(), mode, header, progress)
+            _link_model_files(base_dir, tmp)
+    return target
+
+
+def variant_key(base_key: str, merger) -> str:
+    """sha256 of the base artifact's key (weights, quant, codec, format) and the adapters' content."""
+    parts = {"variant": 1, "base_key": base_key, "adapters": merger.content_fingerprint()}
+    return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()
+
+
+def changed_layout(layout, touched: set[str]) -> dict[str, dict[str, tuple[str, ...]]]:
+    """The part of `layout` a variant stores: per block, the entries read from a `touched` source.
+
+    A tied head's alias stays an alias: its sources are the embedding's, which is stored earlier."""
+    changed = {}
+    for block, entries in layout.items():
+        kept = {name: sources for name, sources in entries.items() if touched.intersection(sources)}
+        if kept:
+            changed[block] = kept
+    return changed
+
+
+def write_variant(out_dir: Path, base_dir: Path, layout, tensor_for, touched: set[str], mode, header: dict,
+                  progress: Progress | None = None) -> None:
+    """Write the tensors of `layout` that `touched` sources change into `out_dir`, block by block,
+    each encoded exactly as convert encodes it, and a manifest naming the base's other blocks
+    with the digests the base records."""
+    base = Artifact.open(base_dir)
+    base.close()
+    changed = changed_layout(layout, touched)
+    writer = ArtifactWriter(out_dir)
+    try:
+        write_layout(writer, changed, tensor_for, mode, progress)
+        shared = {name: base.blocks[name].digest for name in base.blocks if name not in changed}
+        writer.finish({**header, "shared": shared})
+    finally:
+        writer.close()
 
 
 def write_layout(writer: ArtifactWriter, layout, tensor_for, mode, progress: Progress | None = None) -> None:
@@ -139,20 +238,21 @@ def write_layout(writer: ArtifactWriter, layout, tensor_for, mode, progress: Pro
             if sources in written:
                 writer.add_alias(name, *written[sources])
                 continue
-            writer.add_tensor(name, *_encode_finite(f"{block}.{name}", tensor_for(block, name, sources), mode))
+            writer.add_tensor(name, *_encode_finite(block, name, tensor_for(block, name, sources), mode))
             written[sources] = (block, name)
         writer.end_block()
         if progress:
             progress(done, len(layout))
 
 
-def _encode_finite(what: str, tensor, mode):
+def _encode_finite(block: str, name: str, tensor, mode):
     """codec.encode, refusing NaN/Inf before it (quantizing them is garbage) and after it (a
     finite fp32 value can overflow fp16)."""
     from tierlm.weights.checkpoint import check_finite
 
+    what = f"{block}.{name}"
     check_finite(tensor, f"weight {what}", "the source weights are damaged; nothing was cached")
-    encoding, parts, meta = codec.encode(tensor, mode)
+    encoding, parts, meta = codec.encode(tensor, mode, name)
     for part, data in parts.items():
         check_finite(data, f"weight {what} stored as {mode.name} ({part})",
                      f"its values overflow {mode.name}; use a wider quant mode (int8, bf16 or fp32)")

@@ -239,7 +239,7 @@ def show(
 
 
 @app.command("import-gguf", short_help="Import a .gguf file into the cache.")
-def import_gguf(path: Path = typer.Argument(..., help="A Llama-family .gguf file")):
+def import_gguf(path: Path = typer.Argument(..., help="A .gguf file: Llama, Qwen2, Mixtral, Qwen2-MoE or Qwen3-MoE")):
     """Import a GGUF file into the cache as a Hugging Face model directory; prints its path."""
     from tierlm.cli.models import import_gguf_command
     from tierlm.cli.progress import progress_factory
@@ -355,7 +355,12 @@ def serve(
     device: Optional[str] = DeviceOpt,
     dtype: Optional[str] = DtypeOpt,
     quant: Optional[str] = QuantOpt,
-    lora: Optional[list[str]] = LoraOpt,
+    lora: Optional[list[str]] = typer.Option(
+        None, "--lora",
+        help="NAME=DIR[:WEIGHT]: serve PEFT LoRA adapter DIR as the variant NAME beside the base (requests pick "
+        "it by model; the same NAME twice combines adapters); DIR[:WEIGHT] alone merges it into the base "
+        "(repeatable)",
+    ),
     threads: Optional[int] = ThreadsOpt,
     temperature: Optional[float] = TempOpt,
     top_p: Optional[float] = TopPOpt,
@@ -369,6 +374,7 @@ def serve(
 
     from tierlm.cli.models import pick_model
     from tierlm.cli.progress import progress_factory
+    from tierlm.lora.spec import split_variant_specs
     from tierlm.profile import load_profile
     from tierlm.runtime.session import open_session
     from tierlm.server.options import ServerOptions
@@ -377,9 +383,10 @@ def serve(
     chosen = load_profile(profile)
     if batch_size is not None:  # the planner then reserves KV memory for this many sequences
         chosen = dataclasses.replace(chosen, batch_size=batch_size)
+    merged, variants = split_variant_specs(lora or ())
     with open_session(
-        pick_model(model_arg, model), chosen, device=device, dtype=dtype, quant=quant, loras=tuple(lora or ()),
-        threads=threads, progress=progress_factory(),
+        pick_model(model_arg, model), chosen, device=device, dtype=dtype, quant=quant, loras=merged,
+        variants=variants, threads=threads, progress=progress_factory(),
     ) as session:
         # Sampling flags become the server's defaults for requests that omit the field.
         given = dict(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, repetition_penalty=repetition_penalty)

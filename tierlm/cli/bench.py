@@ -80,6 +80,8 @@ def run_bench(session, prompt_tokens: int, new_tokens: int, runs: int) -> dict:
         result["decode_vs_predicted"] = result["decode_tokens_per_s"] / placement.predicted_decode_tokens_per_s
         result["predicted_prefill_tokens_per_s"] = placement.predicted_prefill_tokens_per_s
         result["binding_limit"] = placement.binding_limit
+        if placement.expert_layers:
+            result["predicted_expert_hit_rate"] = expected_expert_hit_rate(placement)
     ledger = loaded.store.stats()
     if ledger.planned:  # a tiered store; a resident one streams nothing and plans nothing
         result["ledger"] = ledger.snapshot(loaded.device)
@@ -126,10 +128,40 @@ def format_bench(result: dict) -> str:
     ledger = result.get("ledger")
     if ledger:
         read = ", ".join(f"{tier} {format_size(int(n))}" for tier, n in ledger["bytes_read_per_forward"].items())
+        per_token = ", ".join(f"{tier} {format_size(int(n))}" for tier, n in ledger["bytes_read_per_token"].items())
         lines.append(
-            f"streaming {read or 'nothing'} read per forward, stall {ledger['stall_s']:.2f} s, "
+            f"streaming {read or 'nothing'} read per forward"
+            + (f" ({per_token} per token)" if per_token else "")
+            + f", stall {ledger['stall_s']:.2f} s, "
             f"overlap {ledger['overlap']:.0%}, "
             + (f"hot-row hit rate {ledger['hot_cache_hit_rate']:.0%}" if ledger["hot_cache_lookups"]
                else "embedding resident (no hot-row lookups)")
         )
+        if "experts" in ledger:
+            lines += format_experts(ledger["experts"], result.get("predicted_expert_hit_rate"))
     return "\n".join(lines)
+
+
+def expected_expert_hit_rate(placement) -> float:
+    """The plan's expected share of chosen experts found resident, all sparse layers together
+    (each token chooses top-k experts in every sparse layer, so the layers weigh alike)."""
+    layers = placement.expert_layers
+    return sum(x.hit_rate for x in layers) / len(layers)
+
+
+def format_experts(experts: dict, predicted_hit_rate: float | None = None) -> list[str]:
+    """An MoE model's expert cache as bench and chat's /stats print it: the hit rate overall
+    (beside the plan's expectation when there is a plan), speculation, then the hit rate of each
+    sparse layer (wrapped, as a 48-layer model has 48)."""
+    import textwrap
+
+    guesses = experts["speculative_guesses"]
+    speculation = (f"speculative prefetch {experts['speculative_accuracy']:.0%} right of {guesses} guesses"
+                   if guesses else "no speculative prefetch")  # fmt: skip
+    lookups = experts["hits"] + experts["misses"]
+    per_layer = "  ".join(f"{layer}:{rate:.0%}" for layer, rate in experts["per_layer"].items())
+    return [
+        f"experts   hit rate {experts['hit_rate']:.0%} of {lookups} chosen"
+        + (f" (planned {predicted_hit_rate:.0%})" if predicted_hit_rate is not None else "") + f", {speculation}",
+        *textwrap.wrap(per_layer, width=100, initial_indent="per layer ", subsequent_indent=" " * 10),
+    ]

@@ -75,11 +75,20 @@ def render_list() -> str:
 
 
 def render_cache_list() -> str:
-    """`tierlm cache list`: kind, size, directory name (what `cache rm` takes), catalogue name."""
+    """`tierlm cache list`: kind, size, directory name (what `cache rm` takes), catalogue name.
+
+    A variant's size is what it adds to the cache: the blocks its adapters change; it reads the
+    rest from the base artifact named after it."""
     from tierlm.cache.catalog import catalog
     from tierlm.profile import format_size
 
-    lines = [f"{entry.kind:9} {format_size(entry.nbytes):>10}  {entry.path.name}  ({entry.name})" for entry in catalog()]
+    lines = []
+    for entry in catalog():
+        kind, name = entry.kind, entry.name
+        if entry.shares is not None:
+            gone = "" if (entry.path.parent / entry.shares).is_dir() else ", which is gone"
+            kind, name = "variant", f"{name}; adds {format_size(entry.nbytes)} to base {entry.shares}{gone}"
+        lines.append(f"{kind:9} {format_size(entry.nbytes):>10}  {entry.path.name}  ({name})")
     return "\n".join(lines + stale_builds_lines())
 
 

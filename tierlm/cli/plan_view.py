@@ -31,7 +31,7 @@ def plan_for(model_dir: Path, profile, quant: str | None = None, device: str | N
     probe = load_probe(target)  # the record the plan's bandwidths came from, for its age
     config, baseline = source.config, budget.baseline
     header = [
-        f"model    {model_dir} ({config.model_type}, {config.num_hidden_layers} layers)",
+        f"model    {model_dir} ({config.model_type}, {config.num_hidden_layers} layers{_moe_text(config)})",
         f"profile  {profile.summary()}",
         f"quant    {_quant_line(planned.sizes.quant, quant, profile.quant)}",
         f"device   {target}; baseline {_mib(baseline.charged)} charged ({_mib(baseline.measured)} RSS with the "
@@ -40,6 +40,13 @@ def plan_for(model_dir: Path, profile, quant: str | None = None, device: str | N
         *probe_lines(probe, bandwidths_path(target).stem),
     ]
     return planned.placement, header
+
+
+def _moe_text(config) -> str:
+    moe = getattr(config, "moe", None)
+    if moe is None:
+        return ""
+    return f"; {len(moe.sparse_layers)} sparse: {moe.experts} routed experts, top-{moe.top_k}"
 
 
 def limits_line(limits) -> str:
@@ -57,8 +64,9 @@ def render_plan(placement, header: list[str]) -> str:
 
 
 def placement_rows(placement) -> list[tuple[str, str, int]]:
-    """(blocks, where, bytes), consecutive layers on the same tier grouped as `layers.0-27`."""
-    from tierlm.blocks import EMBED, HEAD, is_layer, layer_index
+    """(blocks, where, bytes), consecutive layers on the same tier grouped as `layers.0-27`;
+    routed experts are shown per layer range by `expert_rows` instead."""
+    from tierlm.blocks import EMBED, HEAD, is_expert, is_layer, layer_index
     from tierlm.offload.placement import DEVICE
 
     rows: list[tuple[str, str, int]] = []
@@ -85,6 +93,8 @@ def placement_rows(placement) -> list[tuple[str, str, int]]:
             run.clear()
 
     for b in placement.blocks:
+        if is_expert(b.name):
+            continue
         if is_layer(b.name):
             if run and run[-1].tier != b.tier:
                 flush()
@@ -97,18 +107,66 @@ def placement_rows(placement) -> list[tuple[str, str, int]]:
     return rows
 
 
+def expert_rows(placement) -> list[dict]:
+    """A mixture-of-experts plan per layer range: consecutive sparse layers with the same
+    resident count, hit rate (to 0.1%), expert bytes per token per tier (to 0.1 MiB) and
+    CPU-computed count grouped as one row {"layers": "0-18", "resident", "experts", "hit_rate",
+    "bytes_per_token": {tier: bytes}, "host_computed"}."""
+    rows: list[dict] = []
+    for x in placement.expert_layers:
+        shown = (x.resident, x.experts, round(x.hit_rate, 3), x.host_computed,
+                 tuple(round(v / MiB, 1) for v in x.bytes_per_token.values()))  # fmt: skip
+        last = rows[-1] if rows else None
+        if last is not None and last["key"] == shown and last["last"] == x.layer - 1:
+            last["last"] = x.layer
+            continue
+        rows.append({"key": shown, "first": x.layer, "last": x.layer, "resident": x.resident, "experts": x.experts,
+                     "hit_rate": x.hit_rate, "bytes_per_token": dict(x.bytes_per_token),
+                     "host_computed": x.host_computed})  # fmt: skip
+    for row in rows:
+        first, last = row.pop("first"), row.pop("last")
+        row.pop("key")
+        row["layers"] = str(first) if first == last else f"{first}-{last}"
+    return rows
+
+
+def _expert_lines(placement) -> list[str]:
+    """The experts table of `describe`: per layer range, resident / E, hit rate, bytes per token."""
+    from tierlm.profile import format_size
+
+    rows = expert_rows(placement)
+    if not rows:
+        return []
+    tiers = [t for t in rows[0]["bytes_per_token"] if t in placement.budgets]  # CPU-only: no host tier
+    def per_tier(values) -> str:
+        return " ".join(f"{format_size(int(values[t])):>10}" for t in tiers)
+
+    lines = [f"{'experts of layers':18} {'resident':>9} {'hit rate':>9}  bytes/token "
+             + " ".join(f"{t:>10}" for t in tiers)]  # fmt: skip
+    for row in rows:
+        cpu = f"  ({row['host_computed']} on host: CPU-computed)" if row["host_computed"] else ""
+        lines.append(f"{row['layers']:18} {row['resident']:>4}/{row['experts']:<4} {row['hit_rate'] * 100:>8.1f}%"
+                     f"{'':13}{per_tier(row['bytes_per_token'])}{cpu}")  # fmt: skip
+    total = {t: sum(x.bytes_per_token[t] for x in placement.expert_layers) for t in tiers}
+    lines.append(f"{'all layers':51}{per_tier(total)}")
+    lines.append(f"slots    {placement.expert_slots} resident x {format_size(placement.expert_slot_bytes)}, "
+                 f"{placement.expert_stream_slots} stream slots for cold experts")  # fmt: skip
+    return ["", *lines]
+
+
 def describe(placement) -> str:
     """The human-readable plan: blocks, per-tier totals against budgets (itemised), speeds."""
     from tierlm.profile import format_size
 
     lines = [f"{'block':22} {'tier':32} {'bytes':>10}"]
     lines += [f"{name:22} {where:32} {format_size(n):>10}" for name, where, n in placement_rows(placement)]
+    lines += _expert_lines(placement)
     lines.append("")
     for tier, items in placement.charges.items():
         budget = placement.budgets.get(tier)
         shown = format_size(budget) if budget is not None else "unbounded"
         lines.append(f"{tier:6} {format_size(placement.total(tier)):>10} of {shown}")
-        lines += [f"         {k:10} {format_size(v):>10}" for k, v in items.items() if v]
+        lines += [f"         {k:13} {format_size(v):>10}" for k, v in items.items() if v]
     lines.append("")
     if placement.ring_slots:
         lines.append(f"ring     {placement.ring_slots} slots x {format_size(placement.ring_slot_bytes)}")

@@ -275,10 +275,19 @@ def format_stats(session, stats) -> str:
     ledger = engine.loaded.store.stats()
     if ledger.planned:  # a tiered store; a resident one streams nothing and plans nothing
         per_forward = ", ".join(f"{tier} {format_size(int(n))}" for tier, n in ledger.bytes_per_forward().items())
+        per_token = ", ".join(f"{tier} {format_size(int(n))}" for tier, n in ledger.bytes_per_token().items())
         lines.append(
-            f"streaming {per_forward or 'nothing'} read per forward, stall {ledger.stall_s:.2f} s, "
+            f"streaming {per_forward or 'nothing'} read per forward"
+            + (f" ({per_token} per token)" if per_token else "")
+            + f", stall {ledger.stall_s:.2f} s, "
             f"overlap {ledger.overlap:.0%}, "
             + (f"hot-row hit rate {ledger.hit_rate:.0%}" if ledger.hot_hits + ledger.hot_misses
                else "embedding resident (no hot-row lookups)")
         )
+        experts = ledger.snapshot().get("experts")
+        if experts:
+            from tierlm.cli.bench import expected_expert_hit_rate, format_experts
+
+            planned = expected_expert_hit_rate(placement) if placement is not None and placement.expert_layers else None
+            lines += format_experts(experts, planned)
     return "\n".join(lines)

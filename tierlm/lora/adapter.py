@@ -15,6 +15,9 @@ Tensor names are peft's saved names, `base_model.model.<module>.<field>`:
     <module>.base_layer.<param>     a base tensor peft saved with the adapter (save_embedding_layers,
                                     bias="all"/"lora_only"); peft loads it over the base weight
     <module>.<param>                a modules_to_save copy that replaces the base module whole
+    <module>(.base_layer)*.lora_A.weight / lora_B.weight
+                                    LoRA on a parameter (target_parameters), e.g. the fused 3-D
+                                    experts of transformers 5 MoE models: see tierlm.lora.experts
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from tierlm.errors import TierlmError
+from tierlm.lora.experts import ParameterLora, parameter_for_depth, strip_base_layers, targeted_parameters
 from tierlm.lora.patterns import in_modules_to_save, pattern_value
 from tierlm.weights.checkpoint import MAX_WEIGHT
 
@@ -48,7 +52,6 @@ UNSUPPORTED_FIELDS = {
     "use_bdlora": "BD-LoRA",
     "arrow_config": "Arrow routing",
     "kasa_config": "KaSA",
-    "target_parameters": "LoRA on raw parameters (target_parameters)",
     "trainable_token_indices": "trainable tokens",
     "layer_replication": "layer replication",
 }
@@ -76,6 +79,8 @@ class AdapterConfig:
     rank_pattern: dict[str, int] = field(default_factory=dict)
     alpha_pattern: dict[str, float] = field(default_factory=dict)
     target_modules: str | list[str] | None = None
+    # Parameters adapted directly (peft's ParamWrapper), e.g. "mlp.experts.gate_up_proj".
+    target_parameters: list[str] | None = None
     exclude_modules: str | list[str] | None = None
     layers_to_transform: int | list[int] | None = None
     layers_pattern: str | list[str] | None = None
@@ -98,6 +103,7 @@ class AdapterConfig:
                 rank_pattern={str(k): int(v) for k, v in (raw.get("rank_pattern") or {}).items()},
                 alpha_pattern={str(k): float(v) for k, v in (raw.get("alpha_pattern") or {}).items()},
                 target_modules=_str_or_list(raw.get("target_modules")),
+                target_parameters=_str_or_list(raw.get("target_parameters"), as_list=True),
                 exclude_modules=_str_or_list(raw.get("exclude_modules")),
                 layers_to_transform=raw.get("layers_to_transform"),
                 layers_pattern=raw.get("layers_pattern"),
@@ -176,6 +182,7 @@ class LoraAdapter:
     """A PEFT LoRA adapter read from disk.
 
     modules: module name -> LoRA factors, in the order the file stores them.
+    parameters: "module.parameter" -> LoRA on a parameter (target_parameters), as saved.
     base_weights: tensor name -> a base tensor saved with the adapter (peft loads it over the base).
     saved_modules: tensor name -> a modules_to_save copy (replaces the base tensor).
     digest: sha256 over the config and weight files' bytes.
@@ -187,6 +194,7 @@ class LoraAdapter:
     base_weights: dict[str, "torch.Tensor"]
     saved_modules: dict[str, "torch.Tensor"]
     digest: str
+    parameters: dict[str, ParameterLora] = field(default_factory=dict)
 
     @classmethod
     def load(cls, path: Path) -> "LoraAdapter":
@@ -220,10 +228,11 @@ class LoraAdapter:
         digest = hashlib.sha256(
             b"config:" + _file_sha256(config_path) + b"weights:" + _file_sha256(weights_path)
         ).hexdigest()
-        modules, base_weights, saved_modules = _sort_tensors(tensors, config, path)
-        if not (modules or base_weights or saved_modules):
+        modules, base_weights, saved_modules, wrapped = _sort_tensors(tensors, config, path)
+        parameters = _parameter_loras(wrapped, config, path)
+        if not (modules or base_weights or saved_modules or parameters):
             raise TierlmError(f"LoRA adapter {path} holds no tensors", "the adapter file is empty")
-        return cls(path, config, modules, base_weights, saved_modules, digest)
+        return cls(path, config, modules, base_weights, saved_modules, digest, parameters)
 
 
 def _read_config(config_path: Path) -> dict[str, Any]:
@@ -295,8 +304,9 @@ def _read_tensors(weights_path: Path) -> dict[str, "torch.Tensor"]:
 
 def _sort_tensors(
     tensors: dict[str, "torch.Tensor"], config: AdapterConfig, path: Path
-) -> tuple[dict[str, ModuleLora], dict[str, "torch.Tensor"], dict[str, "torch.Tensor"]]:
-    """Split peft's flat state dict into per-module LoRA factors and whole base-tensor copies."""
+) -> tuple[dict[str, ModuleLora], dict[str, "torch.Tensor"], dict[str, "torch.Tensor"], dict[str, dict[str, Any]]]:
+    """Split peft's flat state dict into per-module LoRA factors, whole base-tensor copies, and
+    the raw parts of target_parameters wrappers (saved name -> {"A", "B", ...})."""
     parts: dict[str, dict[str, Any]] = {}
     base_weights: dict[str, torch.Tensor] = {}
     saved_modules: dict[str, torch.Tensor] = {}
@@ -325,8 +335,12 @@ def _sort_tensors(
                 f"LoRA adapter {path}: tensor {key!r} is not a LoRA tensor tierlm understands",
                 "tierlm merges LoRA and DoRA adapters (peft_type LORA) saved by peft",
             )
+    wrapped = {
+        m: parts.pop(m) for m in list(parts)
+        if config.target_parameters and targeted_parameters(strip_base_layers(m)[0], config.target_parameters)
+    }
     modules = {m: _module(m, p, config, path) for m, p in parts.items()}
-    return modules, base_weights, saved_modules
+    return modules, base_weights, saved_modules, wrapped
 
 
 def _classify(name: str) -> tuple[str, str | None, str]:
@@ -375,6 +389,30 @@ def _module(module: str, parts: dict[str, Any], config: AdapterConfig, path: Pat
     if bias is not None and not config.lora_bias:
         raise _bad_adapter(path, f"{module} has a lora_B bias but lora_bias is false")
     return ModuleLora(module, kind, lora_A, lora_B, scaling, bias, magnitude)
+
+
+def _parameter_loras(wrapped: dict[str, dict[str, Any]], config: AdapterConfig, path: Path) -> dict[str, ParameterLora]:
+    """ParameterLora records, keyed by "module.parameter", from the target_parameters wrappers'
+    parts (saved under `<module>(.base_layer)*`, one level per parameter wrapped before)."""
+    out: dict[str, ParameterLora] = {}
+    for name, parts in wrapped.items():
+        if parts.get("kind") != "linear" or "A" not in parts or "B" not in parts or len(parts) != 3:
+            raise _bad_adapter(path, f"{name}: LoRA on a parameter (target_parameters) needs lora_A and "
+                               "lora_B and nothing else (no DoRA, no lora_bias)")
+        module, depth = strip_base_layers(name)
+        parameter = parameter_for_depth(module, depth, config.target_parameters, path)
+        key = f"{module}.{parameter}"
+        lora_A, lora_B, rank = parts["A"], parts["B"], config.rank(key)  # peft's patterns name the parameter
+        if lora_A.dim() != 2 or lora_B.dim() != 2 or lora_A.shape[0] != lora_B.shape[1] or lora_A.shape[0] % rank:
+            raise _bad_adapter(path, f"{name}: lora_A {list(lora_A.shape)} and lora_B {list(lora_B.shape)} are "
+                               f"not rank {rank} × experts factors")
+        scaling = config.scaling(key)
+        if not abs(scaling) <= MAX_WEIGHT:
+            raise _bad_adapter(path, f"{key}: LoRA scale {scaling:.3g} is beyond any usable weight")
+        if key in out:
+            raise _bad_adapter(path, f"{key} is adapted twice")
+        out[key] = ParameterLora(module, parameter, lora_A, lora_B, rank, scaling)
+    return out
 
 
 def _bad_adapter(path: Path, why: str) -> TierlmError:

@@ -12,6 +12,9 @@ Semantics (peft 0.21's `merge_and_unload` is the reference):
   (`base_layer.*`) replace the base tensor before the LoRA delta is added, as peft loads them.
   fan_in_fan_out is ignored: tierlm's families use nn.Linear, for which peft resets it to False.
   (peft on a bf16 model rounds to bf16 after each step; tierlm stays in fp32 until quantizing.)
+- Mixture-of-experts: LoRA on fused expert parameters (peft's target_parameters on transformers 5)
+  is sliced per expert onto the checkpoint's per-expert tensors (tierlm.lora.expert_slices), so each
+  expert merges, and later quantizes, on its own; per-expert Linear LoRA needs nothing special.
 - Several adapters, each with a user weight wᵢ: W' = W + Σ wᵢ·(Mᵢ(W) − W), where Mᵢ is peft's
   merge of adapter i alone. For plain LoRA wᵢ scales the delta (the same as scaling its alpha);
   for DoRA it scales DoRA's whole change to W (not peft's `set_scale`, which would also move the
@@ -41,6 +44,7 @@ from typing import TYPE_CHECKING
 
 from tierlm.errors import TierlmError
 from tierlm.lora.adapter import LoraAdapter, ModuleLora
+from tierlm.lora.expert_slices import per_expert_loras
 from tierlm.lora.patterns import any_target
 from tierlm.weights.checkpoint import MAX_WEIGHT
 
@@ -164,6 +168,27 @@ class LoraMerger:
         _check_merged(name, merged, [adapter.path for adapter, _ in self.adapters])
         return merged
 
+    def low_rank(self, name: str) -> "list[tuple[torch.Tensor, torch.Tensor]] | None":
+        """`merge(name, W) − W` as low-rank terms [(A [r, in], B [out, r])], fp32, each adapter's
+        scale (alpha/r, rsLoRA alpha/√r) and user weight folded into B, so the change is Σ B @ A;
+        [] when nothing changes `name`. None where the change is no such sum: DoRA (its norm
+        depends on W), a whole-tensor replacement (modules_to_save, a saved base weight), an
+        Embedding's LoRA, a lora_B bias. Served unmerged, x @ Aᵀ @ Bᵀ is added to the base's x @ Wᵀ.
+        """
+        import torch
+
+        terms = []
+        for contrib in self._planned().get(name, ()):
+            if not contrib.weight:
+                continue
+            for step in contrib.steps:
+                if step.kind != "linear" or not step.additive:
+                    return None
+                lora = step.module
+                scale = lora.scaling * contrib.weight
+                terms.append((lora.lora_A.to(torch.float32), lora.lora_B.to(torch.float32) * scale))
+        return terms
+
     def content_fingerprint(self) -> str:
         """A hex digest of the adapters' files (configs and weights), their order and weights."""
         digest = hashlib.sha256(MERGE_VERSION)
@@ -259,6 +284,10 @@ def _adapter_steps(
                 )
             _expect_shape(adapter, module, bias, (lora.weight_shape[0],), shapes, model_dir)
             steps.setdefault(bias, []).append(_Step("bias", module=lora))
+    # LoRA on fused expert parameters (target_parameters): each expert's slice on its own tensors.
+    for parameter in adapter.parameters.values():
+        for tensor, lora in per_expert_loras(parameter, shapes, adapter.path).items():
+            steps.setdefault(tensor, []).append(_Step("linear", module=lora))
     return steps
 
 
@@ -294,8 +323,8 @@ def _check_targets(
 ) -> None:
     """peft refuses an adapter whose target_modules match nothing in the base; so does tierlm."""
     config = adapter.config
-    if config.target_modules is None:
-        return
+    if config.target_modules is None or (not config.target_modules and config.target_parameters):
+        return  # target_parameters alone: each is matched to base tensors when its steps are planned
     modules = {name.rpartition(".")[0] for name in shapes if name.endswith(".weight")}
     if tied:
         modules.add(HEAD_MODULE)

@@ -178,3 +178,9 @@ def swiglu(x: torch.Tensor, w13, w2, b13=None, b2=None) -> torch.Tensor:
     gate, up = linear(x, w13, b13).chunk(2, dim=-1)
     return linear(F.silu(gate) * up, w2, b2)
 
+
+
+def weight_device(weight) -> torch.device:
+    """The device a weight (tensor or quantized format) lives on: a store may hand back an
+    expert held on the host for host compute, and the rows then go to it."""
+    return weight.device

@@ -43,6 +43,8 @@ def refusal(model) -> str | None:
     kind, why = graph_kind(model.device)
     if kind is None:
         return why
+    if model.config.moe is not None:
+        return "mixture-of-experts layers choose their experts per token on the host (no static graph)"
     return streamed_refusal(model.store)
 
 
@@ -149,6 +151,8 @@ class GraphedDecode:
         this call must run eagerly (the cache is not a preallocated one, or capture failed)."""
         if self.failed is not None or ids.shape[1] != 1 or not hasattr(cache, "decode_rows"):
             return None
+        if getattr(self.model.store, "switched", False):
+            return None  # rows on LoRA variants (runtime/variants.py): a graph replays the base's weights
         keys, values, slots, positions = cache.decode_rows()
         if len(slots) != ids.shape[0]:
             return None

@@ -131,6 +131,11 @@ class LlamaModel:
         """How many of each head's channels RoPE rotates: all of them."""
         return config.head_dim
 
+    @staticmethod
+    def moe_config(fields, layers: int):
+        """The mixture-of-experts routing config.json sets (config.MoeConfig); None: a dense model."""
+        return None
+
     @torch.inference_mode()
     def forward(
         self, ids: torch.Tensor, cache, logits: Literal["last", "all"] = "last"
@@ -182,7 +187,11 @@ class LlamaModel:
         h = base.rms_norm(x, w["attn_norm"], self.config.rms_norm_eps)
         x = x + self.attention(w, h, cache, index, cos, sin, mask)
         h = base.rms_norm(x, w["mlp_norm"], self.config.rms_norm_eps)
-        return x + base.swiglu(h, w["w13"], w["w2"], w.get("b13"), w.get("b2"))
+        return x + self.mlp(w, h, index)
+
+    def mlp(self, w, h, index) -> torch.Tensor:
+        """Layer `index`'s MLP on normed h [B, T, H]; a MoE family routes its sparse layers here."""
+        return base.swiglu(h, w["w13"], w["w2"], w.get("b13"), w.get("b2"))
 
     def attention(self, w, h, cache, index, cos, sin, mask) -> torch.Tensor:
         cfg = self.config

@@ -8,6 +8,7 @@ JSON form (`tierlm plan --json`); the human text is cli/plan_view.py's.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Mapping
 
 DEVICE, HOST, DISK = "device", "host", "disk"
@@ -35,12 +36,36 @@ class BlockPlacement:
 
 
 @dataclass(frozen=True)
+class ExpertLayer:
+    """One mixture-of-experts layer's routed experts as planned.
+
+    `hit_rate`: expected share of the router's picks landing on the resident experts (the
+    routing counts' shares summed over them). `bytes_per_token[tier]`: expected expert bytes one
+    token reads from each tier (top_k x the tier's share of picks x an expert's bytes).
+    `host_computed`: cold experts the CPU computes where they lie (accelerator with a host tier).
+    """
+
+    layer: int
+    experts: int
+    resident: int
+    hit_rate: float
+    bytes_per_token: Mapping[str, float]
+    host_computed: int = 0
+
+
+@dataclass(frozen=True)
 class Placement:
     """The planner's answer for one model under one profile.
 
     `charges[tier][item]`: planned bytes per tier, itemised (baseline, weights, kv_cache,
-    workspace, staging, hot_cache). `budgets[tier]`: what the profile grants (None = unbounded,
-    e.g. disk). Streamed blocks pass through `ring_slots` buffers of `ring_slot_bytes` each.
+    workspace, staging, hot_cache; for MoE models experts, expert_stream). `budgets[tier]`: what
+    the profile grants (None = unbounded, e.g. disk). Streamed blocks pass through `ring_slots`
+    buffers of `ring_slot_bytes` each; routed experts never do (they have their own slots).
+
+    Mixture-of-experts models: `expert_slots` experts of up to `expert_slot_bytes` each may be on
+    the device at once (initially the resident ones, the hottest by routing counts; the expert
+    cache swaps within them), and cold experts are read through `expert_stream_slots` slots of
+    the same size (>= top_k). `expert_layers`: per sparse layer, the expected hit rate and bytes.
     """
 
     blocks: tuple[BlockPlacement, ...]
@@ -53,12 +78,18 @@ class Placement:
     predicted_decode_tokens_per_s: float = 0.0
     binding_limit: str = ""
     notes: tuple[str, ...] = field(default_factory=tuple)
+    expert_slots: int = 0
+    expert_stream_slots: int = 0
+    expert_slot_bytes: int = 0
+    expert_layers: tuple[ExpertLayer, ...] = ()
 
     def block(self, name: str) -> BlockPlacement:
-        for placed in self.blocks:
-            if placed.name == name:
-                return placed
-        raise KeyError(name)
+        return self._by_name[name]
+
+    @cached_property
+    def _by_name(self) -> dict[str, BlockPlacement]:
+        # An MoE model has thousands of expert blocks: look them up by name, not by scanning.
+        return {placed.name: placed for placed in self.blocks}
 
     def tier_of(self, name: str) -> str:
         return self.block(name).tier
@@ -99,4 +130,12 @@ def placement_to_dict(placement: Placement) -> dict:
         "predicted_decode_tokens_per_s": placement.predicted_decode_tokens_per_s,
         "binding_limit": placement.binding_limit,
         "notes": list(placement.notes),
+        "expert_slots": placement.expert_slots,
+        "expert_stream_slots": placement.expert_stream_slots,
+        "expert_slot_bytes": placement.expert_slot_bytes,
+        "expert_layers": [
+            {"layer": x.layer, "experts": x.experts, "resident": x.resident, "hit_rate": x.hit_rate,
+             "bytes_per_token": dict(x.bytes_per_token), "host_computed": x.host_computed}
+            for x in placement.expert_layers
+        ],
     }

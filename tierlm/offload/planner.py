@@ -10,10 +10,14 @@ What each tier is charged (`Placement.charges`), all of which must fit its budge
     device  resident weights, KV cache, workspace, staging ring (prefetch_depth + 1 slots x the
             largest streamed block), hot cache (embedding rows, when the embedding is not
             resident), headroom; on a CPU-only machine also the baseline, since device and host
-            are one RAM tier there (no "host" entry then; `emulate_host_tier` keeps it separate)
+            are one RAM tier there (no "host" entry then; `emulate_host_tier` keeps it separate);
+            MoE: expert slots ("experts") and stream slots for cold experts ("expert_stream");
+            LoRA variants served beside the base ("variants": each variant's own merged blocks or
+            low-rank factors, runtime/variants.py; the base's blocks are charged once)
     host    baseline (RSS measured at start-up), host-tier weights, pinned staging for disk
             blocks (accelerator: the same slot count x the largest disk block), host workspace
-            when blocks are computed on the CPU beside an accelerator, headroom
+            when blocks are computed on the CPU beside an accelerator, headroom; MoE on an
+            accelerator: pinned stream slots for experts read from disk ("expert_stream")
     disk    cold blocks (no budget)
 
 What becomes resident, in priority order (a prefix of this list; the rest is cold):
@@ -21,6 +25,12 @@ What becomes resident, in priority order (a prefix of this list; the rest is col
     embedding: read whole every token)  3. decoder layers 0, 1, ... (a fixed prefix: an LRU over
     cyclically read layers thrashes)  4. an untied embedding, last: it needs one row per token,
     so when cold it stays on host/disk and rows come through the device hot cache.
+Then, for a mixture-of-experts model, the routed experts (`experts.{layer}.{expert}`) fill what
+the device has left, hottest first (persisted routing counts; uniform before the first run:
+spread evenly over the layers): they are charged as `expert_slots` slots ("experts") plus
+`expert_stream_slots` slots for reading cold ones ("expert_stream", top_k per layer in flight,
+twice that with prefetch so the next layer's reads overlap this one's compute). The rest go to
+host RAM while it fits (a separate host tier), else disk.
 A cold head costs the device a ring of head-sized slots, more than keeping it, so in practice
 it is resident whenever anything is. Fits are checked with every cold block counted as
 streamed (the most any compute choice costs), then the cost model picks the compute.
@@ -41,7 +51,15 @@ Cost model (seconds per decode step of `batch_size` tokens; per 512-token chunk 
               on the real decode path (+1 per_block per CPU-computed layer: the hand-over)
     link      bytes crossing host -> device per step / link_bytes_per_s
     disk      bytes read from disk per step / disk_bytes_per_s
+    experts   (mixture-of-experts) each routed expert e of a sparse layer, chosen by a token with
+              p = min(1, top_k x share_e) (share: routing counts, uniform without), is used in a
+              step of t tokens with u = 1 - (1 - p)^t (top_k x share_e at t = 1) and multiplies
+              t x p rows: u x its bytes at the computing tier's rate (flops likewise), plus
+              u x bytes over the link / from disk when it is cold (host RAM, or disk)
     step = max(device + host + dispatch, link, disk) with prefetch_depth >= 1, else the sum.
+Cold experts in host RAM beside an accelerator are computed by the CPU where they lie when a
+host matmul of their bytes beats copying them over the link (`host_computes_expert`, Fiddler's
+rule; the runtime's expert cache applies the same one), and streamed otherwise.
 The binding limit is the largest channel (link or disk when one dominates, else the largest
 compute term). Decode reads a resident embedding's rows only and the head once per step;
 prefill computes the head for one token (last-position logits). KV-cache reads are left out:
@@ -61,14 +79,15 @@ measured (the probe's cache is corrected with them when the two disagree).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
+from functools import cached_property
 from typing import Mapping, Sequence
 
-from tierlm.blocks import EMBED, HEAD, NORM, is_layer, layer_block
+from tierlm.blocks import EMBED, HEAD, NORM, expert_of, is_expert, is_layer, layer_block
 from tierlm.config import ModelConfig
 from tierlm.device.memory import MemoryLimits
 from tierlm.errors import TierlmError
-from tierlm.offload.placement import DEVICE, DISK, HOST, BlockPlacement, Placement
+from tierlm.offload.placement import DEVICE, DISK, HOST, BlockPlacement, ExpertLayer, Placement
 from tierlm.offload.probe import MATRIX, Bandwidths
 from tierlm.offload.sizes import (
     PREFILL_CHUNK,
@@ -84,6 +103,15 @@ from tierlm.profile import Profile
 
 LIMITS = ("device bandwidth", "host bandwidth", "dispatch overhead", "link", "disk")
 GiB = 2**30
+
+
+@dataclass(frozen=True)
+class VariantCharge:
+    """A LoRA variant held beside the base: its mode (merged or unmerged) and the bytes it adds."""
+
+    name: str
+    mode: str
+    nbytes: int
 
 
 @dataclass(frozen=True)
@@ -104,6 +132,8 @@ def plan(
     baseline_bytes: int,
     fallbacks: Sequence[Profile] = (),
     limits: MemoryLimits | None = None,
+    routing=None,
+    variants: Sequence[VariantCharge] = (),
 ) -> Placement:
     """Place every block of `sizes` within `profile`'s budgets, or refuse before anything loads.
 
@@ -112,14 +142,19 @@ def plan(
     the shipped ones: runtime/loader.py `shipped_fallbacks`); none given, no profile is suggested.
     `limits`: what the process really may use (device/memory.py `process_limits`); every budget
     is capped at them (see `cap_profile`) and the placement notes each cap.
+    `routing`: a mixture-of-experts model's RoutingCounts (offload/routing_counts.py; sizes.py
+    `expected_routing` reads them beside the artifact): the hottest experts become resident.
+    None: every expert equally likely.
+    `variants`: LoRA variants served beside the base, charged to the device tier.
     Raises TierlmError naming the shortfall in GiB and the smallest profile / quant that fits;
     when only a real limit stops the profile from fitting, naming the limit and what is needed.
     """
     effective, caps = cap_profile(profile, limits, accelerator)
-    placement = _attempt(config, sizes, effective, bandwidths, accelerator, baseline_bytes)
+    placement = _attempt(_Context(config, sizes, effective, bandwidths, accelerator, baseline_bytes, routing,
+                                  variants=tuple(variants)))
     if placement is None:
         check_fits(config, sizes, profile, accelerator=accelerator, baseline_bytes=baseline_bytes,
-                   fallbacks=fallbacks, limits=limits, bandwidths=bandwidths)  # fmt: skip
+                   fallbacks=fallbacks, limits=limits, bandwidths=bandwidths, variants=variants)  # fmt: skip
         raise AssertionError("check_fits accepted what _attempt refused")  # the two share _fitting_tiers
     return replace(placement, notes=_cap_notes(caps, profile, effective) + placement.notes)
 
@@ -134,6 +169,7 @@ def check_fits(
     fallbacks: Sequence[Profile] = (),
     limits: MemoryLimits | None = None,
     bandwidths: Bandwidths | None = None,
+    variants: Sequence[VariantCharge] = (),
 ) -> None:
     """Raise the TierlmError `plan` raises when no placement fits; return when one does.
 
@@ -141,7 +177,7 @@ def check_fits(
     machine is probed (the probe runs in a child, which a tight cgroup limit would kill).
     """
     effective, caps = cap_profile(profile, limits, accelerator)
-    ctx = _Context(config, sizes, effective, bandwidths, accelerator, baseline_bytes)
+    ctx = _Context(config, sizes, effective, bandwidths, accelerator, baseline_bytes, variants=tuple(variants))
     if _fitting_tiers(ctx) is not None:
         return
     own = replace(ctx, profile=profile)
@@ -306,29 +342,50 @@ class _Context:
     bandwidths: Bandwidths | None  # None: fits only (no cost model), see check_fits
     accelerator: bool
     baseline: int
+    routing: object = None  # RoutingCounts of an MoE model (None: uniform)
+    shares: Mapping[str, float] | None = field(default=None, compare=False)  # per expert, instead of routing
+    placed: Mapping[str, str] | None = field(default=None, compare=False)  # an existing placement's expert tiers
+    variants: tuple[VariantCharge, ...] = ()  # LoRA variants held on the device tier beside the base
 
     @property
     def separate_host(self) -> bool:
         return self.accelerator or self.profile.emulate_host_tier
 
+    @cached_property
+    def dense(self) -> tuple[str, ...]:
+        """Every block but the routed experts, in execution order."""
+        return tuple(name for name in self.sizes.names if not is_expert(name))
 
-def _attempt(config, sizes, profile, bandwidths, accelerator, baseline) -> Placement | None:
+    @cached_property
+    def experts(self) -> "_Experts | None":
+        return _experts(self)
+
+    @cached_property
+    def memo(self) -> dict:
+        """Expert terms by (split, tokens): the compute search prices one split many times."""
+        return {}
+
+
+def _attempt(ctx: _Context) -> Placement | None:
     """The placement with the most resident units (then the most host units) that fits, if any."""
-    ctx = _Context(config, sizes, profile, bandwidths, accelerator, baseline)
-    tiers = _fitting_tiers(ctx)
-    if tiers is None:
+    found = _fitting_tiers(ctx)
+    if found is None:
         return None
-    computes = _choose_compute(ctx, tiers)
-    return _placement(ctx, tiers, computes, _charges(ctx, tiers, computes))
+    tiers, split = found
+    split = replace(split, host_compute=_host_computes_experts(ctx, split))
+    computes = _choose_compute(ctx, tiers, split)
+    return _placement(ctx, tiers, computes, split, _charges(ctx, tiers, computes, split))
 
 
-def _fitting_tiers(ctx: _Context) -> dict[str, str] | None:
-    """Each block's tier in the placement with the most resident units (then the most host units)
-    that fits; None when nothing fits.
+def _fitting_tiers(ctx: _Context) -> tuple[dict[str, str], "_Split"] | None:
+    """Each dense block's tier, and the routed experts' split between the tiers, in the placement
+    with the most resident units (then the most host units, then the most resident experts and
+    host experts) that fits; None when nothing fits.
 
     Fits are checked with every cold block counted as streamed (the most a compute choice can
     cost), so the cost model runs once, on the placement that is kept. The device tier's charges
-    then depend only on what is resident, the host tier's only on what is in host RAM.
+    then depend only on what is resident, the host tier's only on what is in host RAM. Experts
+    come after every dense unit: a layer's dense part is read by every token, an expert by a few.
     """
     profile = ctx.profile
     units = _units(ctx.config, ctx.sizes)
@@ -336,7 +393,7 @@ def _fitting_tiers(ctx: _Context) -> dict[str, str] | None:
         cold = units[resident:]
         tiers = {b: DEVICE for u in units[:resident] for b in u.blocks}
         tiers.update({b: DISK for u in cold for b in u.blocks})
-        if not _fits(ctx, _charges(ctx, tiers, _all_streamed(tiers), host_compute=True), (DEVICE,)):
+        if not _fits(ctx, _charges(ctx, tiers, _all_streamed(tiers), _Split(), host_compute=True), (DEVICE,)):
             continue
         if not ctx.separate_host:
             on_host_options: range | list[int] = [0]
@@ -348,8 +405,9 @@ def _fitting_tiers(ctx: _Context) -> dict[str, str] | None:
             tiers.update({b: HOST if i < on_host else DISK for i, u in enumerate(cold) for b in u.blocks})
             if any(t == DISK for t in tiers.values()) and not profile.disk_offload:
                 continue
-            if _fits(ctx, _charges(ctx, tiers, _all_streamed(tiers), host_compute=True)):
-                return tiers
+            split = _fill_experts(ctx, tiers)
+            if split is not None and _fits(ctx, _charges(ctx, tiers, _all_streamed(tiers), split, host_compute=True)):
+                return tiers, split
     return None
 
 
@@ -360,8 +418,8 @@ def _all_streamed(tiers: Mapping[str, str]) -> dict[str, str]:
     return computes
 
 
-def _choose_compute(ctx: _Context, tiers: Mapping[str, str]) -> dict[str, str]:
-    """Where each block computes: on the device, except host blocks the cost model gives the CPU."""
+def _choose_compute(ctx: _Context, tiers: Mapping[str, str], split: "_Split") -> dict[str, str]:
+    """Where each dense block computes: on the device, except host blocks the cost model gives the CPU."""
     computes = _all_streamed(tiers)  # a cold embedding's rows are gathered where it lies
     if not ctx.accelerator:
         return computes  # CPU-only: one processor; emulated host blocks are streamed
@@ -374,7 +432,7 @@ def _choose_compute(ctx: _Context, tiers: Mapping[str, str]) -> dict[str, str]:
             trial[HEAD] = head
             for index, block in enumerate(host_layers):
                 trial[block] = DEVICE if _spread(index, streamed, len(host_layers)) else HOST
-            seconds = _step_time(ctx, tiers, trial, prefill=False)[0]
+            seconds = _step_time(ctx, tiers, trial, split, prefill=False)[0]
             if best_time is None or seconds < best_time * (1 - 1e-9):
                 best, best_time = trial, seconds
     return best
@@ -386,17 +444,20 @@ def _spread(index: int, chosen: int, total: int) -> bool:
 
 
 def _streamed(tiers, computes) -> list[str]:
-    """Blocks that pass through the ring: cold and computed on the device (never the embedding)."""
+    """Dense blocks that pass through the ring: cold and computed on the device (never the
+    embedding; routed experts have slots of their own)."""
     return [b for b in tiers if b != EMBED and tiers[b] != DEVICE and computes[b] == DEVICE]
 
 
-def _charges(ctx: _Context, tiers, computes, *, host_compute: bool = False) -> dict[str, dict[str, int]]:
-    """Bytes per tier, itemised. `host_compute`: reserve the host workspace whenever a layer or
-    head lies in host RAM (the conservative charge used while searching)."""
-    sizes, profile = ctx.sizes, ctx.profile
+def _charges(ctx: _Context, tiers, computes, split: "_Split", *, host_compute: bool = False) -> dict[str, dict[str, int]]:
+    """Bytes per tier, itemised. `tiers`, `computes`: the dense blocks'; `split`: the experts'.
+    `host_compute`: reserve the host workspace whenever a layer, the head or an expert lies in
+    host RAM (the conservative charge used while searching)."""
+    sizes, profile, experts = ctx.sizes, ctx.profile, ctx.experts
     # A tied head's bytes are the embedding's: count every source block once.
     def weights(tier):
-        return sum(sizes.nbytes[b] for b in tiers if tiers[b] == tier and _owns(sizes, b))
+        dense = sum(sizes.nbytes[b] for b in tiers if tiers[b] == tier and _owns(sizes, b))
+        return dense + (split.bytes_on(tier, experts) if tier != DEVICE else 0)
 
     streamed = _streamed(tiers, computes)
     slots = profile.prefetch_depth + 1 if streamed else 0
@@ -409,21 +470,29 @@ def _charges(ctx: _Context, tiers, computes, *, host_compute: bool = False) -> d
         "hot_cache": hot_cache_bytes(ctx.config, sizes, ctx.accelerator) if tiers[EMBED] != DEVICE else 0,
         "headroom": profile.headroom,
     }
+    if experts is not None:  # resident experts in their slots; cold ones read through the stream slots
+        device["experts"] = split.device * experts.slot_bytes
+        device["expert_stream"] = experts.stream_bytes if split.device < experts.count else 0
+    if ctx.variants:  # each variant's own bytes; the base blocks they share are the weights above
+        device["variants"] = sum(v.nbytes for v in ctx.variants)
     disk = {"weights": weights(DISK)}
     if not ctx.separate_host:
         return {DEVICE: {"baseline": ctx.baseline, **device}, DISK: disk}
     disk_streamed = [b for b in streamed if tiers[b] == DISK]
     host_computed = [b for b in tiers if b != EMBED and tiers[b] == HOST
                      and (computes[b] == HOST or (host_compute and ctx.accelerator))]  # fmt: skip
+    host_experts = split.host > 0 and ctx.accelerator and (split.host_compute or host_compute)
     host = {
         "baseline": ctx.baseline,
         "weights": weights(HOST),
         # Disk -> pinned host buffer -> device on accelerators; on CPU disk reads land in the ring.
         "staging": slots * max((sizes.bytes_used(b) for b in disk_streamed), default=0)
         if ctx.accelerator else 0,
-        "workspace": host_workspace_bytes(ctx.config, profile) if host_computed else 0,
+        "workspace": host_workspace_bytes(ctx.config, profile) if host_computed or host_experts else 0,
         "headroom": profile.headroom,
     }
+    if experts is not None:  # accelerators: disk experts pass through pinned host slots
+        host["expert_stream"] = experts.stream_bytes if ctx.accelerator and split.on_disk(experts) else 0
     return {DEVICE: device, HOST: host, DISK: disk}
 
 
@@ -441,16 +510,21 @@ def _fits(ctx: _Context, charges, tiers: tuple[str, ...] = (DEVICE, HOST)) -> bo
                for tier in tiers)  # fmt: skip
 
 
-def _placement(ctx: _Context, tiers, computes, charges) -> Placement:
-    sizes = ctx.sizes
+def _placement(ctx: _Context, tiers, computes, split: "_Split", charges) -> Placement:
+    sizes, experts = ctx.sizes, ctx.experts
+    tiers, computes = dict(tiers), dict(computes)
+    if experts is not None:
+        for index, block in enumerate(experts.order):
+            tiers[block] = split.tier(index)
+            computes[block] = HOST if tiers[block] == HOST and split.host_compute else DEVICE
     # A tied head owns no bytes: its tier and compute follow the embedding it reads.
     blocks = tuple(
         BlockPlacement(name, tiers[name], sizes.nbytes[name] if _owns(sizes, name) else 0, computes[name])
         for name in sizes.names
     )
-    streamed = _streamed(tiers, computes)
-    decode_s, decode_limit = _step_time(ctx, tiers, computes, prefill=False)
-    prefill_s, _ = _step_time(ctx, tiers, computes, prefill=True)
+    streamed = _streamed({b: tiers[b] for b in ctx.dense}, computes)
+    decode_s, decode_limit = _step_time(ctx, tiers, computes, split, prefill=False)
+    prefill_s, _ = _step_time(ctx, tiers, computes, split, prefill=True)
     chunk = min(PREFILL_CHUNK, context_tokens(ctx.config, ctx.profile))
     origin = "predicted from config.json" if sizes.source == "config" else "from the artifact manifest"
     notes = [f"weights {sizes.quant} ({origin})"]
@@ -461,6 +535,11 @@ def _placement(ctx: _Context, tiers, computes, charges) -> Placement:
     if tiers[EMBED] != DEVICE:
         notes.append(f"embedding on {tiers[EMBED]}: rows fetched on demand through the device hot cache")
     notes.append("decode prediction: start of a conversation (KV-cache reads not counted)")
+    if experts is not None:
+        notes.append(_expert_note(ctx, split))
+    if ctx.variants:
+        notes.append("LoRA variants beside the base: " + ", ".join(
+            f"{v.name} {v.mode} {v.nbytes / 2**20:.2f} MiB" for v in ctx.variants))
     return Placement(
         blocks=blocks,
         budgets=_budgets(ctx),
@@ -472,24 +551,269 @@ def _placement(ctx: _Context, tiers, computes, charges) -> Placement:
         predicted_decode_tokens_per_s=ctx.profile.batch_size / decode_s,
         binding_limit=decode_limit,
         notes=tuple(notes),
+        expert_slots=split.device,
+        expert_stream_slots=experts.stream_slots if experts is not None and split.device < experts.count else 0,
+        expert_slot_bytes=experts.slot_bytes if experts is not None else 0,
+        expert_layers=_expert_layers(ctx, split),
     )
+
+
+# -- routed experts (mixture-of-experts models) -------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Experts:
+    """An MoE model's routed experts as the planner places them.
+
+    `order`: every expert block in the order they fill the device, then host RAM: hottest first
+    (expected share of its layer's picks), ties by expert then layer, so that uniform counts
+    spread the resident experts evenly over the layers. `share[block]`: that expected share.
+    `layers`: sparse layer -> its expert blocks by index. Slots are sized for the largest expert.
+    """
+
+    order: tuple[str, ...]
+    share: Mapping[str, float]
+    layers: Mapping[int, tuple[str, ...]]
+    top_k: int
+    slot_bytes: int
+    stream_slots: int
+    prefix: tuple[int, ...]  # prefix[n]: stored bytes of the first n experts of `order`
+
+    @property
+    def count(self) -> int:
+        return len(self.order)
+
+    @property
+    def stream_bytes(self) -> int:
+        return self.stream_slots * self.slot_bytes
+
+    @property
+    def total_bytes(self) -> int:
+        return self.prefix[-1]
+
+
+@dataclass(frozen=True)
+class _Split:
+    """Where the experts lie: the first `device` of `_Experts.order` resident, the next `host`
+    in host RAM (computed there when `host_compute`), the rest on disk."""
+
+    device: int = 0
+    host: int = 0
+    host_compute: bool = False
+
+    def tier(self, index: int) -> str:
+        return DEVICE if index < self.device else HOST if index < self.device + self.host else DISK
+
+    def bytes_on(self, tier: str, experts: _Experts | None) -> int:
+        if experts is None:
+            return 0
+        prefix, end = experts.prefix, experts.count
+        device, host = min(self.device, end), min(self.device + self.host, end)
+        return {DEVICE: prefix[device], HOST: prefix[host] - prefix[device], DISK: prefix[end] - prefix[host]}[tier]
+
+    def on_disk(self, experts: _Experts) -> bool:
+        return self.device + self.host < experts.count
+
+
+def _experts(ctx: _Context) -> _Experts | None:
+    """The routed experts of `ctx.sizes` (None for a dense model), with their expected shares."""
+    layers: dict[int, dict[int, str]] = {}
+    for name in ctx.sizes.names:
+        where = expert_of(name)
+        if where is not None:
+            layers.setdefault(where[0], {})[where[1]] = name
+    if not layers:
+        return None
+    share: dict[str, float] = {}
+    for layer, blocks in layers.items():
+        count = len(blocks)
+        routing = ctx.routing
+        known = routing is not None and routing.experts == count and layer in routing.layers
+        shares = routing.share(layer) if known else [1.0 / count] * count
+        for expert, block in blocks.items():
+            share[block] = ctx.shares.get(block, 0.0) if ctx.shares is not None else shares[expert]
+    rank = {DEVICE: 0, HOST: 1, DISK: 2}
+    placed = ctx.placed or {}
+
+    def key(block: str):
+        layer, expert = expert_of(block)
+        return rank.get(placed.get(block), 0), -share[block], expert, layer
+
+    order = tuple(sorted(share, key=key))
+    prefix = [0]
+    for block in order:
+        prefix.append(prefix[-1] + ctx.sizes.nbytes[block])
+    moe = getattr(ctx.config, "moe", None)
+    top_k = moe.top_k if moe is not None else 1
+    # top_k misses of one layer in flight, and with prefetch the next layer's reads beside them.
+    stream_slots = top_k * (2 if ctx.profile.prefetch_depth >= 1 else 1)
+    return _Experts(
+        order=order,
+        share=share,
+        layers={layer: tuple(blocks[e] for e in sorted(blocks)) for layer, blocks in sorted(layers.items())},
+        top_k=top_k,
+        slot_bytes=max(ctx.sizes.nbytes[b] for b in order),
+        stream_slots=stream_slots,
+        prefix=tuple(prefix),
+    )
+
+
+def _fill_experts(ctx: _Context, tiers: Mapping[str, str]) -> _Split | None:
+    """The experts' split once the dense blocks are placed as `tiers`: as many resident as the
+    device tier has room for, then as many in host RAM as fit there (a separate host tier), the
+    rest on disk; None when some would need disk and disk_offload is false."""
+    experts = ctx.experts
+    if experts is None:
+        return _Split()
+    computes, budgets, count, slot = _all_streamed(tiers), _budgets(ctx), experts.count, experts.slot_bytes
+    device_left = budgets[DEVICE] - sum(_charges(ctx, tiers, computes, _Split(), host_compute=True)[DEVICE].values())
+    if device_left < 0:
+        return None
+    # Resident all, the stream slots are not needed either.
+    device = count if count * slot <= device_left + experts.stream_bytes else min(count, device_left // slot)
+    rest = count - device
+    host = 0
+    if rest and ctx.separate_host:
+        def host_total(on_host: int) -> int:
+            return sum(_charges(ctx, tiers, computes, _Split(device, on_host), host_compute=True)[HOST].values())
+
+        if host_total(rest) <= budgets[HOST]:
+            host = rest
+        else:
+            # One expert on host puts every fixed host charge in place (workspace, pinned stream slots).
+            host_left = budgets[HOST] - (host_total(1) - experts.prefix[device + 1] + experts.prefix[device])
+            host = max(0, min(rest - 1, host_left // slot))
+            while host and host_total(host) > budgets[HOST]:
+                host -= 1
+    if device + host < count and not ctx.profile.disk_offload:
+        return None
+    return _Split(device, host)
+
+
+def host_computes_expert(bandwidths: Bandwidths, nbytes: int, params: int, rows: int = 1) -> bool:
+    """Fiddler's rule for a cold expert in host RAM beside an accelerator: compute it on the CPU
+    where it lies when that beats copying its bytes over the link and computing it on the device
+    (`rows`: token rows that chose it). The planner and the runtime's expert cache both use it."""
+    bw = bandwidths
+    flops = 2.0 * params * rows
+    on_host = max(nbytes / _rate(bw.host_bytes_per_s), flops / _rate(bw.host_flops))
+    moved = nbytes / _rate(bw.link_bytes_per_s) + max(nbytes / _rate(bw.device_bytes_per_s), flops / _rate(bw.device_flops))
+    return on_host < moved
+
+
+def _host_computes_experts(ctx: _Context, split: _Split) -> bool:
+    experts = ctx.experts
+    if experts is None or not split.host or not ctx.accelerator or ctx.bandwidths is None:
+        return False
+    block = experts.order[split.device]
+    return host_computes_expert(ctx.bandwidths, ctx.sizes.bytes_used(block), ctx.sizes.params[block])
+
+
+def _expert_terms(ctx: _Context, split: _Split, tokens: int) -> dict[str, float]:
+    """Seconds each limit spends on the routed experts in one step of `tokens` tokens (module doc)."""
+    key = (split, tokens)
+    if key in ctx.memo:
+        return ctx.memo[key]
+    bw, sizes, experts = ctx.bandwidths, ctx.sizes, ctx.experts
+    terms = dict.fromkeys(LIMITS, 0.0)
+    for index, block in enumerate(experts.order):
+        tier = split.tier(index)
+        picked = min(1.0, experts.top_k * experts.share[block])
+        used = 1.0 - (1.0 - picked) ** tokens
+        if used <= 0.0:
+            continue
+        read = used * sizes.bytes_used(block)
+        flops = 2.0 * sizes.params[block] * tokens * picked
+        on_host = tier == HOST and split.host_compute
+        if on_host:
+            terms["host bandwidth"] += max(read / _rate(bw.host_bytes_per_s), flops / _rate(bw.host_flops))
+        else:
+            terms["device bandwidth"] += max(read / _rate(bw.device_bytes_per_s) + used * _row_seconds(ctx, block, bw),
+                                             flops / _rate(bw.device_flops))  # fmt: skip
+        if tier == DISK:
+            terms["disk"] += read / _rate(bw.disk_bytes_per_s)
+        if tier != DEVICE and not on_host and (ctx.accelerator or tier == HOST):
+            terms["link"] += read / _rate(bw.link_bytes_per_s)
+    ctx.memo[key] = terms
+    return terms
+
+
+def _expert_layers(ctx: _Context, split: _Split) -> tuple[ExpertLayer, ...]:
+    """Per sparse layer: resident experts, expected hit rate (their shares summed), and the
+    expected expert bytes one token reads from each tier (top_k x share x bytes, summed)."""
+    experts = ctx.experts
+    if experts is None:
+        return ()
+    tier_of = {block: split.tier(index) for index, block in enumerate(experts.order)}
+    out = []
+    for layer, blocks in experts.layers.items():
+        per_tier = dict.fromkeys((DEVICE, HOST, DISK), 0.0)
+        for block in blocks:
+            per_tier[tier_of[block]] += min(1.0, experts.top_k * experts.share[block]) * ctx.sizes.bytes_used(block)
+        resident = [b for b in blocks if tier_of[b] == DEVICE]
+        host_computed = sum(1 for b in blocks if tier_of[b] == HOST) if split.host_compute else 0
+        out.append(ExpertLayer(layer, len(blocks), len(resident), sum(experts.share[b] for b in resident),
+                               per_tier, host_computed))  # fmt: skip
+    return tuple(out)
+
+
+def _expert_note(ctx: _Context, split: _Split) -> str:
+    experts, routing = ctx.experts, ctx.routing
+    counted = routing is not None and any(routing.count(layer, e) > 0 for layer in routing.layers
+                                          for e in range(routing.experts))  # fmt: skip
+    basis = "hottest by the saved routing counts" if counted else "no routing counts yet: spread evenly"
+    text = f"experts: {split.device} of {experts.count} resident ({basis})"
+    if split.device < experts.count:
+        text += f"; cold ones read through {experts.stream_slots} stream slots"
+        if split.host_compute:
+            text += ", those in host RAM computed on the CPU (a host matmul beats the link)"
+    return text
+
+
+def _split_of(ctx: _Context, placement: Placement) -> _Split:
+    """An existing placement's expert split (the order of `ctx.experts` puts its tiers first)."""
+    placed = [b for b in placement.blocks if is_expert(b.name)]
+    device = sum(1 for b in placed if b.tier == DEVICE)
+    host = sum(1 for b in placed if b.tier == HOST)
+    return _Split(device, host, any(b.tier == HOST and b.compute == HOST for b in placed))
+
+
+def _planned_shares(placement: Placement) -> dict[str, float] | None:
+    """Per expert block, a share that reproduces each layer's planned hit rate: the hit rate
+    spread evenly over its resident experts, the rest over its cold ones."""
+    layers = {x.layer: x for x in placement.expert_layers}
+    if not layers:
+        return None
+    shares = {}
+    for b in placement.blocks:
+        where = expert_of(b.name)
+        if where is None or where[0] not in layers:
+            continue
+        plan = layers[where[0]]
+        cold = plan.experts - plan.resident
+        shares[b.name] = plan.hit_rate / plan.resident if b.tier == DEVICE else (1.0 - plan.hit_rate) / max(cold, 1)
+    return shares
+
 
 
 # -- the cost model --------------------------------------------------------------------------
 
 
-def _step_time(ctx: _Context, tiers, computes, *, prefill: bool) -> tuple[float, str]:
+def _step_time(ctx: _Context, tiers, computes, split: "_Split", *, prefill: bool) -> tuple[float, str]:
     """(seconds for one decode step, or one prefill chunk; the binding limit) — see module doc."""
     chunk = min(PREFILL_CHUNK, context_tokens(ctx.config, ctx.profile))
     tokens = chunk if prefill else ctx.profile.batch_size
-    return step_seconds(_terms(ctx, tiers, computes, tokens, prefill), ctx.profile.prefetch_depth)
+    return step_seconds(_terms(ctx, tiers, computes, split, tokens, prefill), ctx.profile.prefetch_depth)
 
 
-def _terms(ctx: _Context, tiers, computes, tokens: int, prefill: bool) -> dict[str, float]:
+def _terms(ctx: _Context, tiers, computes, split: "_Split", tokens: int, prefill: bool) -> dict[str, float]:
     """Seconds each limit (LIMITS) costs one step of `tokens` tokens."""
     bw, sizes = ctx.bandwidths, ctx.sizes
     terms = dict.fromkeys(LIMITS, 0.0)
-    for block in sizes.names:
+    if ctx.experts is not None:
+        for limit, seconds in _expert_terms(ctx, split, tokens).items():
+            terms[limit] += seconds
+    for block in ctx.dense:
         if block == EMBED:
             read = tokens * sizes.row_bytes  # one row per token
             flops = 0.0
@@ -550,13 +874,20 @@ def decode_terms(
     *,
     accelerator: bool,
     batch: int = 1,
+    routing=None,
 ) -> dict[str, float]:
     """The cost model's terms (seconds per limit) for one decode step of `batch` sequences of an
-    existing placement: what a measured run of it is compared with (`step_seconds` combines them)."""
-    ctx = _Context(config, sizes, profile, bandwidths, accelerator, 0)
-    tiers = {b.name: b.tier for b in placement.blocks}
-    computes = {b.name: b.compute for b in placement.blocks}
-    return _terms(ctx, tiers, computes, batch, prefill=False)
+    existing placement: what a measured run of it is compared with (`step_seconds` combines them).
+    An MoE model's experts are used as `routing` expects, or, without it, as the placement
+    expected (each layer's planned hit rate spread evenly over its resident and cold experts)."""
+    dense = [b for b in placement.blocks if not is_expert(b.name)]
+    tiers = {b.name: b.tier for b in dense}
+    computes = {b.name: b.compute for b in dense}
+    shares = None if routing is not None else _planned_shares(placement)
+    placed = {b.name: b.tier for b in placement.blocks if is_expert(b.name)}
+    ctx = _Context(config, sizes, profile, bandwidths, accelerator, 0, routing, shares, placed)
+    split = _split_of(ctx, placement)
+    return _terms(ctx, tiers, computes, split, batch, prefill=False)
 
 
 # What each limit's time is made of. A CPU-only machine's compute terms are one processor's.
@@ -633,16 +964,18 @@ def _shortfall(ctx: _Context, units: list[_Unit]) -> str:
     tiers = {b: DEVICE for b in units[0].blocks}
     cold_tier = DISK if profile.disk_offload else (HOST if ctx.separate_host else DEVICE)
     tiers.update({b: cold_tier for u in units[1:] for b in u.blocks})
+    count = ctx.experts.count if ctx.experts is not None else 0
+    split = {DEVICE: _Split(device=count), HOST: _Split(host=count), DISK: _Split()}[cold_tier]
     if cold_tier == DEVICE:
-        charges = _charges(ctx, tiers, {b: DEVICE for b in tiers})
+        charges = _charges(ctx, tiers, {b: DEVICE for b in tiers}, split)
     elif ctx.bandwidths is None:  # no cost model yet: the most any compute choice costs
-        charges = _charges(ctx, tiers, _all_streamed(tiers), host_compute=True)
+        charges = _charges(ctx, tiers, _all_streamed(tiers), split, host_compute=True)
     else:
-        charges = _charges(ctx, tiers, _choose_compute(ctx, tiers))
+        charges = _charges(ctx, tiers, _choose_compute(ctx, tiers, split), split)
     device_total = sum(charges[DEVICE].values())
     if not profile.disk_offload:
-        weights = sum(u.nbytes for u in units)
-        fixed = {k: v for k, v in charges[DEVICE].items() if k not in ("weights", "staging")}
+        weights = sum(u.nbytes for u in units) + (ctx.experts.total_bytes if ctx.experts is not None else 0)
+        fixed = {k: v for k, v in charges[DEVICE].items() if k not in ("weights", "staging", "experts")}
         grant = profile.device_memory - sum(fixed.values())
         where = "device"
         if ctx.separate_host:
@@ -651,8 +984,9 @@ def _shortfall(ctx: _Context, units: list[_Unit]) -> str:
             where = "device + host"
         short = weights - max(grant, 0)
         if short > 0:
+            variants = f", LoRA variants {_gib(fixed['variants'])} among them" if "variants" in fixed else ""
             return (f"its {ctx.sizes.quant} weights ({_gib(weights)}) need {_gib(short)} more than "
-                    f"the {where} memory left after fixed charges ({_gib(max(grant, 0))}), and "
+                    f"the {where} memory left after fixed charges ({_gib(max(grant, 0))}{variants}), and "
                     f"disk_offload is false")  # fmt: skip
     # The device tier's least charge over every resident prefix (a resident head can cost less
     # than the ring slot it would need when streamed).
@@ -660,7 +994,7 @@ def _shortfall(ctx: _Context, units: list[_Unit]) -> str:
     for resident in range(2, len(units) + 1):
         trial = {b: DEVICE for u in units[:resident] for b in u.blocks}
         trial.update({b: DISK for u in units[resident:] for b in u.blocks})
-        trial_charges = _charges(ctx, trial, _all_streamed(trial), host_compute=True)
+        trial_charges = _charges(ctx, trial, _all_streamed(trial), _Split(), host_compute=True)
         if sum(trial_charges[DEVICE].values()) < device_total:
             charges, device_total, least = trial_charges, sum(trial_charges[DEVICE].values()), resident
     if device_total > profile.device_memory:

@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Mapping
 
 from tierlm.blocks import EMBED, HEAD
+from tierlm.cache import codec
 from tierlm.cache.artifact import MANIFEST_NAME, PART_ALIGN, Artifact
 from tierlm.config import ModelConfig
 from tierlm.quant.modes import AUTO, QuantMode, auto_quant, check_mode_name, concrete_mode, parse_quant_mode
@@ -166,7 +167,7 @@ def sizes_from_config(
     blocks = family_class(config).block_shapes(config)
     if config.tie_word_embeddings:
         blocks[HEAD] = {}
-    nbytes = {name: _block_bytes([p for shape in tensors.values() for p in _stored_parts(shape, mode)])
+    nbytes = {name: _block_bytes([p for tensor, shape in tensors.items() for p in _stored_parts(shape, mode, tensor)])
               for name, tensors in blocks.items()}  # fmt: skip
     params = {name: sum(s[0] * s[1] for s in tensors.values() if len(s) == 2) for name, tensors in blocks.items()}
     aliases = {HEAD: EMBED} if config.tie_word_embeddings else {}
@@ -176,13 +177,13 @@ def sizes_from_config(
     return BlockSizes(mode.name, nbytes, params, aliases, row_bytes, "config")
 
 
-def _stored_parts(shape: tuple[int, ...], mode: QuantMode) -> list[int]:
-    """Bytes of each part `cache/codec.encode` writes for a tensor of `shape`."""
+def _stored_parts(shape: tuple[int, ...], mode: QuantMode, name: str | None = None) -> list[int]:
+    """Bytes of each part `cache/codec.encode` writes for a tensor of `shape` (canonical `name`)."""
     elements = 1
     for dim in shape:
         elements *= dim
-    if len(shape) != 2:
-        return [elements * 4]  # 1-D norms and biases stay fp32
+    if codec.keeps_float(name, shape):
+        return [elements * 4]  # norms, biases and routers stay fp32
     if not mode.quantized:
         return [elements * _FLOAT_BYTES[mode.weight_dtype]]
     out_features, in_features = shape
@@ -227,10 +228,22 @@ def kv_cache_bytes(config: ModelConfig, profile, accelerator: bool) -> int:
 
 
 def _widest(config: ModelConfig) -> tuple[int, int]:
-    """(activation elements per token, largest matmul output) of one decoder layer."""
+    """(activation elements per token, largest matmul output) of one decoder layer.
+
+    A mixture-of-experts layer (widest of it and a dense MLP, which its config may also have):
+    router logits, the top-k weights and indices, the combined output, one expert's gathered
+    rows with its gate|up and product (experts run one at a time), and a shared expert's MLP.
+    """
     hidden, inter = config.hidden_size, config.intermediate_size
     qkv = config.q_size + 2 * config.kv_size
-    return 2 * hidden + qkv + config.q_size + 3 * inter, max(2 * inter, qkv, hidden)
+    mlp, max_out = 3 * inter, max(2 * inter, qkv, hidden)
+    moe = getattr(config, "moe", None)
+    if moe is not None:
+        shared = moe.shared_intermediate or 0
+        routed = moe.experts + 2 * moe.top_k + 3 * hidden + 3 * moe.expert_intermediate + 3 * shared
+        mlp = max(mlp, routed)
+        max_out = max(max_out, 2 * moe.expert_intermediate, 2 * shared, moe.experts)
+    return 2 * hidden + qkv + config.q_size + mlp, max_out
 
 
 def workspace_bytes(config: ModelConfig, sizes: BlockSizes, profile, accelerator: bool) -> int:
@@ -266,3 +279,18 @@ def hot_cache_bytes(config: ModelConfig, sizes: BlockSizes, accelerator: bool) -
     compute dtype, never more than the embedding's own stored bytes."""
     rows = min(config.vocab_size, HOT_CACHE_ROWS) * config.hidden_size * compute_bytes(accelerator)
     return min(rows, sizes.nbytes[EMBED])
+
+
+def expected_routing(config: ModelConfig, sizes: BlockSizes):
+    """The routing counts saved beside the artifact `sizes` were read from (offload/
+    routing_counts.py), which the planner places experts by; None for a dense model. Sizes
+    predicted from config.json have no artifact: empty counts, i.e. uniform expectations."""
+    from tierlm.offload.routing_counts import COUNTS_NAME, RoutingCounts
+
+    moe = getattr(config, "moe", None)
+    if moe is None:
+        return None
+    layers = tuple(moe.sparse_layers)
+    if sizes.source == "config":
+        return RoutingCounts(layers, moe.experts)
+    return RoutingCounts.load(Path(sizes.source) / COUNTS_NAME, layers, moe.experts)

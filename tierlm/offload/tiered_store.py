@@ -7,7 +7,9 @@ Implements the WeightStore contract (acquire/release), so model code is unchange
 - disk blocks are read from the artifact's contiguous byte range into a ring slot ahead of use
   (on an accelerator, into the slot's pinned staging buffer first);
 - host -> device copies run on the ring's copy stream, ordered by per-slot events (prefetch.py);
-- an embedding that is not resident serves rows on demand through the hot-row cache.
+- an embedding that is not resident serves rows on demand through the hot-row cache;
+- routed experts (MoE) live in the expert cache's slots (expert_cache.py): the hottest cached on
+  the device, the rest read when the router picks them, or computed on the host where they lie.
 Every read goes through the Artifact, which checks each block's checksums on its first read
 (an embedding's rows: the chunks holding them), so no unverified byte reaches the model.
 """
@@ -15,12 +17,13 @@ Every read goes through the Artifact, which checks each block's checksums on its
 from __future__ import annotations
 
 import time
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable, Mapping
+from typing import Callable, Iterator, Mapping, Sequence
 
 import torch
 
-from tierlm.blocks import EMBED, HEAD
+from tierlm.blocks import EMBED, HEAD, expert_of, is_expert
 from tierlm.cache import codec
 from tierlm.cache.artifact import Artifact
 from tierlm.device import backend_for
@@ -29,6 +32,7 @@ from tierlm.offload.hot_cache import COUNTS_NAME, HotRowCache
 from tierlm.weights.ledger import Ledger
 from tierlm.offload.placement import DEVICE, DISK, HOST, Placement
 from tierlm.offload.prefetch import PrefetchRing
+from tierlm.offload.routing_counts import COUNTS_NAME as EXPERT_COUNTS_NAME
 from tierlm.weights.store import WeightStore
 
 
@@ -43,9 +47,12 @@ class TieredStore(WeightStore):
         ledger: Ledger | None = None,
         read_delay_s: float = 0.0,
         backend=None,
+        expert_policy: str = "lfu",
+        speculate: bool = True,
     ):
         """`backend`: streams, events and pinning for `device` (backend_for(device) unless a
-        test injects one)."""
+        test injects one). `expert_policy`: the expert cache's (expert_cache.POLICIES);
+        `speculate`: whether the model's guesses of the next layer's experts start reads."""
         self.artifact = artifact
         self.placement = placement
         self.device = torch.device(device or "cpu")
@@ -59,6 +66,10 @@ class TieredStore(WeightStore):
         self._embed_rows = None
         for placed in placement.blocks:
             source = artifact.source_block(placed.name)
+            if is_expert(placed.name):
+                if placed.tier == HOST:
+                    self.host_bytes[source] = self._read_raw(source)
+                continue  # the expert cache's, below
             if placed.name == EMBED and placed.tier != DEVICE:
                 if placed.tier == HOST:
                     self.host_bytes[source] = self._read_raw(source)
@@ -89,7 +100,7 @@ class TieredStore(WeightStore):
                 cache_bytes=placement.hot_cache_bytes,
                 counts_path=Path(artifact.directory) / COUNTS_NAME,
             )
-        streamed = [b.name for b in placement.blocks if b.streamed and b.name != EMBED]
+        streamed = [b.name for b in placement.blocks if b.streamed and b.name != EMBED and not is_expert(b.name)]
         self.ring = None
         if streamed:
             sizes = {n: artifact.blocks[artifact.source_block(n)].nbytes for n in streamed}
@@ -105,6 +116,8 @@ class TieredStore(WeightStore):
                 on_stall=self.ledger.record_stall,
                 on_upload=self._record_upload,
             )
+        self.speculate = speculate
+        self.expert_cache = self._expert_cache(expert_policy)
 
     # -- the WeightStore contract -------------------------------------------------------------
 
@@ -114,12 +127,38 @@ class TieredStore(WeightStore):
         found = self.resident.get(block)
         if found is not None:
             return found
+        if is_expert(block):
+            return self._expert_outside_cache(block)
         buffer = self.ring.acquire(block)
         return self._decode(block, self.artifact.views(self.artifact.source_block(block), buffer), self.device)
 
     def release(self, block: str) -> None:
         if self.ring is not None and block in self.ring.held:
             self.ring.release(block)
+
+    @contextmanager
+    def experts(self, layer: int, uses: Mapping[int, int]) -> Iterator[Mapping[int, Mapping[str, object]]]:
+        """Layer's chosen experts ({expert: rows that chose it}) through the expert cache."""
+        batch = self.expert_cache.open(layer, uses)
+        try:
+            yield batch
+        finally:
+            self.expert_cache.close(batch)
+
+    def peek(self, block: str) -> Mapping | None:
+        """Tensors on the compute device now (a host-computed block's live on the CPU: None)."""
+        if is_expert(block):
+            return self.expert_cache.peek(block) if self.expert_cache is not None else None
+        return self.resident.get(block) if self.placement.block(block).tier == DEVICE else None
+
+    def hint_experts(self, layer: int, experts: Sequence[int]) -> None:
+        if self.speculates:
+            self.expert_cache.hint(layer, experts)
+
+    @property
+    def speculates(self) -> bool:
+        """Guesses pay only where some expert is streamed (and TIERLM_SPECULATE did not turn them off)."""
+        return self.speculate and self.expert_cache is not None and self.expert_cache.streams
 
     def block_names(self) -> list[str]:
         return [b.name for b in self.placement.blocks]
@@ -130,6 +169,7 @@ class TieredStore(WeightStore):
         total = sum(t.nbytes for t in unique.values()) + sum(b.nbytes for b in self.host_bytes.values())
         total += self.ring.nbytes if self.ring else 0
         total += self._embed_rows.nbytes if self._embed_rows else 0
+        total += self.expert_cache.nbytes if self.expert_cache else 0
         return total
 
     def note_forward(self, tokens: int) -> None:
@@ -144,7 +184,62 @@ class TieredStore(WeightStore):
             self.ring.close()
         if self._embed_rows is not None:
             self._embed_rows.save()
+        if self.expert_cache is not None:
+            self.expert_cache.shutdown()
+            self.expert_cache.counts.save(Path(self.artifact.directory) / EXPERT_COUNTS_NAME)
         self.artifact.close()
+
+    # -- experts -------------------------------------------------------------------------------
+
+    def _expert_cache(self, policy: str):
+        """The cache over every routed expert of the artifact (None for a dense model)."""
+        from tierlm.offload.expert_cache import ExpertCache
+        from tierlm.offload.routing_counts import RoutingCounts
+
+        placed = [b for b in self.placement.blocks if is_expert(b.name)]
+        if not placed:
+            return None
+        located = [expert_of(b.name) for b in placed]
+        layers = sorted({layer for layer, _ in located})
+        counts = RoutingCounts.load(Path(self.artifact.directory) / EXPERT_COUNTS_NAME, layers, 1 + max(e for _, e in located))
+        sizes = {b.name: self.artifact.blocks[b.name].nbytes for b in placed}
+        resident = [b.name for b in placed if b.tier == DEVICE]
+        # An accelerator reads experts from disk through pinned staging, planned only where some
+        # expert is placed on disk; without it, experts with no host copy are never demoted.
+        from_disk = [b for b in sizes if b not in self.host_bytes]
+        staging = any(b.tier == DISK for b in placed) and self.backend.accelerator
+        host_computed = {
+            b.name: (self._decode(b.name, self.artifact.views(b.name, self.host_bytes[b.name]), torch.device("cpu")),
+                     self.host_bytes[b.name])
+            for b in placed if b.tier == HOST and b.compute == HOST
+        }  # fmt: skip
+        return ExpertCache(
+            counts=counts,
+            reader=self._fill_slot,
+            opening_reader=lambda block, staging: self._fill_slot(block, staging, counted=False),
+            decode=lambda block, buffer: self._decode(block, self.artifact.views(block, buffer), self.device),
+            slot_bytes=max(self.placement.expert_slot_bytes, max(sizes.values())),
+            cache_slots=self.placement.expert_slots or len(resident),
+            # All resident: none planned, none needed; a hand-made placement may name none: one.
+            stream_slots=self.placement.expert_stream_slots or int(len(resident) < len(placed)),
+            backend=self.backend,
+            ledger=self.ledger,
+            policy=policy,
+            host_computed=host_computed,
+            start=resident,
+            staging_bytes=max((sizes[b] for b in from_disk), default=0) if staging else 0,
+            kept=from_disk if self.backend.accelerator and not staging else (),
+        )
+
+    def _expert_outside_cache(self, block: str) -> dict:
+        """An expert acquired by name (not through `experts`): cached or host-computed tensors,
+        else one read into a fresh buffer (tools that walk every block, not the decode path)."""
+        found = self.expert_cache.peek(block)
+        if found is None and block in self.expert_cache.host_computed:
+            found = self.expert_cache.host_computed[block][0]
+        if found is None:
+            found = self._decode(block, self.artifact.read_block(block), self.device)
+        return found
 
     # -- reading and decoding -----------------------------------------------------------------
 
@@ -152,10 +247,10 @@ class TieredStore(WeightStore):
         """Block `source`'s bytes in a host buffer (pinned where an accelerator copies from it)."""
         return self.artifact.read_bytes(source, into=self.backend.empty_host(self.artifact.blocks[source].nbytes))
 
-    def _fill_slot(self, block: str, staging: torch.Tensor) -> torch.Tensor:
+    def _fill_slot(self, block: str, staging: torch.Tensor, *, counted: bool = True) -> torch.Tensor:
         """Worker thread: block's bytes in host memory (the ring's BlockReader; see PrefetchRing)."""
         try:
-            return self._in_host_memory(block, staging)
+            return self._in_host_memory(block, staging, counted=counted)
         except OSError as err:
             raise TierlmError(
                 f"reading block {block!r} from {self.artifact.weights_path} failed: {err}",
@@ -163,8 +258,9 @@ class TieredStore(WeightStore):
                 f"{self.artifact.directory.name}` rebuilds it on next use",
             ) from None
 
-    def _in_host_memory(self, block: str, staging: torch.Tensor) -> torch.Tensor:
-        """Host-tier bytes as they lie, or a disk read into `staging` (the ring slot on the CPU)."""
+    def _in_host_memory(self, block: str, staging: torch.Tensor, *, counted: bool = True) -> torch.Tensor:
+        """Host-tier bytes as they lie, or a disk read into `staging` (the ring slot on the CPU).
+        `counted`: traffic of the run (False: loading at open, which is no token's cost)."""
         source = self.artifact.source_block(block)
         record = self.artifact.blocks[source]
         started = time.perf_counter()
@@ -174,7 +270,8 @@ class TieredStore(WeightStore):
         tier = HOST if host is not None else DISK
         if host is None:
             host = self.artifact.read_bytes(source, into=staging)  # checksums checked on the first read
-        self.ledger.record_read(tier, record.nbytes, time.perf_counter() - started)
+        if counted:
+            self.ledger.record_read(tier, record.nbytes, time.perf_counter() - started)
         return host
 
     def _record_upload(self, block: str, nbytes: int, seconds: float) -> None:

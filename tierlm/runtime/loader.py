@@ -22,6 +22,7 @@ class LoadedModel:
     placement: object = None  # the planner's Placement when a profile was given
     sizes: object = None  # the BlockSizes it was planned from (measured runs are checked against it)
     weight_format: str = ""  # how the weights are held: a quant mode ("int8", "fp16") or, as stored, the dtype
+    artifact_dir: Path | None = None  # the compiled artifact the weights come from (None: as stored)
 
     @property
     def formats(self) -> str:
@@ -118,7 +119,8 @@ def load_model(
     model = source.family(source.config, store, max_len, device, dtype)
     weight_format = dtype_name(dtype) if source.as_stored else source.quant  # as stored: converted as they load
     sizes = planned.sizes if planned is not None else None
-    return LoadedModel(source.config, model, store, max_len, device, dtype, placement, sizes, weight_format)
+    artifact_dir = source.directory if source.compiled else None
+    return LoadedModel(source.config, model, store, max_len, device, dtype, placement, sizes, weight_format, artifact_dir)
 
 
 def requested_quant(quant: str | None, profile) -> str:
@@ -247,6 +249,7 @@ def shipped_fallbacks() -> list:
 
 def _plan(config, sizes, budget: Budget):
     from tierlm.offload.planner import plan
+    from tierlm.offload.sizes import expected_routing
     from tierlm.runtime.machine_probe import load_bandwidths
 
     _check_fits(config, sizes, budget)  # a missing probe runs in a child
@@ -259,6 +262,7 @@ def _plan(config, sizes, budget: Budget):
         baseline_bytes=budget.baseline.charged,
         limits=budget.limits,
         fallbacks=budget.fallbacks,
+        routing=expected_routing(config, sizes),  # an MoE model's hottest experts become resident
     )
 
 
@@ -270,7 +274,23 @@ def _artifact_store(artifact_dir: Path, placement, device, dtype, read_delay_s: 
     from tierlm.cache.artifact import Artifact
     from tierlm.offload.tiered_store import TieredStore
 
-    return TieredStore(Artifact.open(artifact_dir), placement, device=device, dtype=dtype, read_delay_s=read_delay_s)
+    policy, speculate = expert_options()
+    return TieredStore(Artifact.open(artifact_dir), placement, device=device, dtype=dtype, read_delay_s=read_delay_s,
+                       expert_policy=policy, speculate=speculate)  # fmt: skip
+
+
+def expert_options() -> tuple[str, bool]:
+    """The expert cache's policy (TIERLM_EXPERT_CACHE=lfu|lru|stream, default lfu) and whether the
+    model's guesses start reads (TIERLM_SPECULATE=0 turns them off): benchmarks compare them."""
+    import os
+
+    from tierlm.offload.expert_cache import POLICIES
+
+    policy = os.environ.get("TIERLM_EXPERT_CACHE", "").strip().lower() or "lfu"
+    if policy not in POLICIES:
+        raise TierlmError(f"TIERLM_EXPERT_CACHE={policy!r} is not an expert cache policy",
+                          f"use one of {', '.join(POLICIES)} (lfu is the default)")  # fmt: skip
+    return policy, os.environ.get("TIERLM_SPECULATE", "1").strip() != "0"
 
 
 def check_shapes(config: ModelConfig, store, family) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field, replace
 from functools import cached_property
 from pathlib import Path
@@ -30,6 +31,12 @@ class Session:
     model_dir: Path
     load_s: float
     generation_defaults: GenerationDefaults = GenerationDefaults()
+    # Adapters merged into the served base: a variant's adapters come on top of these.
+    base_adapters: tuple[tuple[Path, float], ...] = ()
+    # The variants added so far: name -> (its own adapters, its overlay in the variant store).
+    variants: dict = field(default_factory=dict)
+    # Held while the set of variants and the plan change: the server adds on one thread, removes on another.
+    _variants_lock: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False, compare=False)
     closed: bool = field(default=False, init=False)
 
     @cached_property
@@ -37,6 +44,108 @@ class Session:
         from tierlm.runtime.engine import Engine
 
         return Engine(self.loaded, self.tokenizer)
+
+    def variant_store(self):
+        """The weight store as a VariantStore (runtime/variants.py), wrapping the base store on
+        first use. Call it before the model runs on another thread: the server does, before its
+        worker starts, so variants can be added while it serves."""
+        from tierlm.runtime.variants import VariantStore
+
+        store = self.loaded.store
+        if not isinstance(store, VariantStore):
+            store = VariantStore(store, device=self.loaded.device)
+            self.loaded.store = self.loaded.model.store = store
+        return store
+
+    def check_variant(self, adapters) -> None:
+        """Check a variant's `adapters` [(path, weight)] against the base checkpoint; a TierlmError
+        names the first misfit. Reads the adapters and the checkpoint's headers; writes nothing (the server's 400)."""
+        from tierlm.lora.adapter import LoraAdapter
+        from tierlm.lora.merge import LoraMerger
+        from tierlm.weights.checkpoint import Checkpoint
+
+        merger = LoraMerger([(LoraAdapter.load(Path(path)), weight) for path, weight in adapters])
+        merger.validate(Checkpoint(self._checkpoint_dir()), tied=self.loaded.config.tie_word_embeddings)
+
+    def add_variant(self, name: str, adapters, progress: ProgressFactory | None = None):
+        """Build the variant `name` (its `adapters` [(path, weight)] on top of the served base,
+        merged or unmerged as runtime/variants.py's cost model chooses) and add it to the variant
+        store; returns its Overlay (mode, why, nbytes). Slow: it may convert."""
+        from tierlm.runtime.variants import overlay_for
+
+        store = self.variant_store()
+        base = self._base_artifact(progress)
+        overlay = overlay_for(base, tuple(adapters), device=self.loaded.device, dtype=self.loaded.dtype,
+                              progress=progress(f"converting variant {name}") if progress else None)
+        with self._variants_lock:
+            charges = {n: o for n, (_, o) in self.variants.items()} | {name: overlay}
+            placement = self._replan(charges, name)  # refuses before the variant is served
+            store.add(name, overlay)
+            self.variants[name] = (tuple(adapters), overlay)
+            self.loaded.placement = placement
+        return overlay
+
+    def _replan(self, overlays, adding: str | None):
+        """The load's placement re-made with `overlays` {name: Overlay} charged beside the base (the
+        planner's "variants"); a TierlmError when `adding` would move a base block to another tier
+        (blocks are placed once, at load) or no longer fit. None when the load had no plan."""
+        placement = self.loaded.placement
+        if placement is None:
+            return None
+        from tierlm.device.memory import process_limits
+        from tierlm.offload.placement import DEVICE, HOST
+        from tierlm.offload.planner import VariantCharge, plan
+        from tierlm.offload.sizes import expected_routing
+        from tierlm.runtime.machine_probe import load_bandwidths
+
+        loaded, device = self.loaded, self.loaded.device
+        charges = [VariantCharge(name, overlay.mode, overlay.nbytes) for name, overlay in overlays.items()]
+        baseline = (placement.charges.get(HOST) or placement.charges[DEVICE])["baseline"]  # as the load charged it
+        hint = "serve fewer variants, or a larger --profile"
+        try:
+            replanned = plan(loaded.config, loaded.sizes, self.profile, load_bandwidths(device),
+                             accelerator=device.type != "cpu", baseline_bytes=baseline,
+                             limits=process_limits(device), routing=expected_routing(loaded.config, loaded.sizes),
+                             variants=charges)  # fmt: skip
+        except TierlmError as err:
+            raise TierlmError(f"with variant {adding} the model no longer fits: {err}", hint) from None
+        if adding is not None and _tiers(replanned) != _tiers(placement):
+            moved = sorted(b for b, tier in _tiers(replanned).items() if _tiers(placement)[b] != tier)
+            raise TierlmError(f"variant {adding} needs room the base's blocks hold: with it, {', '.join(moved[:3])} "
+                              f"would no longer stay where the model was loaded", hint)
+        return replanned
+
+    def _checkpoint_dir(self) -> Path:
+        from tierlm.runtime.loader import is_artifact
+
+        if not is_artifact(self.model_dir):
+            return self.model_dir
+        from tierlm.cache.artifact import Artifact
+
+        artifact = Artifact.open(self.model_dir)
+        try:
+            return Path(artifact.manifest["source"])
+        finally:
+            artifact.close()
+
+    def _base_artifact(self, progress: ProgressFactory | None) -> Path:
+        """The artifact the base's weights come from; weights loaded as stored get one in their
+        own format (converted once, cached), which variants are read against."""
+        if self.loaded.artifact_dir is not None:
+            return Path(self.loaded.artifact_dir)
+        from tierlm.cache.convert import ConversionRequest, ensure_artifact
+        from tierlm.quant.modes import AS_STORED, concrete_mode
+
+        mode = concrete_mode(AS_STORED, accelerator=self.loaded.device.type != "cpu", converted=True)
+        request = ConversionRequest(self.model_dir, self.base_adapters, mode)
+        return Path(ensure_artifact(request, progress("converting the base for variants") if progress else None))
+
+    def remove_variant(self, name: str) -> None:
+        """Drop the variant `name` from the store; only between forwards (the server's worker)."""
+        with self._variants_lock:
+            self.variant_store().remove(name)
+            self.variants.pop(name, None)
+            self.loaded.placement = self._replan({n: o for n, (_, o) in self.variants.items()}, None)
 
     def close(self) -> None:
         """Release the weight store's reader threads and files and persist its hot-row
@@ -71,12 +180,15 @@ def open_session(
     dtype: str | None = None,
     quant: str | None = None,
     loras: tuple[str, ...] = (),
+    variants=None,
     threads: int | None = None,
     progress: ProgressFactory | None = None,
 ) -> Session:
     """Load the model within the profile's context and return a session over it.
 
-    `quant` overrides the profile's quant mode; `loras` are `path[:weight]` adapter specs;
+    `quant` overrides the profile's quant mode; `loras` are `path[:weight]` adapter specs merged
+    into the model; `variants` ({name: ((path, weight), ...)}) are built over it and served
+    beside it (`serve --lora NAME=PATH`);
     `threads` (else the profile's; 0 or None: the CPUs this process may use) is set in torch
     before the INT8 kernels are calibrated for it.
     """
@@ -111,7 +223,19 @@ def open_session(
     resolved = resolve_auto(requested, model_dir, accelerator=loaded.device.type != "cpu")
     profile = replace(profile, quant=requested, quant_resolved=resolved)
     defaults = GenerationDefaults.from_dir(model_dir)
-    return Session(loaded, tokenizer, profile, model_dir, time.perf_counter() - started, defaults)
+    session = Session(loaded, tokenizer, profile, model_dir, time.perf_counter() - started, defaults, adapters)
+    try:
+        for name, variant in (variants or {}).items():
+            session.add_variant(name, variant, progress)
+    except BaseException:
+        session.close()
+        raise
+    session.load_s = time.perf_counter() - started
+    return session
+
+
+def _tiers(placement) -> dict[str, str]:
+    return {block.name: block.tier for block in placement.blocks}
 
 
 def _parse_dtype(name: str | None):

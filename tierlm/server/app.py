@@ -1,7 +1,8 @@
 """The HTTP side: routes that validate, enqueue and stream; `create_app` builds one server's app.
 
 Routes: GET /v1/models, POST /v1/chat/completions, POST /v1/completions, GET /metrics,
-GET /health (never behind the API key), and POST /debug/worker when test hooks are enabled.
+GET/POST /v1/adapters, DELETE /v1/adapters/{name}, GET /health (never behind the API key), and
+POST /debug/worker when test hooks are enabled.
 Errors are OpenAI-style bodies: 400 invalid or unsupported input (any JSON shape, depth or
 invalid Unicode included), 401 API key, 404 unknown route, 413 body too large, 429 queue full
 (with Retry-After), 500 this request's generation failed (the batch it shared goes on), 503 the
@@ -22,10 +23,17 @@ Context limits, as vLLM: a prompt that leaves no room in the context, or a `max_
 max-tokens parameter). An omitted `max_tokens` means "up to the context" for chat and
 OpenAI's 16 (or the room left, if less) for completions; a reply that reaches it ends "length".
 
-Models: the server serves one model under one name (`--model-name`, else the catalogue name);
-/v1/models lists it. A request may name it, one of the server's aliases (`--alias`), or no
-model at all; any other name gets OpenAI's 404 `model_not_found`. Responses carry the served
-name, also when the request used an alias.
+Models: the server serves one base model under one name (`--model-name`, else the catalogue
+name), and its LoRA variants (`serve --lora NAME=PATH`, or added by POST /v1/adapters) under
+theirs; /v1/models lists them all, each variant with its base as "parent". A request picks one
+by `model`: the base's name, one of its aliases (`--alias`) or no model at all is the base; any
+other name but a ready variant's gets OpenAI's 404 `model_not_found`. Responses carry the served
+name, also when the request used an alias. Requests for different variants share decode steps.
+
+Adapters: POST /v1/adapters {"name", "path", "weight"?} checks the adapter against the base at
+once (another base's shape: 400, nothing written), answers 202 and converts it off the serving
+thread; GET /v1/adapters shows each one's status and progress; DELETE /v1/adapters/{name} stops
+new requests for it at once and drops it when those in flight have ended (adapters.py).
 
 Every request gets one access-log line on stderr when its response ends (access.py), unless
 the server runs with `access_log` off (`serve --quiet`).
@@ -37,6 +45,7 @@ import asyncio
 import hmac
 import time
 from contextlib import asynccontextmanager
+from pathlib import Path
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -47,11 +56,12 @@ from starlette.requests import ClientDisconnect
 
 from tierlm.errors import TierlmError
 from tierlm.server.access import AccessLog, entry
+from tierlm.server.adapters import Variants
 from tierlm.server.jobs import DONE, ERROR, TEXT, Event, Job
 from tierlm.server.metrics import Metrics, process_memory, store_metrics
 from tierlm.server.options import ServerOptions
 from tierlm.server.responses import EventStream, Shape, sse, usage
-from tierlm.server.schemas import ApiError, GenerationRequest, parse_body, parse_chat, parse_completion
+from tierlm.server.schemas import ApiError, GenerationRequest, parse_adapter, parse_body, parse_chat, parse_completion
 from tierlm.server.worker import DEBUG_ACTIONS, SHUTTING_DOWN, Worker, WorkerSettings
 
 RETRY_AFTER_S = 1
@@ -79,6 +89,7 @@ def create_app(session, options: ServerOptions) -> FastAPI:
         on_restart=lambda _problem: metrics.restarts.inc(),
     )
     state.drain = state.worker.drain  # run.py: the moment shutdown begins
+    state.variants = Variants(session, state.model_id, options.aliases, state.worker)
     _install_error_handlers(app, metrics)
     if options.access_log:
         app.add_middleware(AccessLog)
@@ -145,14 +156,39 @@ async def health(request: Request):
 @_api.get("/v1/models")
 async def list_models(request: Request):
     state = request.app.state
-    return {"object": "list", "data": [_model_card(state.model_id, state.created)]}
+    variants = [_model_card(v.name, v.created, state.model_id) for v in state.variants.ready()]
+    return {"object": "list", "data": [_model_card(state.model_id, state.created), *variants]}
 
 
 @_api.get("/v1/models/{name:path}")
 async def get_model(name: str, request: Request):
     state = request.app.state
-    _check_model(name, state.model_id, state.options.aliases)
-    return _model_card(state.model_id, state.created)
+    variant = state.variants.resolve(name)
+    if variant is None:
+        return _model_card(state.model_id, state.created)
+    created = next((v.created for v in state.variants.all() if v.name == variant), state.created)
+    return _model_card(variant, created, state.model_id)
+
+
+@_api.get("/v1/adapters")
+async def list_adapters(request: Request):
+    state = request.app.state
+    return {"object": "list", "data": [v.card(state.model_id) for v in state.variants.all()]}
+
+
+@_api.post("/v1/adapters")
+async def add_adapter(request: Request):
+    state = request.app.state
+    name, path, weight = parse_adapter(await _read_json(request, 64 * 1024))
+    variant = await run_in_threadpool(state.variants.add, name, Path(path).expanduser(), weight)
+    return JSONResponse(variant.card(state.model_id), status_code=202)
+
+
+@_api.delete("/v1/adapters/{name}")
+async def delete_adapter(name: str, request: Request):
+    state = request.app.state
+    variant = state.variants.remove(name)
+    return {"id": variant.name, "object": "adapter", "deleted": True, "status": variant.status}
 
 
 @_api.get("/metrics")
@@ -166,21 +202,21 @@ async def chat_completions(request: Request):
     state = request.app.state
     options = state.options
     req = parse_chat(await _read_json(request, options.max_body_bytes), max_messages=options.max_messages)
-    _check_model(req.model, state.model_id, options.aliases)
+    variant = state.variants.resolve(req.model)
     ids = await run_in_threadpool(_encode_chat, state.session.tokenizer, req.messages)
-    return await _generate(request, req, ids, chat=True)
+    return await _generate(request, req, ids, chat=True, variant=variant)
 
 
 @_api.post("/v1/completions")
 async def completions(request: Request):
     state = request.app.state
     req = parse_completion(await _read_json(request, state.options.max_body_bytes))
-    _check_model(req.model, state.model_id, state.options.aliases)
+    variant = state.variants.resolve(req.model)
     if isinstance(req.prompt, str):
         ids = await run_in_threadpool(state.session.tokenizer.encode, req.prompt, add_special_tokens=True)
     else:
         ids = _in_vocabulary(req.prompt, state.session.loaded.config.vocab_size)
-    return await _generate(request, req, ids, chat=False)
+    return await _generate(request, req, ids, chat=False, variant=variant)
 
 
 @_debug.post("/debug/worker")
@@ -194,7 +230,8 @@ async def debug_worker(request: Request):
     return {"ok": True}
 
 
-async def _generate(request: Request, req: GenerationRequest, ids: list[int], *, chat: bool):
+async def _generate(request: Request, req: GenerationRequest, ids: list[int], *, chat: bool,
+                    variant: str | None = None):
     state = request.app.state
     session, context, worker = state.session, state.context, state.worker
     log = entry(request.scope)
@@ -208,18 +245,21 @@ async def _generate(request: Request, req: GenerationRequest, ids: list[int], *,
     budget = _token_budget(req, len(ids), context)
     params = _sampling(req, budget, session.generation_defaults)  # omitted fields: the model's
     job = Job(ids, params, deadline=_deadline(req, state.options), loop=asyncio.get_running_loop(),
-              on_end=state.metrics.ended)
+              on_end=state.metrics.ended, variant=variant)
     log.job = job
     if not worker.submit(job):
         raise _refusal(worker)
-    shape = Shape(chat, state.model_id, req.include_usage)
+    shape = Shape(chat, variant or state.model_id, req.include_usage)
     if req.stream:
         return EventStream(_stream(job, shape, req), on_disconnect=job.cancel)
     return await _collect(request, job, shape)
 
 
-def _model_card(model_id: str, created: int) -> dict:
-    return {"id": model_id, "object": "model", "created": created, "owned_by": "tierlm"}
+def _model_card(model_id: str, created: int, parent: str | None = None) -> dict:
+    card = {"id": model_id, "object": "model", "created": created, "owned_by": "tierlm"}
+    if parent is not None:  # a LoRA variant of the base `parent` (as vLLM lists adapters)
+        card["parent"] = parent
+    return card
 
 
 def _is_seconds(value) -> bool:
@@ -241,14 +281,6 @@ def _refusal(worker: Worker) -> ApiError:
         return ApiError(503, SHUTTING_DOWN, kind="server_error", code="server_shutting_down")
     return ApiError(429, f"the server is busy ({worker.queue_depth} requests queued); retry shortly",
                     kind="rate_limit_error", code="queue_full", headers={"Retry-After": str(RETRY_AFTER_S)})
-
-
-def _check_model(name: str | None, model_id: str, aliases: tuple[str, ...]) -> None:
-    """404 model_not_found (OpenAI's answer) unless `name` is absent, the served name or an alias."""
-    if name is None or name == model_id or name in aliases:
-        return
-    raise ApiError(404, f"The model `{name}` does not exist; this server serves `{model_id}`",
-                   param="model", code="model_not_found")
 
 
 def _token_budget(req: GenerationRequest, prompt_tokens: int, context: int) -> int:

@@ -3,6 +3,9 @@
 A new sequence is prefilled alone into its slot (one chunk per step, so running sequences
 keep decoding meanwhile), then joins the shared decode step: one forward over ids [n, 1] at
 each sequence's own position (`LlamaModel.forward` over a `SlotBatch`, via `forward_batch`).
+Each sequence carries its LoRA variant (None: the base); before each forward the runner tells
+a variant store (runtime/variants.py) the variant of every row, so rows of different variants
+share one decode step. A plain store has no variants and is not told.
 Every sequence keeps its own `SequenceState` (sampler and seed, stop matcher, stream decoder,
 limits), the one the engine uses too, so its tokens, text and finish reason are the ones it
 would get decoded alone. Only the worker thread touches a runner.
@@ -36,6 +39,10 @@ class ActiveSequence:
     state: SequenceState  # sampling, stops and limits: the decisions
     prefilled: int = 0  # prompt tokens already in the slot
     pending: int | None = None  # the newest token, to be fed by the next decode step
+
+    @property
+    def variant(self) -> str | None:
+        return self.job.variant
 
     @property
     def prefilling(self) -> bool:
@@ -89,7 +96,12 @@ class BatchRunner:
         slot = self._free.pop(0)
         self.cache.free(slot)
         try:
+            self._check_variant(job)
             seq = self._sequence(job, slot)
+        except VariantGone as err:
+            self._free.insert(0, slot)
+            job.fail(str(err), status=404, code="model_not_found")
+            return None
         except Exception as err:  # noqa: BLE001 - this job's settings, not the batch, are at fault
             self._free.insert(0, slot)
             _fail_job(job, err)
@@ -131,6 +143,13 @@ class BatchRunner:
 
     # -- internals -------------------------------------------------------------------------
 
+    def _check_variant(self, job: Job) -> None:
+        """A job for a variant removed since its request was accepted ends with a 404."""
+        names = getattr(self.model.store, "names", None)
+        if job.variant is not None and (names is None or job.variant not in names()):
+            raise VariantGone(f"The model `{job.variant}` was removed from this server before this request "
+                              "started; GET /v1/models lists what it serves")
+
     def _sequence(self, job: Job, slot: int) -> ActiveSequence:
         params = job.params
         # Sampler and StopMatcher are looked up here, so tests can inject a failing one.
@@ -151,6 +170,7 @@ class BatchRunner:
         prompt = seq.job.prompt_ids
         chunk = prompt[seq.prefilled : seq.prefilled + PREFILL_CHUNK]
         ids = torch.tensor([chunk], dtype=torch.long, device=self.loaded.device)
+        self._select([seq.variant])
         logits = self.model.forward(ids, self.cache.slot(seq.slot), logits="last")
         seq.prefilled += len(chunk)
         if not seq.prefilling:
@@ -160,9 +180,16 @@ class BatchRunner:
     def _decode(self, ready: list[ActiveSequence]) -> None:
         ready.sort(key=lambda s: s.slot)  # adjacent slots read the cache as a view
         ids = torch.tensor([[s.pending] for s in ready], dtype=torch.long, device=self.loaded.device)
+        self._select([s.variant for s in ready])
         logits = self.model.forward_batch(ids, self.cache.batch([s.slot for s in ready]))
         for seq, row in zip(ready, logits):
             self._contained(seq, self._accept, row)
+
+    def _select(self, rows: list[str | None]) -> None:
+        """Name each row's variant for the next forward (a store without variants needs nothing)."""
+        select = getattr(self.model.store, "select", None)
+        if select is not None:
+            select(rows)
 
     def _accept(self, seq: ActiveSequence, logits: torch.Tensor) -> None:
         """Sample the next token from logits [V]; the sequence's state decides whether it goes on."""
@@ -192,6 +219,10 @@ class BatchRunner:
             self.cache.free(seq.slot)
             self._free.append(seq.slot)
             self._free.sort()
+
+
+class VariantGone(Exception):
+    pass
 
 
 def _fail_job(job: Job, err: Exception) -> None:

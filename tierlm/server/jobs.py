@@ -46,10 +46,13 @@ class Job:
         deadline: float | None,
         loop: asyncio.AbstractEventLoop,
         on_end: Callable[["Job"], None] | None = None,
+        variant: str | None = None,
     ):
         """`params`: SamplingParams. `deadline`: time.monotonic() value, or None for none.
-        `on_end` runs once, in whichever thread ends the job (metrics)."""
+        `on_end` runs once, in whichever thread ends the job (metrics). `variant`: the LoRA
+        variant it is generated with (None: the base)."""
         self.number = next(self._ids)
+        self.variant = variant
         self.prompt_ids = prompt_ids
         self.params = params
         self.deadline = deadline

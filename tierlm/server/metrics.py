@@ -74,7 +74,8 @@ class Metrics:
 
 
 class _LiveCollector:
-    """Gauges computed at scrape time from `live()`; a name with {k="v"} carries labels."""
+    """Gauges computed at scrape time from `live()`; a name with {k="v"} carries labels, and one
+    ending in _total is a counter (a running count the store keeps, not a reading of the present)."""
 
     def __init__(self, live: Callable[[], dict[str, float]]):
         self.live = live
@@ -83,14 +84,14 @@ class _LiveCollector:
         return []  # values appear and disappear with the store's figures
 
     def collect(self) -> Iterator:
-        from prometheus_client.core import GaugeMetricFamily
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-        families: dict[str, GaugeMetricFamily] = {}
+        families: dict = {}
         for key, value in self.live().items():
             name, labels = _split_labels(key)
             if name not in families:
-                families[name] = GaugeMetricFamily(name, _HELP.get(name, name.replace("_", " ")),
-                                                   labels=list(labels))
+                kind = CounterMetricFamily if name.endswith("_total") else GaugeMetricFamily
+                families[name] = kind(name, _HELP.get(name, name.replace("_", " ")), labels=list(labels))
             families[name].add_metric(list(labels.values()), float(value))
         yield from families.values()
 
@@ -110,6 +111,13 @@ _HELP = {
     "tierlm_prefetch_overlap_ratio": "Share of streaming time hidden behind compute",
     "tierlm_hot_cache_hit_rate": "Embedding rows served from the hot-row cache",
     "tierlm_kv_cache_bytes": "KV cache bytes: reserved for all slots, used by the live sequences",
+    "tierlm_expert_hits_total": "MoE experts the router chose that were in the expert cache",
+    "tierlm_expert_misses_total": "MoE experts the router chose that had to be read in (or host-computed)",
+    "tierlm_expert_hit_rate": "Share of chosen MoE experts found in the expert cache, all layers",
+    "tierlm_expert_layer_hit_rate": "Share of chosen MoE experts found in the expert cache, per layer",
+    "tierlm_speculative_guesses_total": "MoE experts prefetched on a guess from the next layer's router",
+    "tierlm_speculative_right_total": "Prefetched MoE experts that the layer's router then chose",
+    "tierlm_speculative_accuracy": "Share of speculatively prefetched MoE experts that were then chosen",
 }
 _LABELED = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)\{(.*)\}$")
 
@@ -134,7 +142,8 @@ def process_memory() -> dict[str, float]:
 def store_metrics(store) -> dict[str, float]:
     """Weight bytes the store holds in memory and, for a tiered store, its ledger: planned bytes
     per tier, forwards and the token positions they ran, weight bytes read (total, per forward
-    and per token) per source tier, prefetch stall and overlap, hot-row cache hit rate."""
+    and per token) per source tier, prefetch stall and overlap, hot-row cache hit rate, and for
+    an MoE model the expert cache's hits and misses (overall and per layer) and speculation."""
     out: dict[str, float] = {}
     try:
         out["tierlm_weight_bytes_held"] = store.nbytes()
@@ -160,4 +169,13 @@ def store_metrics(store) -> dict[str, float]:
     out["tierlm_prefetch_stall_seconds"] = snapshot["stall_s"]
     out["tierlm_prefetch_overlap_ratio"] = snapshot["overlap"]
     out["tierlm_hot_cache_hit_rate"] = snapshot["hot_cache_hit_rate"]
+    experts = snapshot.get("experts")
+    if experts:
+        out["tierlm_expert_hits_total"], out["tierlm_expert_misses_total"] = experts["hits"], experts["misses"]
+        out["tierlm_expert_hit_rate"] = experts["hit_rate"]
+        for layer, rate in experts["per_layer"].items():
+            out[f'tierlm_expert_layer_hit_rate{{layer="{layer}"}}'] = rate
+        out["tierlm_speculative_guesses_total"] = experts["speculative_guesses"]
+        out["tierlm_speculative_right_total"] = experts["speculative_right"]
+        out["tierlm_speculative_accuracy"] = experts["speculative_accuracy"]
     return out

@@ -256,6 +256,25 @@ def _generation(body: dict, *, messages, prompt, max_tokens, max_tokens_param, d
     )
 
 
+def parse_adapter(body: Any) -> tuple[str, str, float]:
+    """Validate a POST /v1/adapters body: {"name", "path", "weight"?} -> (name, path, weight)."""
+    from tierlm.lora.spec import NAME_RULE, VARIANT_NAME
+
+    body = _object(body)
+    unknown = sorted(set(body) - {"name", "path", "weight"})
+    if unknown:
+        raise ApiError(400, f"unrecognized request argument supplied: {unknown[0]}", param=unknown[0],
+                       code="unrecognized_parameter")
+    for key in ("name", "path"):
+        if not isinstance(body.get(key), str) or not body[key]:
+            raise ApiError(400, f"{key} is required: a non-empty string", param=key,
+                           code="missing_required_parameter" if key not in body else "invalid_type")
+    if not VARIANT_NAME.fullmatch(body["name"]):
+        raise ApiError(400, f"{body['name']!r} is not a valid name: {NAME_RULE}", param="name", code="invalid_value")
+    weight = _opt_number(body, "weight", -1e6, 1e6)
+    return body["name"], body["path"], 1.0 if weight is None else weight
+
+
 def _object(value: Any, name: str | None = None) -> dict:
     if not isinstance(value, dict):
         where = f"{name} must be" if name else "the request body must be"

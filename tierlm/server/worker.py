@@ -5,7 +5,9 @@ jobs whose client left or whose deadline passed, admits queued jobs into free KV
 runs one `BatchRunner.step()`. The watchdog declares the worker dead when its thread has
 ended or its heartbeat is older than `stall_timeout`; it then fails the jobs in flight with
 a clear error, waits `restart_backoff` (health reports "unhealthy" meanwhile) and starts a
-fresh worker on a fresh KV cache; queued jobs wait for it. A superseded thread that wakes
+fresh worker on a fresh KV cache; queued jobs wait for it.
+A LoRA variant being removed is retired here, between steps, once no queued or running job
+uses it (`retire`): requests already accepted for it finish first. A superseded thread that wakes
 up later finds its generation outdated and exits without touching anything shared.
 """
 
@@ -71,6 +73,7 @@ class Worker:
         self._hooks: deque[tuple[str, float]] = deque()
         self._paused = False
         self._step_delay = 0.0
+        self._retiring: dict[str, Callable[[], None]] = {}
         self.peak_batch = 0
 
     # -- lifecycle -------------------------------------------------------------------------
@@ -154,6 +157,13 @@ class Worker:
                 "peak_batch": self.peak_batch,
             }
 
+    def retire(self, variant: str, remove: Callable[[], None]) -> None:
+        """Call `remove` on the worker thread, between steps, once no queued or running job uses
+        `variant` (so no forward has it selected)."""
+        with self._cond:
+            self._retiring[variant] = remove
+            self._cond.notify_all()
+
     def debug(self, action: str, seconds: float = 0.0) -> None:
         """Test hooks (only reachable when the server enables them): kill or stall the worker
         thread, slow each step by `seconds` (delay), hold admission and decoding (pause/resume)."""
@@ -213,6 +223,7 @@ class Worker:
                 if not self._current(generation):
                     return
                 self._admit(runner, paused)
+                self._retire_unused(runner)
                 if paused or not runner.active:
                     self._cond.wait(IDLE_WAIT_S)
                     continue
@@ -252,6 +263,17 @@ class Worker:
             job.finish("timeout", 0)  # a no-op for a job that already ended
         while self._queue and runner.has_room and not paused:
             runner.admit(self._queue.popleft())
+
+    def _retire_unused(self, runner: BatchRunner) -> None:
+        if not self._retiring:
+            return
+        used = {s.variant for s in runner.active} | {job.variant for job in self._queue}
+        for variant in [v for v in self._retiring if v not in used]:
+            remove = self._retiring.pop(variant)
+            try:
+                remove()
+            except Exception:  # noqa: BLE001 - a failed removal must not stop serving
+                logging.getLogger("tierlm.server").exception("removing variant %s failed", variant)
 
     # -- the watchdog ----------------------------------------------------------------------
 

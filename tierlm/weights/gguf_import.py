@@ -4,9 +4,11 @@ A GGUF holds (usually quantized) weights under llama.cpp's tensor names, with th
 llama-family models permuted into llama.cpp's interleaved-RoPE order, and describes its tokenizer
 as metadata. `import_gguf` turns one into what transformers and tierlm's own loader read:
 
-    config.json              LlamaForCausalLM / Qwen2ForCausalLM config, float32
+    config.json              Llama / Qwen2 / Mixtral / Qwen2-MoE / Qwen3-MoE config, float32
     model.safetensors        HF tensor names, dequantized to float32 (sharded above ~2 GB, with
-                             model.safetensors.index.json)
+                             model.safetensors.index.json); a mixture-of-experts GGUF's merged
+                             `ffn_*_exps` tensors [experts, rows, cols] become one HF tensor per
+                             expert, dequantized one expert at a time
     tokenizer.json           built from the GGUF vocabulary (byte-level BPE or SentencePiece BPE)
     tokenizer_config.json    special tokens, add_bos_token, chat_template
     generation_config.json   bos/eos ids
@@ -44,7 +46,7 @@ from tierlm.weights.gguf_tokenizer import SUPPORTED_TOKENIZERS, build_tokenizer 
 #    returned the stale import). Older imports are listed as another format and imported afresh.
 IMPORT_FORMAT_VERSION = 3
 RECORD_NAME = "tierlm-import.json"
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen2moe", "qwen3moe")
 # Shards are flushed at this size so a big model never sits in RAM as float32 all at once.
 SHARD_BYTES = 2 * 1024**3
 
@@ -57,12 +59,23 @@ class _Family:
     model_type: str
     # llama.cpp permutes Q/K rows for archs it runs with "normal" (interleaved) RoPE.
     permute_qk: bool
+    qk_norm: bool = False  # attn_q_norm / attn_k_norm (Qwen3)
+    # Mixture of experts: the HF module holding router and experts ("mlp", Mixtral's
+    # "block_sparse_moe"; None for dense families) and the expert projections' HF names for
+    # GGUF's gate, up and down.
+    moe_module: str | None = None
+    expert_projections: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
 
 
+# llama.cpp writes Mixtral as arch "llama" with {arch}.expert_count set (LlamaModel converts it).
+_MIXTRAL = _Family("MixtralForCausalLM", "mixtral", permute_qk=True, moe_module="block_sparse_moe",
+                   expert_projections=("w1", "w3", "w2"))
 _FAMILIES = MappingProxyType(
     {
         "llama": _Family("LlamaForCausalLM", "llama", permute_qk=True),
         "qwen2": _Family("Qwen2ForCausalLM", "qwen2", permute_qk=False),
+        "qwen2moe": _Family("Qwen2MoeForCausalLM", "qwen2_moe", permute_qk=False, moe_module="mlp"),
+        "qwen3moe": _Family("Qwen3MoeForCausalLM", "qwen3_moe", permute_qk=False, qk_norm=True, moe_module="mlp"),
     }
 )
 
@@ -86,7 +99,21 @@ _BLOCK_TENSORS = MappingProxyType(
         "ffn_down": "mlp.down_proj",
     }
 )
+_QK_NORM_TENSORS = MappingProxyType({"attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"})
+# Qwen2-MoE's shared expert and its sigmoid gate.
+_SHARED_EXPERT_TENSORS = MappingProxyType(
+    {
+        "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+        "ffn_up_shexp": "mlp.shared_expert.up_proj",
+        "ffn_down_shexp": "mlp.shared_expert.down_proj",
+        "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
+    }
+)
+_EXPERT_PARTS = ("gate", "up", "down")
 _BLOCK_NAME = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+# Mixtral GGUFs written before llama.cpp merged the experts (early 2024): one tensor per expert.
+_SPLIT_EXPERT_NAME = re.compile(r"blk\.(\d+)\.ffn_(gate|up|down)\.(\d+)\.weight")
+_LAYER_PREFIX = re.compile(r"blk\.(\d+)\.")
 
 
 # ----------------------------------------------------------------------------- public API
@@ -176,7 +203,7 @@ def _per_layer_scalar(meta: GgufMetadata, key: str, limit: str) -> int:
     value = meta.require(key)
     if isinstance(value, list) and value:
         if any(v != value[0] for v in value):
-            raise TierlmError(f"{meta.path}: {meta.arch}.{key} differs between layers; llama/qwen2 need one value")
+            raise TierlmError(f"{meta.path}: {meta.arch}.{key} differs between layers; tierlm needs one value")
         value = value[0]
     return _checked_int(meta, key, value, limit)
 
@@ -233,10 +260,8 @@ def _build_config(meta: GgufMetadata, family: _Family, tensors: dict) -> dict[st
     rope_dim = meta.arch_get("rope.dimension_count")
     if rope_dim is not None and rope_dim != head_dim:
         raise TierlmError(f"{meta.path}: partial rotary embeddings ({rope_dim} of {head_dim} dims) are not supported")
-    if meta.arch_get("expert_count"):
-        raise TierlmError(
-            f"{meta.path} is a mixture-of-experts {meta.arch} model; MoE GGUF import is not supported yet"
-        )
+    if meta.arch_get("expert_count") and family.moe_module is None:
+        raise TierlmError(f"{meta.path} is a mixture-of-experts {meta.arch} model, which tierlm cannot import")
     embed = tensors.get("token_embd.weight")
     if embed is None:
         raise TierlmError(f"{meta.path} has no token_embd.weight tensor; it is not a complete model")
@@ -249,7 +274,7 @@ def _build_config(meta: GgufMetadata, family: _Family, tensors: dict) -> dict[st
         "model_type": family.model_type,
         "vocab_size": int(embed.shape[-1]),  # GGUF shapes are (cols, rows)
         "hidden_size": hidden,
-        "intermediate_size": _per_layer_scalar(meta, "feed_forward_length", "intermediate_size"),
+        "intermediate_size": _intermediate_size(meta, family, tensors),
         "num_hidden_layers": _layer_count(meta, tensors),
         "num_attention_heads": n_head,
         "num_key_value_heads": n_kv,
@@ -271,16 +296,81 @@ def _build_config(meta: GgufMetadata, family: _Family, tensors: dict) -> dict[st
         config["attention_bias"] = "blk.0.attn_q.bias" in tensors
         config["mlp_bias"] = False
         config["pretraining_tp"] = 1
-    else:  # qwen2: q/k/v biases are implied by the class
+    elif family.model_type == "mixtral":
+        config["sliding_window"] = None
+    else:  # qwen2 (q/k/v biases implied by the class), qwen2_moe, qwen3_moe
         config["use_sliding_window"] = False
         config["sliding_window"] = None
         config["max_window_layers"] = config["num_hidden_layers"]
+        if family.model_type == "qwen2_moe":
+            config["qkv_bias"] = "blk.0.attn_q.bias" in tensors
+        elif family.model_type == "qwen3_moe":
+            config["attention_bias"] = "blk.0.attn_q.bias" in tensors
+    if family.moe_module is not None:
+        config.update(_moe_config(meta, family, tensors, config["num_hidden_layers"]))
     for name, key in (("bos", "bos"), ("eos", "eos"), ("pad", "padding")):
         token_id = _token_id(meta, f"tokenizer.ggml.{key}_token_id")
         if token_id is not None:
             config[f"{name}_token_id"] = token_id
     # Every check config.json gets (ranges, heads against kv heads, RoPE), before any weight is written.
     ModelConfig.from_dict(config, f"{meta.path} (as config.json)")
+    return config
+
+
+def _intermediate_size(meta: GgufMetadata, family: _Family, tensors: dict) -> int:
+    """{arch}.feed_forward_length; a MoE GGUF without dense layers may lack it (then the
+    experts' width, which is what Mixtral's intermediate_size means anyway)."""
+    if family.moe_module is None or (family.model_type != "mixtral" and meta.arch_get("feed_forward_length")):
+        return _per_layer_scalar(meta, "feed_forward_length", "intermediate_size")
+    return _expert_width(meta, tensors, "ffn_gate_exps")
+
+
+def _expert_width(meta: GgufMetadata, tensors: dict, part: str) -> int:
+    """The intermediate width of the first `part` tensor (ffn_gate_exps: the experts', also from
+    split per-expert tensors; ffn_gate_shexp: the shared expert's)."""
+    for name, tensor in tensors.items():
+        split = part == "ffn_gate_exps" and _SPLIT_EXPERT_NAME.fullmatch(name) and ".ffn_gate." in name
+        if name.endswith(f".{part}.weight") or split:
+            return int(tensor.shape[1])  # GGUF dims (hidden, intermediate[, experts])
+    raise TierlmError(f"{meta.path}: a mixture-of-experts {meta.arch} model without {part} tensors",
+                      hint="the GGUF is incomplete")
+
+
+def _moe_config(meta: GgufMetadata, family: _Family, tensors: dict, layers: int) -> dict[str, Any]:
+    """The routing keys the MoE families read; which layers are sparse follows the tensors present
+    (llama.cpp itself makes every qwen*moe layer sparse; a dense one lists as mlp_only_layers)."""
+    experts = _checked_int(meta, "expert_count", meta.require("expert_count"), "num_experts")
+    top_k = _checked_int(meta, "expert_used_count", meta.require("expert_used_count"), "num_experts")
+    width = _expert_width(meta, tensors, "ffn_gate_exps")
+    stored = meta.arch_get("expert_feed_forward_length")
+    if stored is not None and _checked_int(meta, "expert_feed_forward_length", stored, "intermediate_size") != width:
+        raise TierlmError(f"{meta.path}: {meta.arch}.expert_feed_forward_length is {stored}, but the expert "
+                          f"tensors are {width} wide", hint="the GGUF's metadata is damaged")
+    dense = [layer for layer in range(layers) if f"blk.{layer}.ffn_gate_inp.weight" not in tensors]
+    if family.model_type == "mixtral":
+        if dense:
+            raise TierlmError(f"{meta.path}: layer {dense[0]} of this mixture-of-experts llama model has no "
+                              "router (ffn_gate_inp); Mixtral routes every layer", hint="the GGUF is incomplete")
+        return {"num_local_experts": experts, "num_experts_per_tok": top_k, "router_jitter_noise": 0.0,
+                "output_router_logits": False}
+    config: dict[str, Any] = {
+        "num_experts": experts,
+        "num_experts_per_tok": top_k,
+        "moe_intermediate_size": width,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": dense,
+        # llama.cpp renormalizes the chosen experts' weights for qwen3moe and not for qwen2moe.
+        "norm_topk_prob": family.model_type == "qwen3_moe",
+        "output_router_logits": False,
+    }
+    if family.model_type == "qwen2_moe":
+        shared = _expert_width(meta, tensors, "ffn_gate_shexp")  # Qwen2-MoE always has a shared expert
+        stored = meta.arch_get("expert_shared_feed_forward_length")
+        if stored is not None and _checked_int(meta, "expert_shared_feed_forward_length", stored,
+                                               "intermediate_size") != shared:
+            raise TierlmError(f"{meta.path}: {meta.arch}.expert_shared_feed_forward_length is {stored}, but the "
+                              f"shared expert is {shared} wide", hint="the GGUF's metadata is damaged")
+        config["shared_expert_intermediate_size"] = shared
     return config
 
 
@@ -300,7 +390,7 @@ def _head_dim(meta: GgufMetadata, hidden: int, n_head: int) -> int:
 def _layer_count(meta: GgufMetadata, tensors: dict) -> int:
     """{arch}.block_count, which must match the blk.N tensors present (0..N-1, each at least once)."""
     count = _checked_int(meta, "block_count", meta.require("block_count"), "num_hidden_layers")
-    present = {match[1] for name in tensors if (match := _BLOCK_NAME.fullmatch(name))}
+    present = {match[1] for name in tensors if (match := _LAYER_PREFIX.match(name))}
     if present != {str(layer) for layer in range(count)}:
         raise TierlmError(
             f"{meta.path}: {meta.arch}.block_count is {count}, but its blk.N tensors are for "
@@ -387,10 +477,17 @@ class _Planned:
     hf_name: str
     hf_shape: tuple[int, ...]
     unpermute_heads: int  # 0: copy as is; n: undo llama.cpp's Q/K permutation over n heads
+    # A merged MoE tensor [experts, rows, cols] is read one slice at a time: this one's index.
+    expert: int | None = None
+    slices: int = 1  # how many planned items share `tensor` (its experts)
 
     @property
     def out_bytes(self) -> int:
         return 4 * math.prod(self.hf_shape)
+
+    @property
+    def source_bytes(self) -> int:
+        return int(self.tensor.n_bytes) // self.slices
 
 
 def _plan_tensors(meta: GgufMetadata, family: _Family, tensors: dict, config: dict) -> list[_Planned]:
@@ -403,13 +500,26 @@ def _plan_tensors(meta: GgufMetadata, family: _Family, tensors: dict, config: di
         hf_shape = tuple(int(d) for d in reversed(tensor.shape))  # GGUF lists dims fastest-first
         unpermute = 0
         match = _BLOCK_NAME.fullmatch(name)
+        split = _SPLIT_EXPERT_NAME.fullmatch(name) if family.moe_module else None
+        if split:
+            layer, part, expert = int(split[1]), split[2], int(split[3])
+            if layer >= n_layers or expert >= _expert_count(config):
+                raise _unknown_tensor(meta, name)
+            plan.append(_Planned(tensor, _expert_name(family, layer, expert, part), hf_shape, 0))
+            continue
+        if match and family.moe_module and match[3] == "weight" and (part := _expert_part(match[2])):
+            plan.extend(_expert_slices(meta, family, tensor, int(match[1]), part, config))
+            continue
         if match:
             layer, part, kind = int(match[1]), match[2], match[3]
-            if part not in _BLOCK_TENSORS or layer >= n_layers:
+            module = _block_module(family, part)
+            if module is None or layer >= n_layers:
                 raise _unknown_tensor(meta, name)
-            hf_name = f"model.layers.{layer}.{_BLOCK_TENSORS[part]}.{kind}"
+            hf_name = f"model.layers.{layer}.{module}.{kind}"
             if family.permute_qk and part in ("attn_q", "attn_k"):
                 unpermute = config["num_attention_heads"] if part == "attn_q" else config["num_key_value_heads"]
+            if part == "ffn_gate_inp_shexp":
+                hf_shape = (1, config["hidden_size"])  # llama.cpp may store the gate's one row as a vector
         else:
             base, _, kind = name.rpartition(".")
             if base not in _GLOBAL_TENSORS or kind != "weight":
@@ -417,6 +527,49 @@ def _plan_tensors(meta: GgufMetadata, family: _Family, tensors: dict, config: di
             hf_name = f"{_GLOBAL_TENSORS[base]}.weight"
         plan.append(_Planned(tensor, hf_name, hf_shape, unpermute))
     return plan
+
+
+def _block_module(family: _Family, part: str) -> str | None:
+    """The HF module (under model.layers.N) of the per-layer GGUF tensor `part`, if it has one."""
+    if part in _BLOCK_TENSORS:
+        return _BLOCK_TENSORS[part]
+    if family.qk_norm and part in _QK_NORM_TENSORS:
+        return _QK_NORM_TENSORS[part]
+    if family.moe_module and part == "ffn_gate_inp":
+        return f"{family.moe_module}.gate"
+    if family.model_type == "qwen2_moe" and part in _SHARED_EXPERT_TENSORS:
+        return _SHARED_EXPERT_TENSORS[part]
+    return None
+
+
+def _expert_part(part: str) -> str | None:
+    """"gate" for "ffn_gate_exps" (and up, down); None for any other tensor."""
+    stem = part.removeprefix("ffn_").removesuffix("_exps")
+    return stem if part == f"ffn_{stem}_exps" and stem in _EXPERT_PARTS else None
+
+
+def _expert_count(config: dict) -> int:
+    return config.get("num_experts") or config["num_local_experts"]
+
+
+def _expert_name(family: _Family, layer: int, expert: int, part: str) -> str:
+    projection = family.expert_projections[_EXPERT_PARTS.index(part)]
+    return f"model.layers.{layer}.{family.moe_module}.experts.{expert}.{projection}.weight"
+
+
+def _expert_slices(meta: GgufMetadata, family: _Family, tensor, layer: int, part: str, config: dict) -> list[_Planned]:
+    """One planned item per expert of a merged `ffn_{part}_exps` tensor [experts, rows, cols]."""
+    experts = _expert_count(config)
+    shape = tuple(int(d) for d in reversed(tensor.shape))
+    if layer >= config["num_hidden_layers"] or len(shape) != 3 or shape[0] != experts:
+        raise TierlmError(
+            f"{meta.path}: tensor {tensor.name} is {list(shape)}, not [{experts} experts, rows, cols]",
+            hint="the GGUF's expert_count does not match its expert tensors; the file is damaged",
+        )
+    return [
+        _Planned(tensor, _expert_name(family, layer, expert, part), shape[1:], 0, expert=expert, slices=experts)
+        for expert in range(experts)
+    ]
 
 
 def _unknown_tensor(meta: GgufMetadata, name: str) -> TierlmError:
@@ -444,8 +597,10 @@ def _dequantize(item: _Planned, path: Path):
     import numpy as np
     from gguf.quants import dequantize
 
+    # One expert's slice of a merged MoE tensor (a view of the memory map): only it is dequantized.
+    data = item.tensor.data if item.expert is None else item.tensor.data[item.expert]
     try:
-        array = dequantize(item.tensor.data, item.tensor.tensor_type)
+        array = dequantize(data, item.tensor.tensor_type)
         array = np.ascontiguousarray(array, dtype=np.float32).reshape(item.hf_shape)
     except TierlmError:
         raise
@@ -464,7 +619,7 @@ def _write_weights(plan: list[_Planned], out: Path, source: Path, progress: Prog
     from safetensors.numpy import save_file
 
     shards = _shards(plan)
-    total = sum(int(item.tensor.n_bytes) for item in plan)
+    total = sum(item.source_bytes for item in plan)
     done = 0
     weight_map: dict[str, str] = {}
     for index, shard in enumerate(shards, start=1):
@@ -473,7 +628,7 @@ def _write_weights(plan: list[_Planned], out: Path, source: Path, progress: Prog
         for item in shard:
             arrays[item.hf_name] = _dequantize(item, source)
             weight_map[item.hf_name] = filename
-            done += int(item.tensor.n_bytes)
+            done += item.source_bytes
             if progress is not None:
                 progress(done, total)
         save_file(arrays, str(out / filename), metadata={"format": "pt"})
@@ -488,10 +643,12 @@ def _write_weights(plan: list[_Planned], out: Path, source: Path, progress: Prog
 
 
 def _tensor_types(plan: list[_Planned]) -> dict[str, int]:
-    """How many imported tensors each GGUF type held: the dequantized floats keep that grid."""
+    """How many GGUF tensors (a merged expert tensor counts once) each type held: the dequantized
+    floats keep that grid."""
     from collections import Counter
 
-    return dict(sorted(Counter(item.tensor.tensor_type.name for item in plan).items()))
+    sources = {item.tensor.name: item.tensor.tensor_type.name for item in plan}
+    return dict(sorted(Counter(sources.values()).items()))
 
 
 # ----------------------------------------------------------------------------- assembling the directory
@@ -508,6 +665,8 @@ def _write_model_dir(gguf_path: Path, out: Path, key: str, progress: Progress | 
             hint="merge the parts first: llama-gguf-split --merge FIRST-PART OUT.gguf",
         )
     family = _FAMILIES.get(meta.arch)
+    if family is not None and family.model_type == "llama" and meta.arch_get("expert_count"):
+        family = _MIXTRAL
     if family is None:
         raise TierlmError(
             f"{gguf_path}: GGUF architecture {meta.arch!r} is not supported",

@@ -1,4 +1,5 @@
-"""The ledger: planned bytes per tier next to measured ones, traffic per token, stalls, hit rate."""
+"""The ledger: planned bytes per tier next to measured ones, traffic per token, stalls, hit rates
+(hot embedding rows, and for MoE models experts per layer and speculative guesses)."""
 
 from __future__ import annotations
 
@@ -19,6 +20,9 @@ class Ledger:
     tokens: int = 0  # token positions those forwards ran: a prompt's length, a batch step's slots
     hot_hits: int = 0
     hot_misses: int = 0
+    expert_lookups: dict[int, tuple[int, int]] = field(default_factory=dict)  # layer -> (hits, misses)
+    speculative_guesses: int = 0  # experts hinted from the next layer's router
+    speculative_right: int = 0  # of those, the ones that layer then chose
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def record_read(self, tier: str, nbytes: int, seconds: float) -> None:
@@ -41,6 +45,18 @@ class Ledger:
             self.hot_hits += hits
             self.hot_misses += misses
 
+    def record_experts(self, layer: int, hits: int, misses: int) -> None:
+        """One MoE layer's lookups: chosen experts found in the expert cache, and those read in."""
+        with self._lock:
+            before = self.expert_lookups.get(layer, (0, 0))
+            self.expert_lookups[layer] = (before[0] + hits, before[1] + misses)
+
+    def record_speculation(self, guessed: int, right: int) -> None:
+        """`guessed` experts hinted ahead of a layer, `right` of them then chosen by its router."""
+        with self._lock:
+            self.speculative_guesses += guessed
+            self.speculative_right += right
+
     @property
     def overlap(self) -> float:
         """Share of streaming time hidden behind compute (1.0 = no stall at all)."""
@@ -50,6 +66,29 @@ class Ledger:
     def hit_rate(self) -> float:
         total = self.hot_hits + self.hot_misses
         return self.hot_hits / total if total else 0.0
+
+    @property
+    def expert_hits(self) -> int:
+        return self._expert_totals()[0]
+
+    @property
+    def expert_misses(self) -> int:
+        return self._expert_totals()[1]
+
+    @property
+    def expert_hit_rate(self) -> float:
+        """Share of chosen experts found in the expert cache, all layers together (0.0 before any)."""
+        return _rate(*self._expert_totals())
+
+    @property
+    def expert_layer_hit_rates(self) -> dict[int, float]:
+        with self._lock:
+            return {layer: _rate(*counts) for layer, counts in sorted(self.expert_lookups.items())}
+
+    @property
+    def speculative_accuracy(self) -> float:
+        """Share of hinted experts the router then chose (0.0 before any guess)."""
+        return self.speculative_right / self.speculative_guesses if self.speculative_guesses else 0.0
 
     def bytes_per_forward(self) -> dict[str, float]:
         return {tier: n / self.forwards for tier, n in self.bytes_read.items()} if self.forwards else {}
@@ -80,4 +119,32 @@ class Ledger:
             "hot_cache_hit_rate": self.hit_rate,
             "hot_cache_lookups": self.hot_hits + self.hot_misses,
             "at": time.time(),
+            **self._expert_snapshot(),
         }
+
+    def _expert_snapshot(self) -> dict:
+        """{"experts": ...} once any expert was looked up; nothing for a dense model. Read under
+        one lock, so the figures agree with each other while lookups go on."""
+        with self._lock:
+            lookups = dict(self.expert_lookups)
+            guessed, right = self.speculative_guesses, self.speculative_right
+        hits, misses = sum(h for h, _ in lookups.values()), sum(m for _, m in lookups.values())
+        if not hits + misses:
+            return {}
+        return {"experts": {
+            "hit_rate": _rate(hits, misses),
+            "hits": hits,
+            "misses": misses,
+            "per_layer": {layer: _rate(*counts) for layer, counts in sorted(lookups.items())},
+            "speculative_accuracy": right / guessed if guessed else 0.0,
+            "speculative_guesses": guessed,
+            "speculative_right": right,
+        }}
+
+    def _expert_totals(self) -> tuple[int, int]:
+        with self._lock:
+            return sum(h for h, _ in self.expert_lookups.values()), sum(m for _, m in self.expert_lookups.values())
+
+
+def _rate(hits: int, misses: int) -> float:
+    return hits / (hits + misses) if hits + misses else 0.0

@@ -8,17 +8,20 @@ by fetching blocks from host RAM or disk, so model code never changes.
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import Iterator, Mapping
+from typing import Iterator, Mapping, Sequence
 
 import torch
 
-from tierlm.blocks import CheckpointLayout
+from tierlm.blocks import CheckpointLayout, expert_block
 from tierlm.progress import Progress
 from tierlm.weights.checkpoint import Checkpoint
 
 
 class WeightStore:
     """Base class: subclasses implement acquire/release; `block()` pairs them."""
+
+    # Whether `hint_experts` is worth the model's guessing (a store that streams experts says True).
+    speculates: bool = False
 
     def acquire(self, block: str) -> Mapping[str, torch.Tensor]:
         raise NotImplementedError
@@ -33,6 +36,27 @@ class WeightStore:
             yield tensors
         finally:
             self.release(name)
+
+    @contextmanager
+    def experts(self, layer: int, uses: Mapping[int, int]) -> Iterator[Mapping[int, Mapping[str, torch.Tensor]]]:
+        """The tensors of each chosen expert of `layer` ({expert: rows that chose it}), held together
+        while the layer computes. Tensors may live on another device (host compute): the model moves
+        the rows there and the result back (models/base.weight_device)."""
+        got: dict[int, Mapping[str, torch.Tensor]] = {}
+        try:
+            for expert in uses:
+                got[expert] = self.acquire(expert_block(layer, expert))
+            yield got
+        finally:
+            for expert in got:
+                self.release(expert_block(layer, expert))
+
+    def peek(self, block: str) -> Mapping[str, torch.Tensor] | None:
+        """A block's tensors if they are resident now, without acquiring it; None otherwise."""
+        return None
+
+    def hint_experts(self, layer: int, experts: Sequence[int]) -> None:
+        """Speculation: `layer` will probably choose `experts`; a streaming store starts reading them."""
 
     def block_names(self) -> list[str]:
         raise NotImplementedError
@@ -68,6 +92,14 @@ class ResidentStore(WeightStore):
 
     def release(self, block: str) -> None:
         pass
+
+    @contextmanager
+    def experts(self, layer: int, uses: Mapping[int, int]) -> Iterator[Mapping[int, Mapping[str, torch.Tensor]]]:
+        blocks = self._blocks
+        yield {expert: blocks[expert_block(layer, expert)] for expert in uses}
+
+    def peek(self, block: str) -> Mapping[str, torch.Tensor] | None:
+        return self._blocks.get(block)
 
     def block_names(self) -> list[str]:
         return list(self._blocks)
