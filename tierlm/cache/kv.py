@@ -13,9 +13,10 @@ def _empty_buffers(layers, sequences, kv_heads, head_dim, max_len, device, dtype
     return torch.empty(shape, device=device, dtype=dtype), torch.empty(shape, device=device, dtype=dtype)
 
 
-def _model_dims(config) -> tuple[int, int, int]:
-    """(layers, kv_heads, head_dim): what a cache needs from a ModelConfig."""
-    return config.num_hidden_layers, config.num_key_value_heads, config.head_dim
+def _model_dims(config, layers: int | None) -> tuple[int, int, int]:
+    """(layers, kv_heads, head_dim): what a cache needs from a ModelConfig. `layers`: how many
+    it holds (a pipeline stage's, which the model indexes from its first); None: every layer."""
+    return config.num_hidden_layers if layers is None else layers, config.num_key_value_heads, config.head_dim
 
 
 class _Contiguous:
@@ -55,8 +56,9 @@ class KVCache(_Contiguous):
         self.offset = 0
 
     @classmethod
-    def for_model(cls, config, max_len: int, *, batch: int = 1, device="cpu", dtype=torch.float32):
-        return cls(*_model_dims(config), max_len, batch=batch, device=device, dtype=dtype)
+    def for_model(cls, config, max_len: int, *, batch: int = 1, device="cpu", dtype=torch.float32,
+                  layers: int | None = None):  # fmt: skip
+        return cls(*_model_dims(config, layers), max_len, batch=batch, device=device, dtype=dtype)
 
     @property
     def device(self) -> torch.device:
@@ -124,8 +126,9 @@ class SlotKVCache:
         self.finite = [0] * slots
 
     @classmethod
-    def for_model(cls, config, max_len: int, slots: int, *, device="cpu", dtype=torch.float32):
-        return cls(*_model_dims(config), max_len, slots, device=device, dtype=dtype)
+    def for_model(cls, config, max_len: int, slots: int, *, device="cpu", dtype=torch.float32,
+                  layers: int | None = None):  # fmt: skip
+        return cls(*_model_dims(config, layers), max_len, slots, device=device, dtype=dtype)
 
     @property
     def slots(self) -> int:

@@ -66,9 +66,10 @@ def native_library():
     return kernel.lib
 
 
-def step_for(model, cache, ids: torch.Tensor) -> FusedStep | None:
-    """The fused decode step for this forward call, or None when the eager path must run."""
-    if ids.shape[1] != 1 or model.device.type != "cpu" or model.dtype != torch.float32:
+def step_for(model, cache, x: torch.Tensor) -> FusedStep | None:
+    """The fused decode step for this forward call (x: ids [B, 1] or a later stage's hidden
+    states [B, 1, H]), or None when the eager path must run."""
+    if x.shape[1] != 1 or model.device.type != "cpu" or model.dtype != torch.float32:
         return None
     if not enabled():
         return None
@@ -76,10 +77,10 @@ def step_for(model, cache, ids: torch.Tensor) -> FusedStep | None:
     if rows is None:
         return None
     keys, values, slots, positions = rows
-    if len(slots) != ids.shape[0] or not _is_cpu_fp32(keys) or not _is_cpu_fp32(values):
+    if len(slots) != x.shape[0] or not _is_cpu_fp32(keys) or not _is_cpu_fp32(values):
         return None
     cfg = model.config
-    layout = (cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim)
+    layout = (len(model.span.layers), cfg.num_key_value_heads, cfg.head_dim)  # a stage caches its layers only
     if (keys.shape[0], keys.shape[2], keys.shape[4]) != layout or keys.shape != values.shape:
         return None  # the native code trusts the cache layout: anything else runs eagerly
     if not all(0 <= s < keys.shape[1] for s in slots):
@@ -120,7 +121,8 @@ class FusedStep:
                         "w13": (2 * inter, hidden), "w2": (hidden, inter)}  # fmt: skip
 
     def run(self, w, x: torch.Tensor, layer: int) -> bool:
-        """Run layer `layer` on x [B, 1, H] in place; False (nothing done) if its weights do not fit."""
+        """Run the layer whose keys/values are the cache's layer `layer` (its index in the stage)
+        on x [B, 1, H] in place; False (nothing done) if its weights do not fit."""
         if "w13" not in w:
             return False  # a mixture-of-experts layer (router and expert blocks) runs eagerly
         a, keep, shapes = self._args, [], self._shapes

@@ -2,7 +2,8 @@
 
 `LlamaModel.forward` hands a one-token step to `GraphedDecode.forward` when the model has one
 (`graphs_for`: an accelerator that captures graphs, every layer, the norm and the head resident
-on it, `TIERLM_GRAPHS` not 0). The captured step is the family's own `decoder_layer` fed from
+on it, `TIERLM_GRAPHS` not 0). A pipeline stage captures its own layers; only the last stage's
+graph ends with the norm and head, the others' with the hidden states the next stage takes. The captured step is the family's own `decoder_layer` fed from
 device tensors instead of Python ints: cos/sin are `index_select`ed from the rotary table at a
 positions tensor, the mask is built from it over a fixed key span, and keys/values are written
 with `index_put_` at (slot, position) tensors and read over the same span (`StaticRows`).
@@ -10,8 +11,8 @@ Unwritten positions inside the span are zeroed once (masked keys still enter SDP
 
 One graph per (rows, key span, KV buffers): spans are powers of two from `min_span` up to the
 cache's max_len, so early tokens do not pay attention over the whole reserved context. The
-embedding lookup stays eager (a streamed embedding reads rows on the host); the logits come
-back as a copy of the static output, so a later replay cannot overwrite what a caller holds.
+embedding lookup stays eager (a streamed embedding reads rows on the host); the logits (or hidden
+states) come back as a copy of the static output, so a later replay cannot overwrite what a caller holds.
 """
 
 from __future__ import annotations
@@ -94,7 +95,8 @@ class StaticRows:
 
 
 class StaticStep:
-    """One captured shape: its static inputs (hidden, slots, positions), output (logits) and graph."""
+    """One captured shape: its static inputs (hidden, slots, positions), output and graph. The
+    output is the logits [B, 1, V] on the last pipeline stage, else the hidden states [B, 1, H]."""
 
     def __init__(self, model, rows: int, span: int, keys, values, gather: bool, graph: DecodeGraph):
         cfg, device = model.config, model.device
@@ -102,28 +104,34 @@ class StaticStep:
         self.hidden = torch.zeros(rows, 1, cfg.hidden_size, dtype=model.dtype, device=device)
         self.slots = torch.zeros(rows, dtype=torch.long, device=device)
         self.positions = torch.zeros(rows, dtype=torch.long, device=device)
-        self.logits = torch.zeros(rows, 1, cfg.vocab_size, dtype=torch.float32, device=device)
+        if model.span.is_last:
+            self.output = torch.zeros(rows, 1, cfg.vocab_size, dtype=torch.float32, device=device)
+        else:
+            self.output = torch.zeros(rows, 1, cfg.hidden_size, dtype=model.dtype, device=device)
         self.rows = StaticRows(keys, values, self.slots, self.positions, span, gather)
         self.graph = graph
         self.captured = False
 
     def __call__(self) -> None:
-        """The step the graph captures: reads hidden/slots/positions, writes logits."""
+        """The step the graph captures: reads hidden/slots/positions, writes the output."""
         model, cfg, rotary = self.model, self.model.config, self.model.rotary
         cos = rotary.cos.index_select(0, self.positions)[:, None, None, :]
         sin = rotary.sin.index_select(0, self.positions)[:, None, None, :]
         mask = base.position_mask(self.positions, self.rows.span, cfg.sliding_window)
         x = self.hidden
-        for i in range(cfg.num_hidden_layers):
+        for i in model.span.layers:
             with model.store.block(layer_block(i)) as w:
                 x = model.decoder_layer(w, x, self.rows, i, cos, sin, mask)
+        if not model.span.is_last:
+            self.output.copy_(x)
+            return
         with model.store.block(NORM) as w:
             x = base.rms_norm(x, w["norm"], cfg.rms_norm_eps)
         with model.store.block(HEAD) as w:
-            self.logits.copy_(base.linear(x, w["head"]))
+            self.output.copy_(base.linear(x, w["head"]))
 
     def run(self, hidden: torch.Tensor, slots: list[int], positions: list[int]) -> torch.Tensor:
-        """Copy the inputs in, replay (capturing on first use); the static logits [B, 1, V]."""
+        """Copy the inputs in, replay (capturing on first use); the static output."""
         self.hidden.copy_(hidden)
         self.slots.copy_(torch.tensor(slots, dtype=torch.long))
         self.positions.copy_(torch.tensor(positions, dtype=torch.long))
@@ -131,7 +139,7 @@ class StaticStep:
             self.graph.capture(self)
             self.captured = True
         self.graph.replay()
-        return self.logits
+        return self.output
 
 
 class GraphedDecode:
@@ -146,15 +154,16 @@ class GraphedDecode:
         self.zeroed = 0  # a plain KVCache: positions below this inside the span hold finite numbers
         self.failed: str | None = None
 
-    def forward(self, ids: torch.Tensor, cache) -> torch.Tensor | None:
-        """Logits [B, 1, V] (fp32) for ids [B, 1] at the cache's positions, advancing it; None when
-        this call must run eagerly (the cache is not a preallocated one, or capture failed)."""
-        if self.failed is not None or ids.shape[1] != 1 or not hasattr(cache, "decode_rows"):
+    def forward(self, x: torch.Tensor, cache) -> torch.Tensor | None:
+        """The stage's output (`LlamaModel.forward`'s) for ids [B, 1] (or a later stage's hidden
+        states [B, 1, H]) at the cache's positions, advancing it; None when this call must run
+        eagerly (the cache is not a preallocated one, or capture failed)."""
+        if self.failed is not None or x.shape[1] != 1 or not hasattr(cache, "decode_rows"):
             return None
         if getattr(self.model.store, "switched", False):
             return None  # rows on LoRA variants (runtime/variants.py): a graph replays the base's weights
         keys, values, slots, positions = cache.decode_rows()
-        if len(slots) != ids.shape[0]:
+        if len(slots) != x.shape[0]:
             return None
         if max(positions) >= cache.max_len:  # what cache.rope raises on the eager path
             raise ValueError(f"{max(positions) + 1} positions exceed the KV cache ({cache.max_len})")
@@ -162,18 +171,19 @@ class GraphedDecode:
         step = self._step(len(slots), span, keys, values, gather=slots != list(range(keys.shape[1])))
         self._make_finite(cache, keys, values, slots, positions, span)
         model = self.model
-        model.store.note_forward(ids.numel())
-        with model.store.block(EMBED) as w:
-            hidden = base.embed(w["embed"], ids)
+        model.store.note_forward(x.shape[0])
+        if model.span.is_first:
+            with model.store.block(EMBED) as w:
+                x = base.embed(w["embed"], x)
         try:
-            logits = step.run(hidden, slots, positions)
+            output = step.run(x, slots, positions)
         except GraphUnavailable as err:
             self.failed = str(err)
             logging.getLogger("tierlm.graphs").warning("decode graphs off: %s", err)
             self.steps.clear()
             return None
         cache.advance(1)
-        return logits.clone()
+        return output.clone()
 
     def span_for(self, needed: int, max_len: int) -> int:
         """The key span a step attends over: a power of two from min_span, at most max_len."""

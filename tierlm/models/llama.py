@@ -12,6 +12,8 @@ import torch
 
 from tierlm.blocks import EMBED, HEAD, NORM, BlockLayout, CheckpointLayout, layer_block
 from tierlm.config import ModelConfig
+from tierlm.distributed.stages import StageSpan, whole_model
+from tierlm.errors import TierlmError
 from tierlm.models import base, fused_decode, graph_decode
 
 
@@ -23,8 +25,14 @@ class LlamaModel:
     `q_norm`, `k_norm` [D]; `embed`, `norm`, `head` for the other blocks.
     """
 
-    def __init__(self, config: ModelConfig, store, max_len: int, device, dtype: torch.dtype):
+    def __init__(self, config: ModelConfig, store, max_len: int, device, dtype: torch.dtype,
+                 span: StageSpan | None = None):  # fmt: skip
+        """`span`: the pipeline stage this model runs (distributed/stages.py); None: the whole model."""
         self.config = config
+        self.span = span or whole_model(config.num_hidden_layers)
+        if self.span.end > config.num_hidden_layers:
+            raise TierlmError(f"{self.span.describe()} runs past the model's {config.num_hidden_layers} layers",
+                              "split the stages over the model's own layer count")  # fmt: skip
         self.store = store
         self.device = torch.device(device)
         self.dtype = dtype
@@ -138,33 +146,39 @@ class LlamaModel:
 
     @torch.inference_mode()
     def forward(
-        self, ids: torch.Tensor, cache, logits: Literal["last", "all"] = "last"
+        self, x: torch.Tensor, cache, logits: Literal["last", "all"] = "last"
     ) -> torch.Tensor:
-        """Run ids [B, T] at the cache's next positions; returns logits [B, T or 1, V] (fp32).
+        """Run this model's stage at the cache's next positions and advance the cache by T.
 
-        One path for prefill, decode and batched decode: `cache` (cache/kv.py) supplies the
-        positions (as cos/sin) and the mask, writes the new keys/values and advances by T. A
-        `KVCache` or `SlotView` puts T tokens after its offset; a `SlotBatch` puts one token per
-        slot at that slot's own length, and each row gets the logits it would get alone.
+        x is token ids [B, T] on the first stage, else the previous stage's hidden states [B, T, H]
+        (left unchanged). The last stage returns logits [B, T or 1, V] (fp32); any other returns the
+        hidden states [B, T, H] of every position, which the next stage needs whatever `logits` says.
+        The whole model is the one-stage case. One path for prefill, decode and batched decode:
+        `cache` (cache/kv.py, holding this stage's layers only) supplies the positions (as cos/sin)
+        and the mask and writes the new keys/values. A `KVCache` or `SlotView` puts T tokens after
+        its offset; a `SlotBatch` puts one token per slot at that slot's own length, and each row
+        gets what it would get alone.
         """
-        length = ids.shape[1]
+        rows, length = x.shape[0], x.shape[1]
         if self.graphs is not None and length == 1:
-            graphed = self.graphs.forward(ids, cache)  # models/graph_decode.py; None: run eagerly
+            graphed = self.graphs.forward(x, cache)  # models/graph_decode.py; None: run eagerly
             if graphed is not None:
                 return graphed
         # A decode step runs each layer as one native call where it can (models/fused_decode.py).
-        fused = fused_decode.step_for(self, cache, ids)
+        fused = fused_decode.step_for(self, cache, x)
         eager = None if fused else self.eager_inputs(cache, length)  # raises if tokens do not fit
-        self.store.note_forward(ids.numel())
-        with self.store.block(EMBED) as w:
-            x = base.embed(w["embed"], ids).to(self.dtype)
-        for i in range(self.config.num_hidden_layers):
+        self.store.note_forward(rows * length)
+        x = self.stage_input(x, in_place=fused is not None)
+        first = self.span.first
+        for i in self.span.layers:
             with self.store.block(layer_block(i)) as w:
-                if fused is not None and fused.run(w, x, i):
+                if fused is not None and fused.run(w, x, i - first):
                     continue
                 eager = eager or self.eager_inputs(cache, length)
                 x = self.decoder_layer(w, x, cache, i, *eager)
         cache.advance(length)
+        if not self.span.is_last:
+            return x
         if logits == "last":
             x = x[:, -1:]
         with self.store.block(NORM) as w:
@@ -172,15 +186,25 @@ class LlamaModel:
         with self.store.block(HEAD) as w:
             return base.linear(x, w["head"]).float()
 
+    def stage_input(self, x: torch.Tensor, *, in_place: bool) -> torch.Tensor:
+        """The first layer's input: the embedded ids on the first stage, else the hidden states in
+        the model's dtype (copied when `in_place`: the fused step overwrites its input)."""
+        if self.span.is_first:
+            with self.store.block(EMBED) as w:
+                return base.embed(w["embed"], x).to(self.dtype)
+        return x.to(device=self.device, dtype=self.dtype, copy=in_place).contiguous()
+
     def eager_inputs(self, cache, length: int) -> tuple:
         """(cos, sin, mask) for `length` new tokens at the cache's positions (the eager layers)."""
         cos, sin = cache.rope(self.rotary, length)  # raises first if the tokens do not fit
         groups = self.config.num_attention_heads // self.config.num_key_value_heads
         return cos, sin, cache.mask(length, groups, self.config.sliding_window)
 
-    def forward_batch(self, ids: torch.Tensor, batch) -> torch.Tensor:
-        """One decode step over a `SlotBatch`: ids [B, 1] -> logits [B, V]; `forward` does the work."""
-        return self.forward(ids, batch)[:, -1]
+    def forward_batch(self, x: torch.Tensor, batch) -> torch.Tensor:
+        """One decode step over a `SlotBatch`: x [B, 1] ids (or [B, 1, H] hidden states) -> logits
+        [B, V] on the last stage, hidden states [B, 1, H] on any other; `forward` does the work."""
+        out = self.forward(x, batch)
+        return out[:, -1] if self.span.is_last else out
 
     def decoder_layer(self, w, x, cache, index, cos, sin, mask) -> torch.Tensor:
         """One pre-norm block: x [B, T, H] -> [B, T, H]."""
@@ -200,7 +224,8 @@ class LlamaModel:
         qkv = base.linear(h, w["wqkv"], w.get("bqkv")).view(batch, length, n_q + 2 * n_kv, dim)
         qk = self.position_encode(w, qkv[:, :, : n_q + n_kv], cos, sin)
         q = qk[:, :, :n_q].transpose(1, 2)
-        keys, values = cache.update(index, qk[:, :, n_q:], qkv[:, :, n_q + n_kv :])
+        # The cache holds this stage's layers only: global layer `index` is its index - first.
+        keys, values = cache.update(index - self.span.first, qk[:, :, n_q:], qkv[:, :, n_q + n_kv :])
         out = base.grouped_attention(q, keys, values, mask)
         out = out.transpose(1, 2).reshape(batch, length, n_q * dim)
         return base.linear(out, w["wo"], w.get("bo"))

@@ -139,8 +139,8 @@ def speculate(model, x: torch.Tensor, layer: int) -> None:
     """Guess the next layer's experts from this layer's input with the next layer's router (when its
     block is resident now) and ask the store to start reading them; a wrong guess costs only bandwidth."""
     following = layer + 1
-    if following >= len(model.sparse) or not model.sparse[following]:
-        return
+    if following not in model.span.layers or not model.sparse[following]:
+        return  # the next layer is another pipeline stage's (or there is none)
     peeked = model.store.peek(layer_block(following))
     if peeked is None:
         return
