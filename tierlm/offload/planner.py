@@ -83,7 +83,7 @@ from dataclasses import dataclass, field, replace
 from functools import cached_property
 from typing import Mapping, Sequence
 
-from tierlm.blocks import EMBED, HEAD, NORM, expert_of, is_expert, is_layer, layer_block
+from tierlm.blocks import EMBED, HEAD, NORM, expert_of, is_expert, is_layer, layer_block, layer_index
 from tierlm.config import ModelConfig
 from tierlm.device.memory import MemoryLimits
 from tierlm.errors import TierlmError
@@ -134,6 +134,7 @@ def plan(
     limits: MemoryLimits | None = None,
     routing=None,
     variants: Sequence[VariantCharge] = (),
+    layers: range | None = None,
 ) -> Placement:
     """Place every block of `sizes` within `profile`'s budgets, or refuse before anything loads.
 
@@ -145,16 +146,21 @@ def plan(
     `routing`: a mixture-of-experts model's RoutingCounts (offload/routing_counts.py; sizes.py
     `expected_routing` reads them beside the artifact): the hottest experts become resident.
     None: every expert equally likely.
-    `variants`: LoRA variants served beside the base, charged to the device tier.
+    `variants`: LoRA variants served beside the base, placed after it (see the module docstring).
+    `layers`: a pipeline stage's decoder layers (distributed/stages.py; None: the whole model):
+    `sizes` then holds that stage's blocks (`BlockSizes.only`), and the KV cache, the logits and
+    the per-layer dispatch cost are charged for that stage alone (see `_Context.stage`).
     Raises TierlmError naming the shortfall in GiB and the smallest profile / quant that fits;
     when only a real limit stops the profile from fitting, naming the limit and what is needed.
     """
     effective, caps = cap_profile(profile, limits, accelerator)
+    stage = _stage_layers(config, sizes, layers)
     placement = _attempt(_Context(config, sizes, effective, bandwidths, accelerator, baseline_bytes, routing,
-                                  variants=tuple(variants)))
+                                  variants=tuple(variants), layers=stage))  # fmt: skip
     if placement is None:
         check_fits(config, sizes, profile, accelerator=accelerator, baseline_bytes=baseline_bytes,
-                   fallbacks=fallbacks, limits=limits, bandwidths=bandwidths, variants=variants)  # fmt: skip
+                   fallbacks=fallbacks, limits=limits, bandwidths=bandwidths, variants=variants,
+                   layers=layers)  # fmt: skip
         raise AssertionError("check_fits accepted what _attempt refused")  # the two share _fitting_tiers
     return replace(placement, notes=_cap_notes(caps, profile, effective) + placement.notes)
 
@@ -170,6 +176,7 @@ def check_fits(
     limits: MemoryLimits | None = None,
     bandwidths: Bandwidths | None = None,
     variants: Sequence[VariantCharge] = (),
+    layers: range | None = None,
 ) -> None:
     """Raise the TierlmError `plan` raises when no placement fits; return when one does.
 
@@ -177,13 +184,28 @@ def check_fits(
     machine is probed (the probe runs in a child, which a tight cgroup limit would kill).
     """
     effective, caps = cap_profile(profile, limits, accelerator)
-    ctx = _Context(config, sizes, effective, bandwidths, accelerator, baseline_bytes, variants=tuple(variants))
+    ctx = _Context(config, sizes, effective, bandwidths, accelerator, baseline_bytes, variants=tuple(variants),
+                   layers=_stage_layers(config, sizes, layers))  # fmt: skip
     if _fitting_tiers(ctx) is not None:
         return
     own = replace(ctx, profile=profile)
     if caps and _fitting_tiers(own) is not None:  # the profile fits; the process's limits do not
         raise _limit_refusal(own, limits, caps, fallbacks)
-    raise _refusal(own, _shortfall(own, _units(config, sizes)), fallbacks, limits)  # the profile's own numbers
+    raise _refusal(own, _shortfall(own, _units(own)), fallbacks, limits)  # the profile's own numbers
+
+
+def _stage_layers(config: ModelConfig, sizes: BlockSizes, layers: range | None) -> range | None:
+    """`layers` checked against the model and against the decoder layers `sizes` holds."""
+    if layers is None:
+        return None
+    total = config.num_hidden_layers
+    if layers.step != 1 or not layers or layers.start < 0 or layers.stop > total:
+        raise ValueError(f"a stage's layers are a non-empty range within 0-{total - 1}, not {layers}")
+    held = {layer_index(name) for name in sizes.names if is_layer(name)}
+    if held != set(layers):
+        raise ValueError(f"sizes hold layers {sorted(held)[:3]}... but the stage runs {layers}: "
+                         f"pass sizes.only(span.blocks(sizes.names))")  # fmt: skip
+    return layers
 
 
 # -- real limits -----------------------------------------------------------------------------
@@ -263,7 +285,7 @@ def _limit_refusal(ctx: _Context, limits: MemoryLimits, caps: tuple[Cap, ...], f
     said = "; ".join(f"profile {ctx.profile.name!r} allows {_size(cap.allowed)} of {cap.resource} but this "
                      f"process is limited to {_size(cap.limit)} ({cap.source})" for cap, _ in short)  # fmt: skip
     needed = " and ".join(f"{_size(need, up=True)} of {cap.resource}" for cap, need in short)
-    model = f"{ctx.config.num_hidden_layers} layers, {ctx.sizes.quant}"
+    model = _model_text(ctx)
     raise_it = " and ".join(
         f"raise the {cap.source} to at least {_size(need, up=True)}" if cap.resource == RAM
         else f"free accelerator memory until {_size(need, up=True)} is free"
@@ -323,15 +345,24 @@ def _size(nbytes: int, *, up: bool = False) -> str:
 # -- the search ------------------------------------------------------------------------------
 
 
-def _units(config: ModelConfig, sizes: BlockSizes) -> list[_Unit]:
-    """Residency priority: norm, head (tied: the embedding), layers in order, untied embedding."""
+def _units(ctx: _Context) -> list[_Unit]:
+    """Residency priority: norm, head (tied: the embedding), layers in order, untied embedding;
+    a pipeline stage's only those it holds (a middle stage: its layers alone)."""
+    sizes, held = ctx.sizes, set(ctx.sizes.names)
     tied = sizes.source_block(HEAD) == EMBED
-    units = [_Unit((NORM,), sizes.nbytes[NORM])]
-    units.append(_Unit((EMBED, HEAD), sizes.nbytes[EMBED]) if tied else _Unit((HEAD,), sizes.nbytes[HEAD]))
-    units += [_Unit((layer_block(i),), sizes.nbytes[layer_block(i)]) for i in range(config.num_hidden_layers)]
-    if not tied:
+    units = [_Unit((NORM,), sizes.nbytes[NORM])] if NORM in held else []
+    if HEAD in held:
+        units.append(_Unit((EMBED, HEAD), sizes.nbytes[EMBED]) if tied else _Unit((HEAD,), sizes.nbytes[HEAD]))
+    units += [_Unit((layer_block(i),), sizes.nbytes[layer_block(i)]) for i in ctx.stage]
+    if not tied and EMBED in held:
         units.append(_Unit((EMBED,), sizes.nbytes[EMBED]))
     return units
+
+
+def _least_resident(units: list[_Unit]) -> int:
+    """Units that must stay resident: the final norm, where the stage has it (always resident);
+    a middle stage may stream every layer."""
+    return 1 if units[0].blocks == (NORM,) else 0
 
 
 @dataclass(frozen=True)
@@ -346,6 +377,18 @@ class _Context:
     shares: Mapping[str, float] | None = field(default=None, compare=False)  # per expert, instead of routing
     placed: Mapping[str, str] | None = field(default=None, compare=False)  # an existing placement's expert tiers
     variants: tuple[VariantCharge, ...] = ()  # LoRA variants held on the device tier beside the base
+    layers: range | None = None  # a pipeline stage's decoder layers (None: the whole model)
+
+    @property
+    def stage(self) -> range:
+        """The decoder layers this process runs."""
+        return range(self.config.num_hidden_layers) if self.layers is None else self.layers
+
+    @property
+    def samples(self) -> bool:
+        """Whether this process holds a step's logits: the first stage samples (rank 0 owns the
+        API) and the last computes them; a middle stage only passes hidden states on."""
+        return self.stage.start == 0 or self.stage.stop == self.config.num_hidden_layers
 
     @property
     def separate_host(self) -> bool:
@@ -388,8 +431,8 @@ def _fitting_tiers(ctx: _Context) -> tuple[dict[str, str], "_Split"] | None:
     come after every dense unit: a layer's dense part is read by every token, an expert by a few.
     """
     profile = ctx.profile
-    units = _units(ctx.config, ctx.sizes)
-    for resident in range(len(units), 0, -1):
+    units = _units(ctx)
+    for resident in range(len(units), _least_resident(units) - 1, -1):
         cold = units[resident:]
         tiers = {b: DEVICE for u in units[:resident] for b in u.blocks}
         tiers.update({b: DISK for u in cold for b in u.blocks})
@@ -413,7 +456,7 @@ def _fitting_tiers(ctx: _Context) -> tuple[dict[str, str], "_Split"] | None:
 
 def _all_streamed(tiers: Mapping[str, str]) -> dict[str, str]:
     computes = {b: DEVICE for b in tiers}
-    if tiers[EMBED] != DEVICE:
+    if tiers.get(EMBED, DEVICE) != DEVICE:
         computes[EMBED] = HOST
     return computes
 
@@ -424,12 +467,13 @@ def _choose_compute(ctx: _Context, tiers: Mapping[str, str], split: "_Split") ->
     if not ctx.accelerator:
         return computes  # CPU-only: one processor; emulated host blocks are streamed
     host_layers = [b for b in tiers if tiers[b] == HOST and is_layer(b)]
-    head_options = (DEVICE, HOST) if tiers[HEAD] == HOST else (DEVICE,)
+    head_options = (DEVICE, HOST) if tiers.get(HEAD) == HOST else (DEVICE,)
     best, best_time = computes, None
     for head in head_options:
         for streamed in range(len(host_layers) + 1):
             trial = dict(computes)
-            trial[HEAD] = head
+            if HEAD in tiers:  # a pipeline's earlier stages have no head
+                trial[HEAD] = head
             for index, block in enumerate(host_layers):
                 trial[block] = DEVICE if _spread(index, streamed, len(host_layers)) else HOST
             seconds = _step_time(ctx, tiers, trial, split, prefill=False)[0]
@@ -464,10 +508,10 @@ def _charges(ctx: _Context, tiers, computes, split: "_Split", *, host_compute: b
     slot_bytes = max((sizes.bytes_used(b) for b in streamed), default=0)
     device = {
         "weights": weights(DEVICE),
-        "kv_cache": kv_cache_bytes(ctx.config, profile, ctx.accelerator),
-        "workspace": workspace_bytes(ctx.config, sizes, profile, ctx.accelerator),
+        "kv_cache": kv_cache_bytes(ctx.config, profile, ctx.accelerator, len(ctx.stage)),
+        "workspace": workspace_bytes(ctx.config, sizes, profile, ctx.accelerator, logits=ctx.samples),
         "staging": slots * slot_bytes,
-        "hot_cache": hot_cache_bytes(ctx.config, sizes, ctx.accelerator) if tiers[EMBED] != DEVICE else 0,
+        "hot_cache": hot_cache_bytes(ctx.config, sizes, ctx.accelerator) if tiers.get(EMBED, DEVICE) != DEVICE else 0,
         "headroom": profile.headroom,
     }
     if experts is not None:  # resident experts in their slots; cold ones read through the stream slots
@@ -532,7 +576,7 @@ def _placement(ctx: _Context, tiers, computes, split: "_Split", charges) -> Plac
         notes.append("CPU-only: device and host are one RAM tier bounded by device_memory")
     elif not ctx.accelerator:
         notes.append("CPU-only with emulate_host_tier: host blocks are copied into the device tier's ring")
-    if tiers[EMBED] != DEVICE:
+    if tiers.get(EMBED, DEVICE) != DEVICE:
         notes.append(f"embedding on {tiers[EMBED]}: rows fetched on demand through the device hot cache")
     notes.append("decode prediction: start of a conversation (KV-cache reads not counted)")
     if experts is not None:
@@ -837,7 +881,9 @@ def _terms(ctx: _Context, tiers, computes, split: "_Split", tokens: int, prefill
         if ctx.accelerator or tiers[block] == HOST:
             terms["link"] += read / _rate(bw.link_bytes_per_s)
     # Measured fixed costs (runtime/measure_machine.decode_overheads): what dominates a small model's step.
-    terms["dispatch overhead"] += ctx.config.num_hidden_layers * bw.per_block_overhead_s + bw.per_token_overhead_s
+    # A pipeline's per-token cost (sampling, detokenizing, the API) is its first stage's.
+    per_token = bw.per_token_overhead_s if ctx.stage.start == 0 else 0.0
+    terms["dispatch overhead"] += len(ctx.stage) * bw.per_block_overhead_s + per_token
     return terms
 
 
@@ -875,17 +921,19 @@ def decode_terms(
     accelerator: bool,
     batch: int = 1,
     routing=None,
+    layers: range | None = None,
 ) -> dict[str, float]:
     """The cost model's terms (seconds per limit) for one decode step of `batch` sequences of an
     existing placement: what a measured run of it is compared with (`step_seconds` combines them).
     An MoE model's experts are used as `routing` expects, or, without it, as the placement
-    expected (each layer's planned hit rate spread evenly over its resident and cold experts)."""
+    expected (each layer's planned hit rate spread evenly over its resident and cold experts).
+    `layers`: a pipeline stage's, as `plan` was given them."""
     dense = [b for b in placement.blocks if not is_expert(b.name)]
     tiers = {b.name: b.tier for b in dense}
     computes = {b.name: b.compute for b in dense}
     shares = None if routing is not None else _planned_shares(placement)
     placed = {b.name: b.tier for b in placement.blocks if is_expert(b.name)}
-    ctx = _Context(config, sizes, profile, bandwidths, accelerator, 0, routing, shares, placed)
+    ctx = _Context(config, sizes, profile, bandwidths, accelerator, 0, routing, shares, placed, layers=layers)
     split = _split_of(ctx, placement)
     return _terms(ctx, tiers, computes, split, batch, prefill=False)
 
@@ -961,9 +1009,10 @@ def _shortfall(ctx: _Context, units: list[_Unit]) -> str:
     """Why no placement fits, with the numbers: the weights (disk_offload false), else the device
     tier's least possible charge, else the host tier's."""
     profile = ctx.profile
-    tiers = {b: DEVICE for b in units[0].blocks}
+    least = _least_resident(units)
+    tiers = {b: DEVICE for u in units[:least] for b in u.blocks}
     cold_tier = DISK if profile.disk_offload else (HOST if ctx.separate_host else DEVICE)
-    tiers.update({b: cold_tier for u in units[1:] for b in u.blocks})
+    tiers.update({b: cold_tier for u in units[least:] for b in u.blocks})
     count = ctx.experts.count if ctx.experts is not None else 0
     split = {DEVICE: _Split(device=count), HOST: _Split(host=count), DISK: _Split()}[cold_tier]
     if cold_tier == DEVICE:
@@ -990,8 +1039,7 @@ def _shortfall(ctx: _Context, units: list[_Unit]) -> str:
                     f"disk_offload is false")  # fmt: skip
     # The device tier's least charge over every resident prefix (a resident head can cost less
     # than the ring slot it would need when streamed).
-    least = 1
-    for resident in range(2, len(units) + 1):
+    for resident in range(least + 1, len(units) + 1):
         trial = {b: DEVICE for u in units[:resident] for b in u.blocks}
         trial.update({b: DISK for u in units[resident:] for b in u.blocks})
         trial_charges = _charges(ctx, trial, _all_streamed(trial), _Split(), host_compute=True)
@@ -999,7 +1047,7 @@ def _shortfall(ctx: _Context, units: list[_Unit]) -> str:
             charges, device_total, least = trial_charges, sum(trial_charges[DEVICE].values()), resident
     if device_total > profile.device_memory:
         items = ", ".join(f"{k} {_gib(v)}" for k, v in charges[DEVICE].items() if v >= 2**20)
-        kept = ", ".join(b for u in units[:least] for b in u.blocks if _owns(ctx.sizes, b))
+        kept = ", ".join(b for u in units[:least] for b in u.blocks if _owns(ctx.sizes, b)) or "nothing"
         return (f"even in its smallest placement (resident: {kept}; the rest streamed) the device "
                 f"tier needs {_gib(device_total)} ({items}) "
                 f"against a budget of {_gib(profile.device_memory)}: short by "
@@ -1026,7 +1074,7 @@ def _refusal(ctx: _Context, shortfall: str, fallbacks, limits) -> TierlmError:
 
     def fits(candidate: Profile, quant: str) -> bool:
         same = quant == sizes.quant
-        candidate_sizes = sizes if same else sizes_from_config(config, quant, accelerator=accelerator)
+        candidate_sizes = sizes if same else sizes_from_config(config, quant, accelerator=accelerator).only(sizes.names)
         capped = cap_profile(candidate, limits, accelerator)[0]
         return _fitting_tiers(replace(ctx, sizes=candidate_sizes, profile=capped)) is not None
 
@@ -1043,8 +1091,16 @@ def _refusal(ctx: _Context, shortfall: str, fallbacks, limits) -> TierlmError:
             hints.append(f"the smallest shipped profile that fits it: --profile {other.name} --quant {quant}")
             break
     hint = "; ".join(hints) if hints else "no shipped profile or quant mode fits it on this machine"
-    model = f"{config.num_hidden_layers} layers, {sizes.quant}"
+    model = _model_text(ctx)
     return TierlmError(f"the model ({model}) does not fit profile {profile.name!r}: {shortfall}", hint)
+
+
+def _model_text(ctx: _Context) -> str:
+    """"80 layers, int8", or for a pipeline stage "layers 20-39 of 80, int8"."""
+    layers = ctx.layers
+    count = ctx.config.num_hidden_layers
+    span = f"{count} layers" if layers is None else f"layers {layers.start}-{layers.stop - 1} of {count}"
+    return f"{span}, {ctx.sizes.quant}"
 
 
 def _ordered_fallbacks(fallbacks: Sequence[Profile] | None) -> list[Profile]:

@@ -34,7 +34,7 @@ Non-weight charges (bytes; c = compute dtype bytes: 4 on CPUs (fp32), 2 on accel
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Mapping
 
@@ -81,6 +81,22 @@ class BlockSizes:
     @property
     def total(self) -> int:
         return sum(self.nbytes.values())
+
+    def only(self, names) -> "BlockSizes":
+        """These sizes restricted to the blocks `names` (a pipeline stage's: StageSpan.blocks),
+        in this object's order. A kept alias needs its source kept too (a tied head on the last
+        stage reads the embedding, which that stage then holds)."""
+        wanted = set(names)
+        unknown = wanted - set(self.nbytes)
+        if unknown:
+            raise ValueError(f"blocks {sorted(unknown)} are not among these sizes' {len(self.nbytes)} blocks")
+        aliases = {name: source for name, source in self.aliases.items() if name in wanted}
+        missing = {source for source in aliases.values() if source not in wanted}
+        if missing:
+            raise ValueError(f"{sorted(aliases)} read {sorted(missing)}, which is not kept: keep both")
+        kept = [name for name in self.nbytes if name in wanted]
+        return replace(self, nbytes={n: self.nbytes[n] for n in kept}, params={n: self.params[n] for n in kept},
+                       aliases=aliases)  # fmt: skip
 
 
 def resolve_quant(
@@ -220,10 +236,12 @@ def context_tokens(config: ModelConfig, profile) -> int:  # profile: tierlm.prof
     return min(profile.context_length, config.max_position_embeddings)
 
 
-def kv_cache_bytes(config: ModelConfig, profile, accelerator: bool) -> int:
-    """Keys and values for the profile's whole context and batch, in its kv_dtype."""
+def kv_cache_bytes(config: ModelConfig, profile, accelerator: bool, layers: int | None = None) -> int:
+    """Keys and values for the profile's whole context and batch, in its kv_dtype, of `layers`
+    decoder layers (a pipeline stage's; None: all of them)."""
     per_element = compute_bytes(accelerator) if profile.kv_dtype == "auto" else _KV_BYTES[profile.kv_dtype]
-    return (config.num_hidden_layers * 2 * config.num_key_value_heads * config.head_dim
+    layers = config.num_hidden_layers if layers is None else layers
+    return (layers * 2 * config.num_key_value_heads * config.head_dim
             * context_tokens(config, profile) * profile.batch_size * per_element)  # fmt: skip
 
 
@@ -246,8 +264,9 @@ def _widest(config: ModelConfig) -> tuple[int, int]:
     return 2 * hidden + qkv + config.q_size + mlp, max_out
 
 
-def workspace_bytes(config: ModelConfig, sizes: BlockSizes, profile, accelerator: bool) -> int:
-    """Activations and scratch of the largest step on the compute device (formula in the module doc)."""
+def workspace_bytes(config: ModelConfig, sizes: BlockSizes, profile, accelerator: bool, logits: bool = True) -> int:
+    """Activations and scratch of the largest step on the compute device (formula in the module doc).
+    `logits`: whether this process holds a step's logits (a pipeline's middle stages do not)."""
     c = compute_bytes(accelerator)
     context = context_tokens(config, profile)
     chunk = min(PREFILL_CHUNK, context)
@@ -262,7 +281,7 @@ def workspace_bytes(config: ModelConfig, sizes: BlockSizes, profile, accelerator
         kernel = 0
     heads, groups = config.num_attention_heads, config.num_attention_heads // config.num_key_value_heads
     attention = profile.batch_size * heads * chunk * context * c + groups * chunk * context * (1 + c)
-    logits = profile.batch_size * config.vocab_size * (c + 12)
+    logits = profile.batch_size * config.vocab_size * (c + 12) if logits else 0
     rope = 2 * context * config.head_dim * c
     return activations + kernel + attention + logits + rope
 
