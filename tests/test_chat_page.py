@@ -86,6 +86,7 @@ def test_root_serves_the_page_without_the_key_and_stats_with_it(session):
         assert page.headers["content-type"] == "text/html; charset=utf-8"
         assert page.content == resources.files("tierlm.server").joinpath("static").joinpath("chat.html").read_bytes()
         assert "connect-src 'self'" in page.headers["content-security-policy"]
+        assert httpx.head(url + "/", timeout=30).status_code == 200  # Ollama's CLI checks a server so
         assert httpx.get(url + "/stats", timeout=30).status_code == 401  # the page's calls need it
 
         api_reply(client, [{"role": "user", "content": "hello"}])
