@@ -6,7 +6,9 @@ Requests go to the same worker as the OpenAI routes (one batched engine), under 
 (`Authorization: Bearer KEY`), body, queue and context limits, metrics and access log. Replies
 are Ollama's: NDJSON streams (one JSON object a line, the last with `done: true`, the finish
 reason and the counts and durations in nanoseconds) unless `stream` is false, and errors as
-`{"error": "..."}`, also as a stream's last line when a reply that has begun fails.
+`{"error": "..."}`, also as a stream's last line when a reply that has begun fails. `done_reason` is
+Ollama's "stop" or "length", or "timeout" when the server's deadline (`serve --timeout`) ended
+the reply (its text so far is kept).
 
 Models: the base under its served name and each ready LoRA variant under its own, each as
 NAME:latest unless the name has a tag already; a request may name them with or without the tag
