@@ -3,18 +3,22 @@ a model's layers over several stages (offload/stage_planner.py)."""
 
 from __future__ import annotations
 
+import itertools
+import json
+import re
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
 from tierlm.config import ModelConfig
-from tierlm.distributed.stages import even_split
+from tierlm.distributed.stages import StageSpan, even_split
 from tierlm.errors import TierlmError
 from tierlm.offload.placement import DEVICE, DISK, placement_to_dict
 from tierlm.offload.planner import plan
 from tierlm.offload.probe import Bandwidths
 from tierlm.offload.sizes import kv_cache_bytes, sizes_from_config, workspace_bytes
+from tierlm.offload.stage_planner import Link, split_stages
 from tierlm.profile import load_profile
 
 MiB, GiB = 2**20, 2**30
@@ -41,8 +45,6 @@ def llama70b():
 
 @pytest.fixture(scope="module")
 def tied3b(tmp_path_factory):
-    import json
-
     folder = tmp_path_factory.mktemp("tied")
     (folder / "config.json").write_text(json.dumps(TIED_3B))
     config = ModelConfig.from_dir(folder)
@@ -117,3 +119,139 @@ def test_stage_sizes_and_layers_must_agree(llama70b):
     tied = sizes_from_config(replace(config, tie_word_embeddings=True), "int8")
     with pytest.raises(ValueError, match="keep both"):
         tied.only(["head", "norm"])
+
+
+# -- the split over stages ------------------------------------------------------------------------
+
+LINK = Link(bytes_per_s=1.25e9, latency_s=50e-6, source="test: 10 Gbit/s Ethernet")
+# Equal layers and no per-token cost: the only uneven things are the embedding and the head.
+UNIFORM = replace(GPU, per_token_overhead_s=0.0)
+# Llama-2-70B's layers, 12 of them (0.8 GiB each in INT8): small enough to try every split.
+SMALL = {**json.loads((LLAMA_70B / "config.json").read_text()), "num_hidden_layers": 12}
+
+
+@pytest.fixture(scope="module")
+def small(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("small")
+    (folder / "config.json").write_text(json.dumps(SMALL))
+    config = ModelConfig.from_dir(folder)
+    return config, sizes_from_config(config, "int8", accelerator=True)
+
+
+def split(config, sizes, profiles, bandwidths=GPU, accelerator=True):
+    profiles = [load_profile(p) if isinstance(p, str) else p for p in profiles]
+    return split_stages(config, sizes, profiles, bandwidths, LINK, accelerator=accelerator, baseline_bytes=BASELINE)
+
+
+def counts(stage_plan) -> list[int]:
+    return [len(span.layers) for span in stage_plan.spans]
+
+
+def brute_force_bottleneck(config, sizes, profiles, bandwidths) -> float:
+    """The least slowest-stage time over every split, each stage planned on its own."""
+    layers, world = config.num_hidden_layers, len(profiles)
+    best = float("inf")
+    for cuts in itertools.combinations(range(1, layers), world - 1):
+        bounds = [0, *cuts, layers]
+        worst = 0.0
+        for rank in range(world):
+            span = StageSpan(rank, world, bounds[rank], bounds[rank + 1])
+            try:
+                placement = stage_plan(config, sizes, span, profiles[rank], bandwidths, True)
+            except TierlmError:
+                worst = float("inf")
+                break
+            worst = max(worst, profiles[rank].batch_size / placement.predicted_decode_tokens_per_s)
+        best = min(best, worst)
+    return best
+
+
+def test_llama_2_70b_int8_plans_over_four_24gb_stages(llama70b):
+    config, sizes = llama70b
+    planned = split(config, sizes, ["24gb"] * 4)
+    # ~20 layers (~16 GiB) each, every stage resident; rank 0's per-token cost may cost it a layer.
+    assert all(abs(count - 20) <= 1 for count in counts(planned))
+    covered = [b.name for stage in planned.stages for b in stage.placement.blocks]
+    assert covered == list(sizes.names)  # every block once, in order
+    for stage in planned.stages:
+        assert all(b.tier == DEVICE for b in stage.placement.blocks)
+        for tier, budget in stage.placement.budgets.items():
+            assert budget is None or stage.placement.total(tier) <= budget
+    # Batch 1: the stages and transfers add up: three hand-overs of 8192 bf16 values, the logits back.
+    assert planned.handover_bytes() == 8192 * 2 and planned.return_bytes() == 32000 * 4
+    handover, back = planned.transfer_seconds()
+    assert handover == pytest.approx(50e-6 + 16384 / 1.25e9) and back == pytest.approx(50e-6 + 128000 / 1.25e9)
+    total = sum(s.step_seconds for s in planned.stages) + 3 * handover + back
+    assert planned.tokens_per_s() == pytest.approx(1 / total)
+    # One 24gb card streams most of the model from host RAM and disk: the pipeline is >10x faster.
+    alone = plan(config, sizes, load_profile("24gb"), GPU, accelerator=True, baseline_bytes=BASELINE)
+    assert planned.tokens_per_s() > 10 * alone.predicted_decode_tokens_per_s
+
+
+def test_a_model_one_card_cannot_hold_is_refused_with_the_stages_that_would(llama70b):
+    config, sizes = llama70b
+    in_memory = replace(load_profile("24gb"), disk_offload=False)  # weights in GPU + host memory only
+    with pytest.raises(TierlmError) as refused:
+        split(config, sizes, [in_memory])
+    assert "rank 0 (24gb) cannot hold layers 0-79" in refused.value.message
+    assert "short by" in refused.value.message or "more than" in refused.value.message
+    assert "--stages 2" in refused.value.hint
+    assert counts(split(config, sizes, [in_memory] * 2)) == [40, 40]
+    # Four 8 GB cards hold 4 x ~15 GiB of 64 GiB: the last stage is left short, by a named amount.
+    with pytest.raises(TierlmError, match=r"rank 3 \(8gb\) cannot hold layers \d+-79.*need [\d.]+ GiB more") as short:
+        split(config, sizes, [replace(load_profile("8gb"), disk_offload=False)] * 4)
+    assert re.search(r"--stages \d+", short.value.hint)
+
+
+def test_a_uniform_model_splits_evenly_and_the_bottleneck_is_the_least(small, llama70b):
+    config, sizes = small
+    for world in (2, 3, 4):
+        planned = split(config, sizes, ["24gb"] * world, UNIFORM)
+        assert max(counts(planned)) - min(counts(planned)) <= 1
+        assert planned.bottleneck.step_seconds == pytest.approx(
+            brute_force_bottleneck(config, sizes, [load_profile("24gb")] * world, UNIFORM), rel=1e-9)
+    config, sizes = llama70b
+    assert counts(split(config, sizes, ["24gb"] * 5, UNIFORM)) == [16] * 5
+
+
+def test_uneven_profiles_get_uneven_splits(small, llama70b):
+    config, sizes = small
+    # A 4 GB card holds 3 of these layers resident beside its KV cache; a fourth would stream.
+    profiles = [load_profile("24gb"), load_profile("4gb"), load_profile("24gb")]
+    planned = split(config, sizes, profiles, UNIFORM)
+    assert counts(planned)[1] < min(counts(planned)[0], counts(planned)[2])
+    assert all(b.tier == DEVICE for b in planned.stages[1].placement.blocks)
+    assert planned.bottleneck.step_seconds == pytest.approx(
+        brute_force_bottleneck(config, sizes, profiles, UNIFORM), rel=1e-9)
+    config, sizes = llama70b
+    planned = split(config, sizes, ["24gb", "24gb", "16gb", "8gb"])
+    assert counts(planned)[3] < counts(planned)[2] < min(counts(planned)[:2])
+    even = [stage_plan(config, sizes, span, load_profile(p), GPU, True)
+            for span, p in zip(even_split(80, 4), ["24gb", "24gb", "16gb", "8gb"])]  # fmt: skip
+    assert planned.bottleneck.step_seconds < max(1 / p.predicted_decode_tokens_per_s for p in even)
+
+
+def test_each_stage_is_the_plan_its_rank_would_load(llama70b, tied3b):
+    for (config, sizes), profiles, accelerator in ((llama70b, ["24gb", "16gb", "24gb"], True),
+                                                   (tied3b, ["4gb", "4gb"], False)):  # fmt: skip
+        bandwidths = GPU if accelerator else CPU
+        planned = split(config, sizes, profiles, bandwidths, accelerator)
+        for stage, profile in zip(planned.stages, profiles):
+            alone = stage_plan(config, sizes, stage.span, load_profile(profile), bandwidths, accelerator)
+            assert placement_to_dict(stage.placement) == placement_to_dict(alone)
+
+
+def test_a_batch_in_micro_batches_is_priced_round_the_ring(llama70b):
+    config, sizes = llama70b
+    planned = split(config, sizes, [replace(load_profile("24gb"), batch_size=4)] * 4)
+    assert planned.batch == 4
+    one, four = planned.stage_seconds(1), planned.stage_seconds(4)
+    assert all(b >= a for a, b in zip(one, four))  # weight-bound decode: rows come (nearly) free
+    (h1, r1), (h4, r4) = planned.transfer_seconds(1), planned.transfer_seconds(4)
+    assert h4 > h1 and r4 > r1
+    # One group of 4 goes round once; 4 groups of 1 each go round, no stage on two at once.
+    assert planned.decode_seconds(4, 1) == pytest.approx(sum(four) + 3 * h4 + r4)
+    assert planned.decode_seconds(4, 4) == pytest.approx(max(sum(one) + 3 * h1 + r1, 4 * max(*one, h1, r1)))
+    assert planned.tokens_per_s(4, 4) == pytest.approx(4 / planned.decode_seconds(4, 4))
+    # Batch 1 is the sum of every stage and transfer, however many groups are asked for.
+    assert planned.decode_seconds(1, 4) == pytest.approx(sum(one) + 3 * h1 + r1)

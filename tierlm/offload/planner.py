@@ -1099,7 +1099,8 @@ def _model_text(ctx: _Context) -> str:
     """"80 layers, int8", or for a pipeline stage "layers 20-39 of 80, int8"."""
     layers = ctx.layers
     count = ctx.config.num_hidden_layers
-    span = f"{count} layers" if layers is None else f"layers {layers.start}-{layers.stop - 1} of {count}"
+    whole = layers is None or len(layers) == count
+    span = f"{count} layers" if whole else f"layers {layers.start}-{layers.stop - 1} of {count}"
     return f"{span}, {ctx.sizes.quant}"
 
 
