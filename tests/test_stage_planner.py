@@ -255,3 +255,71 @@ def test_a_batch_in_micro_batches_is_priced_round_the_ring(llama70b):
     assert planned.tokens_per_s(4, 4) == pytest.approx(4 / planned.decode_seconds(4, 4))
     # Batch 1 is the sum of every stage and transfer, however many groups are asked for.
     assert planned.decode_seconds(1, 4) == pytest.approx(sum(one) + 3 * h1 + r1)
+
+
+# -- the link probe and `tierlm plan --stages` ----------------------------------------------------
+
+
+def test_the_link_probe_measures_two_gloo_processes_caches_and_reprobes(monkeypatch, tmp_path):
+    from tierlm.runtime.link_probe import gbps_link, link_path, load_link
+
+    monkeypatch.setenv("TIERLM_CACHE", str(tmp_path))
+    measured = load_link()
+    assert link_path().is_file()
+    # Local gloo over loopback: well above 10 MB/s, a round trip well under 50 ms.
+    assert 1e7 < measured.bytes_per_s < 1e12 and 0 < measured.latency_s < 0.05
+    assert load_link() == measured  # read back, not measured again
+    again = load_link(refresh=True)
+    assert again.probed_at > measured.probed_at
+    given = gbps_link(10, 0.2)
+    assert given.bytes_per_s == 1.25e9 and given.latency_s == pytest.approx(2e-4) and given.probed_at is None
+    with pytest.raises(TierlmError, match="--link-gbps"):
+        gbps_link(0, 0.1)
+
+
+def tierlm(*args: str):
+    import os
+    import subprocess
+    import sys
+
+    return subprocess.run([sys.executable, "-m", "tierlm", *args], capture_output=True, text=True, timeout=300,
+                          env=os.environ.copy())  # fmt: skip
+
+
+def test_plan_stages_cli_shows_each_stage_as_its_rank_would_plan_it(tmp_path):
+    import subprocess
+    import sys
+
+    from tierlm.offload.probe import save_bandwidths
+
+    # Pin the bandwidths the CLI finds in its cache (the path depends on the child's thread count).
+    where = subprocess.run(
+        [sys.executable, "-c", "from tierlm.offload.probe import bandwidths_path; print(bandwidths_path('cpu'))"],
+        capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    save_bandwidths(CPU, "cpu")
+    assert Path(where.stdout.strip()).is_file()
+    args = ("plan", str(LLAMA_70B), "--device", "cpu", "--link-gbps", "10", "--link-latency-ms", "0.1")
+    shown = json.loads(tierlm(*args, "--stages", "4", "--json").stdout)
+    assert [(s["first"], s["end"]) for s in shown["stages"]] == [(0, 20), (20, 40), (40, 60), (60, 80)]
+    assert shown["link"]["bytes_per_s"] == 1.25e9 and shown["handover_bytes"] == 8192 * 4  # fp32 on CPUs
+    config = ModelConfig.from_dir(LLAMA_70B)
+    sizes = sizes_from_config(config, "int8")
+    for stage, span in zip(shown["stages"], even_split(80, 4)):
+        baseline = stage["placement"]["charges"]["device"]["baseline"]  # the child's RSS, as a load charges it
+        alone = plan(config, sizes.only(span.blocks(sizes.names)), load_profile("24gb"), CPU, accelerator=False,
+                     baseline_bytes=baseline, layers=span.layers)  # fmt: skip
+        assert stage["placement"] == json.loads(json.dumps(placement_to_dict(alone)))
+    text = tierlm(*args, "--stages", "3", "--profile", "24gb,24gb,8gb")
+    assert text.returncode == 0, text.stderr
+    assert re.search(r"^2 +\d+-79 +8gb ", text.stdout, re.M) and "hand-over" in text.stdout
+    assert re.search(r"decode +[\d.]+ tokens/s \(predicted, batch 1\)", text.stdout)
+    # One 24 GB card without disk streaming cannot hold it: the refusal says how many stages would.
+    no_disk = tmp_path / "24gb-in-memory.toml"
+    no_disk.write_text((Path(__file__).parents[1] / "tierlm/profiles/24gb.toml").read_text()
+                       .replace("disk_offload = true", "disk_offload = false"))  # fmt: skip
+    refused = tierlm("plan", str(LLAMA_70B), "--device", "cpu", "--profile", str(no_disk))
+    assert refused.returncode == 1 and "Traceback" not in refused.stderr
+    assert re.search(r"--stages \d+", refused.stderr) and "disk_offload is false" in refused.stderr
+    wrong = tierlm(*args, "--stages", "3", "--profile", "24gb,8gb")
+    assert wrong.returncode == 1 and "lists 2 profiles for 3 stages" in wrong.stderr

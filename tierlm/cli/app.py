@@ -279,6 +279,18 @@ def plan(
     device: Optional[str] = DeviceOpt,
     threads: Optional[int] = ThreadsOpt,
     as_json: bool = typer.Option(False, "--json", help="Print the Placement as JSON"),
+    stages: Optional[int] = typer.Option(
+        None, "--stages", min=1, show_default=False,
+        help="Split the model over N pipeline stages (one per --profile in a comma list, or N of one profile): "
+        "the layers each runs, its plan, and the pipeline's predicted speed",
+    ),
+    link_gbps: Optional[float] = typer.Option(
+        None, "--link-gbps", min=0.001, show_default=False,
+        help="With --stages: the link between ranks on other machines, in Gbit/s (default: measured between "
+        "two local processes)",
+    ),
+    link_latency_ms: float = typer.Option(0.05, "--link-latency-ms", min=0.0, help="With --link-gbps: its latency"),
+    reprobe_link: bool = typer.Option(False, "--reprobe-link", help="With --stages: measure the local link afresh"),
 ):
     """Where every weight block would live under a profile, the memory per tier, and predicted speed.
 
@@ -291,16 +303,49 @@ def plan(
 
     from tierlm.cli.models import pick_model
     from tierlm.cli.plan_view import plan_for, render_plan
+    from tierlm.errors import TierlmError
     from tierlm.offload.placement import placement_to_dict
     from tierlm.profile import load_profile
     from tierlm.runtime.session import resolve_model_dir
 
     from tierlm.device.cpu import apply_threads
 
+    if stages is not None or "," in profile:
+        _plan_stages(pick_model(model_arg, model), profile, stages, quant, device, threads, as_json,
+                     link_gbps, link_latency_ms, reprobe_link)  # fmt: skip
+        return
     chosen = load_profile(profile)
     chosen = replace(chosen, threads=apply_threads(threads or chosen.threads))  # the probe is keyed on it
-    placement, header = plan_for(resolve_model_dir(pick_model(model_arg, model)), chosen, quant, device)
+    model_dir = resolve_model_dir(pick_model(model_arg, model))
+    try:
+        placement, header = plan_for(model_dir, chosen, quant, device)
+    except TierlmError as refused:  # what one process cannot hold, a pipeline of them may
+        from tierlm.cli.plan_view import least_stages_for
+
+        more = least_stages_for(model_dir, chosen, quant, device)
+        if more is None:
+            raise
+        hint = f"{refused.hint}; or " if refused.hint else ""
+        raise TierlmError(refused.message, f"{hint}split it over {more} processes of this profile: --stages {more}") from None
     print(json.dumps(placement_to_dict(placement), indent=1) if as_json else render_plan(placement, header))
+
+
+def _plan_stages(model, profile, stages, quant, device, threads, as_json, link_gbps, link_latency_ms, reprobe_link):
+    """`tierlm plan --stages N`: the split over pipeline stages, each stage's plan, the transfers."""
+    import json
+    from dataclasses import replace
+
+    from tierlm.cli.plan_view import render_stage_plan, stage_plan_for, stage_profiles
+    from tierlm.device.cpu import apply_threads
+    from tierlm.runtime.link_probe import gbps_link, load_link
+    from tierlm.runtime.session import resolve_model_dir
+
+    profiles = stage_profiles(profile, stages)
+    used = apply_threads(threads or profiles[0].threads)  # the probe is keyed on it
+    profiles = [replace(p, threads=used) for p in profiles]
+    link = gbps_link(link_gbps, link_latency_ms) if link_gbps is not None else load_link(refresh=reprobe_link)
+    planned, header = stage_plan_for(resolve_model_dir(model), profiles, link, quant, device)
+    print(json.dumps(planned.to_dict(), indent=1) if as_json else render_stage_plan(planned, header))
 
 
 @app.command(short_help="Measure prefill, decode and memory against the plan.")

@@ -58,6 +58,7 @@ class Link:
     bytes_per_s: float
     latency_s: float
     source: str = "measured"  # "measured ..." (runtime/link_probe.py), or "--link-gbps"
+    probed_at: float | None = None  # when it was measured (time.time()); None: given by hand
 
     def seconds(self, nbytes: int) -> float:
         return self.latency_s + nbytes / max(self.bytes_per_s, 1e-9)
@@ -155,7 +156,8 @@ class StagePlan:
                  "placement": placement_to_dict(s.placement)}
                 for s in self.stages
             ],
-            "link": {"bytes_per_s": self.link.bytes_per_s, "latency_s": self.link.latency_s, "source": self.link.source},
+            "link": {"bytes_per_s": self.link.bytes_per_s, "latency_s": self.link.latency_s, "source": self.link.source,
+                     "probed_at": self.link.probed_at},
             "handover_bytes": self.handover_bytes(), "handover_s": handover,
             "return_bytes": self.return_bytes(), "return_s": back,
             "bottleneck_rank": self.bottleneck.span.rank,
