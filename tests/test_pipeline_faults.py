@@ -4,15 +4,20 @@ with the reason, restarts it and serves the same text again (distributed/health.
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import signal
 import subprocess
 import sys
 import threading
 import time
+from contextlib import contextmanager
+from pathlib import Path
 
 import pytest
 
+from tests.tiny import make_model, write_profile
 from tierlm.distributed.health import ORPHANED, PipelineHealth, StageFailed, beat_interval
 
 TIMEOUT = 1.5  # the stage timeout these tests run with
@@ -194,3 +199,123 @@ def test_a_wait_on_a_stopped_stage_is_aborted():
     finally:
         end(worker)
         health.close()
+
+
+
+def test_restarts_back_off_and_stop_after_too_many_failures():
+    """The supervisor's policy alone (a pipeline whose stage 1 failed; no restart is attempted)."""
+    from types import SimpleNamespace
+
+    from tierlm.distributed.supervisor import PipelineSupervisor, RestartPolicy
+
+    assert [RestartPolicy(1.0, 4.0).delay(n) for n in (1, 2, 3, 4)] == [1.0, 2.0, 4.0, 4.0]
+    health = PipelineHealth(2, TIMEOUT)
+    try:
+        pipeline = SimpleNamespace(group=SimpleNamespace(health=health), world=2)  # what the supervisor reads
+        stopping = threading.Event()
+        stopping.set()
+        patient = PipelineSupervisor(pipeline, RestartPolicy(max_failures=3))
+        impatient = PipelineSupervisor(pipeline, RestartPolicy(max_failures=1))
+        assert patient.down_reason() is None and patient.status()["state"] == "up"
+        health.fail(1, "exited with code 1")
+        assert patient.status()["state"] == "failed"
+        assert patient.down_reason() == "pipeline stage 1 exited with code 1; restarting the pipeline"
+        # A server shutting down does not restart; one within its policy is still restarting.
+        assert not patient.recover(patient.failure(), stopping) and not patient.gave_up
+        assert patient.status()["state"] == "restarting" and patient.retry_after() >= 1
+        # Past max_failures in the window: down for good, saying why.
+        assert not impatient.recover(impatient.failure(), threading.Event())
+        assert impatient.gave_up and impatient.status()["state"] == "down" and impatient.restarts == 0
+        assert impatient.down_reason() == (
+            "pipeline stage 1 exited with code 1; the pipeline failed once in 600 s and is not restarted again "
+            "(fix the cause and restart the server)")
+    finally:
+        health.close()
+
+# -- end to end: `tierlm serve --stages 2` loses a stage mid-request ------------------------------
+
+SERVE_TIMEOUT = 2.0  # --stage-timeout of the served pipeline
+
+
+@contextmanager
+def serve_pipeline(root: Path):
+    """`tierlm serve --stages 2` on a tiny model, test hooks on, in its own session; yields
+    (url, stderr lines). Its whole process group is killed at the end, whatever happened."""
+    make_model(root / "tiny", layers=4)
+    profile = write_profile(root / "serve.toml", context_length=256, batch_size=2)
+    process = subprocess.Popen(
+        [sys.executable, "-m", "tierlm", "serve", "--port", "0", "--model", str(root / "tiny"), "--profile",
+         str(profile), "--device", "cpu", "--dtype", "fp32", "--stages", "2", "--stage-timeout", str(SERVE_TIMEOUT)],
+        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+        env={**os.environ, "TIERLM_SERVE_DEBUG_HOOKS": "1"}, start_new_session=True)  # fmt: skip
+    lines: list[str] = []
+    threading.Thread(target=lambda: lines.extend(process.stderr), daemon=True).start()
+    try:
+        deadline = time.monotonic() + 120
+        while not any("listening on" in line for line in lines):
+            assert process.poll() is None and time.monotonic() < deadline, "".join(lines)
+            time.sleep(0.1)
+        yield re.search(r"listening on (http://127\.0\.0\.1:\d+)", "".join(lines)).group(1), lines
+        process.terminate()
+        assert process.wait(30) in (0, -signal.SIGTERM), "".join(lines)
+    finally:
+        end(process)
+
+
+def greedy_text(http) -> str:
+    reply = http.post("/v1/completions", json={"prompt": "the pipeline", "max_tokens": 12, "temperature": 0})
+    assert reply.status_code == 200, reply.text
+    return reply.json()["choices"][0]["text"]
+
+
+def test_serve_answers_503_while_a_killed_stage_restarts_then_serves_the_same_text(tmp_path):
+    import httpx
+    import psutil
+
+    with serve_pipeline(tmp_path) as (url, lines), httpx.Client(base_url=url, timeout=60) as http:
+        before = greedy_text(http)
+        report = http.get("/health").json()
+        assert report["status"] == "ok" and report["pipeline"]["state"] == "up"
+        (stage,) = report["pipeline"]["heartbeats"]["stages"]
+        old_pid = stage["pid"]
+        assert psutil.Process(old_pid).is_running()
+
+        # A long stream (each step slowed down), and stage 1 killed once its first tokens came.
+        assert http.post("/debug/worker", json={"action": "delay", "seconds": 0.05}).status_code == 200
+        events, killed_at = [], None
+        payload = {"prompt": "a long answer", "max_tokens": 200, "temperature": 0, "stream": True}
+        with http.stream("POST", "/v1/completions", json=payload) as response:
+            assert response.status_code == 200
+            for line in response.iter_lines():
+                if line.startswith("data: "):
+                    events.append(line[len("data: "):])
+                if len(events) == 3 and killed_at is None:
+                    os.kill(old_pid, signal.SIGKILL)
+                    killed_at = time.monotonic()
+        ended = time.monotonic() - killed_at
+        assert killed_at is not None and ended < SERVE_TIMEOUT + MARGIN, ended
+        error = json.loads(events[-1])["error"]
+        assert error["code"] == "pipeline_failed", error
+        assert f"pipeline stage 1 (pid {old_pid}) exited with code -9 (SIGKILL)" in error["message"]
+        assert "[DONE]" not in events
+
+        # Until the restart is done: 503 with the reason and Retry-After; /health says so too.
+        refused = http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 4})
+        assert refused.status_code == 503, refused.text
+        assert refused.json()["error"]["code"] == "pipeline_unavailable"
+        assert f"pipeline stage 1 (pid {old_pid}) exited with code -9" in refused.json()["error"]["message"]
+        assert int(refused.headers["Retry-After"]) >= 1
+        down = http.get("/health")
+        assert down.status_code == 503 and down.json()["pipeline"]["state"] in ("restarting", "failed")
+
+        deadline = time.monotonic() + 60
+        while http.get("/health").status_code != 200:
+            assert time.monotonic() < deadline, "the pipeline was not restarted:\n" + "".join(lines)
+            time.sleep(0.2)
+        assert http.post("/debug/worker", json={"action": "delay", "seconds": 0}).status_code == 200
+        assert greedy_text(http) == before
+        report = http.get("/health").json()
+        assert report["pipeline"]["restarts"] == 1 and report["pipeline"]["heartbeats"]["stages"][0]["pid"] != old_pid
+        assert re.search(r"^tierlm_pipeline_restarts_total 1\.0$", http.get("/metrics").text, re.M)
+        assert not psutil.pid_exists(old_pid) or psutil.Process(old_pid).status() == psutil.STATUS_ZOMBIE
+    assert "Traceback" not in "".join(lines), "".join(lines)

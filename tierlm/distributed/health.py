@@ -47,6 +47,16 @@ def beat_interval(timeout: float) -> float:
     return min(0.5, timeout / 4)
 
 
+def stage_timeout_s(environ=None) -> float:
+    """The stage timeout the environment sets (TIERLM_STAGE_TIMEOUT), else the default."""
+    env = os.environ if environ is None else environ
+    raw = env.get(STAGE_TIMEOUT_ENV, "").strip()
+    try:
+        return check_timeout(float(raw)) if raw else DEFAULT_STAGE_TIMEOUT_S
+    except ValueError:
+        raise TierlmError(f"{STAGE_TIMEOUT_ENV}={raw!r} is not a number of seconds", f"unset {STAGE_TIMEOUT_ENV}") from None
+
+
 def check_timeout(timeout: float) -> float:
     if not timeout > 0:
         raise TierlmError(f"--stage-timeout must be positive, not {timeout}",
@@ -72,7 +82,7 @@ class StageFailed(TierlmError):
 
     def __init__(self, failure: StageFailure):
         self.failure = failure
-        super().__init__(failure.describe(), "the pipeline has to be restarted (the server does so itself)")
+        super().__init__(failure.describe(), "start the pipeline again; `tierlm serve` restarts it itself")
 
 
 def exit_reason(code: int) -> str:
@@ -116,6 +126,7 @@ class PipelineHealth:
         self._failure: StageFailure | None = None
         self._aborts: list[Callable[[StageFailure], None]] = []
         self._closed = threading.Event()
+        self._closing = False  # stop_watching(): exits are expected
         self._started = time.monotonic()
         self._listener = socket.create_server((host, 0))
         self._listener.setblocking(False)
@@ -201,6 +212,12 @@ class PipelineHealth:
         """Wait for a torch.distributed Work (an isend/irecv with stage `peer`) to complete, or
         raise StageFailed as soon as the pipeline fails: the blocking wait runs on a helper
         thread that only the completion (or the killed peer's closed socket) ends."""
+        if work.is_completed() and self._failure is None:  # no hand-over (a send the reply proved done)
+            try:
+                work.wait()
+                return
+            except Exception as err:  # noqa: BLE001 - named as from the helper thread
+                raise self.broken(peer, err) from None
         done = _Done()
         self._waits.put((work, done))
         with self._cond:
@@ -212,6 +229,11 @@ class PipelineHealth:
         if failure is None:  # the operation itself failed: give the monitor a moment to say why
             failure = self._name_failure(peer, done.error)
         raise StageFailed(failure)
+
+    def broken(self, peer: int, error: BaseException) -> StageFailed:
+        """The StageFailed for a data-path call with stage `peer` that raised `error`: the
+        monitor's reason when it names one within a moment (the peer's exit), else this one."""
+        return StageFailed(self._failure or self._name_failure(peer, error))
 
     def _name_failure(self, peer: int, error: BaseException) -> StageFailure:
         deadline = time.monotonic() + EXIT_NAME_WAIT_S + self.interval
@@ -236,6 +258,10 @@ class PipelineHealth:
                 self._cond.notify_all()
 
     # -- the monitor ---------------------------------------------------------------------------
+
+    def stop_watching(self) -> None:
+        """The workers are being shut down: their exits from now on are no failure."""
+        self._closing = True
 
     def close(self) -> None:
         """Stop watching and close every connection (workers still running then exit)."""
@@ -313,7 +339,7 @@ class PipelineHealth:
                 pass  # a stopped worker's buffer is full, or it is gone: the checks below tell
 
     def _inspect(self, now: float) -> None:
-        if self._failure is not None:
+        if self._failure is not None or self._closing:
             return
         for peer in list(self._peers.values()):
             reason = self._trouble(peer, now)
@@ -412,14 +438,7 @@ class Heartbeat:
         """The heartbeat a spawned worker's environment asks for (None when it names no monitor)."""
         env = os.environ if environ is None else environ
         address = env.get(HEALTH_ENV)
-        if not address:
-            return None
-        raw = env.get(STAGE_TIMEOUT_ENV, "")
-        try:
-            timeout = float(raw) if raw else DEFAULT_STAGE_TIMEOUT_S
-        except ValueError:
-            raise TierlmError(f"{STAGE_TIMEOUT_ENV}={raw!r} is not a number of seconds") from None
-        return cls(address, rank, timeout)
+        return cls(address, rank, stage_timeout_s(env)) if address else None
 
     def close(self) -> None:
         """Stop beating without exiting (a worker that ends on its own)."""

@@ -9,6 +9,10 @@ fresh worker on a fresh KV cache; queued jobs wait for it.
 A LoRA variant being removed is retired here, between steps, once no queued or running job
 uses it (`retire`): requests already accepted for it finish first. A superseded thread that wakes
 up later finds its generation outdated and exits without touching anything shared.
+Over a pipeline of stages (`pipeline`, a distributed.supervisor.PipelineSupervisor) the watchdog
+also restarts the pipeline when a stage fails: requests in flight end with a 503 naming the stage,
+new ones are refused with it (`down_reason`) until the restart is done, and restarts back off
+and stop after too many failures (the supervisor's RestartPolicy).
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Callable
 
+from tierlm.distributed.health import StageFailed
 from tierlm.server.batch import BatchRunner, StepReport
 from tierlm.server.jobs import Job
 
@@ -52,12 +57,14 @@ class Worker:
         *,
         on_step: Callable[[StepReport], None] | None = None,
         on_restart: Callable[[str], None] | None = None,
+        pipeline=None,
     ):
         self.loaded = loaded
         self.tokenizer = tokenizer
         self.settings = settings
         self._on_step = on_step
         self._on_restart = on_restart
+        self.pipeline = pipeline  # a PipelineSupervisor when the model is a pipeline of stages
         self._cond = threading.Condition()
         self._stop = threading.Event()
         self._queue: deque[Job] = deque()
@@ -106,7 +113,7 @@ class Worker:
     def submit(self, job: Job) -> bool:
         """Queue a job; False when the queue is full (or the server is stopping)."""
         with self._cond:
-            if self._stop.is_set() or len(self._queue) >= self.settings.max_queue:
+            if self._stop.is_set() or len(self._queue) >= self.settings.max_queue or self.down_reason():
                 return False
             job.wake = self.wake
             self._queue.append(job)
@@ -116,6 +123,10 @@ class Worker:
     def wake(self) -> None:
         with self._cond:
             self._cond.notify_all()
+
+    def down_reason(self) -> str | None:
+        """Why requests are refused with a 503 while a pipeline stage is down; None otherwise."""
+        return self.pipeline.down_reason() if self.pipeline is not None else None
 
     @property
     def stopping(self) -> bool:
@@ -141,8 +152,9 @@ class Worker:
             alive = thread is not None and thread.is_alive()
             age = time.monotonic() - self._beat
             healthy = alive and not self._restarting and age <= self.settings.stall_timeout
+            healthy = healthy and self.down_reason() is None
             status = "shutting_down" if self.stopping else "ok" if healthy else "unhealthy"
-            return {
+            report = {
                 "status": status,
                 "worker": {
                     "alive": alive,
@@ -156,6 +168,9 @@ class Worker:
                 "slots": self.settings.slots,
                 "peak_batch": self.peak_batch,
             }
+        if self.pipeline is not None:
+            report["pipeline"] = {**self.pipeline.status(), "down_reason": self.down_reason()}
+        return report
 
     def retire(self, variant: str, remove: Callable[[], None]) -> None:
         """Call `remove` on the worker thread, between steps, once no queued or running job uses
@@ -196,7 +211,7 @@ class Worker:
         except BaseException as err:  # noqa: BLE001 - record why; the watchdog restarts it
             if generation == self._generation:
                 self._death = f"{type(err).__name__}: {err}"
-            if not isinstance(err, WorkerKilled):
+            if not isinstance(err, (WorkerKilled, StageFailed)):  # a stage's failure is logged as it is found
                 logging.getLogger("tierlm.server").exception("the worker crashed")
 
     def _current(self, generation: int) -> bool:
@@ -229,7 +244,11 @@ class Worker:
                     continue
             try:
                 report = runner.step()
+            except StageFailed:
+                raise  # the whole pipeline is down: the watchdog fails every job and restarts it
             except Exception as err:  # noqa: BLE001 - a failed step fails its jobs, not the server
+                if self.pipeline is not None and self.pipeline.failure() is not None:
+                    raise  # an error of a pipeline that failed meanwhile: the same, for the watchdog  # noqa: BLE001 - a failed step fails its jobs, not the server
                 logging.getLogger("tierlm.server").exception("a generation step failed")
                 runner.fail_all(f"generation failed: {type(err).__name__}: {err}")
                 continue
@@ -284,6 +303,12 @@ class Worker:
                 self._restart(problem)
 
     def _problem(self) -> str | None:
+        if self.pipeline is not None:
+            if self.pipeline.gave_up:
+                return None  # it stays down; requests are refused with the reason
+            failure = self.pipeline.failure()
+            if failure is not None:
+                return failure
         thread = self._thread
         if thread is None or not thread.is_alive():
             return f"died ({self._death or 'its thread ended'})"
@@ -299,6 +324,9 @@ class Worker:
             self._last_error = problem
             self._generation += 1  # supersedes the old thread, should it ever wake up
             runner, self._runner = self._runner, None
+        if self.pipeline is not None and self.pipeline.failure() is not None:
+            self._restart_pipeline(problem, runner)
+            return
         logging.getLogger("tierlm.server").error("the worker %s; restarting it", problem)
         message = f"the server's worker {problem} and was restarted; this request was aborted, retry it"
         for job in runner.jobs() if runner else []:
@@ -307,6 +335,27 @@ class Worker:
             self._on_restart(problem)
         if self._stop.wait(self.settings.restart_backoff):
             return
+        self._spawn()
+        with self._cond:
+            self._restarting = False
+
+    def _restart_pipeline(self, problem: str, runner: BatchRunner | None) -> None:
+        """A stage failed: end every job in flight (queued ones too: the restart takes a while)
+        with the reason, let the old thread leave its forward, restart the pipeline under the
+        supervisor's back-off, then a fresh worker thread."""
+        logging.getLogger("tierlm.server").error("%s; restarting the pipeline", problem)
+        with self._cond:
+            queued, self._queue = list(self._queue), deque()
+        message = f"{problem}; the pipeline is restarting, retry the request in a few seconds"
+        for job in queued + (runner.jobs() if runner else []):
+            job.fail(message, code="pipeline_failed")
+        thread = self._thread
+        if thread is not None:
+            thread.join(self.settings.stall_timeout)  # its pending wait ended with StageFailed
+        if self._on_restart is not None:
+            self._on_restart(problem)
+        if not self.pipeline.recover(problem, self._stop):
+            return  # down for good (or shutting down): `down_reason` says so to every request
         self._spawn()
         with self._cond:
             self._restarting = False
