@@ -31,6 +31,8 @@ from tierlm.server.jobs import Job
 IDLE_WAIT_S = 0.1  # an idle worker still beats this often
 SHUTTING_DOWN = "the server is shutting down; retry the request once it is back"
 DEBUG_ACTIONS = ("kill", "stall", "delay", "pause", "resume")
+# A failed pipeline's waits end at once: its worker thread leaves its forward well within this.
+PIPELINE_THREAD_EXIT_S = 5.0
 
 
 class WorkerKilled(BaseException):
@@ -351,7 +353,7 @@ class Worker:
             job.fail(message, code="pipeline_failed")
         thread = self._thread
         if thread is not None:
-            thread.join(self.settings.stall_timeout)  # its pending wait ended with StageFailed
+            thread.join(PIPELINE_THREAD_EXIT_S)  # its pending wait ended with StageFailed
         if self._on_restart is not None:
             self._on_restart(problem)
         if not self.pipeline.recover(problem, self._stop):
