@@ -65,6 +65,12 @@ compute term). Decode reads a resident embedding's rows only and the head once p
 prefill computes the head for one token (last-position logits). KV-cache reads are left out:
 the prediction is for the start of a conversation.
 
+A pipeline stage (`layers`, distributed/stages.py; offload/stage_planner.py splits the model) is
+planned like a model of its own blocks: `sizes` holds only them (an earlier stage has no norm or
+head, a later one no embedding, so a middle stage may stream every layer), its KV cache and
+per-layer dispatch are its own layers', the logits workspace is charged where logits are held
+(the first stage samples, the last computes them) and the per-token overhead to the first stage.
+
 Real limits: a profile is a promise about the process, so its budgets are first capped at what
 the process really has (`limits`: the cgroup memory limit, RLIMIT_AS, free accelerator memory,
 read by the caller with device/memory.py `process_limits`; `cap_profile`). Within the cap the
