@@ -323,3 +323,19 @@ def test_plan_stages_cli_shows_each_stage_as_its_rank_would_plan_it(tmp_path):
     assert re.search(r"--stages \d+", refused.stderr) and "disk_offload is false" in refused.stderr
     wrong = tierlm(*args, "--stages", "3", "--profile", "24gb,8gb")
     assert wrong.returncode == 1 and "lists 2 profiles for 3 stages" in wrong.stderr
+
+
+def test_a_mixture_of_experts_stage_places_its_own_layers_experts():
+    from tierlm.blocks import expert_of
+
+    config = ModelConfig.from_dir(DATA / "qwen3-30b-a3b")
+    sizes = sizes_from_config(config, "int8")
+    planned = split(config, sizes, ["16gb", "8gb"], CPU, accelerator=False)
+    placed = [b.name for stage in planned.stages for b in stage.placement.blocks]
+    assert sorted(placed) == sorted(sizes.names)  # every block, expert or not, in exactly one stage
+    for stage in planned.stages:
+        layers = {x.layer for x in stage.placement.expert_layers}
+        assert layers == set(stage.span.layers) & set(config.moe.sparse_layers)
+        experts = [b for b in stage.placement.blocks if expert_of(b.name) is not None]
+        assert all(expert_of(b.name)[0] in stage.span.layers for b in experts)
+        assert 0 < stage.placement.expert_slots < len(experts)  # some resident, the rest cold

@@ -337,13 +337,14 @@ def render_stage_plan(planned, header: list[str]) -> str:
         lines.append(f"{span.rank:<4} {layers:8} {stage.profile.name:8} {tier(placement, 'device'):>22} "
                      f"{tier(placement, 'host'):>22} {tier(placement, 'disk'):>10} {stage.step_seconds * 1e3:>7.2f} ms")  # fmt: skip
         where = "; ".join(f"{name} {place}" for name, place, _ in placement_rows(placement))
-        lines.append(f"{'':4} {where}, bound by {placement.binding_limit}")
+        lines.append(f"{'':4} {where}{_stage_experts(placement)}, bound by {placement.binding_limit}")
     world, batch = len(planned.stages), planned.batch
     handover, back = planned.transfer_seconds()
     lines.append("")
     if world > 1:
-        lines.append(f"hand-over {format_size(planned.handover_bytes())} of hidden state per token at each of "
-                     f"{world - 1} boundar{'y' if world == 2 else 'ies'}: {handover * 1e3:.3f} ms each")  # fmt: skip
+        where = "the boundary" if world == 2 else f"each of {world - 1} boundaries"
+        lines.append(f"hand-over {format_size(planned.handover_bytes())} of hidden state per token at {where}: "
+                     f"{handover * 1e3:.3f} ms each")  # fmt: skip
         lines.append(f"return    {format_size(planned.return_bytes())} of logits to rank 0 per token: {back * 1e3:.3f} ms")
     stages_s = sum(planned.stage_seconds(1))
     transfers = (world - 1) * handover + back
@@ -359,3 +360,13 @@ def render_stage_plan(planned, header: list[str]) -> str:
                  "could, it does not make one sequence faster")  # fmt: skip
     lines.append("note     each rank is planned as if on a machine like this one (its own memory, disk and probe)")
     return "\n".join(lines)
+
+
+def _stage_experts(placement) -> str:
+    """A mixture-of-experts stage's routed experts in one phrase: resident of all, expected hit rate."""
+    layers = placement.expert_layers
+    if not layers:
+        return ""
+    resident, total = sum(x.resident for x in layers), sum(x.experts for x in layers)
+    hit = sum(x.hit_rate for x in layers) / len(layers)
+    return f"; experts {resident}/{total} resident ({hit * 100:.0f}% of picks expected)"
