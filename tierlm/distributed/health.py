@@ -164,10 +164,6 @@ class PipelineHealth:
         if failure is not None:
             abort(failure)
 
-    def connected(self) -> set[int]:
-        with self._cond:
-            return {rank for rank, peer in self._peers.items() if peer.sock is not None}
-
     def wait_connected(self, timeout: float) -> None:
         """Until every worker's heartbeat is connected (a TierlmError after `timeout` s, a
         StageFailed as soon as one fails)."""
@@ -439,12 +435,10 @@ class Heartbeat:
     """A worker's side: connects to rank 0's monitor, beats every interval, and ends this process
     (status ORPHANED) when rank 0's beats stop for `timeout` s or its connection closes."""
 
-    def __init__(self, address: str, rank: int, timeout: float = DEFAULT_STAGE_TIMEOUT_S, *,
-                 exit_process: Callable[[int], None] = os._exit):  # fmt: skip
+    def __init__(self, address: str, rank: int, timeout: float = DEFAULT_STAGE_TIMEOUT_S):
         self.rank = rank
         self.timeout = check_timeout(timeout)
         self.interval = beat_interval(self.timeout)
-        self._exit = exit_process  # os._exit: the main thread may sit in a gloo wait nothing else ends
         host, _, port = address.rpartition(":")
         try:
             self._sock = socket.create_connection((host, int(port)), timeout=self.timeout)
@@ -453,7 +447,6 @@ class Heartbeat:
             raise TierlmError(f"pipeline stage {rank} cannot reach rank 0's heartbeat at {address}: {err}",
                               "rank 0 has gone; start the pipeline again") from None  # fmt: skip
         self._sock.setblocking(False)
-        self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="tierlm-heartbeat", daemon=True)
         self._thread.start()
 
@@ -464,15 +457,9 @@ class Heartbeat:
         address = env.get(HEALTH_ENV)
         return cls(address, rank, stage_timeout_s(env)) if address else None
 
-    def close(self) -> None:
-        """Stop beating without exiting (a worker that ends on its own)."""
-        self._stop.set()
-        self._thread.join(2 * self.interval + 1)
-        self._sock.close()
-
     def _run(self) -> None:
         last_heard = next_beat = time.monotonic()
-        while not self._stop.is_set():
+        while True:
             readable, _, _ = select.select([self._sock], [], [], self.interval / 2)
             now = time.monotonic()
             if readable:
@@ -497,7 +484,5 @@ class Heartbeat:
                 next_beat = now + self.interval
 
     def _lost(self, why: str) -> None:
-        if self._stop.is_set():
-            return
         print(f"tierlm stage {self.rank}: rank 0 {why}; exiting", file=sys.stderr, flush=True)
-        self._exit(ORPHANED)
+        os._exit(ORPHANED)  # not sys.exit: the main thread may sit in a gloo wait nothing else ends
