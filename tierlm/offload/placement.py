@@ -54,6 +54,18 @@ class ExpertLayer:
 
 
 @dataclass(frozen=True)
+class VariantPlacement:
+    """A LoRA variant served beside the base (runtime/variants.py): its mode, the bytes it adds
+    when held, and its tier. device: held where it computes; host: held in host RAM, copied to
+    the device per use; disk: its changed tensors read from its variant artifact per use."""
+
+    name: str
+    mode: str
+    nbytes: int
+    tier: str
+
+
+@dataclass(frozen=True)
 class Placement:
     """The planner's answer for one model under one profile.
 
@@ -82,6 +94,7 @@ class Placement:
     expert_stream_slots: int = 0
     expert_slot_bytes: int = 0
     expert_layers: tuple[ExpertLayer, ...] = ()
+    variants: tuple[VariantPlacement, ...] = ()  # LoRA variants beside the base, in the order given
 
     def block(self, name: str) -> BlockPlacement:
         return self._by_name[name]
@@ -138,4 +151,5 @@ def placement_to_dict(placement: Placement) -> dict:
              "bytes_per_token": dict(x.bytes_per_token), "host_computed": x.host_computed}
             for x in placement.expert_layers
         ],
+        "variants": [{"name": v.name, "mode": v.mode, "nbytes": v.nbytes, "tier": v.tier} for v in placement.variants],
     }

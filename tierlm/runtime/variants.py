@@ -9,6 +9,11 @@ weight. Its `.linear(x, bias)` (which `models.base.linear` calls) runs the base 
 the rows that use it, each merged variant's weight on its own rows, and adds x·Aᵀ·Bᵀ on the
 rows of an unmerged variant. A batch of one merged variant gets its tensors directly, so the
 fused CPU decode keeps running; device graphs (models/graph_decode.py) replay only the base.
+
+Each overlay lies on the tier the planner gave it (offload/planner.py, "variants"): `device`,
+held where it computes; `host`, held in host RAM and copied over per use; `disk` (merged only),
+nothing held: a block's changed tensors are read from the variant artifact when a forward
+acquires it and freed with that forward, so a rarely used variant costs one block's bytes.
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ from __future__ import annotations
 import re
 import threading
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Iterator, Mapping, Sequence
 
@@ -28,6 +33,7 @@ from tierlm.errors import TierlmError
 from tierlm.weights.store import WeightStore
 
 MERGED, UNMERGED = "merged", "unmerged"
+DEVICE, HOST, DISK = "device", "host", "disk"  # as offload/placement.py names the tiers
 NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 # Cost model defaults, a desktop CPU's order of magnitude: memory read and fp32 matmul rates.
 # Callers with measured figures (runtime/machine_probe) pass their own.
@@ -60,19 +66,72 @@ class LowRank:
         return self.A.nbytes + self.B.nbytes
 
 
+@dataclass(frozen=True)
+class Stored:
+    """A changed tensor of a variant on disk (not held): what it takes once decoded."""
+
+    nbytes: int
+    ndim: int
+
+
 @dataclass(frozen=True, eq=False)
 class Overlay:
     """One variant's changes over the base, per block: {canonical tensor: weight} when merged
     (decoded as the base store decodes), {canonical tensor: LowRank} when unmerged.
 
     `biases` maps a changed bias to the weight it is added with (bqkv -> wqkv), so a mixed batch
-    switches the pair together; `why` says why this mode was chosen; `nbytes` is what it holds.
+    switches the pair together; `why` says why this mode was chosen; `nbytes` is what it holds
+    when held (`held_bytes`: what it holds now). `tier` is where the changes lie (see the module
+    docstring; on disk they are `Stored` stand-ins and `source` reads them), `device` where they
+    compute. `block` gives a block's changes ready to compute with; `placed` moves the overlay.
     """
 
     mode: str
     changes: Mapping[str, Mapping[str, object]]
     why: str = ""
     biases: Mapping[str, Mapping[str, str]] = field(default_factory=dict)
+    tier: str = DEVICE
+    source: "_VariantReader | None" = None  # merged: the variant artifact its changes come from
+    device: torch.device | None = None  # None: where the changes are
+
+    def block(self, name: str) -> Mapping[str, object]:
+        """Block `name`'s changes on the compute device: held ones as they are, host ones copied
+        over, disk ones read and decoded now (freed with the forward that holds them)."""
+        if self.tier == DISK:
+            return self.source.read(name)
+        changes = self.changes[name]
+        if self.tier == HOST and self.device is not None and self.device.type != "cpu":
+            return {tensor: _moved(weight, self.device) for tensor, weight in changes.items()}
+        return changes
+
+    def placed(self, tier: str) -> "Overlay":
+        """This overlay with its changes on `tier` (read from the variant artifact for a held merged
+        one; an unmerged one's factors have no copy on disk: device or host only)."""
+        if tier == self.tier:
+            return self
+        device = self.device or torch.device("cpu")
+        where = device if tier == DEVICE else torch.device("cpu")
+        if self.mode == UNMERGED:
+            if tier == DISK:
+                raise ValueError("an unmerged variant's factors have no copy on disk")
+            changes = {b: {t: _moved(w, where) for t, w in tensors.items()} for b, tensors in self.changes.items()}
+        else:
+            changes = self.source.stand_ins() if tier == DISK else self.source.read_all(where)
+        return replace(self, changes=changes, tier=tier)
+
+    @property
+    def largest(self) -> int:
+        """The bytes of its largest block's changes: what one use reads when it is not held."""
+        return max((sum(_nbytes(t) for t in {id(t): t for t in tensors.values()}.values())
+                    for tensors in self.changes.values()), default=0)  # fmt: skip
+
+    @property
+    def held_bytes(self) -> int:
+        return 0 if self.tier == DISK else self.nbytes
+
+    def close(self) -> None:
+        if self.source is not None:
+            self.source.close()
 
     @property
     def mixes(self) -> bool:
@@ -205,6 +264,13 @@ class VariantStore(WeightStore):
                 raise TierlmError(f"no variant named {name!r}")
             return self._variants.pop(name)
 
+    def replace(self, name: str, overlay: Overlay) -> None:
+        """Serve `name` with `overlay` (the same variant on another tier) from the next forward on."""
+        with self._lock:
+            if name not in self._variants:
+                raise TierlmError(f"no variant named {name!r}")
+            self._variants[name] = overlay
+
     def names(self) -> list[str]:
         with self._lock:
             return list(self._variants)
@@ -273,10 +339,10 @@ class VariantStore(WeightStore):
         return self.base.block_names()
 
     def nbytes(self) -> int:
-        """The base's bytes plus each variant's own."""
+        """The base's bytes plus each variant's own that it holds (not those read from disk per use)."""
         with self._lock:
             overlays = list(self._variants.values())
-        return self.base.nbytes() + sum(o.nbytes for o in overlays)
+        return self.base.nbytes() + sum(o.held_bytes for o in overlays)
 
     def note_forward(self, tokens: int) -> None:
         self.base.note_forward(tokens)
@@ -285,6 +351,10 @@ class VariantStore(WeightStore):
         return self.base.stats()
 
     def close(self) -> None:
+        with self._lock:
+            overlays = list(self._variants.values())
+        for overlay in overlays:
+            overlay.close()
         self.base.close()
 
     # -- switching ---------------------------------------------------------------------------------
@@ -296,12 +366,14 @@ class VariantStore(WeightStore):
         touching = [(name, o, rows) for name, o, rows in selection.groups if block in o.changes]
         if not touching:
             return tensors
-        if selection.uniform and touching[0][1].mode == MERGED:
-            return {**tensors, **touching[0][1].changes[block]}
         if not selection.uniform and not rows_known:
             raise TierlmError(
                 f"variants {', '.join(n for n, _, _ in touching)} change {block}, whose tokens are routed, "
                 "and the batch mixes variants", "run this variant's requests in batches of their own")  # fmt: skip
+        # Each overlay's changes of this block, read once (from disk, for a variant not held).
+        touching = [(name, o, rows, o.block(block)) for name, o, rows in touching]
+        if selection.uniform and touching[0][1].mode == MERGED:
+            return {**tensors, **touching[0][3]}
         out = dict(tensors)
         for tensor in _switched_weights(block, touching):
             out[tensor] = self._row_switched(block, tensor, tensors, touching, selection)
@@ -310,8 +382,7 @@ class VariantStore(WeightStore):
     def _row_switched(self, block, tensor, tensors, touching, selection: _Selection) -> RowSwitched:
         everyone = selection.uniform
         merged, low_rank, merged_rows = [], [], []
-        for name, overlay, rows in touching:
-            changes = overlay.changes[block]
+        for name, overlay, rows, changes in touching:
             bias = next((b for b, w in overlay.biases.get(block, {}).items() if w == tensor), None)
             if overlay.mode == MERGED:
                 weight = changes.get(tensor, tensors[tensor])
@@ -327,9 +398,9 @@ def _switched_weights(block: str, touching) -> list[str]:
     """The weights the selected overlays change in `block` (a changed bias switches its weight);
     a changed norm cannot switch per row: a mixed batch refuses it."""
     names: list[str] = []
-    for name, overlay, _ in touching:
+    for name, overlay, _, changes in touching:
         biases = overlay.biases.get(block, {})
-        for tensor, change in overlay.changes[block].items():
+        for tensor, change in changes.items():
             target = biases.get(tensor)
             if target is None and _is_vector(change):
                 raise TierlmError(f"variant {name!r} changes {block}.{tensor}, which cannot differ per row",
@@ -341,7 +412,16 @@ def _switched_weights(block: str, touching) -> list[str]:
 
 
 def _is_vector(weight) -> bool:
+    if isinstance(weight, Stored):
+        return weight.ndim == 1
     return isinstance(weight, torch.Tensor) and weight.dim() == 1
+
+
+def _moved(weight, device: torch.device):
+    """A held change on `device` (a no-op where it is already)."""
+    if isinstance(weight, LowRank):
+        return LowRank(weight.A.to(device), weight.B.to(device))
+    return weight.to(device)
 
 
 def _nbytes(weight) -> int:
@@ -409,13 +489,16 @@ def overlay_for(
     device="cpu",
     dtype: torch.dtype = torch.float32,
     progress=None,
+    hold: bool = True,
     **cost_model,
 ) -> Overlay:
     """The overlay of `adapters` [(adapter dir, weight)] over the base artifact `base_artifact`,
     merged or unmerged as `choose_mode` decides (`mode` asks for one; `cost_model`: its keyword
     figures). Merged tensors are decoded for `device`/`dtype` as the base store decodes them, so a
     row of the variant computes exactly what a `--lora` artifact would. A wrong adapter raises
-    before anything is converted.
+    before anything is converted. `hold` False: a merged overlay is returned on disk, holding
+    nothing (sized block by block), for the caller to place (`Overlay.placed`); unmerged factors
+    are held on `device` either way.
     """
     # cache/ and lora/ sit above weights/: imported here, where the serving layer builds variants.
     from tierlm.cache.artifact import Artifact
@@ -449,10 +532,12 @@ def overlay_for(
     heights = {s: int(checkpoint.entry(s).shape[0]) for names in changed.values() for sources in names.values() for s in sources}
     factors, cost = _factors(merger, changed, records, heights, device, dtype)
     chosen, why = choose_mode(cost, mode, **cost_model)
+    device = torch.device(device)
     if chosen == UNMERGED:
-        return Overlay(UNMERGED, factors, why, {})
-    tensors = _merged_tensors(model_dir, base_adapters + tuple(adapters), manifest["quant"], changed, device, dtype, progress)
-    return Overlay(MERGED, tensors, why, biases)
+        return Overlay(UNMERGED, factors, why, {}, device=device)
+    reader = _merged_reader(model_dir, base_adapters + tuple(adapters), manifest["quant"], changed, device, dtype, progress)
+    cold = Overlay(MERGED, reader.stand_ins(), why, biases, tier=DISK, source=reader, device=device)
+    return cold.placed(DEVICE) if hold else cold
 
 
 def _bias_pairs(layout, changed) -> dict[str, dict[str, str]]:
@@ -506,34 +591,85 @@ def _concatenated(terms, heights, device, dtype) -> LowRank:
     return LowRank(A.to(device=device, dtype=dtype).contiguous(), B.to(device=device, dtype=dtype).contiguous())
 
 
-def _merged_tensors(model_dir, adapters, quant, changed, device, dtype, progress) -> dict[str, dict[str, object]]:
-    """The changed tensors, decoded, from the variant artifact of `adapters` (all of them, over the
+def _merged_reader(model_dir, adapters, quant, changed, device, dtype, progress) -> "_VariantReader":
+    """A reader of the changed tensors in the variant artifact of `adapters` (all of them, over the
     checkpoint) in the base's quant mode: exactly what the full `--lora` conversion stores."""
-    from tierlm.cache import codec
-    from tierlm.cache.artifact import Artifact
     from tierlm.cache.convert import ConversionRequest, ensure_variant_artifact
 
     directory = ensure_variant_artifact(ConversionRequest(model_dir, (), quant), tuple(adapters), progress)
-    artifact = Artifact.open(directory)
-    read: dict[str, dict] = {}
-    decoded: dict[tuple[str, str], object] = {}  # a tied head is the embedding's tensor, decoded once
-    out: dict[str, dict[str, object]] = {}
-    try:
-        for block, names in changed.items():
-            aliases = artifact.blocks[block].alias_targets()
-            for name in names:
+    return _VariantReader(Path(directory), changed, torch.device(device), dtype)
+
+
+class _VariantReader:
+    """A merged variant's changed tensors, decoded from its artifact as the base store decodes
+    them: per block on each use (`read`), all at once to hold them (`read_all`), or only their
+    sizes (`stand_ins`). The artifact is opened on first read and again after `close`."""
+
+    def __init__(self, directory: Path, changed: Mapping[str, Sequence[str]], device: torch.device, dtype):
+        self.directory, self.changed, self.device, self.dtype = directory, changed, device, dtype
+        self._lock = threading.Lock()
+        self._artifact = None
+
+    def read(self, block: str, device: torch.device | None = None) -> dict[str, object]:
+        """Block `block`'s changed tensors on `device` (default: the compute device)."""
+        return self._decoded([block], device or self.device, copy=False)[block]
+
+    def read_all(self, device: torch.device) -> dict[str, dict[str, object]]:
+        """Every changed tensor on `device`, each decoded once (a tied head is the embedding's)."""
+        return self._decoded(list(self.changed), device, copy=True)
+
+    def stand_ins(self) -> dict[str, dict[str, Stored]]:
+        """Every changed tensor's decoded size, decoded one block at a time and dropped (a tied
+        head's stand-in is the embedding's, as it is one tensor when held)."""
+        out: dict[str, dict[str, Stored]] = {}
+        seen: dict[tuple[str, str], Stored] = {}
+        for block in self.changed:
+            with self._lock:
+                aliases = self._opened().blocks[block].alias_targets()
+            decoded = self.read(block, torch.device("cpu"))
+            for name, weight in decoded.items():
                 source = aliases.get(name, (block, name))
-                if source not in decoded:
-                    if source[0] not in read:
-                        read[source[0]] = artifact.read_stored(source[0])
-                    record, parts = read[source[0]][source[1]]
-                    # Copies: a view would keep the whole block's buffer alive, not just this tensor.
-                    parts = {part: view.clone() for part, view in parts.items()}
-                    decoded[source] = codec.decode(record, parts, device=device, dtype=dtype)
-                out.setdefault(block, {})[name] = decoded[source]
-    finally:
-        artifact.close()
-    return out
+                if source not in seen:
+                    seen[source] = Stored(_nbytes(weight), 1 if _is_vector(weight) else 2)
+                out.setdefault(block, {})[name] = seen[source]
+            del decoded
+        return out
+
+    def close(self) -> None:
+        with self._lock:  # not while a read is under way; a later read opens it again
+            if self._artifact is not None:
+                self._artifact.close()
+            self._artifact = None
+
+    def _opened(self):
+        """The open artifact (call with the lock held)."""
+        from tierlm.cache.artifact import Artifact
+
+        if self._artifact is None:
+            self._artifact = Artifact.open(self.directory)
+        return self._artifact
+
+    def _decoded(self, blocks, device: torch.device, copy: bool) -> dict[str, dict[str, object]]:
+        from tierlm.cache import codec
+
+        read: dict[str, dict] = {}
+        decoded: dict[tuple[str, str], object] = {}
+        out: dict[str, dict[str, object]] = {}
+        with self._lock:
+            artifact = self._opened()
+            for block in blocks:
+                aliases = artifact.blocks[block].alias_targets()
+                for name in self.changed[block]:
+                    source = aliases.get(name, (block, name))
+                    if source not in decoded:
+                        if source[0] not in read:
+                            read[source[0]] = artifact.read_stored(source[0])
+                        record, parts = read[source[0]][source[1]]
+                        # Held: copies, as a view would keep the whole block's buffer alive.
+                        parts = {part: view.clone() for part, view in parts.items()} if copy else parts
+                        decoded[source] = codec.decode(record, parts, device=device, dtype=self.dtype)
+                    out.setdefault(block, {})[name] = decoded[source]
+        return out
 
 
 class _SwitchedExperts(Mapping):
