@@ -250,3 +250,45 @@ def test_rss_grows_by_the_held_variant_not_both(served):
     assert slot + MEMORY_MARGIN < streamed  # else the bound below could not tell one variant from two
     for moment in ("added", "used"):  # after adding both; after forwards on each (v1's blocks read and freed)
         assert figures[moment] - figures["base"] <= held + slot + MEMORY_MARGIN, (moment, figures)
+
+
+# -- the cache: a base artifact is not removed from under its variants ------------------------
+
+
+def test_cache_rm_of_a_base_takes_its_variants_and_list_hides_orphans(tmp_path, monkeypatch):
+    import shutil
+
+    from peft import LoraConfig
+
+    from tierlm.cache.convert import ConversionRequest, ensure_variant_artifact
+    from tierlm.cli.models import remove_from_cache, render_cache_list
+
+    monkeypatch.setenv("TIERLM_CACHE", str(tmp_path / "cache"))  # removals here touch no other test's cache
+    model = tmp_path / "base"
+    make_model(model, vocab=320)
+    adapters = [save_adapter(model, tmp_path / f"adapter-{i}", LoraConfig(r=2, lora_alpha=4, target_modules=[t]), seed=i)
+                for i, t in enumerate(["q_proj", "v_proj"])]  # fmt: skip
+    variants = [ensure_variant_artifact(ConversionRequest(model, (), "int8"), ((a, 1.0),)) for a in adapters]
+    base = variants[0].parent / json.loads((variants[0] / "manifest.json").read_text())["base"]
+    assert all(v.is_dir() for v in variants) and base.is_dir()
+
+    # Not a terminal and no --yes: refused, naming the variants; nothing removed.
+    monkeypatch.setattr(sys.stdin, "isatty", lambda: False, raising=False)
+    with pytest.raises(TierlmError, match="pass --yes") as err:
+        remove_from_cache([base.name], False, False)
+    assert all(v.name in str(err.value) for v in variants)
+    assert base.is_dir() and all(v.is_dir() for v in variants)
+
+    removed = remove_from_cache([base.name], False, True)
+    assert sorted(p.name for p in removed) == sorted([base.name, *(v.name for v in variants)])
+    assert not base.exists() and not any(v.exists() for v in variants)
+    assert not [line for line in render_cache_list().splitlines() if line.startswith("variant")]
+
+    # A base removed by hand (or an older tierlm): its variant is not listed, a note says how to remove it.
+    orphan = ensure_variant_artifact(ConversionRequest(model, (), "int8"), ((adapters[0], 1.0),))
+    shutil.rmtree(base)
+    listing = render_cache_list()
+    assert not [line for line in listing.splitlines() if line.startswith("variant")]
+    assert "whose base artifact is gone (not listed" in listing and f"tierlm cache rm {orphan.name}" in listing
+    assert [p.name for p in remove_from_cache([orphan.name], False, False)] == [orphan.name]
+    assert "base artifact is gone" not in render_cache_list()

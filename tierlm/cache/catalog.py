@@ -200,6 +200,20 @@ def _unlinked_bytes(directory: Path, other: Path) -> int:
     return total
 
 
+def variants_of(base_dirs, entries: list[Entry] | None = None) -> list[Entry]:
+    """The variant artifacts that read their blocks from one of the artifact directories named
+    `base_dirs` (directory names): removing a base without them would leave them dangling."""
+    entries = catalog() if entries is None else entries
+    wanted = set(base_dirs)
+    return [e for e in entries if e.shares is not None and e.shares in wanted]
+
+
+def orphaned_variants(entries: list[Entry] | None = None) -> list[Entry]:
+    """Variant artifacts whose base artifact is gone (removed by an older tierlm, or by hand)."""
+    entries = catalog() if entries is None else entries
+    return [e for e in entries if e.shares is not None and not (e.path.parent / e.shares).is_dir()]
+
+
 def known_names(entries: list[Entry] | None = None) -> list[str]:
     """Every name that resolves: the embedded model, the cache's entries, their external bases."""
     entries = catalog() if entries is None else entries

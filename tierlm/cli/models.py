@@ -78,17 +78,25 @@ def render_cache_list() -> str:
     """`tierlm cache list`: kind, size, directory name (what `cache rm` takes), catalogue name.
 
     A variant's size is what it adds to the cache: the blocks its adapters change; it reads the
-    rest from the base artifact named after it."""
-    from tierlm.cache.catalog import catalog
+    rest from the base artifact named after it. A variant whose base is gone cannot load: it is
+    not listed, a note says how to remove it."""
+    from tierlm.cache.catalog import catalog, orphaned_variants
     from tierlm.profile import format_size
 
+    entries = catalog()
+    orphans = orphaned_variants(entries)
     lines = []
-    for entry in catalog():
+    for entry in entries:
+        if entry in orphans:
+            continue
         kind, name = entry.kind, entry.name
         if entry.shares is not None:
-            gone = "" if (entry.path.parent / entry.shares).is_dir() else ", which is gone"
-            kind, name = "variant", f"{name}; adds {format_size(entry.nbytes)} to base {entry.shares}{gone}"
+            kind, name = "variant", f"{name}; adds {format_size(entry.nbytes)} to base {entry.shares}"
         lines.append(f"{kind:9} {format_size(entry.nbytes):>10}  {entry.path.name}  ({name})")
+    if orphans:
+        names = " ".join(e.path.name for e in orphans)
+        lines.append(f"{len(orphans)} variant artifact{'s' * (len(orphans) != 1)} whose base artifact is gone "
+                     f"(not listed, {format_size(sum(e.nbytes for e in orphans))}); `tierlm cache rm {names}` removes them")  # fmt: skip
     return "\n".join(lines + stale_builds_lines())
 
 
@@ -128,7 +136,9 @@ def age(seconds_ago: float) -> str:
 
 
 def remove_from_cache(names: list[str], everything: bool, yes: bool) -> list[Path]:
-    """`tierlm cache rm`: names are directory names or catalogue names; --all asks first unless --yes."""
+    """`tierlm cache rm`: names are directory names or catalogue names; --all asks first unless --yes.
+    Removing a base artifact removes the variant artifacts that read their blocks from it, after
+    asking (unless --yes): without it they could not load."""
     import typer
 
     from tierlm.cache import catalog
@@ -153,7 +163,17 @@ def remove_from_cache(names: list[str], everything: bool, yes: bool) -> list[Pat
         found = name if name in listed else catalog.find_entry(name, list(listed.values()))
         # A name outside the cache (or none) stays as typed, and remove_entries says it is unknown.
         dir_names.append(found.name if isinstance(found, Path) and found.name in listed else name)
-    return remove_entries(dir_names)
+    dependents = [e for e in catalog.variants_of(dir_names, list(listed.values())) if e.path.name not in dir_names]
+    if dependents and not yes:
+        said = (f"{', '.join(dict.fromkeys(n for n in dir_names if n in listed))} is the base of {len(dependents)} "
+                f"variant artifact{'s' * (len(dependents) != 1)} ({', '.join(e.path.name for e in dependents)}), "
+                "which cannot load without it")  # fmt: skip
+        if not sys.stdin.isatty():
+            raise TierlmError(f"{said}; nothing was removed", "pass --yes to remove them with their base")
+        size = format_size(sum(e.nbytes for e in dependents))
+        if not typer.confirm(f"{said}. Remove them too ({size})?", default=False):
+            raise typer.Abort()
+    return remove_entries(dir_names + [e.path.name for e in dependents])
 
 
 # ----------------------------------------------------------------------------- tierlm import-gguf
