@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Callable
 
 from tierlm.cache import codec
 from tierlm.cache.artifact import Artifact
@@ -11,9 +12,11 @@ from tierlm.weights.store import ResidentStore
 
 
 def load_resident_artifact(
-    directory: Path, *, device="cpu", dtype=None, progress: Progress | None = None
+    directory: Path, *, device="cpu", dtype=None, progress: Progress | None = None,
+    only: Callable[[str], bool] | None = None,
 ) -> ResidentStore:
-    """Every block of the artifact read once (one read per block) and decoded for `device`.
+    """Every block of the artifact read once (one read per block) and decoded for `device`;
+    `only`: just the blocks it accepts (a pipeline stage's), the others never read.
 
     Checksums are verified on worker threads while later blocks are read; the store is returned
     only once every block has passed. Aliased tensors (a tied head) are the same object as their
@@ -21,7 +24,7 @@ def load_resident_artifact(
     """
     artifact = Artifact.open(directory)
     blocks: dict[str, dict] = {}
-    names = list(artifact.blocks)
+    names = [name for name in artifact.blocks if only is None or only(name)]
     try:
         for done, (name, raw) in enumerate(artifact.read_blocks(names), start=1):
             blocks[name] = {

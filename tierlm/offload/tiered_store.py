@@ -90,7 +90,8 @@ class TieredStore(WeightStore):
         if tied_head and EMBED not in self.resident:
             # A resident tied head is the embedding matrix: rows come from it for free.
             self.resident[EMBED] = {"embed": self.resident[HEAD]["head"]}
-        if EMBED not in self.resident:
+        if EMBED not in self.resident and any(placed.name == EMBED for placed in placement.blocks):
+            # (A later pipeline stage has no embedding to read rows of: its placement lacks it.)
             self._embed_rows = EmbeddingRows(
                 artifact.blocks[EMBED].tensors["embed"],
                 self._read_embed_rows,

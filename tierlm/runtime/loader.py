@@ -23,6 +23,13 @@ class LoadedModel:
     sizes: object = None  # the BlockSizes it was planned from (measured runs are checked against it)
     weight_format: str = ""  # how the weights are held: a quant mode ("int8", "fp16") or, as stored, the dtype
     artifact_dir: Path | None = None  # the compiled artifact the weights come from (None: as stored)
+    span: object = None  # the pipeline stage loaded (distributed/stages.py StageSpan; None: the whole model)
+
+    def __post_init__(self):
+        if self.span is None:
+            from tierlm.distributed.stages import whole_model
+
+            self.span = whole_model(self.config.num_hidden_layers)
 
     @property
     def formats(self) -> str:
@@ -34,11 +41,18 @@ class LoadedModel:
         self.store.close()
 
     def new_cache(self, batch: int = 1, dtype=None):
+        """A KV cache for this stage's layers (all of them for the whole model)."""
         from tierlm.cache.kv import KVCache
 
-        return KVCache.for_model(
-            self.config, self.max_len, batch=batch, device=self.device, dtype=dtype or self.dtype
-        )
+        return KVCache.for_model(self.config, self.max_len, batch=batch, device=self.device,
+                                 dtype=dtype or self.dtype, layers=len(self.span.layers))  # fmt: skip
+
+    def new_slot_cache(self, slots: int, dtype=None):
+        """A SlotKVCache of `slots` sequences for this stage's layers (the server's batches)."""
+        from tierlm.cache.kv import SlotKVCache
+
+        return SlotKVCache.for_model(self.config, self.max_len, slots, device=self.device,
+                                     dtype=dtype or self.dtype, layers=len(self.span.layers))  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -65,6 +79,7 @@ class Budget:
     limits: object  # the process's real limits (device/memory.py), which budgets are capped at
     fallbacks: list  # the shipped profiles a refusal may suggest instead
     bandwidths: object = None  # None: the probe's, read after the fit check
+    span: object = None  # the pipeline stage planned (StageSpan): only its blocks and layers are charged
 
 
 @dataclass(frozen=True)
@@ -89,6 +104,7 @@ def load_model(
     read_delay_s: float = 0.0,
     progress: Progress | None = None,
     convert_progress: Progress | None = None,
+    stage=None,
 ) -> LoadedModel:
     """Load a model for `device` in `dtype` (defaults: the device's compute dtype).
 
@@ -96,7 +112,9 @@ def load_model(
     resolve the weight source (`quant`, else the profile's, with LoRA `adapters` as
     (path, weight) pairs), plan it under the `profile` when one is given, convert to the
     artifact the source needs on first use, open the store. The context is the profile's
-    (or `context_length`), capped by max_position_embeddings.
+    (or `context_length`), capped by max_position_embeddings. `stage` (distributed/stages.py
+    StageSpan; None: the whole model) loads one pipeline stage: only its blocks are planned and
+    opened, and its caches hold only its layers.
     """
     import torch
 
@@ -105,7 +123,8 @@ def load_model(
     device = resolve_device(device) if not isinstance(device, torch.device) else device
     dtype = dtype or compute_dtype(device)
     source = resolve_source(model_dir, requested_quant(quant, profile), adapters, accelerator=device.type != "cpu")
-    budget = read_budget(source, profile, device, bandwidths) if profile is not None else None
+    span = stage_span(source.config, stage)
+    budget = read_budget(source, profile, device, bandwidths, span) if profile is not None else None
     planned = plan_load(source, budget) if budget is not None else None
     if planned is not None:
         source = planned.source
@@ -114,13 +133,33 @@ def load_model(
         if budget is not None:
             planned = plan_load(source, budget)  # the artifact's exact sizes
     placement = planned.placement if planned is not None else None
-    store = open_store(source, placement, device, dtype, read_delay_s=read_delay_s, progress=progress)
+    store = open_store(source, placement, device, dtype, span=span, read_delay_s=read_delay_s, progress=progress)
     max_len = context_for(source.config, context_length, profile)
-    model = source.family(source.config, store, max_len, device, dtype)
+    model = source.family(source.config, store, max_len, device, dtype, span=span)
     weight_format = dtype_name(dtype) if source.as_stored else source.quant  # as stored: converted as they load
     sizes = planned.sizes if planned is not None else None
     artifact_dir = source.directory if source.compiled else None
-    return LoadedModel(source.config, model, store, max_len, device, dtype, placement, sizes, weight_format, artifact_dir)
+    return LoadedModel(source.config, model, store, max_len, device, dtype, placement, sizes, weight_format, artifact_dir,
+                       span)  # fmt: skip
+
+
+def stage_span(config: ModelConfig, stage):
+    """`stage`, checked against the model, or the whole model when None."""
+    from tierlm.distributed.stages import whole_model
+
+    layers = config.num_hidden_layers
+    if stage is None:
+        return whole_model(layers)
+    fits = 0 <= stage.first < stage.end <= layers and 0 <= stage.rank < stage.world
+    if not fits or (stage.world == 1 and stage != whole_model(layers)):
+        raise TierlmError(f"{stage.describe()} (rank {stage.rank} of {stage.world}) does not fit a model of "
+                          f"{config.num_hidden_layers} layers", "split the stages over the model's own layers")  # fmt: skip
+    return stage
+
+
+def stage_blocks(config: ModelConfig, span, names) -> tuple[str, ...]:
+    """The blocks among `names` that `span`'s stage holds (a tied head needs the embedding)."""
+    return span.blocks(names, tied=config.tie_word_embeddings)
 
 
 def requested_quant(quant: str | None, profile) -> str:
@@ -153,14 +192,14 @@ def resolve_source(model_dir: Path, quant: str, adapters=(), *, accelerator: boo
     return WeightSource(model_dir, config, family, mode, tuple(adapters), compiled, as_stored)
 
 
-def read_budget(source: WeightSource, profile, device, bandwidths=None) -> Budget:
+def read_budget(source: WeightSource, profile, device, bandwidths=None, span=None) -> Budget:
     """The baseline charged for the runtime, measured before any weight is loaded
     (runtime/baseline.py), the process limits and the shipped fallback profiles."""
     from tierlm.device.memory import process_limits
     from tierlm.runtime.baseline import runtime_baseline
 
     baseline = runtime_baseline(device, source.quant, source.directory)
-    return Budget(profile, device, baseline, process_limits(device), shipped_fallbacks(), bandwidths)
+    return Budget(profile, device, baseline, process_limits(device), shipped_fallbacks(), bandwidths, span)
 
 
 def plan_load(source: WeightSource, budget: Budget) -> Planned:
@@ -168,6 +207,8 @@ def plan_load(source: WeightSource, budget: Budget) -> Planned:
     are what gets killed), then place every block within the budget. Weights as stored obey it
     too: when they do not fit resident, they are planned (and converted) as an artifact."""
     sizes = expected_sizes(source, budget.device.type != "cpu")
+    if budget.span is not None and budget.span.world > 1:  # a pipeline stage plans its own blocks only
+        sizes = sizes.only(stage_blocks(source.config, budget.span, sizes.names))
     placement = _plan(source.config, sizes, budget)
     if source.as_stored and not placement.fully_resident:
         return plan_load(replace(source, as_stored=False), budget)
@@ -199,15 +240,19 @@ def convert_source(source: WeightSource, accelerator: bool, progress) -> WeightS
     return replace(source, directory=artifact_dir, quant=artifact_quant(artifact_dir), compiled=True)
 
 
-def open_store(source: WeightSource, placement, device, dtype, *, read_delay_s: float = 0.0, progress=None):
+def open_store(source: WeightSource, placement, device, dtype, *, span=None, read_delay_s: float = 0.0,
+               progress=None):  # fmt: skip
     """Step 3: the WeightStore over `source`: the checkpoint as stored, resident in `dtype`; an
-    artifact resident, or tiered by `placement` when some blocks are streamed."""
+    artifact resident, or tiered by `placement` when some blocks are streamed. `span`: a pipeline
+    stage, whose blocks alone are opened (a placement made for it places only those)."""
+    span = stage_span(source.config, span)
     if not source.as_stored:
-        return _artifact_store(source.directory, placement, device, dtype, read_delay_s, progress)
+        return _artifact_store(source, placement, device, dtype, span, read_delay_s, progress)
     from tierlm.weights.checkpoint import Checkpoint
     from tierlm.weights.store import load_resident
 
     layout = source.family.checkpoint_layout(source.config)
+    layout = {block: layout[block] for block in stage_blocks(source.config, span, list(layout))}
     store = load_resident(Checkpoint(source.directory), layout, device=device, dtype=dtype, progress=progress)
     check_shapes(source.config, store, source.family)  # conversion checks artifacts as it writes them
     return store
@@ -236,7 +281,8 @@ def _check_fits(config, sizes, budget: Budget) -> None:
     from tierlm.offload.planner import check_fits
 
     check_fits(config, sizes, budget.profile, accelerator=budget.device.type != "cpu",
-               baseline_bytes=budget.baseline.charged, limits=budget.limits, fallbacks=budget.fallbacks)  # fmt: skip
+               baseline_bytes=budget.baseline.charged, limits=budget.limits, fallbacks=budget.fallbacks,
+               **_stage_layers(budget))  # fmt: skip
 
 
 def shipped_fallbacks() -> list:
@@ -263,14 +309,24 @@ def _plan(config, sizes, budget: Budget):
         limits=budget.limits,
         fallbacks=budget.fallbacks,
         routing=expected_routing(config, sizes),  # an MoE model's hottest experts become resident
+        **_stage_layers(budget),
     )
 
 
-def _artifact_store(artifact_dir: Path, placement, device, dtype, read_delay_s: float, progress):
+def _stage_layers(budget: Budget) -> dict:
+    """The planner's `layers` argument for a pipeline stage (its KV cache, workspace and overheads
+    are charged for its layers only); nothing for a whole-model load."""
+    span = budget.span
+    return {} if span is None or span.world == 1 else {"layers": span.layers}
+
+
+def _artifact_store(source: WeightSource, placement, device, dtype, span, read_delay_s: float, progress):
     from tierlm.cache.store import load_resident_artifact
 
+    artifact_dir = source.directory
     if placement is None or placement.fully_resident:
-        return load_resident_artifact(artifact_dir, device=device, dtype=dtype, progress=progress)
+        only = None if span.world == 1 else lambda name: span.owns(name, source.config.tie_word_embeddings)
+        return load_resident_artifact(artifact_dir, device=device, dtype=dtype, progress=progress, only=only)
     from tierlm.cache.artifact import Artifact
     from tierlm.offload.tiered_store import TieredStore
 

@@ -68,14 +68,10 @@ class BatchRunner:
     """Up to `slots` sequences over one model and one SlotKVCache."""
 
     def __init__(self, loaded, tokenizer, slots: int):
-        from tierlm.cache.kv import SlotKVCache
-
         self.loaded = loaded
         self.model = loaded.model
         self.tokenizer = tokenizer
-        self.cache = SlotKVCache.for_model(
-            loaded.config, loaded.max_len, slots, device=loaded.device, dtype=loaded.dtype
-        )
+        self.cache = loaded.new_slot_cache(slots)  # a pipeline stage's layers only
         self.active: list[ActiveSequence] = []
         self._free = list(range(slots))
         self._sampled = 0
