@@ -13,21 +13,27 @@ from pathlib import Path
 MiB = 2**20
 
 
-def plan_for(model_dir: Path, profile, quant: str | None = None, device: str | None = None):
+def plan_for(model_dir: Path, profile, quant: str | None = None, device: str | None = None, loras=()):
     """(Placement, header lines) for `model_dir` under `profile` (a Profile), as `tierlm plan`
     prints them, from the loader's own steps (resolve the weight source, read the budget, plan).
     Reads no weights: block sizes come as the loader expects them, from an artifact's manifest
-    or config.json. Raises TierlmError when it cannot fit."""
+    or config.json. Raises TierlmError when it cannot fit.
+    `loras`: `--lora` values as `serve` takes them: DIR[:WEIGHT] merges into the base, NAME=DIR[:WEIGHT]
+    is a variant beside it, placed as `serve` places it (see `_with_variants`)."""
     from tierlm.device import resolve_device
+    from tierlm.lora.spec import parse_lora_spec, split_variant_specs
     from tierlm.offload.probe import bandwidths_path
     from tierlm.runtime.loader import plan_load, read_budget, requested_quant, resolve_source
     from tierlm.runtime.machine_probe import load_probe
 
     target = resolve_device(device)
-    source = resolve_source(model_dir, requested_quant(quant, profile), accelerator=target.type != "cpu")
+    merged, variants = split_variant_specs(loras)
+    adapters = tuple(parse_lora_spec(spec) for spec in merged)
+    source = resolve_source(model_dir, requested_quant(quant, profile), adapters, accelerator=target.type != "cpu")
     tokenizer = _tokenizer_as_a_session_holds_it(model_dir)  # noqa: F841 - held while measuring
     budget = read_budget(source, profile, target)
     planned = plan_load(source, budget)
+    placement, variant_lines = _with_variants(planned, budget, variants) if variants else (planned.placement, [])
     probe = load_probe(target)  # the record the plan's bandwidths came from, for its age
     config, baseline = source.config, budget.baseline
     header = [
@@ -38,8 +44,35 @@ def plan_for(model_dir: Path, profile, quant: str | None = None, device: str | N
         f"runtime loaded: torch, tokenizer, kernels)",
         limits_line(budget.limits),
         *probe_lines(probe, bandwidths_path(target).stem),
+        *(f"lora     {path}{'' if weight == 1.0 else f' x{weight:g}'} merged into the base" for path, weight in adapters),
+        *variant_lines,
     ]
-    return planned.placement, header
+    return placement, header
+
+
+def _with_variants(planned, budget, variants):
+    """(the placement with `variants` {name: ((path, weight), ...)} placed beside the base, a line
+    per variant saying its mode and why), computed as `serve` does: the base's artifact (the load
+    converts to it first, once) and each variant's (built once, cached) are read to size them."""
+    from tierlm.device import compute_dtype
+    from tierlm.runtime.loader import convert_source, plan_load
+    from tierlm.runtime.session import plan_with_variants, variant_base_artifact
+    from tierlm.runtime.variants import overlay_for
+
+    device = budget.device
+    source = planned.source
+    if not (source.as_stored or source.compiled):  # as the load does: convert, then plan the exact sizes
+        planned = plan_load(convert_source(source, device.type != "cpu", None), budget)
+    artifact_dir = planned.source.directory if planned.source.compiled else None
+    base = variant_base_artifact(source.directory, artifact_dir, source.adapters, device)
+    overlays = {name: overlay_for(base, adapters, device=device, dtype=compute_dtype(device), hold=False)
+                for name, adapters in variants.items()}  # fmt: skip
+    try:
+        placement = plan_with_variants(source.config, planned.sizes, device, budget.profile, planned.placement, overlays)
+    finally:
+        for overlay in overlays.values():
+            overlay.close()
+    return placement, [f"variant  {name}: {overlay.why}" for name, overlay in overlays.items()]
 
 
 def _moe_text(config) -> str:
@@ -154,6 +187,20 @@ def _expert_lines(placement) -> list[str]:
     return ["", *lines]
 
 
+def _variant_lines(placement) -> list[str]:
+    """The LoRA variants of `describe`: each one's mode, bytes and where it lies."""
+    from tierlm.offload.placement import DEVICE, DISK
+    from tierlm.profile import format_size
+
+    if not placement.variants:
+        return []
+    where = {DEVICE: "device, resident", DISK: "disk, read per use"}
+    lines = ["", f"{'variant':22} {'mode':9} {'tier':22} {'bytes':>10}"]
+    lines += [f"{v.name:22} {v.mode:9} {where.get(v.tier, f'{v.tier}, copied per use'):22} {format_size(v.nbytes):>10}"
+              for v in placement.variants]  # fmt: skip
+    return lines
+
+
 def describe(placement) -> str:
     """The human-readable plan: blocks, per-tier totals against budgets (itemised), speeds."""
     from tierlm.profile import format_size
@@ -161,6 +208,7 @@ def describe(placement) -> str:
     lines = [f"{'block':22} {'tier':32} {'bytes':>10}"]
     lines += [f"{name:22} {where:32} {format_size(n):>10}" for name, where, n in placement_rows(placement)]
     lines += _expert_lines(placement)
+    lines += _variant_lines(placement)
     lines.append("")
     for tier, items in placement.charges.items():
         budget = placement.budgets.get(tier)

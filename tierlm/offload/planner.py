@@ -12,12 +12,15 @@ What each tier is charged (`Placement.charges`), all of which must fit its budge
             resident), headroom; on a CPU-only machine also the baseline, since device and host
             are one RAM tier there (no "host" entry then; `emulate_host_tier` keeps it separate);
             MoE: expert slots ("experts") and stream slots for cold experts ("expert_stream");
-            LoRA variants served beside the base ("variants": each variant's own merged blocks or
-            low-rank factors, runtime/variants.py; the base's blocks are charged once)
+            LoRA variants served beside the base ("variants": the resident ones' own merged blocks
+            or low-rank factors, runtime/variants.py; the base's blocks are charged once;
+            "variant_stream": one slot, the largest block of a variant read per use)
     host    baseline (RSS measured at start-up), host-tier weights, pinned staging for disk
             blocks (accelerator: the same slot count x the largest disk block), host workspace
             when blocks are computed on the CPU beside an accelerator, headroom; MoE on an
-            accelerator: pinned stream slots for experts read from disk ("expert_stream")
+            accelerator: pinned stream slots for experts read from disk ("expert_stream");
+            LoRA variants held in host RAM ("variants"), a slot for a disk variant's reads
+            on an accelerator ("variant_stream")
     disk    cold blocks (no budget)
 
 What becomes resident, in priority order (a prefix of this list; the rest is cold):
@@ -31,6 +34,10 @@ spread evenly over the layers): they are charged as `expert_slots` slots ("exper
 `expert_stream_slots` slots for reading cold ones ("expert_stream", top_k per layer in flight,
 twice that with prefetch so the next layer's reads overlap this one's compute). The rest go to
 host RAM while it fits (a separate host tier), else disk.
+LoRA variants come after the whole base (adding one never moves a base block), hottest first
+(request counts, else the order given): resident while the device holds it, else in host RAM
+(a separate host tier), else, merged, read from its variant artifact per use (an unmerged
+variant's low-rank factors have no copy on disk: resident or host, or it is refused).
 A cold head costs the device a ring of head-sized slots, more than keeping it, so in practice
 it is resident whenever anything is. Fits are checked with every cold block counted as
 streamed (the most any compute choice costs), then the cost model picks the compute.
@@ -93,7 +100,7 @@ from tierlm.blocks import EMBED, HEAD, NORM, expert_of, is_expert, is_layer, lay
 from tierlm.config import ModelConfig
 from tierlm.device.memory import MemoryLimits
 from tierlm.errors import TierlmError
-from tierlm.offload.placement import DEVICE, DISK, HOST, BlockPlacement, ExpertLayer, Placement
+from tierlm.offload.placement import DEVICE, DISK, HOST, BlockPlacement, ExpertLayer, Placement, VariantPlacement
 from tierlm.offload.probe import MATRIX, Bandwidths
 from tierlm.offload.sizes import (
     PREFILL_CHUNK,
@@ -113,11 +120,24 @@ GiB = 2**30
 
 @dataclass(frozen=True)
 class VariantCharge:
-    """A LoRA variant held beside the base: its mode (merged or unmerged) and the bytes it adds."""
+    """A LoRA variant served beside the base: its mode (merged or unmerged), the bytes it adds when
+    held, `largest`: the bytes of its largest block, read per use into one slot when it is not held
+    (0: `nbytes`), and `uses`: requests that named it (hotter variants are placed first)."""
 
     name: str
     mode: str
     nbytes: int
+    largest: int = 0
+    uses: int = 0
+
+    @property
+    def slot_bytes(self) -> int:
+        return self.largest or self.nbytes
+
+    @property
+    def streams(self) -> bool:
+        """Whether it can be read from disk per use: a merged variant has its artifact there."""
+        return self.mode == "merged"
 
 
 @dataclass(frozen=True)
@@ -192,7 +212,10 @@ def check_fits(
     effective, caps = cap_profile(profile, limits, accelerator)
     ctx = _Context(config, sizes, effective, bandwidths, accelerator, baseline_bytes, variants=tuple(variants),
                    layers=_stage_layers(config, sizes, layers))  # fmt: skip
-    if _fitting_tiers(ctx) is not None:
+    found = _fitting_tiers(ctx)
+    if found is not None:
+        tiers, split = found
+        _place_variants(ctx, _charges(ctx, tiers, _all_streamed(tiers), split, host_compute=True))  # may refuse
         return
     own = replace(ctx, profile=profile)
     if caps and _fitting_tiers(own) is not None:  # the profile fits; the process's limits do not
@@ -382,7 +405,7 @@ class _Context:
     routing: object = None  # RoutingCounts of an MoE model (None: uniform)
     shares: Mapping[str, float] | None = field(default=None, compare=False)  # per expert, instead of routing
     placed: Mapping[str, str] | None = field(default=None, compare=False)  # an existing placement's expert tiers
-    variants: tuple[VariantCharge, ...] = ()  # LoRA variants held on the device tier beside the base
+    variants: tuple[VariantCharge, ...] = ()  # LoRA variants, placed after the base (_place_variants)
     layers: range | None = None  # a pipeline stage's decoder layers (None: the whole model)
 
     @property
@@ -423,7 +446,8 @@ def _attempt(ctx: _Context) -> Placement | None:
     tiers, split = found
     split = replace(split, host_compute=_host_computes_experts(ctx, split))
     computes = _choose_compute(ctx, tiers, split)
-    return _placement(ctx, tiers, computes, split, _charges(ctx, tiers, computes, split))
+    variants, charges = _place_variants(ctx, _charges(ctx, tiers, computes, split))
+    return _placement(ctx, tiers, computes, split, charges, variants)
 
 
 def _fitting_tiers(ctx: _Context) -> tuple[dict[str, str], "_Split"] | None:
@@ -523,8 +547,6 @@ def _charges(ctx: _Context, tiers, computes, split: "_Split", *, host_compute: b
     if experts is not None:  # resident experts in their slots; cold ones read through the stream slots
         device["experts"] = split.device * experts.slot_bytes
         device["expert_stream"] = experts.stream_bytes if split.device < experts.count else 0
-    if ctx.variants:  # each variant's own bytes; the base blocks they share are the weights above
-        device["variants"] = sum(v.nbytes for v in ctx.variants)
     disk = {"weights": weights(DISK)}
     if not ctx.separate_host:
         return {DEVICE: {"baseline": ctx.baseline, **device}, DISK: disk}
@@ -560,7 +582,60 @@ def _fits(ctx: _Context, charges, tiers: tuple[str, ...] = (DEVICE, HOST)) -> bo
                for tier in tiers)  # fmt: skip
 
 
-def _placement(ctx: _Context, tiers, computes, split: "_Split", charges) -> Placement:
+# -- LoRA variants beside the base ------------------------------------------------------------------
+
+
+def _place_variants(ctx: _Context, charges) -> tuple[tuple[VariantPlacement, ...], dict]:
+    """Each variant's tier, hottest first (uses, then the order given), and `charges` (the base's)
+    with the variants' added. A variant is resident while the device tier holds it, else in host
+    RAM while a separate host tier holds it, else, merged and with disk_offload, read from disk per
+    use; one held off the device costs the device a slot for its largest block. Base blocks never
+    move for a variant. A TierlmError names the first variant that fits nowhere."""
+    if not ctx.variants:
+        return (), charges
+    placed: dict[str, str] = {}
+    for variant in sorted(ctx.variants, key=lambda v: -v.uses):
+        options = [DEVICE] + ([HOST] if ctx.separate_host else []) + ([DISK] if variant.streams and ctx.profile.disk_offload else [])
+        tier = next((t for t in options if _fits(ctx, _variant_charges(ctx, charges, {**placed, variant.name: t}))), None)
+        if tier is None:
+            raise _variant_refusal(ctx, variant, _variant_charges(ctx, charges, placed))
+        placed[variant.name] = tier
+    found = tuple(VariantPlacement(v.name, v.mode, v.nbytes, placed[v.name]) for v in ctx.variants)
+    return found, _variant_charges(ctx, charges, placed)
+
+
+def _variant_charges(ctx: _Context, charges, placed: Mapping[str, str]) -> dict[str, dict[str, int]]:
+    """`charges` plus the variants of `placed` {name: tier}: held bytes on their tier, and one
+    slot (the largest block of any variant read per use) on the device; on an accelerator a
+    disk variant's reads pass through a host slot too."""
+    by_name = {v.name: v for v in ctx.variants}
+    chosen = [(by_name[name], tier) for name, tier in placed.items()]
+    out = {tier: dict(items) for tier, items in charges.items()}
+    out[DEVICE]["variants"] = sum(v.nbytes for v, tier in chosen if tier == DEVICE)
+    out[DEVICE]["variant_stream"] = max((v.slot_bytes for v, tier in chosen if tier != DEVICE), default=0)
+    if HOST in out:
+        out[HOST]["variants"] = sum(v.nbytes for v, tier in chosen if tier == HOST)
+        disk = [v.slot_bytes for v, tier in chosen if tier == DISK]
+        out[HOST]["variant_stream"] = max(disk, default=0) if ctx.accelerator else 0
+    return out
+
+
+def _variant_refusal(ctx: _Context, variant: VariantCharge, charges) -> TierlmError:
+    left = {tier: budget - sum(charges[tier].values()) for tier, budget in _budgets(ctx).items() if budget is not None}
+    room = ", ".join(f"the {tier} tier {_size(max(n, 0))}" for tier, n in left.items())
+    if variant.streams and ctx.profile.disk_offload:
+        how = f"nor the {_size(variant.slot_bytes, up=True)} slot reading it from disk per use needs"
+    elif variant.streams:
+        how = "and the profile's disk_offload is false, so it cannot be read from disk per use"
+    else:
+        how = "and an unmerged variant's low-rank factors have no copy on disk to read per use"
+    hint = "serve fewer variants at once (DELETE /v1/adapters/NAME frees one) or use a larger --profile"
+    return TierlmError(
+        f"LoRA variant {variant.name!r} ({variant.mode}, {_size(variant.nbytes, up=True)}) does not fit beside the base "
+        f"and the variants placed before it: {room} left holds neither it {how}", hint)  # fmt: skip
+
+
+def _placement(ctx: _Context, tiers, computes, split: "_Split", charges, variants=()) -> Placement:
     sizes, experts = ctx.sizes, ctx.experts
     tiers, computes = dict(tiers), dict(computes)
     if experts is not None:
@@ -587,9 +662,9 @@ def _placement(ctx: _Context, tiers, computes, split: "_Split", charges) -> Plac
     notes.append("decode prediction: start of a conversation (KV-cache reads not counted)")
     if experts is not None:
         notes.append(_expert_note(ctx, split))
-    if ctx.variants:
+    if variants:
         notes.append("LoRA variants beside the base: " + ", ".join(
-            f"{v.name} {v.mode} {v.nbytes / 2**20:.2f} MiB" for v in ctx.variants))
+            f"{v.name} {v.mode} {v.nbytes / 2**20:.2f} MiB on {v.tier}" for v in variants))
     return Placement(
         blocks=blocks,
         budgets=_budgets(ctx),
@@ -605,6 +680,7 @@ def _placement(ctx: _Context, tiers, computes, split: "_Split", charges) -> Plac
         expert_stream_slots=experts.stream_slots if experts is not None and split.device < experts.count else 0,
         expert_slot_bytes=experts.slot_bytes if experts is not None else 0,
         expert_layers=_expert_layers(ctx, split),
+        variants=tuple(variants),
     )
 
 
@@ -1039,9 +1115,8 @@ def _shortfall(ctx: _Context, units: list[_Unit]) -> str:
             where = "device + host"
         short = weights - max(grant, 0)
         if short > 0:
-            variants = f", LoRA variants {_gib(fixed['variants'])} among them" if "variants" in fixed else ""
             return (f"its {ctx.sizes.quant} weights ({_gib(weights)}) need {_gib(short)} more than "
-                    f"the {where} memory left after fixed charges ({_gib(max(grant, 0))}{variants}), and "
+                    f"the {where} memory left after fixed charges ({_gib(max(grant, 0))}), and "
                     f"disk_offload is false")  # fmt: skip
     # The device tier's least charge over every resident prefix (a resident head can cost less
     # than the ring slot it would need when streamed).
