@@ -210,3 +210,60 @@ def test_a_stage_that_does_not_fit_the_model_is_refused(checkpoint):
         load_model(checkpoint("llama-tied"), device="cpu", stage=StageSpan(1, 2, 2, 6))
     with pytest.raises(TierlmError, match="does not fit"):
         load_model(checkpoint("llama-tied"), device="cpu", stage=StageSpan(0, 1, 0, 2))
+
+
+def test_a_streaming_stage_plans_and_opens_only_its_blocks(checkpoint, tmp_path):
+    """Stages of an INT8 artifact planned under a profile too small for their blocks: each stage's
+    placement (BlockSizes.only + the planner's `layers`) streams some of its own blocks from disk and
+    places nothing else, its TieredStore opens those, and the chained logits equal the whole model's."""
+    from tierlm.offload.planner import plan
+    from tierlm.offload.probe import Bandwidths
+    from tierlm.offload.sizes import sizes_from_artifact
+    from tierlm.profile import load_profile
+    from tierlm.runtime.loader import open_store, resolve_source, stage_blocks
+
+    whole = load_model(checkpoint("llama-tied"), device="cpu", dtype=torch.float32, context_length=CONTEXT,
+                       quant="int8")  # fmt: skip
+    source = resolve_source(whole.artifact_dir, "none", accelerator=False)
+    sizes = sizes_from_artifact(whole.artifact_dir)
+    layer_bytes = sizes.nbytes["layers.0"]
+    bandwidths = Bandwidths(device_bytes_per_s=12e9, host_bytes_per_s=12e9, link_bytes_per_s=8e9,
+                            disk_bytes_per_s=1.5e9, device_flops=2e11, host_flops=2e11, per_block_overhead_s=2e-4)
+
+    def placed(span, budget: int):
+        profile = tmp_path / "tight.toml"
+        profile.write_text(f'description = "tests: a tight stage"\nkv_dtype = "auto"\n'
+                           f'device_memory = {budget}\nhost_memory = {budget}\ndisk_offload = true\nheadroom = 0\n'
+                           f'quant = "int8"\ncontext_length = {CONTEXT}\nbatch_size = 1\nprefetch_depth = 0\n')
+        stage_sizes = sizes.only(stage_blocks(whole.config, span, sizes.names))
+        return plan(whole.config, stage_sizes, load_profile(str(profile)), bandwidths, accelerator=False,
+                    baseline_bytes=0, layers=span.layers)  # fmt: skip
+
+    def tightest(span):
+        """The placement under the smallest budget the planner accepts (found by bisection)."""
+        low, high = 0, 64 * sum(sizes.nbytes.values())
+        while high - low > layer_bytes // 8:
+            mid = (low + high) // 2
+            try:
+                placed(span, mid)
+                high = mid
+            except TierlmError:
+                low = mid
+        return placed(span, high)
+
+    ids = prompt(whole.config.vocab_size, 7)
+    expected = prefill_and_decode([whole], ids)
+    stages = []
+    for span in even_split(whole.config.num_hidden_layers, 2):
+        placement = tightest(span)
+        names = [b.name for b in placement.blocks]
+        assert names == list(stage_blocks(whole.config, span, sizes.names))
+        assert any(b.tier == "disk" for b in placement.blocks), "the stage must stream some of its blocks"
+        store = open_store(source, placement, torch.device("cpu"), torch.float32, span=span)
+        assert store.block_names() == names
+        model = source.family(whole.config, store, CONTEXT, torch.device("cpu"), torch.float32, span=span)
+        stages.append(type(whole)(whole.config, model, store, CONTEXT, torch.device("cpu"), torch.float32,
+                                  placement, span=span))  # fmt: skip
+    assert_equal_runs(prefill_and_decode(stages, ids), expected)
+    for loaded in stages:
+        loaded.close()
