@@ -88,7 +88,7 @@ def serve(session, options: ServerOptions, host: str = "127.0.0.1", port: int = 
     app = create_app(session, options)
     sock = bind(host, port)
     slots = options.batch_size or session.profile.batch_size
-    variants = "".join(f", variant {name} ({overlay.mode}, {overlay.nbytes / 2**20:.1f} MiB)"
+    variants = "".join(f", variant {name} ({overlay.mode}, {overlay.nbytes / 2**20:.1f} MiB on {overlay.tier})"
                        for name, (_, overlay) in session.variants.items())
     print(f"tierlm serve: listening on {url_of(sock)} (model {app.state.model_id}{variants}, "
           f"profile {session.profile.name}, batch {slots}, loaded in {session.load_s:.1f} s)",
