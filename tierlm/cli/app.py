@@ -26,7 +26,15 @@ ModelOpt = typer.Option(
 )
 # `tierlm chat smollm2`, as `ollama run NAME`; the same as --model, which it excludes.
 ModelArg = typer.Argument(None, metavar="MODEL", help="Model name or path; the same as --model", show_default=False)
-ProfileOpt = typer.Option("24gb", "--profile", "-p", help="Shipped profile name or path to a .toml")
+ProfileOpt = typer.Option(
+    "24gb", "--profile", "-p",
+    help="Shipped profile name or path to a .toml; with --stages, a comma list gives each stage its own",
+)
+StagesOpt = typer.Option(
+    None, "--stages", min=1, show_default=False,
+    help="Run the model as a pipeline of N stages, each its own process with a range of layers (N-1 local "
+    "workers are started; under torchrun: its WORLD_SIZE ranks)",
+)
 MaxNewOpt = typer.Option(256, "--max-new-tokens", "-n", min=1, help="Most tokens to generate per reply")
 # Sampling options default to None: the model's generation_config.json decides, else the fallback.
 _FALLBACK = GenerationDefaults()
@@ -79,16 +87,50 @@ def _params(session, max_new_tokens, temperature, top_p, top_k, min_p, repetitio
     )
 
 
-def _open(model, profile_name, device, dtype, quant, lora, threads=None):
+def _open(model, profile_name, device, dtype, quant, lora, threads=None, stages=None):
     from tierlm.cli.progress import progress_factory
-    from tierlm.profile import load_profile
     from tierlm.runtime.session import open_session
 
-    profile = load_profile(profile_name)
+    profiles = _stage_profiles(profile_name, stages)
     return open_session(
-        model, profile, device=device, dtype=dtype, quant=quant, loras=tuple(lora or ()), threads=threads,
-        progress=progress_factory(),
+        model, profiles[0], device=device, dtype=dtype, quant=quant, loras=tuple(lora or ()), threads=threads,
+        progress=progress_factory(), stage_profiles=tuple(profiles) if len(profiles) > 1 else (),
     )
+
+
+def _stage_profiles(names: str, stages: int | None) -> list:
+    """One Profile per pipeline stage from `--profile a[,b,...]` and `--stages N` (under torchrun
+    N is its WORLD_SIZE; a list alone implies one stage each); a single one for one process."""
+    from tierlm.distributed.launch import rank_env
+    from tierlm.errors import TierlmError
+    from tierlm.profile import load_profile
+
+    listed = [load_profile(name.strip()) for name in names.split(",")]
+    env = rank_env()
+    count = stages or (env.world if env is not None else len(listed))
+    if env is not None and count != env.world:
+        raise TierlmError(f"--stages {count} under torchrun with WORLD_SIZE={env.world}",
+                          f"drop --stages, or launch {count} processes")  # fmt: skip
+    if len(listed) not in (1, count):
+        raise TierlmError(f"--profile lists {len(listed)} profiles for {count} stages",
+                          "give one profile for every stage, or one per stage")  # fmt: skip
+    return listed * count if len(listed) == 1 else listed
+
+
+def _pipeline_worker(device) -> bool:
+    """Under torchrun every rank runs the same command: ranks > 0 serve their pipeline stage for
+    rank 0 instead (which sends them what to load). True when this process did."""
+    from tierlm.distributed.launch import rank_env
+
+    env = rank_env()
+    if env is None or env.rank == 0:
+        return False
+    from tierlm.device import resolve_device
+    from tierlm.distributed.launch import backend_for
+    from tierlm.distributed.worker import serve_stage
+
+    serve_stage(env, backend_for(resolve_device(device).type))
+    return True
 
 
 @app.command(short_help="Chat with a model (interactive, or one message per stdin line).")
@@ -110,13 +152,16 @@ def chat(
     quant: Optional[str] = QuantOpt,
     lora: Optional[list[str]] = LoraOpt,
     threads: Optional[int] = ThreadsOpt,
+    stages: Optional[int] = StagesOpt,
 ):
     """Chat interactively (reads lines from stdin when it is not a terminal). /help lists commands."""
     from tierlm.cli.models import pick_model
     from tierlm.cli.repl import run_chat
 
+    if _pipeline_worker(device):
+        return
     model = pick_model(model_arg, model)
-    with _open(model, profile, device, dtype, quant, lora, threads) as session:
+    with _open(model, profile, device, dtype, quant, lora, threads, stages) as session:
         params = _params(session, max_new_tokens, temperature, top_p, top_k, min_p, repetition_penalty, seed, stop)
         run_chat(session, params, system)
 
@@ -141,11 +186,14 @@ def generate(
     quant: Optional[str] = QuantOpt,
     lora: Optional[list[str]] = LoraOpt,
     threads: Optional[int] = ThreadsOpt,
+    stages: Optional[int] = StagesOpt,
 ):
     """Generate one reply. Only the generated text goes to stdout, so it can be piped."""
+    if _pipeline_worker(device):
+        return
     if prompt == "-":
         prompt = sys.stdin.read()
-    with _open(model, profile, device, dtype, quant, lora, threads) as session:
+    with _open(model, profile, device, dtype, quant, lora, threads, stages) as session:
         params = _params(session, max_new_tokens, temperature, top_p, top_k, min_p, repetition_penalty, seed, stop)
         tokenizer = session.engine.tokenizer
         if raw:
@@ -201,7 +249,8 @@ def cache_list():
 def cache_rm(
     names: list[str] = typer.Argument(None, help="Entry names as `cache list` shows them, or model names"),
     all_entries: bool = typer.Option(False, "--all", help="Remove every entry (asks first)"),
-    yes: bool = typer.Option(False, "--yes", "-y", help="Do not ask before removing everything"),
+    yes: bool = typer.Option(False, "--yes", "-y",
+                             help="Do not ask before removing everything, or a base artifact with its variants"),
 ):
     """Remove cache entries (they are rebuilt on next use)."""
     from tierlm.cli.models import remove_from_cache
@@ -279,6 +328,11 @@ def plan(
     device: Optional[str] = DeviceOpt,
     threads: Optional[int] = ThreadsOpt,
     as_json: bool = typer.Option(False, "--json", help="Print the Placement as JSON"),
+    lora: Optional[list[str]] = typer.Option(
+        None, "--lora",
+        help="NAME=DIR[:WEIGHT]: a LoRA variant served beside the base, placed as `serve --lora` places it "
+        "(repeatable); DIR[:WEIGHT] merges the adapter into the base",
+    ),
     stages: Optional[int] = typer.Option(
         None, "--stages", min=1, show_default=False,
         help="Split the model over N pipeline stages (one per --profile in a comma list, or N of one profile): "
@@ -318,7 +372,7 @@ def plan(
     chosen = replace(chosen, threads=apply_threads(threads or chosen.threads))  # the probe is keyed on it
     model_dir = resolve_model_dir(pick_model(model_arg, model))
     try:
-        placement, header = plan_for(model_dir, chosen, quant, device)
+        placement, header = plan_for(model_dir, chosen, quant, device, tuple(lora or ()))
     except TierlmError as refused:  # what one process cannot hold, a pipeline of them may
         from tierlm.cli.plan_view import least_stages_for
 
@@ -362,6 +416,7 @@ def bench(
     tokens: int = typer.Option(64, "--tokens", min=2, help="Tokens to decode per run"),
     runs: int = typer.Option(3, "--runs", min=1, help="Runs; the median is reported"),
     as_json: bool = typer.Option(False, "--json", help="Print the figures as JSON"),
+    stages: Optional[int] = StagesOpt,
 ):
     """Measure prefill and decode speed and memory under a profile, next to the planner's prediction."""
     import json
@@ -369,7 +424,9 @@ def bench(
     from tierlm.cli.bench import format_bench, run_bench
     from tierlm.cli.models import pick_model
 
-    with _open(pick_model(model_arg, model), profile, device, dtype, quant, lora, threads) as session:
+    if _pipeline_worker(device):
+        return
+    with _open(pick_model(model_arg, model), profile, device, dtype, quant, lora, threads, stages) as session:
         result = run_bench(session, prompt_tokens, tokens, runs)
     print(json.dumps(result, indent=1) if as_json else format_bench(result))
 
@@ -390,6 +447,11 @@ def serve(
     max_queue: int = typer.Option(64, "--max-queue", min=0, help="Requests waiting for a slot before 429"),
     timeout: float = typer.Option(600.0, "--timeout", min=0.0, help="Default request deadline in seconds (0 = none)"),
     stall_timeout: float = typer.Option(60.0, "--stall-timeout", min=0.1, help="Restart a worker silent this long (s)"),
+    stage_timeout: Optional[float] = typer.Option(
+        None, "--stage-timeout", min=0.1, show_default=False,
+        help="With --stages: a stage silent this long (no heartbeat) fails the pipeline, which is restarted "
+        "(s; default 5, or TIERLM_STAGE_TIMEOUT)",
+    ),
     model_name: Optional[str] = typer.Option(
         None, "--model-name", help="Model id to serve under (default: the model's catalogue name)"
     ),
@@ -407,6 +469,7 @@ def serve(
         "(repeatable)",
     ),
     threads: Optional[int] = ThreadsOpt,
+    stages: Optional[int] = StagesOpt,
     temperature: Optional[float] = TempOpt,
     top_p: Optional[float] = TopPOpt,
     top_k: Optional[int] = TopKOpt,
@@ -420,18 +483,20 @@ def serve(
     from tierlm.cli.models import pick_model
     from tierlm.cli.progress import progress_factory
     from tierlm.lora.spec import split_variant_specs
-    from tierlm.profile import load_profile
     from tierlm.runtime.session import open_session
     from tierlm.server.options import ServerOptions
     from tierlm.server.run import serve as run_server
 
-    chosen = load_profile(profile)
-    if batch_size is not None:  # the planner then reserves KV memory for this many sequences
-        chosen = dataclasses.replace(chosen, batch_size=batch_size)
+    if _pipeline_worker(device):
+        return
+    chosen = _stage_profiles(profile, stages)
+    if batch_size is not None:  # the planner then reserves KV memory for this many sequences (on every stage)
+        chosen = [dataclasses.replace(p, batch_size=batch_size) for p in chosen]
     merged, variants = split_variant_specs(lora or ())
     with open_session(
-        pick_model(model_arg, model), chosen, device=device, dtype=dtype, quant=quant, loras=merged,
+        pick_model(model_arg, model), chosen[0], device=device, dtype=dtype, quant=quant, loras=merged,
         variants=variants, threads=threads, progress=progress_factory(),
+        stage_profiles=tuple(chosen) if len(chosen) > 1 else (), stage_timeout=stage_timeout,
     ) as session:
         # Sampling flags become the server's defaults for requests that omit the field.
         given = dict(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, repetition_penalty=repetition_penalty)

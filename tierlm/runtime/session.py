@@ -35,6 +35,8 @@ class Session:
     base_adapters: tuple[tuple[Path, float], ...] = ()
     # The variants added so far: name -> (its own adapters, its overlay in the variant store).
     variants: dict = field(default_factory=dict)
+    # The stages in other processes (distributed/pipeline.py's PipelineModel, also loaded.model); None: one process.
+    pipeline: object = None
     # Held while the set of variants and the plan change: the server adds on one thread, removes on another.
     _variants_lock: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False, compare=False)
     closed: bool = field(default=False, init=False)
@@ -69,46 +71,50 @@ class Session:
 
     def add_variant(self, name: str, adapters, progress: ProgressFactory | None = None):
         """Build the variant `name` (its `adapters` [(path, weight)] on top of the served base,
-        merged or unmerged as runtime/variants.py's cost model chooses) and add it to the variant
-        store; returns its Overlay (mode, why, nbytes). Slow: it may convert."""
+        merged or unmerged as runtime/variants.py's cost model chooses), place it where the
+        planner says (held, or read from disk per use) and add it to the variant store; returns
+        its Overlay (mode, why, nbytes, tier). Slow: it may convert."""
         from tierlm.runtime.variants import overlay_for
 
         store = self.variant_store()
         base = self._base_artifact(progress)
-        overlay = overlay_for(base, tuple(adapters), device=self.loaded.device, dtype=self.loaded.dtype,
-                              progress=progress(f"converting variant {name}") if progress else None)
+        # Not held yet: a merged variant is only sized, so a variant placed on disk never is in memory.
+        overlay = overlay_for(base, tuple(adapters), device=self.loaded.device, dtype=self.loaded.dtype, hold=False,
+                              progress=progress(f"converting variant {name}") if progress else None)  # fmt: skip
         with self._variants_lock:
-            charges = {n: o for n, (_, o) in self.variants.items()} | {name: overlay}
-            placement = self._replan(charges, name)  # refuses before the variant is served
-            store.add(name, overlay)
-            self.variants[name] = (tuple(adapters), overlay)
+            overlays = {n: o for n, (_, o) in self.variants.items()} | {name: overlay}
+            placement = self._replan(overlays, name)  # refuses before the variant is served
+            placed = _placed(overlays, placement)
+            self._move_variants(placed)
+            store.add(name, placed[name])
+            self.variants[name] = (tuple(adapters), placed[name])
             self.loaded.placement = placement
-        return overlay
+        return placed[name]
+
+    def _move_variants(self, placed) -> None:
+        """Swap each served overlay whose tier the new plan changed (colder ones first, so the
+        memory they free is there for the warmer ones)."""
+        store = self.variant_store()
+        moved = [(n, o) for n, o in placed.items() if n in self.variants and self.variants[n][1] is not o]
+        for name, overlay in sorted(moved, key=lambda item: item[1].held_bytes):
+            store.replace(name, overlay)  # the same variant artifact: its reader stays open
+            self.variants[name] = (self.variants[name][0], overlay)
 
     def _replan(self, overlays, adding: str | None):
-        """The load's placement re-made with `overlays` {name: Overlay} charged beside the base (the
+        """The load's placement re-made with `overlays` {name: Overlay} placed beside the base (the
         planner's "variants"); a TierlmError when `adding` would move a base block to another tier
         (blocks are placed once, at load) or no longer fit. None when the load had no plan."""
         placement = self.loaded.placement
         if placement is None:
             return None
-        from tierlm.device.memory import process_limits
-        from tierlm.offload.placement import DEVICE, HOST
-        from tierlm.offload.planner import VariantCharge, plan
-        from tierlm.offload.sizes import expected_routing
-        from tierlm.runtime.machine_probe import load_bandwidths
-
-        loaded, device = self.loaded, self.loaded.device
-        charges = [VariantCharge(name, overlay.mode, overlay.nbytes) for name, overlay in overlays.items()]
-        baseline = (placement.charges.get(HOST) or placement.charges[DEVICE])["baseline"]  # as the load charged it
         hint = "serve fewer variants, or a larger --profile"
         try:
-            replanned = plan(loaded.config, loaded.sizes, self.profile, load_bandwidths(device),
-                             accelerator=device.type != "cpu", baseline_bytes=baseline,
-                             limits=process_limits(device), routing=expected_routing(loaded.config, loaded.sizes),
-                             variants=charges)  # fmt: skip
+            loaded = self.loaded
+            replanned = plan_with_variants(loaded.config, loaded.sizes, loaded.device, self.profile, placement, overlays)
         except TierlmError as err:
-            raise TierlmError(f"with variant {adding} the model no longer fits: {err}", hint) from None
+            if adding is None:
+                raise
+            raise TierlmError(f"variant {adding} cannot be served: {err.message}", err.hint or hint) from None
         if adding is not None and _tiers(replanned) != _tiers(placement):
             moved = sorted(b for b, tier in _tiers(replanned).items() if _tiers(placement)[b] != tier)
             raise TierlmError(f"variant {adding} needs room the base's blocks hold: with it, {', '.join(moved[:3])} "
@@ -131,21 +137,19 @@ class Session:
     def _base_artifact(self, progress: ProgressFactory | None) -> Path:
         """The artifact the base's weights come from; weights loaded as stored get one in their
         own format (converted once, cached), which variants are read against."""
-        if self.loaded.artifact_dir is not None:
-            return Path(self.loaded.artifact_dir)
-        from tierlm.cache.convert import ConversionRequest, ensure_artifact
-        from tierlm.quant.modes import AS_STORED, concrete_mode
-
-        mode = concrete_mode(AS_STORED, accelerator=self.loaded.device.type != "cpu", converted=True)
-        request = ConversionRequest(self.model_dir, self.base_adapters, mode)
-        return Path(ensure_artifact(request, progress("converting the base for variants") if progress else None))
+        return variant_base_artifact(self.model_dir, self.loaded.artifact_dir, self.base_adapters, self.loaded.device,
+                                     progress("converting the base for variants") if progress else None)  # fmt: skip
 
     def remove_variant(self, name: str) -> None:
-        """Drop the variant `name` from the store; only between forwards (the server's worker)."""
+        """Drop the variant `name` from the store; only between forwards (the server's worker).
+        A variant the freed room now holds is loaded into it."""
         with self._variants_lock:
-            self.variant_store().remove(name)
+            self.variant_store().remove(name).close()
             self.variants.pop(name, None)
-            self.loaded.placement = self._replan({n: o for n, (_, o) in self.variants.items()}, None)
+            overlays = {n: o for n, (_, o) in self.variants.items()}
+            placement = self._replan(overlays, None)
+            self._move_variants(_placed(overlays, placement))
+            self.loaded.placement = placement
 
     def close(self) -> None:
         """Release the weight store's reader threads and files and persist its hot-row
@@ -153,6 +157,8 @@ class Session:
         if self.closed:
             return
         self.closed = True
+        if self.pipeline is not None:
+            self.pipeline.close()  # the workers release their stages (and exit, when this session started them)
         self.loaded.close()
 
     def __enter__(self) -> "Session":
@@ -183,6 +189,8 @@ def open_session(
     variants=None,
     threads: int | None = None,
     progress: ProgressFactory | None = None,
+    stage_profiles: tuple[Profile, ...] = (),
+    stage_timeout: float | None = None,
 ) -> Session:
     """Load the model within the profile's context and return a session over it.
 
@@ -191,6 +199,10 @@ def open_session(
     beside it (`serve --lora NAME=PATH`);
     `threads` (else the profile's; 0 or None: the CPUs this process may use) is set in torch
     before the INT8 kernels are calibrated for it.
+    `stage_profiles` (one per pipeline stage, rank order; empty: one process) runs the model as a
+    pipeline: this process is rank 0 under `profile`, the others run under theirs
+    (distributed/pipeline.py; spawned here, or torchrun's ranks); `stage_timeout` (else
+    TIERLM_STAGE_TIMEOUT, else 5 s) is how long a stage may go silent before it counts as failed.
     """
     import time
 
@@ -209,21 +221,33 @@ def open_session(
     started = time.perf_counter()
     tokenizer = Tokenizer.from_dir(model_dir)
     torch_dtype = _parse_dtype(dtype)
-    loaded = load_model(
-        model_dir,
-        device=device,
-        dtype=torch_dtype,
-        quant=quant,
-        profile=profile,
-        adapters=adapters,
-        progress=progress("loading weights") if progress else None,
-        convert_progress=progress("converting (merge + quantize)") if progress else None,
-    )
+    if stage_profiles:
+        from tierlm.distributed.pipeline import open_pipeline
+
+        if variants:
+            raise TierlmError("LoRA variants are not served over pipeline stages",
+                              "merge the adapter into the base with --lora DIR, or drop --stages")  # fmt: skip
+        loaded = open_pipeline(model_dir, [profile, *stage_profiles[1:]], stage_timeout=stage_timeout,
+                               device=device, dtype=torch_dtype, quant=quant,
+                               adapters=adapters, threads=threads,
+                               progress=progress("loading weights") if progress else None)  # fmt: skip
+    else:
+        loaded = load_model(
+            model_dir,
+            device=device,
+            dtype=torch_dtype,
+            quant=quant,
+            profile=profile,
+            adapters=adapters,
+            progress=progress("loading weights") if progress else None,
+            convert_progress=progress("converting (merge + quantize)") if progress else None,
+        )
     requested = quant or profile.quant
     resolved = resolve_auto(requested, model_dir, accelerator=loaded.device.type != "cpu")
     profile = replace(profile, quant=requested, quant_resolved=resolved)
     defaults = GenerationDefaults.from_dir(model_dir)
     session = Session(loaded, tokenizer, profile, model_dir, time.perf_counter() - started, defaults, adapters)
+    session.pipeline = loaded.model if stage_profiles else None
     try:
         for name, variant in (variants or {}).items():
             session.add_variant(name, variant, progress)
@@ -232,6 +256,51 @@ def open_session(
         raise
     session.load_s = time.perf_counter() - started
     return session
+
+
+def variant_base_artifact(model_dir: Path, artifact_dir, base_adapters, device, progress=None) -> Path:
+    """The artifact variants are read against: the one a load's weights come from (`artifact_dir`),
+    else, for weights loaded as stored, one in their own format (converted once, cached)."""
+    if artifact_dir is not None:
+        return Path(artifact_dir)
+    from tierlm.cache.convert import ConversionRequest, ensure_artifact
+    from tierlm.quant.modes import AS_STORED, concrete_mode
+
+    mode = concrete_mode(AS_STORED, accelerator=device.type != "cpu", converted=True)
+    return Path(ensure_artifact(ConversionRequest(model_dir, tuple(base_adapters), mode), progress))
+
+
+def plan_with_variants(config, sizes, device, profile, placement, overlays):
+    """The placement of a load (`placement`, made from `sizes` under `profile` for `device`)
+    re-made with `overlays` {name: Overlay} placed beside the base, as `serve` charges them and
+    `tierlm plan --lora NAME=PATH` shows them. The baseline is the one the load charged."""
+    from tierlm.device.memory import process_limits
+    from tierlm.offload.placement import DEVICE, HOST
+    from tierlm.offload.planner import plan
+    from tierlm.offload.sizes import expected_routing
+    from tierlm.runtime.machine_probe import load_bandwidths
+
+    baseline = (placement.charges.get(HOST) or placement.charges[DEVICE])["baseline"]
+    return plan(config, sizes, profile, load_bandwidths(device), accelerator=device.type != "cpu",
+                baseline_bytes=baseline, limits=process_limits(device), routing=expected_routing(config, sizes),
+                variants=variant_charges(overlays))  # fmt: skip
+
+
+def variant_charges(overlays, uses=None) -> list:
+    """The planner's VariantCharges for `overlays` {name: Overlay}, in their order; `uses`
+    {name: requests} makes the more used ones hotter (none kept yet: the order given)."""
+    from tierlm.offload.planner import VariantCharge
+
+    uses = uses or {}
+    return [VariantCharge(name, o.mode, o.nbytes, o.largest, uses.get(name, 0)) for name, o in overlays.items()]
+
+
+def _placed(overlays, placement) -> dict:
+    """Each overlay on the tier `placement` gives it (without a plan, no budget: held)."""
+    if placement is None:
+        return {name: overlay.placed("device") for name, overlay in overlays.items()}
+    tiers = {v.name: v.tier for v in placement.variants}
+    return {name: overlay.placed(tiers[name]) for name, overlay in overlays.items()}
 
 
 def _tiers(placement) -> dict[str, str]:

@@ -1,12 +1,16 @@
 """The HTTP side: routes that validate, enqueue and stream; `create_app` builds one server's app.
 
 Routes: GET /v1/models, POST /v1/chat/completions, POST /v1/completions, GET /metrics,
-GET/POST /v1/adapters, DELETE /v1/adapters/{name}, GET /health (never behind the API key), and
-POST /debug/worker when test hooks are enabled.
+GET/POST /v1/adapters, DELETE /v1/adapters/{name}, GET /stats (speed, memory against the budget and
+placement, as JSON: stats.py), GET / (the chat page, static/chat.html: never behind the API key, the
+calls it makes are), GET /health (never behind the API key), and
+POST /debug/worker when test hooks are enabled. The Ollama API (/api/chat, /api/generate, /api/tags,
+/api/show, /api/ps, /api/version, with Ollama's bodies and errors) is ollama.py's, on the same worker.
 Errors are OpenAI-style bodies: 400 invalid or unsupported input (any JSON shape, depth or
 invalid Unicode included), 401 API key, 404 unknown route, 413 body too large, 429 queue full
 (with Retry-After), 500 this request's generation failed (the batch it shared goes on), 503 the
-worker failed or the server is shutting down. A streamed response that has begun ends with an
+worker failed, a pipeline stage is down (`pipeline_unavailable`, with Retry-After, until the
+watchdog has restarted it) or the server is shutting down. A streamed response that has begun ends with an
 error event instead. A client that leaves before its reply began is logged as 499, without a
 traceback.
 
@@ -62,10 +66,19 @@ from tierlm.server.metrics import Metrics, process_memory, store_metrics
 from tierlm.server.options import ServerOptions
 from tierlm.server.responses import EventStream, Shape, sse, usage
 from tierlm.server.schemas import ApiError, GenerationRequest, parse_adapter, parse_body, parse_chat, parse_completion
+from tierlm.server.stats import server_stats
 from tierlm.server.worker import DEBUG_ACTIONS, SHUTTING_DOWN, Worker, WorkerSettings
 
 RETRY_AFTER_S = 1
 CLIENT_GONE = 499  # nginx's "client closed request": for the access log, no client reads it
+# The chat page loads nothing from elsewhere: it must work offline, and model output never runs as code.
+CHAT_PAGE_HEADERS = {
+    "Content-Security-Policy": "default-src 'none'; script-src 'unsafe-inline'; style-src 'unsafe-inline'; "
+                               "connect-src 'self'; img-src data:; base-uri 'none'; form-action 'none'; "
+                               "frame-ancestors 'none'",
+    "Cache-Control": "no-cache",
+    "X-Content-Type-Options": "nosniff",
+}
 
 
 def create_app(session, options: ServerOptions) -> FastAPI:
@@ -87,6 +100,7 @@ def create_app(session, options: ServerOptions) -> FastAPI:
         WorkerSettings(state.slots, options.max_queue, options.stall_timeout, options.restart_backoff),
         on_step=metrics.step,
         on_restart=lambda _problem: metrics.restarts.inc(),
+        pipeline=_pipeline_supervisor(session, options),
     )
     state.drain = state.worker.drain  # run.py: the moment shutdown begins
     state.variants = Variants(session, state.model_id, options.aliases, state.worker)
@@ -95,6 +109,9 @@ def create_app(session, options: ServerOptions) -> FastAPI:
         app.add_middleware(AccessLog)
     app.include_router(_public)
     app.include_router(_api)
+    from tierlm.server.ollama import router as ollama_routes  # here: it imports this module's checks
+
+    app.include_router(ollama_routes)
     if options.debug_hooks:
         app.include_router(_debug)
     return app
@@ -110,6 +127,14 @@ async def _lifespan(app: FastAPI):
         await run_in_threadpool(worker.stop)
 
 
+def _pipeline_supervisor(session, options: ServerOptions):
+    """The restarter of a pipeline of stages (None for one process), backing off from the
+    server's --restart-backoff."""
+    from tierlm.distributed.supervisor import RestartPolicy, supervise
+
+    return supervise(session.loaded, RestartPolicy(backoff_s=options.restart_backoff))
+
+
 def _live(state) -> dict[str, float]:
     """The gauges /metrics reads at scrape time."""
     worker = state.worker
@@ -120,11 +145,19 @@ def _live(state) -> dict[str, float]:
         "tierlm_worker_healthy": 1.0 if worker.health()["status"] == "ok" else 0.0,
         **process_memory(),
         **store_metrics(state.session.loaded.store),
+        **_pipeline_readings(worker.pipeline),
     }
     kv = worker.kv_bytes()
     if kv is not None:
         readings['tierlm_kv_cache_bytes{state="reserved"}'], readings['tierlm_kv_cache_bytes{state="used"}'] = kv
     return readings
+
+
+def _pipeline_readings(pipeline) -> dict[str, float]:
+    if pipeline is None:
+        return {}
+    return {"tierlm_pipeline_up": 0.0 if pipeline.down_reason() else 1.0,
+            "tierlm_pipeline_restarts_total": pipeline.restarts}  # fmt: skip
 
 
 async def _require_key(request: Request) -> None:
@@ -137,7 +170,7 @@ async def _require_key(request: Request) -> None:
                        code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
 
 
-_public = APIRouter()  # /health: never behind the API key
+_public = APIRouter()  # /health and the chat page: never behind the API key
 _api = APIRouter(dependencies=[Depends(_require_key)])
 _debug = APIRouter(dependencies=[Depends(_require_key)])  # included only when test hooks are on
 
@@ -151,6 +184,19 @@ async def health(request: Request):
     report["profile"] = {"name": profile.name, "context_length": state.context, "batch_size": state.slots,
                          "quant": profile.quant_resolved or profile.quant, "summary": profile.summary()}
     return JSONResponse(report, status_code=200 if report["status"] == "ok" else 503)
+
+
+@_public.api_route("/", methods=["GET", "HEAD"])  # HEAD: the liveness check Ollama's own CLI makes
+async def chat_page():
+    from importlib import resources
+
+    page = resources.files("tierlm.server").joinpath("static").joinpath("chat.html").read_bytes()
+    return Response(page, media_type="text/html; charset=utf-8", headers=CHAT_PAGE_HEADERS)
+
+
+@_api.get("/stats")
+async def stats(request: Request):
+    return await run_in_threadpool(server_stats, request.app.state)  # reads /proc and the store's ledger
 
 
 @_api.get("/v1/models")
@@ -276,9 +322,14 @@ def _in_vocabulary(ids: tuple[int, ...], vocab: int) -> list[int]:
 
 
 def _refusal(worker: Worker) -> ApiError:
-    """Why a job was not queued: the server is stopping (503), else its queue is full (429)."""
+    """Why a job was not queued: the server is stopping or a pipeline stage is down (503), else
+    its queue is full (429)."""
     if worker.stopping:
         return ApiError(503, SHUTTING_DOWN, kind="server_error", code="server_shutting_down")
+    down = worker.down_reason()
+    if down is not None:  # a pipeline stage failed: refused with the reason until it is back
+        return ApiError(503, down, kind="server_error", code="pipeline_unavailable",
+                        headers={"Retry-After": str(worker.pipeline.retry_after())})
     return ApiError(429, f"the server is busy ({worker.queue_depth} requests queued); retry shortly",
                     kind="rate_limit_error", code="queue_full", headers={"Retry-After": str(RETRY_AFTER_S)})
 
