@@ -558,6 +558,23 @@ def main() -> None:
         app()
     except TierlmError as err:
         print(f"error: {err}", file=sys.stderr)
-        sys.exit(1)
+        _exit(1)
     except KeyboardInterrupt:
-        sys.exit(130)
+        _exit(130)
+    except SystemExit as done:
+        _exit(done.code)
+    _exit(0)
+
+
+def _exit(code) -> None:
+    """Exit with `code`. After a pipeline ran (its session closed already), skip the interpreter's
+    teardown: gloo's C++ threads can abort it ("terminate called without an active exception")."""
+    if "tierlm.distributed.launch" not in sys.modules:
+        sys.exit(code)
+    import os
+
+    if isinstance(code, str):
+        print(code, file=sys.stderr)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code if isinstance(code, int) else int(code is not None))
