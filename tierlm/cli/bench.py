@@ -85,6 +85,9 @@ def run_bench(session, prompt_tokens: int, new_tokens: int, runs: int) -> dict:
     ledger = loaded.store.stats()
     if ledger.planned:  # a tiered store; a resident one streams nothing and plans nothing
         result["ledger"] = ledger.snapshot(loaded.device)
+    if session.pipeline is not None:  # the other stages' time is in this speed: it says nothing of the probe
+        result["stages"] = session.pipeline.describe()
+        return result
     source = f"bench {session.model_dir.name}, profile {session.profile.name}"
     result["probe_check"] = note_measured_decode(
         loaded, session.profile, result["decode_tokens_per_s"], new_tokens - 1, source
@@ -119,6 +122,7 @@ def format_bench(result: dict) -> str:
         f"memory    peak RSS {format_size(result['peak_rss_bytes'])} ({within} the profile's "
         f"{format_size(result['budget_bytes'])}), load {result['load_s']:.1f} s"
     )
+    lines += [f"stages    {line}" for line in result.get("stages") or ()]
     check = result.get("probe_check")
     if check:
         verdict = ("the cached probe was corrected from this run" if check["corrected"]

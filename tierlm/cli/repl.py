@@ -230,7 +230,7 @@ def _check_probe(session, stats) -> None:
     """The last reply is a measured decode: it corrects a cached probe that was far off (as `bench` does)."""
     from tierlm.runtime.measured import note_measured_decode
 
-    if stats is None:
+    if stats is None or session.pipeline is not None:  # a pipeline's speed includes the other stages
         return
     source = f"chat {session.model_dir.name}, profile {session.profile.name}"
     run = note_measured_decode(session.engine.loaded, session.profile, stats.decode_tokens_per_s, stats.new_tokens - 1, source)
