@@ -46,7 +46,6 @@ the server runs with `access_log` off (`serve --quiet`).
 from __future__ import annotations
 
 import asyncio
-import hmac
 import time
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -60,17 +59,17 @@ from starlette.requests import ClientDisconnect
 
 from tierlm.errors import TierlmError
 from tierlm.server.access import AccessLog, entry
+from tierlm.server.admission import CLIENT_GONE, encode_chat, read_json, refusal, require_key
 from tierlm.server.adapters import Variants
 from tierlm.server.jobs import DONE, ERROR, TEXT, Event, Job
 from tierlm.server.metrics import Metrics, process_memory, store_metrics
+from tierlm.server.ollama import router as ollama_routes
 from tierlm.server.options import ServerOptions
 from tierlm.server.responses import EventStream, Shape, sse, usage
-from tierlm.server.schemas import ApiError, GenerationRequest, parse_adapter, parse_body, parse_chat, parse_completion
+from tierlm.server.schemas import ApiError, GenerationRequest, parse_adapter, parse_chat, parse_completion
 from tierlm.server.stats import server_stats
-from tierlm.server.worker import DEBUG_ACTIONS, SHUTTING_DOWN, Worker, WorkerSettings
+from tierlm.server.worker import DEBUG_ACTIONS, Worker, WorkerSettings
 
-RETRY_AFTER_S = 1
-CLIENT_GONE = 499  # nginx's "client closed request": for the access log, no client reads it
 # The chat page loads nothing from elsewhere: it must work offline, and model output never runs as code.
 CHAT_PAGE_HEADERS = {
     "Content-Security-Policy": "default-src 'none'; script-src 'unsafe-inline'; style-src 'unsafe-inline'; "
@@ -109,7 +108,6 @@ def create_app(session, options: ServerOptions) -> FastAPI:
         app.add_middleware(AccessLog)
     app.include_router(_public)
     app.include_router(_api)
-    from tierlm.server.ollama import router as ollama_routes  # here: it imports this module's checks
 
     app.include_router(ollama_routes)
     if options.debug_hooks:
@@ -160,19 +158,9 @@ def _pipeline_readings(pipeline) -> dict[str, float]:
             "tierlm_pipeline_restarts_total": pipeline.restarts}  # fmt: skip
 
 
-async def _require_key(request: Request) -> None:
-    api_key = request.app.state.options.api_key
-    if api_key is None:
-        return
-    scheme, _, token = request.headers.get("authorization", "").partition(" ")
-    if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), api_key.encode()):
-        raise ApiError(401, "invalid or missing API key (send `Authorization: Bearer <key>`)",
-                       code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
-
-
 _public = APIRouter()  # /health and the chat page: never behind the API key
-_api = APIRouter(dependencies=[Depends(_require_key)])
-_debug = APIRouter(dependencies=[Depends(_require_key)])  # included only when test hooks are on
+_api = APIRouter(dependencies=[Depends(require_key)])
+_debug = APIRouter(dependencies=[Depends(require_key)])  # included only when test hooks are on
 
 
 @_public.get("/health")
@@ -225,7 +213,7 @@ async def list_adapters(request: Request):
 @_api.post("/v1/adapters")
 async def add_adapter(request: Request):
     state = request.app.state
-    name, path, weight = parse_adapter(await _read_json(request, 64 * 1024))
+    name, path, weight = parse_adapter(await read_json(request, 64 * 1024))
     variant = await run_in_threadpool(state.variants.add, name, Path(path).expanduser(), weight)
     return JSONResponse(variant.card(state.model_id), status_code=202)
 
@@ -247,16 +235,16 @@ async def prometheus(request: Request):
 async def chat_completions(request: Request):
     state = request.app.state
     options = state.options
-    req = parse_chat(await _read_json(request, options.max_body_bytes), max_messages=options.max_messages)
+    req = parse_chat(await read_json(request, options.max_body_bytes), max_messages=options.max_messages)
     variant = state.variants.resolve(req.model)
-    ids = await run_in_threadpool(_encode_chat, state.session.tokenizer, req.messages)
+    ids = await run_in_threadpool(encode_chat, state.session.tokenizer, req.messages)
     return await _generate(request, req, ids, chat=True, variant=variant)
 
 
 @_api.post("/v1/completions")
 async def completions(request: Request):
     state = request.app.state
-    req = parse_completion(await _read_json(request, state.options.max_body_bytes))
+    req = parse_completion(await read_json(request, state.options.max_body_bytes))
     variant = state.variants.resolve(req.model)
     if isinstance(req.prompt, str):
         ids = await run_in_threadpool(state.session.tokenizer.encode, req.prompt, add_special_tokens=True)
@@ -267,7 +255,7 @@ async def completions(request: Request):
 
 @_debug.post("/debug/worker")
 async def debug_worker(request: Request):
-    body = await _read_json(request, 4096)
+    body = await read_json(request, 4096)
     action = body.get("action") if isinstance(body, dict) else None
     seconds = body.get("seconds", 0) if isinstance(body, dict) else None
     if action not in DEBUG_ACTIONS or not _is_seconds(seconds):  # a bad sleep would kill the worker
@@ -294,7 +282,7 @@ async def _generate(request: Request, req: GenerationRequest, ids: list[int], *,
               on_end=state.metrics.ended, variant=variant)
     log.job = job
     if not worker.submit(job):
-        raise _refusal(worker)
+        raise refusal(worker)
     shape = Shape(chat, variant or state.model_id, req.include_usage)
     if req.stream:
         return EventStream(_stream(job, shape, req), on_disconnect=job.cancel)
@@ -321,19 +309,6 @@ def _in_vocabulary(ids: tuple[int, ...], vocab: int) -> list[int]:
     return list(ids)
 
 
-def _refusal(worker: Worker) -> ApiError:
-    """Why a job was not queued: the server is stopping or a pipeline stage is down (503), else
-    its queue is full (429)."""
-    if worker.stopping:
-        return ApiError(503, SHUTTING_DOWN, kind="server_error", code="server_shutting_down")
-    down = worker.down_reason()
-    if down is not None:  # a pipeline stage failed: refused with the reason until it is back
-        return ApiError(503, down, kind="server_error", code="pipeline_unavailable",
-                        headers={"Retry-After": str(worker.pipeline.retry_after())})
-    return ApiError(429, f"the server is busy ({worker.queue_depth} requests queued); retry shortly",
-                    kind="rate_limit_error", code="queue_full", headers={"Retry-After": str(RETRY_AFTER_S)})
-
-
 def _token_budget(req: GenerationRequest, prompt_tokens: int, context: int) -> int:
     """max_new_tokens for a request whose prompt fits: the room left when max_tokens is omitted
     (or the endpoint's default, if less); a larger max_tokens than the room is a 400, as vLLM does."""
@@ -346,16 +321,6 @@ def _token_budget(req: GenerationRequest, prompt_tokens: int, context: int) -> i
                             f"lower {req.max_tokens_param} or omit it", param=req.max_tokens_param,
                        code="context_length_exceeded")
     return req.max_tokens
-
-
-def _encode_chat(tokenizer, messages) -> list[int]:
-    try:
-        return tokenizer.encode_chat(list(messages), add_generation_prompt=True)
-    except TierlmError as err:
-        raise ApiError(400, str(err), param="messages", code="invalid_value") from None
-    except Exception as err:  # noqa: BLE001 - a template's own checks (e.g. role order) raise anything
-        raise ApiError(400, f"the model's chat template refused these messages: {err}", param="messages",
-                       code="invalid_value") from None
 
 
 def _sampling(req: GenerationRequest, max_new_tokens: int, defaults):
@@ -381,23 +346,6 @@ def _sampling(req: GenerationRequest, max_new_tokens: int, defaults):
 def _deadline(req: GenerationRequest, options: ServerOptions) -> float | None:
     timeout = req.timeout if req.timeout is not None else options.default_timeout
     return None if timeout is None else time.monotonic() + timeout
-
-
-async def _read_json(request: Request, limit: int):
-    """The body as checked JSON (schemas.parse_body), refusing more than `limit` bytes (413)
-    before reading them all."""
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise ApiError(413, f"the request body is {declared} bytes; this server accepts at most {limit}",
-                       code="request_too_large")
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise ApiError(413, f"the request body exceeds this server's limit of {limit} bytes",
-                           code="request_too_large")
-        chunks.append(chunk)
-    return parse_body(b"".join(chunks))
 
 
 async def _stream(job: Job, shape: Shape, req: GenerationRequest):

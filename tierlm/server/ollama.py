@@ -36,7 +36,7 @@ from starlette.concurrency import run_in_threadpool
 from tierlm import __version__
 from tierlm.errors import TierlmError
 from tierlm.server.access import entry
-from tierlm.server.app import CLIENT_GONE, _encode_chat, _read_json, _refusal, _require_key
+from tierlm.server.admission import CLIENT_GONE, encode_chat, read_json, refusal, require_key
 from tierlm.server.jobs import DONE, ERROR, TEXT, Job
 from tierlm.server.ollama_schemas import OllamaOptions, OllamaRequest, parse_chat, parse_generate, parse_model_name
 from tierlm.server.responses import EventStream
@@ -66,7 +66,7 @@ class _OllamaRoute(APIRoute):
         return ollama_errors
 
 
-router = APIRouter(route_class=_OllamaRoute, dependencies=[Depends(_require_key)])
+router = APIRouter(route_class=_OllamaRoute, dependencies=[Depends(require_key)])
 
 
 @router.get("/api/version")
@@ -100,7 +100,7 @@ async def running(request: Request):
 @router.post("/api/show")
 async def show(request: Request):
     state = request.app.state
-    name = parse_model_name(await _read_json(request, SHOW_BODY_LIMIT))
+    name = parse_model_name(await read_json(request, SHOW_BODY_LIMIT))
     variant = _resolve(state, name)
     base = await _base_card(state)
     card = base
@@ -141,13 +141,13 @@ async def show(request: Request):
 @router.post("/api/chat")
 async def chat(request: Request):
     options = request.app.state.options
-    req = parse_chat(await _read_json(request, options.max_body_bytes), max_messages=options.max_messages)
+    req = parse_chat(await read_json(request, options.max_body_bytes), max_messages=options.max_messages)
     return await _generate(request, req, chat=True)
 
 
 @router.post("/api/generate")
 async def generate(request: Request):
-    req = parse_generate(await _read_json(request, request.app.state.options.max_body_bytes))
+    req = parse_generate(await read_json(request, request.app.state.options.max_body_bytes))
     return await _generate(request, req, chat=False)
 
 
@@ -218,7 +218,7 @@ async def _generate(request: Request, req: OllamaRequest, *, chat: bool):
     if req.prompt is not None:  # raw: as sent, tokenized as /v1/completions tokenizes a prompt
         ids = await run_in_threadpool(tokenizer.encode, req.prompt, add_special_tokens=True)
     else:
-        ids = await run_in_threadpool(_encode_chat, tokenizer, req.messages)
+        ids = await run_in_threadpool(encode_chat, tokenizer, req.messages)
     log = entry(request.scope)
     log.prompt_tokens = len(ids)
     if not ids:
@@ -230,7 +230,7 @@ async def _generate(request: Request, req: OllamaRequest, *, chat: bool):
               loop=asyncio.get_running_loop(), on_end=state.metrics.ended, variant=variant)
     log.job = job
     if not state.worker.submit(job):
-        raise _refusal(state.worker)
+        raise refusal(state.worker)
     if req.stream:
         return _NdjsonStream(_stream(job, reply), on_disconnect=job.cancel)
     return await _collect(request, job, reply)
