@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from tierlm.config import ModelConfig
-from tierlm.distributed.stages import StageSpan, even_split
+from tierlm.stages import StageSpan, even_split
 from tierlm.errors import TierlmError
 from tierlm.offload.placement import DEVICE, DISK, placement_to_dict
 from tierlm.offload.planner import plan

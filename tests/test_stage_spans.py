@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from tests.tiny import DECODE_CASES, MOE_CASES, make_case, prompt, scattered_slot_prompts
-from tierlm.distributed.stages import StageSpan, even_split
+from tierlm.stages import StageSpan, even_split
 from tierlm.errors import TierlmError
 from tierlm.models import fused_decode
 from tierlm.runtime.loader import load_model

@@ -18,9 +18,9 @@ from pathlib import Path
 import torch
 
 from tierlm.distributed.stage_load import StageLoad, load_stage
-from tierlm.distributed.stages import StageSpan, even_split
 from tierlm.distributed.wire import CONTIGUOUS, LOAD, RELEASE, SLOT_BATCH, SLOT_VIEW, StepHeader, control
 from tierlm.errors import TierlmError
+from tierlm.stages import StageSpan, even_split
 
 
 def plan_spans(config, stages: int) -> list[StageSpan]:

@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from tierlm.distributed.stages import StageSpan
+from tierlm.stages import StageSpan
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ import torch
 
 from tierlm.blocks import EMBED, HEAD, NORM, BlockLayout, CheckpointLayout, layer_block
 from tierlm.config import ModelConfig
-from tierlm.distributed.stages import StageSpan, whole_model
+from tierlm.stages import StageSpan, whole_model
 from tierlm.errors import TierlmError
 from tierlm.models import base, fused_decode, graph_decode
 
@@ -27,7 +27,7 @@ class LlamaModel:
 
     def __init__(self, config: ModelConfig, store, max_len: int, device, dtype: torch.dtype,
                  span: StageSpan | None = None):  # fmt: skip
-        """`span`: the pipeline stage this model runs (distributed/stages.py); None: the whole model."""
+        """`span`: the pipeline stage this model runs (tierlm/stages.py); None: the whole model."""
         self.config = config
         self.span = span or whole_model(config.num_hidden_layers)
         if self.span.end > config.num_hidden_layers:

@@ -72,7 +72,7 @@ compute term). Decode reads a resident embedding's rows only and the head once p
 prefill computes the head for one token (last-position logits). KV-cache reads are left out:
 the prediction is for the start of a conversation.
 
-A pipeline stage (`layers`, distributed/stages.py; offload/stage_planner.py splits the model) is
+A pipeline stage (`layers`, tierlm/stages.py; offload/stage_planner.py splits the model) is
 planned like a model of its own blocks: `sizes` holds only them (an earlier stage has no norm or
 head, a later one no embedding, so a middle stage may stream every layer), its KV cache and
 per-layer dispatch are its own layers', the logits workspace is charged where logits are held
@@ -173,7 +173,7 @@ def plan(
     `expected_routing` reads them beside the artifact): the hottest experts become resident.
     None: every expert equally likely.
     `variants`: LoRA variants served beside the base, placed after it (see the module docstring).
-    `layers`: a pipeline stage's decoder layers (distributed/stages.py; None: the whole model):
+    `layers`: a pipeline stage's decoder layers (tierlm/stages.py; None: the whole model):
     `sizes` then holds that stage's blocks (`BlockSizes.only`), and the KV cache, the logits and
     the per-layer dispatch cost are charged for that stage alone (see `_Context.stage`).
     Raises TierlmError naming the shortfall in GiB and the smallest profile / quant that fits;

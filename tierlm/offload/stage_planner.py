@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from tierlm.config import ModelConfig
-from tierlm.distributed.stages import StageSpan, even_split
+from tierlm.stages import StageSpan, even_split
 from tierlm.errors import TierlmError
 from tierlm.offload.placement import Placement
 from tierlm.offload.probe import Bandwidths

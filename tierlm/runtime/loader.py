@@ -23,11 +23,11 @@ class LoadedModel:
     sizes: object = None  # the BlockSizes it was planned from (measured runs are checked against it)
     weight_format: str = ""  # how the weights are held: a quant mode ("int8", "fp16") or, as stored, the dtype
     artifact_dir: Path | None = None  # the compiled artifact the weights come from (None: as stored)
-    span: object = None  # the pipeline stage loaded (distributed/stages.py StageSpan; None: the whole model)
+    span: object = None  # the pipeline stage loaded (tierlm/stages.py StageSpan; None: the whole model)
 
     def __post_init__(self):
         if self.span is None:
-            from tierlm.distributed.stages import whole_model
+            from tierlm.stages import whole_model
 
             self.span = whole_model(self.config.num_hidden_layers)
 
@@ -112,7 +112,7 @@ def load_model(
     resolve the weight source (`quant`, else the profile's, with LoRA `adapters` as
     (path, weight) pairs), plan it under the `profile` when one is given, convert to the
     artifact the source needs on first use, open the store. The context is the profile's
-    (or `context_length`), capped by max_position_embeddings. `stage` (distributed/stages.py
+    (or `context_length`), capped by max_position_embeddings. `stage` (tierlm/stages.py
     StageSpan; None: the whole model) loads one pipeline stage: only its blocks are planned and
     opened, and its caches hold only its layers.
     """
@@ -145,7 +145,7 @@ def load_model(
 
 def stage_span(config: ModelConfig, stage):
     """`stage`, checked against the model, or the whole model when None."""
-    from tierlm.distributed.stages import whole_model
+    from tierlm.stages import whole_model
 
     layers = config.num_hidden_layers
     if stage is None:
