@@ -40,6 +40,7 @@ from tierlm.errors import TierlmError
 DEFAULT_STAGE_TIMEOUT_S = 5.0
 HEALTH_ENV = "TIERLM_PIPELINE_HEALTH"  # host:port of rank 0's heartbeat listener, for a worker
 STAGE_TIMEOUT_ENV = "TIERLM_STAGE_TIMEOUT"
+SHUTDOWN_GRACE_S = 2.0  # how long a closed heartbeat waits for the SHUTDOWN the data path carries
 ORPHANED = 75  # a worker's exit status when rank 0 went away (EX_TEMPFAIL: the launcher may retry)
 BEAT = b"."
 EXIT_NAME_WAIT_S = 1.0  # after a worker's connection closes, how long to wait to learn its exit status
@@ -447,6 +448,7 @@ class Heartbeat:
             raise TierlmError(f"pipeline stage {rank} cannot reach rank 0's heartbeat at {address}: {err}",
                               "rank 0 has gone; start the pipeline again") from None  # fmt: skip
         self._sock.setblocking(False)
+        self._finished = threading.Event()  # SHUTDOWN came: rank 0 may now go first
         self._thread = threading.Thread(target=self._run, name="tierlm-heartbeat", daemon=True)
         self._thread.start()
 
@@ -483,6 +485,14 @@ class Heartbeat:
                     return self._lost("closed the connection")
                 next_beat = now + self.interval
 
+    def finished(self) -> None:
+        """This stage was told to shut down: rank 0 closing its end now is no failure."""
+        self._finished.set()
+
     def _lost(self, why: str) -> None:
+        # Rank 0 exits right after sending SHUTDOWN, which this thread may see before the main
+        # thread has read it: give the main thread a moment to say so.
+        if self._finished.wait(min(self.timeout, SHUTDOWN_GRACE_S)):
+            return
         print(f"tierlm stage {self.rank}: rank 0 {why}; exiting", file=sys.stderr, flush=True)
         os._exit(ORPHANED)  # not sys.exit: the main thread may sit in a gloo wait nothing else ends

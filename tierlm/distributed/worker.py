@@ -144,8 +144,9 @@ class StageWorker:
             self.loaded = None
 
 
-def serve_stage(env, backend: str) -> None:
-    """Join the group described by `env` (a launch.RankEnv) and serve as its rank until SHUTDOWN."""
+def serve_stage(env, backend: str, heartbeat=None) -> None:
+    """Join the group described by `env` (a launch.RankEnv) and serve as its rank until SHUTDOWN
+    (`heartbeat`: this worker's health.Heartbeat, told when SHUTDOWN came)."""
     import torch.distributed as dist
 
     from tierlm.distributed.launch import PARENT_ENV, join_group, timeout_s
@@ -155,9 +156,11 @@ def serve_stage(env, backend: str) -> None:
     if PARENT_ENV not in os.environ:  # torchrun's rank: rank 0 names its heartbeat now (health.py)
         from tierlm.distributed.health import join_health
 
-        heartbeat = join_health(env, device)  # noqa: F841 - beats until this process exits
+        heartbeat = join_health(env, device)  # beats until this process exits
     try:
         StageWorker(env.rank, env.world, device).run()
+        if heartbeat is not None:
+            heartbeat.finished()
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -184,8 +187,8 @@ def main() -> None:
     try:
         from tierlm.distributed.health import Heartbeat
 
-        heartbeat = Heartbeat.from_env(env.rank)  # noqa: F841 - beats until this process exits
-        serve_stage(env, os.environ.get(BACKEND_ENV, "gloo"))
+        heartbeat = Heartbeat.from_env(env.rank)  # beats until this process exits
+        serve_stage(env, os.environ.get(BACKEND_ENV, "gloo"), heartbeat)
     except TierlmError as err:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(1)
