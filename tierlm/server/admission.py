@@ -3,11 +3,13 @@ API key, the body's size and JSON, the chat template's acceptance, and room in t
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 
 from fastapi import Request
 
 from tierlm.errors import TierlmError
+from tierlm.server.jobs import ERROR, TEXT, Event, Job
 from tierlm.server.schemas import ApiError, parse_body
 from tierlm.server.worker import SHUTTING_DOWN, Worker
 
@@ -63,3 +65,30 @@ async def read_json(request: Request, limit: int):
                            code="request_too_large")
         chunks.append(chunk)
     return parse_body(b"".join(chunks))
+
+
+async def collect_text(request: Request, job: Job) -> str | None:
+    """A non-streamed job's whole text; None when the client left first (the job is cancelled then,
+    freeing its slot at once). A job's own failure raises its ApiError."""
+
+    async def watch():
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+        job.cancel()
+
+    watcher = asyncio.ensure_future(watch())
+    parts: list[str] = []
+    try:
+        async for event in job.events():
+            if event.kind == TEXT:
+                parts.append(event.value)
+            elif event.kind == ERROR:
+                raise job_error(event)
+    finally:
+        watcher.cancel()
+    return None if job.finish_reason == "cancelled" else "".join(parts)
+
+
+def job_error(event: Event) -> ApiError:
+    """The API error a job's ERROR event carries."""
+    return ApiError(event.status, event.value, kind="server_error", code=event.code)

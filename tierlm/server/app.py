@@ -59,9 +59,9 @@ from starlette.requests import ClientDisconnect
 
 from tierlm.errors import TierlmError
 from tierlm.server.access import AccessLog, entry
-from tierlm.server.admission import CLIENT_GONE, encode_chat, read_json, refusal, require_key
+from tierlm.server.admission import CLIENT_GONE, collect_text, encode_chat, job_error, read_json, refusal, require_key
 from tierlm.server.adapters import Variants
-from tierlm.server.jobs import DONE, ERROR, TEXT, Event, Job
+from tierlm.server.jobs import DONE, ERROR, TEXT, Job
 from tierlm.server.metrics import Metrics, process_memory, store_metrics
 from tierlm.server.ollama import router as ollama_routes
 from tierlm.server.options import ServerOptions
@@ -362,32 +362,14 @@ async def _stream(job: Job, shape: Shape, req: GenerationRequest):
                 yield sse(shape.usage_chunk(usage(len(job.prompt_ids), job.completion_tokens)))
             yield sse("[DONE]")
         elif event.kind == ERROR:
-            yield sse(_job_error(event).body())
+            yield sse(job_error(event).body())
 
 
 async def _collect(request: Request, job: Job, shape: Shape):
-    async def watch():  # a client that leaves before the reply frees its slot at once
-        while (await request.receive())["type"] != "http.disconnect":
-            pass
-        job.cancel()
-
-    watcher = asyncio.ensure_future(watch())
-    parts: list[str] = []
-    try:
-        async for event in job.events():
-            if event.kind == TEXT:
-                parts.append(event.value)
-            elif event.kind == ERROR:
-                raise _job_error(event)
-    finally:
-        watcher.cancel()
-    if job.finish_reason == "cancelled":
+    text = await collect_text(request, job)
+    if text is None:
         return Response(status_code=CLIENT_GONE)
-    return JSONResponse(shape.whole("".join(parts), job.finish_reason, usage(len(job.prompt_ids), job.completion_tokens)))
-
-
-def _job_error(event: Event) -> ApiError:
-    return ApiError(event.status, event.value, kind="server_error", code=event.code)
+    return JSONResponse(shape.whole(text, job.finish_reason, usage(len(job.prompt_ids), job.completion_tokens)))
 
 
 def _install_error_handlers(app: FastAPI, metrics: Metrics) -> None:

@@ -36,7 +36,7 @@ from starlette.concurrency import run_in_threadpool
 from tierlm import __version__
 from tierlm.errors import TierlmError
 from tierlm.server.access import entry
-from tierlm.server.admission import CLIENT_GONE, encode_chat, read_json, refusal, require_key
+from tierlm.server.admission import CLIENT_GONE, collect_text, encode_chat, read_json, refusal, require_key
 from tierlm.server.jobs import DONE, ERROR, TEXT, Job
 from tierlm.server.ollama_schemas import OllamaOptions, OllamaRequest, parse_chat, parse_generate, parse_model_name
 from tierlm.server.responses import EventStream
@@ -290,24 +290,10 @@ async def _stream(job: Job, reply: _Reply):
 
 
 async def _collect(request: Request, job: Job, reply: _Reply):
-    async def watch():  # a client that leaves before the reply frees its slot at once
-        while (await request.receive())["type"] != "http.disconnect":
-            pass
-        job.cancel()
-
-    watcher = asyncio.ensure_future(watch())
-    parts: list[str] = []
-    try:
-        async for event in job.events():
-            if event.kind == TEXT:
-                parts.append(event.value)
-            elif event.kind == ERROR:
-                raise ApiError(event.status, event.value, kind="server_error", code=event.code)
-    finally:
-        watcher.cancel()
-    if job.finish_reason == "cancelled":
+    text = await collect_text(request, job)
+    if text is None:
         return Response(status_code=CLIENT_GONE)
-    return JSONResponse(reply.last(job, "".join(parts)))
+    return JSONResponse(reply.last(job, text))
 
 
 def _line(body: dict) -> str:
