@@ -132,19 +132,27 @@ def test_plan_places_the_blocks_the_load_places(model_dir, fixed_probe, tmp_path
 
 
 def test_the_baseline_charge_is_steady_across_processes(tmp_path):
-    from tierlm.runtime.baseline import GRAIN, TOLERANCE, steady_charge
+    from tierlm.runtime.baseline import GRAIN, KEEP_BELOW, TOLERANCE, steady_charge
 
     record = tmp_path / "baseline.json"
     measured = 250 * MiB + 12345
     charged = steady_charge(measured, record)
     assert charged >= measured + TOLERANCE and charged % GRAIN == 0
-    # Another process a little above or below: the same charge, never below what it measured.
-    assert steady_charge(measured + TOLERANCE - 1, record) == charged
+    # Other processes a little above or well below: the same charge, never below what they measured.
+    assert steady_charge(charged, record) == charged
     assert steady_charge(measured - TOLERANCE, record) == charged
-    # A real change is measured afresh.
-    grown = measured + 3 * TOLERANCE
+    assert steady_charge(charged - KEEP_BELOW, record) == charged
+    # A lower process first, then a higher one beyond its slack: the higher charge stands for both.
+    low = tmp_path / "low-first.json"
+    steady_charge(measured - 2 * TOLERANCE, low)
+    high = steady_charge(measured, low)
+    assert high >= measured + TOLERANCE and steady_charge(measured - 2 * TOLERANCE, low) == high
+    # A real change is measured afresh, up (the charge covers it) or far down (it comes back down).
+    grown = charged + 1
     assert steady_charge(grown, record) >= grown + TOLERANCE
     assert steady_charge(grown + 1, record) == steady_charge(grown, record)
+    shrunk = measured - 8 * KEEP_BELOW
+    assert steady_charge(shrunk, record) < charged - KEEP_BELOW
 
 
 # -- measured runs correct the probe -------------------------------------------------------------

@@ -5,11 +5,13 @@ will. It first does what loading needs anyway (the runtime's imports, INT8 kerne
 hands freed heap pages back to the OS, then reads RSS. The caller holds what it holds at that
 point in a real load (a session has its tokenizer and the model's family module loaded).
 
-RSS still differs by a fraction of a MiB from one process to the next, and at a budget's edge
-that moves a block between tiers. So the charge is made deterministic: the first measurement
-for (device, threads, weight format, model, versions) is recorded with TOLERANCE of slack, and a
-later measurement within TOLERANCE of the recorded one is charged the recorded figure. The charge
-is never below what was measured; a measurement outside the tolerance is recorded afresh.
+RSS still differs by a few MiB from one process to the next (`plan` and `bench` differ by ~2 MiB,
+a busy machine's kernel calibration by more), and at a budget's edge that moves a block between
+tiers. So the charge is made deterministic: the first measurement for (device, threads, weight
+format, model, versions) is recorded with TOLERANCE of slack, and a later measurement is charged
+the recorded figure while it lies in the band [charge - KEEP_BELOW, charge]. The charge is never
+below what was measured (a higher measurement is recorded afresh with slack); one far below the
+band (an earlier process held more) is recorded afresh too, so the charge comes back down.
 """
 
 from __future__ import annotations
@@ -23,6 +25,9 @@ from pathlib import Path
 # Run-to-run RSS differences seen at this point are ~0.1 MiB; 4 MiB covers other machines'
 # allocators without charging much.
 TOLERANCE = 4 << 20
+# How far below the charge a measurement may fall and still be charged it: a band 4x the slack,
+# so processes a few MiB apart (in either order) agree.
+KEEP_BELOW = 4 * TOLERANCE
 GRAIN = 1 << 20  # the charge is a whole number of MiB
 
 
@@ -64,13 +69,13 @@ def prepare_runtime(device, int8: bool) -> None:
 
 
 def steady_charge(measured: int, path: Path) -> int:
-    """`measured` made deterministic: the recorded charge while measurements stay within
-    TOLERANCE of the recorded measurement; otherwise a new record, measured + TOLERANCE."""
+    """`measured` made deterministic: the recorded charge while `measured` lies in the band
+    [charge - KEEP_BELOW, charge]; otherwise a new record, measured + TOLERANCE (whole MiB)."""
     from tierlm.atomic import optional_write, replace_file
 
     recorded = _read_record(path)
-    if recorded is not None and abs(measured - recorded["measured"]) <= TOLERANCE:
-        return max(int(recorded["charged"]), measured)
+    if recorded is not None and recorded["charged"] - KEEP_BELOW <= measured <= recorded["charged"]:
+        return int(recorded["charged"])
     charged = -(-(measured + TOLERANCE) // GRAIN) * GRAIN
     with optional_write():  # a read-only cache: this run's charge stands, unrecorded
         path.parent.mkdir(parents=True, exist_ok=True)
