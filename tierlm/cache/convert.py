@@ -22,7 +22,7 @@ from typing import Sequence
 
 from tierlm.atomic import atomic_directory, directory_lock, make_dirs
 from tierlm.cache import codec
-from tierlm.cache.artifact import ARTIFACTS_DIR, FORMAT_VERSION, MANIFEST_NAME, Artifact, ArtifactWriter
+from tierlm.cache.artifact import ARTIFACTS_DIR, FORMAT_VERSION, MANIFEST_NAME, BLOCK_ALIGN, PART_ALIGN, Artifact, ArtifactWriter
 from tierlm.cache.fingerprint import checkpoint_digest
 from tierlm.config import ModelConfig
 from tierlm.errors import TierlmError
@@ -87,10 +87,19 @@ def convert(request: ConversionRequest, out_dir: Path, key: str, merger=None, pr
     config = ModelConfig.from_dir(model_dir)
     mode = codec.parse_mode(request.quant)
     layout, tensor_for = _sources(model_dir, config, merger)
+    header = _header(key, config, model_dir, mode, request.adapters)
+    modes = None
+    if mode.mixed and mode.target_bytes is not None:
+        from tierlm.cache.sensitivity import choose_modes
+
+        choice = choose_modes(config, model_dir, layout, tensor_for, mode, _aligned_bytes, BLOCK_ALIGN)
+        modes = {key: codec.parse_mode(name) for key, name in choice.modes.items()}
+        header["mixed"] = {"target_bytes": mode.target_bytes, "sensitivity": choice.sensitivity,
+                           "tensor_modes": dict(choice.modes)}  # fmt: skip
     writer = ArtifactWriter(out_dir)
     try:
-        write_layout(writer, layout, tensor_for, mode, progress)
-        writer.finish(_header(key, config, model_dir, mode, request.adapters))
+        write_layout(writer, layout, tensor_for, mode, progress, modes)
+        writer.finish(header)
     finally:
         writer.close()
     _copy_model_files(model_dir, out_dir)
@@ -214,17 +223,28 @@ def write_variant(out_dir: Path, base_dir: Path, layout, tensor_for, touched: se
     base = Artifact.open(base_dir)
     base.close()
     changed = changed_layout(layout, touched)
+    # A mixed:SIZE base chose each tensor's mode: its variant's blocks keep those choices.
+    chosen = (base.manifest.get("mixed") or {}).get("tensor_modes") or {}
+    modes = {key: codec.parse_mode(name) for key, name in chosen.items()}
     writer = ArtifactWriter(out_dir)
     try:
-        write_layout(writer, changed, tensor_for, mode, progress)
+        write_layout(writer, changed, tensor_for, mode, progress, modes)
         shared = {name: base.blocks[name].digest for name in base.blocks if name not in changed}
         writer.finish({**header, "shared": shared})
     finally:
         writer.close()
 
 
-def write_layout(writer: ArtifactWriter, layout, tensor_for, mode, progress: Progress | None = None) -> None:
+def _aligned_bytes(shape, mode, name) -> int:
+    """A tensor's stored bytes with each part rounded up to its alignment in a block: an upper
+    bound on what it adds, so choices made with it fit their size target."""
+    return sum(-(-n // PART_ALIGN) * PART_ALIGN for n in codec.part_bytes(shape, mode, name))
+
+
+def write_layout(writer: ArtifactWriter, layout, tensor_for, mode, progress: Progress | None = None,
+                 modes=None) -> None:  # fmt: skip
     """Append every block of `layout` to `writer`, one encoded tensor per distinct source tuple.
+    `modes` ("block/tensor" -> QuantMode) overrides `mode` per tensor (a mixed:SIZE choice).
 
     `tensor_for(block, name, sources)` makes the fp32 tensor; entries whose sources were already
     written (a tied head) become aliases. Each tensor is released once encoded, so at most one
@@ -238,7 +258,8 @@ def write_layout(writer: ArtifactWriter, layout, tensor_for, mode, progress: Pro
             if sources in written:
                 writer.add_alias(name, *written[sources])
                 continue
-            writer.add_tensor(name, *_encode_finite(block, name, tensor_for(block, name, sources), mode))
+            chosen = modes.get(f"{block}/{name}", mode) if modes else mode
+            writer.add_tensor(name, *_encode_finite(block, name, tensor_for(block, name, sources), chosen))
             written[sources] = (block, name)
         writer.end_block()
         if progress:

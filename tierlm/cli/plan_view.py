@@ -34,6 +34,7 @@ def plan_for(model_dir: Path, profile, quant: str | None = None, device: str | N
     budget = read_budget(source, profile, target)
     planned = plan_load(source, budget)
     placement, variant_lines = _with_variants(planned, budget, variants) if variants else (planned.placement, [])
+    placement = _with_resident_mixed(placement, planned, budget)
     probe = load_probe(target)  # the record the plan's bandwidths came from, for its age
     config, baseline = source.config, budget.baseline
     header = [
@@ -73,6 +74,22 @@ def _with_variants(planned, budget, variants):
         for overlay in overlays.values():
             overlay.close()
     return placement, [f"variant  {name}: {overlay.why}" for name, overlay in overlays.items()]
+
+
+def _with_resident_mixed(placement, planned, budget):
+    """`placement` with the largest mixed:SIZE that would keep every block on the device, where
+    some block is not there and the weights are not 4-bit already."""
+    from dataclasses import replace
+
+    from tierlm.offload.planner import resident_mixed_size
+    from tierlm.runtime.machine_probe import load_bandwidths
+
+    if placement.fully_resident or planned.sizes.quant.startswith(("int4", "mixed")):
+        return placement
+    size = resident_mixed_size(planned.source.config, budget.profile, budget.bandwidths or load_bandwidths(budget.device),
+                               accelerator=budget.device.type != "cpu", baseline_bytes=budget.baseline.charged,
+                               limits=budget.limits)  # fmt: skip
+    return replace(placement, resident_mixed_bytes=size or 0)
 
 
 def _moe_text(config) -> str:
@@ -209,6 +226,8 @@ def describe(placement) -> str:
     lines += [f"{name:22} {where:32} {format_size(n):>10}" for name, where, n in placement_rows(placement)]
     lines += _expert_lines(placement)
     lines += _variant_lines(placement)
+    if placement.weight_modes:
+        lines.append("weights  " + ", ".join(f"{mode} x {count}" for mode, count in placement.weight_modes))
     lines.append("")
     for tier, items in placement.charges.items():
         budget = placement.budgets.get(tier)
@@ -221,6 +240,10 @@ def describe(placement) -> str:
     lines.append(f"prefill  {placement.predicted_prefill_tokens_per_s:.1f} tokens/s (predicted)")
     lines.append(f"decode   {placement.predicted_decode_tokens_per_s:.2f} tokens/s (predicted), "
                  f"bound by {placement.binding_limit}")  # fmt: skip
+    if placement.resident_mixed_bytes:
+        from tierlm.offload.planner import mixed_size_text
+
+        lines.append(f"fits     every block on the device with --quant mixed:{mixed_size_text(placement.resident_mixed_bytes)}")
     lines += [f"note     {note}" for note in placement.notes]
     return "\n".join(lines)
 

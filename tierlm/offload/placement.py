@@ -95,6 +95,10 @@ class Placement:
     expert_slot_bytes: int = 0
     expert_layers: tuple[ExpertLayer, ...] = ()
     variants: tuple[VariantPlacement, ...] = ()  # LoRA variants beside the base, in the order given
+    # A mixed mode's choice: (mode, weights in it) most first; empty for a single mode.
+    weight_modes: tuple[tuple[str, int], ...] = ()
+    # The largest mixed:SIZE (bytes) that would hold every block on the device; 0: not asked.
+    resident_mixed_bytes: int = 0
 
     def block(self, name: str) -> BlockPlacement:
         return self._by_name[name]
@@ -152,4 +156,7 @@ def placement_to_dict(placement: Placement) -> dict:
             for x in placement.expert_layers
         ],
         "variants": [{"name": v.name, "mode": v.mode, "nbytes": v.nbytes, "tier": v.tier} for v in placement.variants],
+        "weights_bytes": sum(b.nbytes for b in placement.blocks),
+        "weight_modes": dict(placement.weight_modes),
+        "resident_mixed_bytes": placement.resident_mixed_bytes,
     }

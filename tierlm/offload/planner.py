@@ -97,6 +97,7 @@ from functools import cached_property
 from typing import Mapping, Sequence
 
 from tierlm.blocks import EMBED, HEAD, NORM, expert_of, is_expert, is_layer, layer_block, layer_index
+from tierlm.cache.artifact import BLOCK_ALIGN
 from tierlm.config import ModelConfig
 from tierlm.device.memory import MemoryLimits
 from tierlm.errors import TierlmError
@@ -116,6 +117,7 @@ from tierlm.profile import Profile
 
 LIMITS = ("device bandwidth", "host bandwidth", "dispatch overhead", "link", "disk")
 GiB = 2**30
+MiB = 2**20
 
 
 @dataclass(frozen=True)
@@ -681,7 +683,50 @@ def _placement(ctx: _Context, tiers, computes, split: "_Split", charges, variant
         expert_slot_bytes=experts.slot_bytes if experts is not None else 0,
         expert_layers=_expert_layers(ctx, split),
         variants=tuple(variants),
+        weight_modes=_mode_counts(sizes.tensor_modes),
     )
+
+
+def _mode_counts(tensor_modes: Mapping[str, str]) -> tuple[tuple[str, int], ...]:
+    counts: dict[str, int] = {}
+    for mode in tensor_modes.values():
+        counts[mode] = counts.get(mode, 0) + 1
+    return tuple(sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])))
+
+
+def resident_mixed_size(config: ModelConfig, profile: Profile, bandwidths: Bandwidths, *, accelerator: bool,
+                        baseline_bytes: int, limits: MemoryLimits | None = None) -> int | None:  # fmt: skip
+    """The largest mixed:SIZE (bytes, a whole MiB) whose predicted artifact `plan` keeps wholly on
+    the device under `profile`; None where even every weight at the smallest int4 does not."""
+    def resident(size: int) -> bool:
+        try:
+            sizes = sizes_from_config(config, f"mixed-{size}", accelerator=accelerator)
+            placed = plan(config, sizes, profile, bandwidths, accelerator=accelerator,
+                          baseline_bytes=baseline_bytes, limits=limits)  # fmt: skip
+        except TierlmError:
+            return False
+        return placed.fully_resident
+
+    return largest_mixed_size(config, resident, accelerator)
+
+
+def largest_mixed_size(config: ModelConfig, works, accelerator: bool) -> int | None:
+    """The largest mixed:SIZE in whole MiB, between every weight at int4-g128 and twice int8,
+    for which works(size) holds (it must hold for every smaller size); None where none does."""
+    low = sizes_from_config(config, "int4-g128", accelerator=accelerator).total + BLOCK_ALIGN * (config.num_hidden_layers + 3)
+    high = 2 * sizes_from_config(config, "int8", accelerator=accelerator).total
+    low, high = low // MiB + 1, high // MiB
+    if not works(low * MiB):
+        return None
+    while high - low > 1:  # works(low) holds
+        mid = (low + high) // 2
+        low, high = (mid, high) if works(mid * MiB) else (low, mid)
+    return low * MiB
+
+
+def mixed_size_text(nbytes: int) -> str:
+    """A mixed:SIZE as a person writes it, rounded down so it stays within `nbytes`: 4.10GiB."""
+    return f"{math.floor(nbytes / GiB * 100) / 100:.2f}GiB" if nbytes >= GiB else f"{nbytes // MiB}MiB"
 
 
 # -- routed experts (mixture-of-experts models) -------------------------------------------------
@@ -1166,6 +1211,10 @@ def _refusal(ctx: _Context, shortfall: str, fallbacks, limits) -> TierlmError:
     quant_fit = next((q for q in smaller if fits(profile, q)), None)
     if quant_fit is not None:
         hints.append(f"--quant {quant_fit} fits profile {profile.name!r}")
+    elif not sizes.quant.startswith(("int4", "mixed")) and ctx.layers is None:
+        mixed_fit = largest_mixed_size(config, lambda size: fits(profile, f"mixed-{size}"), accelerator)
+        if mixed_fit is not None:
+            hints.append(f"fits with --quant mixed:{mixed_size_text(mixed_fit)}")
     for quant in [sizes.quant, *smaller]:
         other = next((p for p in ordered if p != profile and fits(p, quant)), None)
         if other is not None:

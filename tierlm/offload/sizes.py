@@ -40,14 +40,14 @@ from typing import Mapping
 
 from tierlm.blocks import EMBED, HEAD
 from tierlm.cache import codec
-from tierlm.cache.artifact import MANIFEST_NAME, PART_ALIGN, Artifact
+from tierlm.cache.artifact import BLOCK_ALIGN, MANIFEST_NAME, PART_ALIGN, Artifact
 from tierlm.config import ModelConfig
+from tierlm.errors import TierlmError
 from tierlm.quant.modes import AUTO, QuantMode, auto_quant, check_mode_name, concrete_mode, parse_quant_mode
 
 PREFILL_CHUNK = 512  # tokens per prefill step; the engine and the batch runner import it from here
 HOT_CACHE_ROWS = 4096  # embedding rows the hot cache may hold (Zipfian tokens: most lookups)
 KERNEL_BLOCK_BYTES = 1 << 20  # the CPU BLAS kernel's dequantization block (quant/torch_kernels.py)
-_FLOAT_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 _KV_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}
 
 
@@ -66,6 +66,8 @@ class BlockSizes:
     aliases: Mapping[str, str] = field(default_factory=dict)
     row_bytes: int = 0
     source: str = "config"
+    # "block/tensor" -> the concrete mode of each 2-D weight, where a mixed mode chose per weight
+    tensor_modes: Mapping[str, str] = field(default_factory=dict)
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -134,7 +136,7 @@ def sizes_from_artifact(directory: Path) -> BlockSizes:
     nbytes, params, aliases = {}, {}, {}
     for name, block in artifact.blocks.items():
         nbytes[name] = block.nbytes
-        params[name] = sum(_matmul_elements(t.parts) for t in block.tensors.values())
+        params[name] = sum(_matmul_elements(t) for t in block.tensors.values())
         if block.borrowed_from is not None:
             aliases[name] = block.borrowed_from
     for name, target in aliases.items():
@@ -142,7 +144,11 @@ def sizes_from_artifact(directory: Path) -> BlockSizes:
     embed = artifact.blocks[EMBED].tensors["embed"]
     row_bytes = sum(part.nbytes // part.shape[0] for part in embed.parts.values())
     quant = str(artifact.manifest.get("quant", "unknown"))
-    return BlockSizes(quant, nbytes, params, aliases, row_bytes, str(artifact.directory))
+    modes = {}
+    if quant.startswith("mixed"):
+        modes = {f"{name}/{tensor}": codec.record_mode(record) for name, block in artifact.blocks.items()
+                 for tensor, record in block.tensors.items() if record.encoding != "plain"}  # fmt: skip
+    return BlockSizes(quant, nbytes, params, aliases, row_bytes, str(artifact.directory), modes)
 
 
 def cached_artifact(model_dir: Path, quant: str) -> Path | None:
@@ -167,9 +173,14 @@ def cached_artifact(model_dir: Path, quant: str) -> Path | None:
 
 
 def sizes_from_config(
-    config: ModelConfig, quant: str | QuantMode, *, accelerator: bool = False
+    config: ModelConfig, quant: str | QuantMode, *, accelerator: bool = False, model_dir: Path | None = None
 ) -> BlockSizes:
     """Predict the artifact's block sizes from config.json alone.
+
+    A mixed mode's per-tensor choice is predicted too (`predicted_modes`): for mixed:source from
+    the GGUF tensor types an import in `model_dir` recorded, for mixed:SIZE from error estimates
+    (the conversion measures them, so its artifact may place int4 and int8 elsewhere, within the
+    same size).
 
     The blocks and their tensors, in stored order and canonical shapes, are the family's own
     (`block_shapes` of the class `tierlm.models.family_class` gives, the layout conversion
@@ -183,29 +194,52 @@ def sizes_from_config(
     blocks = family_class(config).block_shapes(config)
     if config.tie_word_embeddings:
         blocks[HEAD] = {}
-    nbytes = {name: _block_bytes([p for tensor, shape in tensors.items() for p in _stored_parts(shape, mode, tensor)])
+    modes = predicted_modes(config, blocks, mode, model_dir)
+    nbytes = {name: _block_bytes([p for tensor, shape in tensors.items()
+                                  for p in codec.part_bytes(shape, modes.get(f"{name}/{tensor}", mode), tensor)])
               for name, tensors in blocks.items()}  # fmt: skip
     params = {name: sum(s[0] * s[1] for s in tensors.values() if len(s) == 2) for name, tensors in blocks.items()}
     aliases = {HEAD: EMBED} if config.tie_word_embeddings else {}
     if aliases:
         params[HEAD] = params[EMBED]
-    row_bytes = sum(part // vocab for part in _stored_parts((vocab, hidden), mode))
-    return BlockSizes(mode.name, nbytes, params, aliases, row_bytes, "config")
+    row_bytes = sum(part // vocab for part in codec.part_bytes((vocab, hidden), modes.get(f"{EMBED}/embed", mode)))
+    chosen = {key: m.name for key, m in modes.items()}
+    return BlockSizes(mode.name, nbytes, params, aliases, row_bytes, "config", chosen)
 
 
-def _stored_parts(shape: tuple[int, ...], mode: QuantMode, name: str | None = None) -> list[int]:
-    """Bytes of each part `cache/codec.encode` writes for a tensor of `shape` (canonical `name`)."""
-    elements = 1
-    for dim in shape:
-        elements *= dim
-    if codec.keeps_float(name, shape):
-        return [elements * 4]  # norms, biases and routers stay fp32
-    if not mode.quantized:
-        return [elements * _FLOAT_BYTES[mode.weight_dtype]]
-    out_features, in_features = shape
-    groups = 1 if mode.group_size is None else -(-in_features // mode.group_size)
-    scales = [out_features * groups * 4] * (2 if mode.asymmetric else 1)  # fp32 scales, offsets
-    return [elements, *scales]  # int8 qweight first
+def predicted_modes(config: ModelConfig, blocks, mode: QuantMode, model_dir: Path | None = None) -> dict[str, QuantMode]:
+    """"block/tensor" -> the concrete mode a mixed `mode` is predicted to give each 2-D weight of
+    `blocks` (block -> {tensor: shape}); {} for any other mode."""
+    if not mode.mixed:
+        return {}
+    from tierlm.quant import mixed
+
+    weights = [(f"{b}/{t}", shape) for b, tensors in blocks.items() for t, shape in tensors.items()
+               if not codec.keeps_float(t, shape)]  # fmt: skip
+    if mode.target_bytes is None:  # mixed:source
+        return {key: parse_quant_mode(name) for key, name in _source_modes(config, model_dir, [k for k, _ in weights]).items()}
+    fixed = BLOCK_ALIGN * len(blocks) + sum(_block_bytes(codec.part_bytes(shape, mode, t)) for b, tensors in blocks.items()
+                                            for t, shape in tensors.items() if codec.keeps_float(t, shape))  # fmt: skip
+    candidates = [mixed.estimated_candidate(key, shape, lambda s, m: _block_bytes(codec.part_bytes(s, parse_quant_mode(m))))
+                  for key, shape in weights]  # fmt: skip
+    return {key: parse_quant_mode(name) for key, name in mixed.allocate(candidates, mode.target_bytes - fixed).items()}
+
+
+def _source_modes(config: ModelConfig, model_dir: Path | None, keys: list[str]) -> dict[str, str]:
+    """mixed:source's prediction from an import's recorded tensor types (every weight on the
+    int8 grid where none were recorded)."""
+    from tierlm.models import family_class
+    from tierlm.quant.modes import source_grid_mode
+    from tierlm.weights.gguf_import import source_types_by_name
+
+    by_name = source_types_by_name(model_dir) if model_dir is not None else {}
+    layout = family_class(config).checkpoint_layout(config)
+    out = {}
+    for key in keys:
+        block, tensor = key.split("/", 1)
+        sources = layout.get(block, {}).get(tensor, ())
+        out[key] = source_grid_mode([by_name.get(source, "") for source in sources])
+    return out
 
 
 def _block_bytes(parts: list[int]) -> int:
@@ -216,11 +250,9 @@ def _block_bytes(parts: list[int]) -> int:
     return end
 
 
-def _matmul_elements(parts) -> int:
-    main = parts.get("qweight") or parts.get("data")
-    if main is None or len(main.shape) != 2:
-        return 0
-    return main.shape[0] * main.shape[1]
+def _matmul_elements(record) -> int:
+    shape = codec.logical_shape(record)
+    return shape[0] * shape[1] if len(shape) == 2 else 0
 
 
 # -- charges that are not weights -----------------------------------------------------------
@@ -275,7 +307,7 @@ def workspace_bytes(config: ModelConfig, sizes: BlockSizes, profile, accelerator
     activations = tokens * widest * c
     if not accelerator:
         kernel = tokens * max_out * 4 + KERNEL_BLOCK_BYTES
-    elif sizes.quant.startswith("int8"):
+    elif _quantized(sizes.quant):
         kernel = max(sizes.params.values()) * c
     else:
         kernel = 0
@@ -284,6 +316,15 @@ def workspace_bytes(config: ModelConfig, sizes: BlockSizes, profile, accelerator
     logits = profile.batch_size * config.vocab_size * (c + 12) if logits else 0
     rope = 2 * context * config.head_dim * c
     return activations + kernel + attention + logits + rope
+
+
+def _quantized(mode_name: str) -> bool:
+    """Whether weights stored as `mode_name` are dequantized by the kernels (a manifest without
+    a mode name: not)."""
+    try:
+        return parse_quant_mode(mode_name).quantized
+    except TierlmError:
+        return False
 
 
 def host_workspace_bytes(config: ModelConfig, profile) -> int:

@@ -310,7 +310,7 @@ class EmbeddingRows:
         self.read_rows = read_rows
         self.ledger = ledger
         self.device, self.dtype = device, dtype
-        vocab, width = record.parts["qweight" if record.encoding == "int8" else "data"].shape
+        vocab, width = codec.logical_shape(record)
         row_bytes = width * torch.empty((), dtype=dtype).element_size()
         capacity = cache_bytes // row_bytes if cache_bytes else 0
         self.cache = (

@@ -54,7 +54,7 @@ class KernelChoice:
         Written for per-call overhead (~200 calls per token on a small model): no conversion
         or copy unless the dtype or layout asks for one.
         """
-        out_features, in_features = weight.qweight.shape
+        out_features, in_features = weight.shape
         if x.shape[-1] != in_features:
             raise ValueError(f"x has {x.shape[-1]} features, weight {list(weight.shape)} wants "
                              f"{in_features}")  # fmt: skip
@@ -63,7 +63,7 @@ class KernelChoice:
         rows = x.reshape(-1, in_features)
         if self.fp32_only:
             # The CPU kernels read raw pointers: a tensor on another device must not reach them.
-            if not (x.is_cpu and weight.qweight.is_cpu):
+            if not (x.is_cpu and weight.device.type == "cpu"):
                 raise ValueError(f"CPU INT8 kernels got x on {x.device}, weight on {weight.device}")
             if rows.dtype != torch.float32:
                 rows = rows.float()
@@ -74,8 +74,13 @@ class KernelChoice:
         if bias is not None and not bias.is_contiguous():
             bias = bias.contiguous()
         kernel = self.gemv if rows.shape[0] <= self.crossover else self.gemm
-        out = kernel.matmul(rows, weight.qweight, weight.scales_2d, weight.group, bias,
-                            offsets=weight.offsets_2d)  # fmt: skip
+        if hasattr(weight, "packed"):  # Int4Weight: packed nibbles, fp16 scales
+            if not hasattr(kernel, "matmul4"):
+                kernel = self.gemm  # a GEMV kernel without an int4 path: dequantize + GEMM
+            out = kernel.matmul4(rows, weight.packed, weight.scales, weight.offsets, weight.group_size, bias)
+        else:
+            out = kernel.matmul(rows, weight.qweight, weight.scales_2d, weight.group, bias,
+                                offsets=weight.offsets_2d)  # fmt: skip
         if out.dtype != x.dtype:
             out = out.to(x.dtype)
         return out if x.dim() == 2 else out.view(*x.shape[:-1], out_features)
@@ -144,8 +149,9 @@ def calibrate(
             break
     # BLAS needs a dequantizer; the native one (one pass, no temporaries) measured ~2x faster
     # than torch ops.
-    dequantize = next((k.dequantize_into for k in loaded if hasattr(k, "dequantize_into")), None)
-    blas = BlasKernel(dequantize, name="native-dequant+blas") if dequantize else BlasKernel()
+    native = next((k for k in loaded if hasattr(k, "dequantize_into")), None)
+    blas = (BlasKernel(native.dequantize_into, name="native-dequant+blas",
+                       dequantize4=getattr(native, "dequantize4_into", None)) if native else BlasKernel())  # fmt: skip
 
     out_features, in_features = shape
     gen = torch.Generator().manual_seed(0)

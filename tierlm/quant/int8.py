@@ -33,6 +33,7 @@ from collections.abc import Mapping
 import torch
 
 from tierlm.quant.dispatch import kernel_choice
+from tierlm.quant.grids import gcd_steps, sorted_rows
 from tierlm.quant.kernel_api import group_count
 from tierlm.quant.torch_kernels import dequantize_into
 
@@ -278,7 +279,7 @@ def _onto_source_grids(block, low, high, error, q, scale, offset):
     between its sorted distinct values where two neighbouring levels occur (all but sparse
     groups), and n = round(span / d) steps span it, so d = span / n. Where that grid misses
     the group (or only nearly fits it: n = 3 for levels -8, -5, 0 makes d / 3 the step, which
-    fp32 rounds), its smallest gap spans several steps: `_finer_steps` looks for them. A float
+    fp32 rounds), its smallest gap spans several steps: `grids.gcd_steps` looks for them. A float
     group's smallest gap is far below span / 255, so few float groups get past the step count;
     for a source on a grid nearly all do, and the groups are then worked on in place rather than
     gathered.
@@ -294,7 +295,7 @@ def _onto_source_grids(block, low, high, error, q, scale, offset):
     flat, low, span, error = (t if todo is None else t[todo] for t in (flat, low, span, error))
     # The smallest positive gap, on the gaps' bits (>= 0 floats order as their int32 bits):
     # bits - 1 wraps a zero gap's 0 to -1, which the mask turns into the largest int32.
-    bits = _sorted(flat).diff(dim=-1).view(torch.int32).sub_(1).bitwise_and_(0x7FFFFFFF)
+    bits = sorted_rows(flat).diff(dim=-1).view(torch.int32).sub_(1).bitwise_and_(0x7FFFFFFF)
     gap = bits.amin(dim=-1).clamp_(max=0x7F7FFFFF).add_(1).view(torch.float32)  # inf: no gap
     steps = torch.round(span / gap)  # 0 where the group is constant
     gridded = (steps >= 1) & (steps <= 255) & (error > 0)
@@ -313,7 +314,7 @@ def _onto_source_grids(block, low, high, error, q, scale, offset):
         grids = _on_grid(flat[picked], low[picked], span[picked], steps[picked])
         missed = _take(picked, grids, error, todo, q, scale, offset)
     if missed.numel():
-        steps = _finer_steps(flat[missed], span[missed])
+        steps = gcd_steps(flat[missed], span[missed])
         found = (steps >= 1) & (steps <= 255)
         missed = missed[found]
         grids = _on_grid(flat[missed], low[missed], span[missed], steps[found])
@@ -331,31 +332,6 @@ def _take(picked, grids, error, todo, q, scale, offset):
     taken = picked[better] if todo is None else todo[picked[better]]
     q[taken], scale[taken], offset[taken] = q_grid[better], scale_grid[better], offset_grid[better]
     return picked[grid_error > 0]
-
-
-def _finer_steps(flat, span, rounds=12):
-    """Step counts of the groups flat [n, group] whose smallest gap spans several steps of their
-    grid, e.g. Q4_0 levels -8, 0, 3 (gaps 8d, 3d): span / d, d the greatest common divisor of
-    their gaps; 0 where there is none (no grid) or the count is off.
-
-    Euclid's algorithm on floats: fmod is exact in IEEE arithmetic, so on gaps that are whole
-    multiples of d (< 2^24 d) each remainder is too, and the last nonzero one is d itself. A
-    pair's gcd takes at most 11 rounds for multiples below 256 (Fibonacci); `rounds` bounds it
-    for gaps that are no multiples of anything (floats), whose result is then discarded.
-    """
-    gaps = _sorted(flat).diff(dim=-1)
-    while gaps.shape[1] > 1:  # gcd of pairs of columns, halving them
-        if gaps.shape[1] % 2:
-            gaps = torch.cat([gaps, torch.zeros_like(gaps[:, :1])], dim=1)  # gcd(x, 0) = x
-        a, b = gaps[:, 0::2], gaps[:, 1::2]
-        for _ in range(rounds):
-            more = b > 0
-            if not more.any():
-                break
-            a, b = torch.where(more, b, a), torch.where(more, torch.fmod(a, b), b)
-        gaps = torch.where(b > 0, torch.nan, a)  # unfinished: no step
-    steps = torch.round(span / gaps[:, 0])
-    return torch.where(steps.isfinite(), steps, torch.zeros_like(steps))
 
 
 def _on_grid(flat, low, span, steps):
@@ -381,13 +357,3 @@ def _on_grid(flat, low, span, steps):
     error = _squared_error(q, safe, offset, flat)
     off_grid = underflow | (error > flat.shape[1] * (_ON_GRID * safe).square())
     return q, scale, offset, error.masked_fill_(off_grid, torch.inf)
-
-
-def _sorted(flat):
-    """flat [n, group] sorted along its rows: numpy's SIMD sort on the CPU (~10x torch's for
-    rows of 32), torch's elsewhere."""
-    if flat.device.type == "cpu" and flat.dtype == torch.float32:
-        import numpy as np
-
-        return torch.from_numpy(np.sort(flat.detach().numpy(), axis=-1))
-    return flat.sort(dim=-1).values

@@ -5,6 +5,14 @@
     int8-asym, int8-g<N>-asym   the same with a float offset per row/group (zero point): the
                   256 levels span [min, max] instead of [-max|w|, max|w|]. Costs 4 more bytes per
                   group; reproduces GGUF Q4_0/Q4_1/Q5_0/Q5_1/Q8_0 sources (groups of 32) bit for bit.
+    int4-g<N>     int4 weights (two per byte), one fp16 scale per group of N input columns, N a
+                  multiple of 32 (int4-g32, int4-g64, int4-g128): W ~ (u - 8) * s, GGUF Q4_0's form
+    int4-g<N>-asym  the same with an fp16 offset per group: W ~ u * s + o, GGUF Q4_1's form.
+                  A weight whose input dim is not a multiple of 32 is stored as int8-g32(-asym).
+    mixed:SIZE    int8 or int4 chosen per tensor so the weights fit SIZE (e.g. mixed:5.2GiB), the
+                  most sensitive tensors kept at 8 bits (tierlm/quant/mixed.py)
+    mixed:source  each tensor on the smallest grid that holds its source exactly: a GGUF Q4_0
+                  tensor int4-g32, Q4_1 int4-g32-asym, anything else int8-g32-asym
     fp16 / bf16 / fp32   no quantization: weights stored in that float dtype
     none          the checkpoint's weights as stored, in the compute dtype (`concrete_mode`)
     auto          a concrete mode chosen per model and device by `auto_quant` (the profiles'
@@ -25,29 +33,41 @@ from tierlm.errors import TierlmError
 AUTO = "auto"
 AS_STORED = "none"
 # The names offered in help and errors; any int8-g<N>[-asym] (N a multiple of 16) parses too.
-MODE_NAMES = (AUTO, "int8", "int8-g128", "int8-g32-asym", "fp16", "bf16", "fp32", AS_STORED)
+MODE_NAMES = (AUTO, "int8", "int8-g128", "int8-g32-asym", "int4-g32", "int4-g32-asym", "int4-g128",
+              "mixed:SIZE", "fp16", "bf16", "fp32", AS_STORED)
+# Canonical names use "-" (artifact names are BASE:QUANT); "mixed:" is how users write them.
+MIXED_SOURCE = "mixed-source"
 
 _FLOATS = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
 _INT8 = re.compile(r"int8(?:-g(\d+))?(-asym)?")
+_INT4 = re.compile(r"int4-g(\d+)(-asym)?")
+_INT4_GROUP = 32  # int4 groups are whole packed chunks (quant/int4.py)
 # Group sizes are multiples of 16 so every group starts on a full 16-lane vector.
 _MIN_GROUP, _MAX_GROUP = 16, 8192
 
 
 @dataclass(frozen=True)
 class QuantMode:
-    """How weights are stored: `weight_dtype` is "int8" or a float dtype name (torch's spelling).
+    """How weights are stored: `weight_dtype` is "int8", "int4", "mixed" (a choice per tensor) or
+    a float dtype name (torch's spelling).
 
-    `group_size` is None for per-channel int8 and for float modes; `asymmetric` adds offsets.
+    `group_size` is None for per-channel int8, for float and mixed modes; `asymmetric` adds
+    offsets; `target_bytes` is a mixed mode's size target (None: mixed:source).
     """
 
     name: str
     weight_dtype: str
     group_size: int | None = None
     asymmetric: bool = False
+    target_bytes: int | None = None
 
     @property
     def quantized(self) -> bool:
-        return self.weight_dtype == "int8"
+        return self.weight_dtype in ("int8", "int4", "mixed")
+
+    @property
+    def mixed(self) -> bool:
+        return self.weight_dtype == "mixed"
 
     @property
     def key(self) -> str:
@@ -56,11 +76,22 @@ class QuantMode:
 
 
 def parse_quant_mode(name: str) -> QuantMode:
-    """`int8`, `int8-g128` (any `int8-g<N>`, N a multiple of 16), either with `-asym`, `fp16`,
-    `bf16` or `fp32`."""
+    """`int8`, `int8-g128` (any `int8-g<N>`, N a multiple of 16), `int4-g<N>` (N a multiple of
+    32), either with `-asym`, `mixed:SIZE`, `mixed:source`, `fp16`, `bf16` or `fp32`."""
     text = name.strip().lower()
     if text in _FLOATS:
         return QuantMode(text, _FLOATS[text])
+    if text.startswith(("mixed:", "mixed-")):
+        return _mixed_mode(name, text)
+    int4 = _INT4.fullmatch(text)
+    if int4:
+        size = int(int4.group(1))
+        if size % _INT4_GROUP == 0 and _INT4_GROUP <= size <= _MAX_GROUP:
+            return QuantMode(text, "int4", size, bool(int4.group(2)))
+        raise TierlmError(
+            f"quant mode {name!r} has an unusable group size {size}",
+            f"int4 groups are a multiple of {_INT4_GROUP} between {_INT4_GROUP} and {_MAX_GROUP}, e.g. int4-g128",
+        )
     int8 = _INT8.fullmatch(text)
     if int8:
         group, asymmetric = int8.group(1), bool(int8.group(2))
@@ -76,16 +107,36 @@ def parse_quant_mode(name: str) -> QuantMode:
     raise TierlmError(f"unknown quant mode {name!r}", f"use one of: {mode_choices()}")
 
 
+def _mixed_mode(name: str, text: str) -> QuantMode:
+    """mixed:source, or mixed:SIZE with SIZE in the profiles' units, canonically named in bytes
+    (mixed:5GiB and mixed-5368709120 are one artifact)."""
+    from tierlm.profile import parse_size
+
+    target = text[len("mixed:"):].strip()
+    if target == "source":
+        return QuantMode(MIXED_SOURCE, "mixed")
+    try:
+        size = parse_size(target, "mixed")
+    except TierlmError:
+        raise TierlmError(f"quant mode {name!r}: {target!r} is not a size",
+                          "write it like mixed:5.2GiB or mixed:800MB, or use mixed:source") from None  # fmt: skip
+    if size <= 0:
+        raise TierlmError(f"quant mode {name!r}: the size must be positive", "e.g. mixed:5.2GiB")
+    return QuantMode(f"mixed-{size}", "mixed", target_bytes=size)
+
+
 def mode_choices() -> str:
     """The accepted names as one line, for help and error texts."""
-    return ", ".join(MODE_NAMES) + " (int8-g<N>[-asym]: N any multiple of 16)"
+    return (", ".join(MODE_NAMES) + " (int8-g<N>[-asym]: N any multiple of 16; int4-g<N>[-asym]: N a multiple"
+            " of 32; mixed:SIZE e.g. mixed:5.2GiB, or mixed:source)")  # fmt: skip
 
 
 def check_mode_name(name: str) -> str:
-    """`name` lower-cased if a profile or --quant may say it (auto, none or a concrete mode)."""
+    """`name` in its canonical spelling if a profile or --quant may say it (auto, none or a
+    concrete mode: lower-cased, a mixed size in bytes)."""
     text = name.strip().lower()
     if text not in (AUTO, AS_STORED):
-        parse_quant_mode(text)
+        return parse_quant_mode(text).name
     return text
 
 
@@ -105,6 +156,8 @@ FLOAT_SOURCE_TYPES = frozenset({"F64", "F32", "F16", "BF16"})
 # rounding of the int8 modes (benchmarks/RESULTS.md, INT8 fidelity: 100% top-1 agreement on the
 # embedded Q4_1 model, where per-channel int8 degrades it to 95.65%).
 GRID_SOURCE_MODE = "int8-g32-asym"
+# A source with 4-bit tensors (GGUF Q4_0/Q4_1) keeps them at 4 bits, each tensor on its own grid.
+FOUR_BIT_SOURCE_TYPES = frozenset({"Q4_0", "Q4_1"})
 # Float sources: per-channel int8. In RESULTS.md it is the only int8 mode measured to meet the
 # speed targets (decode 0.76x llama.cpp Q8_0, 2.12x tierlm fp32; int8-g32-asym: 0.50x, 1.40x) and
 # its perplexity cost (+0.42%) is well inside the +1.5% target. int8-g128 halves that cost (+0.20%)
@@ -114,11 +167,25 @@ FLOAT_SOURCE_MODE = "int8"
 ACCELERATOR_MODE = "int8"
 
 
+def source_grid_mode(source_types: Iterable[str]) -> str:
+    """mixed:source's mode for a weight made of tensors stored as `source_types` (GGUF type names,
+    "" where unknown): int4-g32 for Q4_0 alone, int4-g32-asym for Q4_0/Q4_1, else int8-g32-asym."""
+    kinds = {kind.upper() for kind in source_types}
+    if kinds == {"Q4_0"}:
+        return "int4-g32"
+    if kinds and kinds <= FOUR_BIT_SOURCE_TYPES:
+        return "int4-g32-asym"
+    return GRID_SOURCE_MODE
+
+
 def auto_quant(source_types: Iterable[str] = (), *, accelerator: bool = False) -> str:
     """The concrete mode `auto` means for weights stored as `source_types` (the GGUF tensor types
     an import recorded; empty for a float checkpoint) on an accelerator or a CPU."""
     if accelerator:
         return ACCELERATOR_MODE
-    if any(kind.upper() not in FLOAT_SOURCE_TYPES for kind in source_types):
+    kinds = {kind.upper() for kind in source_types}
+    if kinds & FOUR_BIT_SOURCE_TYPES:
+        return MIXED_SOURCE
+    if kinds - FLOAT_SOURCE_TYPES:
         return GRID_SOURCE_MODE
     return FLOAT_SOURCE_MODE

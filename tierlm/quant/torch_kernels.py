@@ -67,26 +67,42 @@ class BlasKernel:
     faults on a fresh buffer of up to hundreds of MiB, and the memory budget pays for it).
     """
 
-    def __init__(self, dequantize=dequantize_into, name="dequant-blas", block_bytes=16 << 20):
+    def __init__(self, dequantize=dequantize_into, name="dequant-blas", block_bytes=16 << 20, dequantize4=None):
         self._dequantize = dequantize
+        self._dequantize4 = dequantize4 or _dequantize4_into
         self.name = name
         self.block_bytes = block_bytes
 
     def matmul(self, x, qweight, scales, group, bias=None, offsets=None):
         """x [M, K] fp32 @ (qweight [N, K] * scales [N, G] (+ offsets)).T (+ bias [N]) -> [M, N]."""
+        def rows_into(start, stop, block):
+            part = offsets[start:stop] if offsets is not None else None
+            self._dequantize(qweight[start:stop], scales[start:stop], group, block, part)
+
+        return self._blocked(x, qweight.shape[0], rows_into, bias)
+
+    def matmul4(self, x, packed, scales, offsets, group, bias=None):
+        """x [M, K] fp32 @ the INT4 weight (packed [N, K/2], fp16 scales/offsets [N, G]).T (+ bias)."""
+        def rows_into(start, stop, block):
+            part = offsets[start:stop] if offsets is not None else None
+            self._dequantize4(packed[start:stop], scales[start:stop], part, group, block)
+
+        return self._blocked(x, packed.shape[0], rows_into, bias)
+
+    def _blocked(self, x, n, rows_into, bias):
+        """x [M, K] @ W.T for W [n, K] made a block of rows at a time by rows_into(start, stop, out)."""
         m, k = x.shape
-        n = qweight.shape[0]
         rows = min(n, max(16, self.block_bytes // (4 * k)))
         buffer = torch.empty(rows, k, dtype=torch.float32, device=x.device)
         if rows == n:
-            return F.linear(x, self._dequantize(qweight, scales, group, buffer, offsets), bias)
+            rows_into(0, n, buffer)
+            return F.linear(x, buffer, bias)
         # GEMM into the transposed output: each block's [rows, M] slice is contiguous.
         out_t = torch.empty(n, m, dtype=torch.float32, device=x.device)
         for start in range(0, n, rows):
             stop = min(n, start + rows)
             block = buffer[: stop - start]
-            part = offsets[start:stop] if offsets is not None else None
-            self._dequantize(qweight[start:stop], scales[start:stop], group, block, part)
+            rows_into(start, stop, block)
             torch.mm(block, x.t(), out=out_t[start:stop])
         out = out_t.t().contiguous()
         return out.add_(bias) if bias is not None else out
@@ -106,3 +122,15 @@ class TorchKernel:
             return out.add_(bias.to(x.dtype)) if bias is not None else out
         weight = torch.empty(qweight.shape, dtype=x.dtype, device=x.device)
         return F.linear(x, dequantize_into(qweight, scales, group, weight, offsets), bias)
+
+    def matmul4(self, x, packed, scales, offsets, group, bias=None):
+        """The INT4 weight dequantized (in fp32, then x's dtype) and `F.linear`."""
+        weight = _dequantize4_into(packed, scales, offsets, group).to(x.dtype)
+        return F.linear(x, weight, None if bias is None else bias.to(x.dtype))
+
+
+def _dequantize4_into(packed, scales, offsets, group, out=None):
+    """The torch INT4 dequantization (quant/int4.py's reference), into `out` if given."""
+    from tierlm.quant.int4 import dequantize4
+
+    return dequantize4(packed, scales, group, offsets, out=out)

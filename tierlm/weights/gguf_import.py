@@ -13,7 +13,7 @@ as metadata. `import_gguf` turns one into what transformers and tierlm's own loa
     tokenizer_config.json    special tokens, add_bos_token, chat_template
     generation_config.json   bos/eos ids
     tierlm-import.json       what was imported from, incl. the GGUF tensor types the weights were
-                             stored in (written last; the directory's receipt)
+                             stored in, per HF tensor too (written last; the directory's receipt)
 
 The directory appears atomically (tierlm.atomic): it is built under a temporary name beside
 `out_dir` and renamed into place only when complete, under a per-directory lock, so a killed import
@@ -170,6 +170,13 @@ def source_tensor_types(model_dir: Path) -> dict[str, int]:
     `model_dir` is not an import)."""
     record = read_import_record(model_dir) or {}
     return dict(record.get("tensor_types") or {})
+
+
+def source_types_by_name(model_dir: Path) -> dict[str, str]:
+    """HF tensor name -> the GGUF type it was stored in, as an import recorded it ({} when
+    `model_dir` is not an import, or an import older than the record)."""
+    record = read_import_record(model_dir) or {}
+    return dict(record.get("tensor_type_of") or {})
 
 
 def unpermute_rope_rows(weight, n_head: int):
@@ -703,5 +710,6 @@ def _write_model_dir(gguf_path: Path, out: Path, key: str, progress: Progress | 
             "architecture": meta.arch,
             "general_name": meta.get("general.name"),
             "tensor_types": _tensor_types(plan),
+            "tensor_type_of": {item.hf_name: item.tensor.tensor_type.name for item in plan},
         },
     )

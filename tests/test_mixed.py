@@ -1,0 +1,160 @@
+"""mixed:SIZE: the allocation of int8/int4 per weight (against brute force), the measured choice
+while converting (within the size, activations weighed, better than all-int4 at the same
+bytes), and its prediction from config.json for `plan`."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import random
+import re
+
+import pytest
+import torch
+
+from tierlm.errors import TierlmError
+from tierlm.quant.mixed import OPTIONS, Candidate, allocate
+
+
+def _random_candidates(seed: int, count: int = 4) -> list[Candidate]:
+    rng = random.Random(seed)
+    out = []
+    for i in range(count):
+        elements = rng.choice([4096, 16384, 65536])
+        scale = rng.uniform(0.1, 10)
+        sizes = {"int4-g128": elements // 2 + elements // 64, "int4-g64": elements // 2 + elements // 32,
+                 "int4-g32": elements // 2 + elements // 16, "int4-g32-asym": elements // 2 + elements // 8,
+                 "int8": elements + 4 * 64}  # fmt: skip
+        base = {"int4-g128": 1.0, "int4-g64": 0.85, "int4-g32": 0.7, "int4-g32-asym": 0.55, "int8": 0.01}
+        damage = {m: elements * scale * base[m] * rng.uniform(0.9, 1.1) for m in OPTIONS}
+        out.append(Candidate(f"t{i}", sizes, damage))
+    return out
+
+
+def _total(candidates, chosen, what):
+    return sum(getattr(c, what)[chosen[c.key]] for c in candidates)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_allocation_fits_and_comes_close_to_the_best_choice(seed):
+    candidates = _random_candidates(seed)
+    smallest = sum(min(c.sizes.values()) for c in candidates)
+    largest = sum(max(c.sizes.values()) for c in candidates)
+    previous = None
+    for share in (0.0, 0.2, 0.5, 0.8, 1.0):
+        budget = int(smallest + share * (largest - smallest))
+        chosen = allocate(candidates, budget)
+        assert _total(candidates, chosen, "sizes") <= budget
+        damage = _total(candidates, chosen, "damage")
+        best = min(sum(c.damage[m] for c, m in zip(candidates, combo))
+                   for combo in itertools.product(OPTIONS, repeat=len(candidates))
+                   if sum(c.sizes[m] for c, m in zip(candidates, combo)) <= budget)  # fmt: skip
+        # Greedy on each weight's convex hull: optimal at hull points, within one weight's step between.
+        step = max(max(c.damage.values()) - min(c.damage.values()) for c in candidates)
+        assert best <= damage <= best + step
+        assert previous is None or damage <= previous  # more bytes never do more damage
+        previous = damage
+    assert set(allocate(candidates, largest).values()) == {"int8"}
+    assert set(allocate(candidates, smallest).values()) == {"int4-g128"}
+
+
+def test_the_weight_that_hurts_most_per_byte_gets_8_bits_first():
+    quiet, loud = _random_candidates(1, 2)
+    loud = Candidate("loud", loud.sizes, {m: 1000 * d for m, d in loud.damage.items()})
+    room = min(quiet.sizes.values()) + loud.sizes["int8"]
+    assert allocate([quiet, loud], room) == {"t0": "int4-g128", "loud": "int8"}
+
+
+def test_a_size_below_the_smallest_is_refused_with_what_would_do():
+    candidates = _random_candidates(2)
+    smallest = sum(min(c.sizes.values()) for c in candidates)
+    with pytest.raises(TierlmError, match=r"ask for mixed:\d+MiB or more"):
+        allocate(candidates, smallest - 1)
+
+
+# -- converting ----------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    from tests.tiny import make_model
+
+    path = tmp_path_factory.mktemp("mixed-base")
+    make_model(path, "llama", hidden=128, intermediate=256, layers=3, vocab=320)
+    return path
+
+
+def _weights_bytes(artifact_dir) -> int:
+    return (artifact_dir / "weights.bin").stat().st_size
+
+
+def test_mixed_conversion_fits_its_size_and_beats_all_int4_at_the_same_bytes(tiny):
+    from tierlm.cache.artifact import Artifact
+    from tierlm.cache.convert import ConversionRequest, ensure_artifact
+    from tierlm.config import ModelConfig
+    from tierlm.offload.sizes import sizes_from_config
+    from tierlm.runtime.loader import load_model
+
+    int4 = ensure_artifact(ConversionRequest(tiny, (), "int4-g128"))
+    int8 = ensure_artifact(ConversionRequest(tiny, (), "int8"))
+    target = (_weights_bytes(int4) + _weights_bytes(int8)) // 2
+    mixed = ensure_artifact(ConversionRequest(tiny, (), f"mixed:{target}"))
+    assert _weights_bytes(mixed) <= target
+    manifest = Artifact.open(mixed).manifest
+    assert manifest["quant"] == f"mixed-{target}" and manifest["mixed"]["sensitivity"].startswith("activations")
+    encodings = {t.encoding for b in Artifact.open(mixed).blocks.values() for t in b.tensors.values()}
+    assert {"int4", "int8"} <= encodings
+    predicted = sizes_from_config(ModelConfig.from_dir(tiny), f"mixed:{target}")
+    assert predicted.total <= target
+
+    ids = torch.tensor([[5, 17, 99, 3, 250, 41, 8, 77, 120, 6]])
+
+    def logits(quant):
+        loaded = load_model(tiny, device="cpu", dtype=torch.float32, quant=quant)
+        return loaded.model.forward(ids, loaded.new_cache(), logits="all")
+
+    reference = logits("fp32")
+    mixed_error = (logits(f"mixed:{target}") - reference).square().mean()
+    int4_error = (logits("int4-g128") - reference).square().mean()
+    assert mixed_error < int4_error
+    assert ensure_artifact(ConversionRequest(tiny, (), f"mixed-{target}")) == mixed
+
+
+def test_a_mixed_size_too_small_is_refused_before_anything_is_cached(tiny):
+    from tierlm.cache.convert import ConversionRequest, artifacts_root, ensure_artifact
+
+    before = set(artifacts_root().glob("*")) if artifacts_root().exists() else set()
+    with pytest.raises(TierlmError, match="mixed:"):
+        ensure_artifact(ConversionRequest(tiny, (), "mixed:100KiB"))
+    after = {p for p in artifacts_root().glob("*") if not p.name.startswith(".")}
+    assert after <= before | {p for p in after if p.name.endswith(".lock")}
+
+
+def test_plan_shows_the_mixed_choice_and_suggests_a_size_that_fits(tmp_path):
+    """`tierlm plan` for a config.json alone: a mixed size plans within it, and a profile the
+    int8 weights overflow is answered with a mixed size that fits."""
+    import subprocess
+    import sys
+
+    config = {"model_type": "llama", "hidden_size": 4096, "intermediate_size": 11008, "num_hidden_layers": 32,
+              "num_attention_heads": 32, "num_key_value_heads": 32, "vocab_size": 32000,
+              "max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "tie_word_embeddings": False}  # fmt: skip
+    (tmp_path / "config.json").write_text(json.dumps(config))
+
+    def plan(*args):
+        return subprocess.run([sys.executable, "-m", "tierlm", "plan", "--model", str(tmp_path), "--device", "cpu",
+                               *args], capture_output=True, text=True, timeout=300)  # fmt: skip
+
+    done = plan("--quant", "mixed:4.5GiB", "--profile", "8gb", "--json")
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout)
+    assert report["weights_bytes"] <= 4.5 * 2**30
+    modes = report["weight_modes"]
+    assert sum(modes.values()) == 32 * 4 + 2 and any(m.startswith("int4") for m in modes) and "int8" in modes
+    # int8 streams part of the model from disk under 8gb: the plan names the mixed size that would not.
+    text = plan("--quant", "int8", "--profile", "8gb")
+    assert text.returncode == 0, text.stderr
+    size = re.search(r"every block on the device with --quant (mixed:[0-9.]+GiB)", text.stdout).group(1)
+    resident = json.loads(plan("--quant", size, "--profile", "8gb", "--json").stdout)
+    assert {b["tier"] for b in resident["blocks"]} == {"device"}
+    assert resident["resident_mixed_bytes"] == 0  # already resident: nothing to suggest
