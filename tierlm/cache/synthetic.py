@@ -98,7 +98,7 @@ def write_synthetic_artifact(
                     def tensor_for(block: str, name: str, sources: tuple[str, ...]):
                         return _normal(shapes[name], name, WEIGHT_STD, generator)
 
-                    write_layout(writer, layout, tensor_for, mode, progress)
+                    write_layout(writer, layout, tensor_for, mode, progress, _mixed_modes(config, shapes, layout, mode))
                 else:
                     _write_moe(writer, layout, shapes, config, mode, seed, router_skew, progress)
                 writer.finish({"key": key, "model_type": config.model_type, "source": "synthetic", "quant": mode.name, "adapters": []})
@@ -107,6 +107,21 @@ def write_synthetic_artifact(
             (tmp / "config.json").write_text(json.dumps(dict(raw_config), indent=1))
             _write_byte_tokenizer(tmp, config.vocab_size)
     return target
+
+
+def _mixed_modes(config, shapes, layout, mode):
+    """A mixed:SIZE mode's per-weight choice for random weights (estimated: they are all alike);
+    None for any other mode. mixed:source has no source grid here: refused."""
+    if not mode.mixed:
+        return None
+    if mode.target_bytes is None:
+        raise ValueError("a synthetic artifact has no source grid: use mixed:SIZE or a concrete mode")
+    from tierlm.cache.artifact import BLOCK_ALIGN, PART_ALIGN
+    from tierlm.cache.sensitivity import estimated_modes
+
+    blocks = {block: {name: shapes[name] for name in entries} for block, entries in layout.items()}
+    aligned = lambda shape, m, name: sum(-(-n // PART_ALIGN) * PART_ALIGN for n in codec.part_bytes(shape, m, name))  # noqa: E731
+    return {key: codec.parse_mode(name) for key, name in estimated_modes(blocks, mode, aligned, BLOCK_ALIGN).items()}
 
 
 def _normal(shape, name: str, std: float, generator):

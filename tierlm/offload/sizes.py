@@ -212,17 +212,14 @@ def predicted_modes(config: ModelConfig, blocks, mode: QuantMode, model_dir: Pat
     `blocks` (block -> {tensor: shape}); {} for any other mode."""
     if not mode.mixed:
         return {}
-    from tierlm.quant import mixed
-
-    weights = [(f"{b}/{t}", shape) for b, tensors in blocks.items() for t, shape in tensors.items()
-               if not codec.keeps_float(t, shape)]  # fmt: skip
     if mode.target_bytes is None:  # mixed:source
-        return {key: parse_quant_mode(name) for key, name in _source_modes(config, model_dir, [k for k, _ in weights]).items()}
-    fixed = BLOCK_ALIGN * len(blocks) + sum(_block_bytes(codec.part_bytes(shape, mode, t)) for b, tensors in blocks.items()
-                                            for t, shape in tensors.items() if codec.keeps_float(t, shape))  # fmt: skip
-    candidates = [mixed.estimated_candidate(key, shape, lambda s, m: _block_bytes(codec.part_bytes(s, parse_quant_mode(m))))
-                  for key, shape in weights]  # fmt: skip
-    return {key: parse_quant_mode(name) for key, name in mixed.allocate(candidates, mode.target_bytes - fixed).items()}
+        keys = [f"{b}/{t}" for b, tensors in blocks.items() for t, shape in tensors.items()
+                if not codec.keeps_float(t, shape)]  # fmt: skip
+        return {key: parse_quant_mode(name) for key, name in _source_modes(config, model_dir, keys).items()}
+    from tierlm.cache.sensitivity import estimated_modes
+
+    chosen = estimated_modes(blocks, mode, lambda shape, m, name: _block_bytes(codec.part_bytes(shape, m, name)), BLOCK_ALIGN)
+    return {key: parse_quant_mode(name) for key, name in chosen.items()}
 
 
 def _source_modes(config: ModelConfig, model_dir: Path | None, keys: list[str]) -> dict[str, str]:
