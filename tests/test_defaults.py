@@ -140,8 +140,10 @@ def test_cli_leaves_sampling_to_the_model_unless_told(tmp_path):
 def test_auto_keeps_a_quantized_grid_and_gives_floats_int8():
     from tierlm.quant.modes import auto_quant
 
-    assert auto_quant({"F32": 61, "Q4_1": 210, "Q8_0": 1}) == "int8-g32-asym"
+    assert auto_quant({"F32": 61, "Q4_1": 210, "Q8_0": 1}) == "mixed-source"  # 4-bit tensors stay 4-bit
+    assert auto_quant({"F32": 10, "Q4_0": 20}) == "mixed-source"
     assert auto_quant({"F32": 10, "Q8_0": 20}) == "int8-g32-asym"
+    assert auto_quant({"F32": 10, "Q5_1": 20}) == "int8-g32-asym"
     assert auto_quant({"F32": 10, "F16": 20}) == "int8"
     assert auto_quant() == "int8"
     assert auto_quant({"Q4_1": 1}, accelerator=True) == "int8"  # the accelerator rule stays
@@ -153,12 +155,15 @@ def test_auto_resolves_from_the_import_record_and_artifacts(tmp_path):
 
     imported = tmp_path / "imported"
     imported.mkdir()
-    (imported / RECORD_NAME).write_text(json.dumps({"format": 2, "tensor_types": {"F32": 3, "Q4_1": 7}}))
+    (imported / RECORD_NAME).write_text(json.dumps({"format": 2, "tensor_types": {"F32": 3, "Q8_0": 7}}))
     assert resolve_auto("auto", imported) == "int8-g32-asym"
     assert resolve_quant("AUTO", False, imported).group_size == 32
+    (imported / RECORD_NAME).write_text(json.dumps({"format": 2, "tensor_types": {"F32": 3, "Q4_1": 7}}))
+    assert resolve_auto("auto", imported) == "mixed-source" and resolve_quant("auto", False, imported).mixed
     assert resolve_auto("auto", tmp_path) == "int8"  # no record: a float checkpoint
     assert resolve_auto("fp16", imported) == "fp16" and resolve_auto("none", imported) == "none"
-    with pytest.raises(TierlmError, match="auto, int8, int8-g128, int8-g32-asym, fp16, bf16, fp32, none"):
+    with pytest.raises(TierlmError, match="auto, int8, int8-g128, int8-g32-asym, int4-g32, int4-g32-asym, int4-g128, "
+                                          "mixed:SIZE, fp16, bf16, fp32, none"):  # fmt: skip
         resolve_auto("int4", imported)
 
 
@@ -178,8 +183,9 @@ def test_profiles_take_auto_and_every_mode_modes_py_accepts():
     assert {load_profile(name).quant for name in shipped_profiles()} == {"auto"}
     base = dict(description="d", device_memory="1GiB", host_memory="1GiB", disk_offload=True, headroom="1MiB",
                 kv_dtype="auto", context_length=64, batch_size=1, prefetch_depth=1)  # fmt: skip
-    for mode in ("auto", "int8-g32-asym", "int8-g64", "none", "BF16"):
+    for mode in ("auto", "int8-g32-asym", "int8-g64", "int4-g128-asym", "none", "BF16"):
         assert profile_from_dict("p", {**base, "quant": mode}).quant == mode.lower()
+    assert profile_from_dict("p", {**base, "quant": "mixed:4GiB"}).quant == "mixed-4294967296"
     with pytest.raises(TierlmError, match="int8-g32-asym"):
         profile_from_dict("p", {**base, "quant": "int4"})
     with pytest.raises(TierlmError, match="threads"):
@@ -203,7 +209,7 @@ def test_embedded_model_default_greedy_equals_its_fp32_weights():
 
     model_dir = ensure_embedded_model()
     mode = resolve_auto(load_profile("24gb").quant, model_dir)
-    assert mode == "int8-g32-asym"  # a Q4_1 GGUF: its grid is kept
+    assert mode == "mixed-source"  # a Q4_1 GGUF: each tensor keeps its grid, the Q4_1 ones at 4 bits
     tokenizer = Tokenizer.from_dir(model_dir)
     default = Engine(load_model(model_dir, device="cpu", quant=mode), tokenizer)
     fp32 = Engine(load_model(model_dir, device="cpu", quant="fp32"), tokenizer)

@@ -110,7 +110,7 @@ def parse_quant_mode(name: str) -> QuantMode:
 def _mixed_mode(name: str, text: str) -> QuantMode:
     """mixed:source, or mixed:SIZE with SIZE in the profiles' units, canonically named in bytes
     (mixed:5GiB and mixed-5368709120 are one artifact)."""
-    from tierlm.profile import parse_size
+    from tierlm.units import parse_size
 
     target = text[len("mixed:"):].strip()
     if target == "source":
