@@ -269,6 +269,30 @@ def test_embedded_logits_match_transformers_gguf_loader(smollm_dir, reference_gg
     assert generation["eos_token_id"] == 2
 
 
+def test_embedded_auto_artifact_keeps_q4_at_4_bits_and_matches_transformers(smollm_cache, reference_gguf_model):
+    """`auto` on the 4-bit embedded GGUF: mixed:source carries every Q4_1 tensor as int4-g32-asym
+    and the Q8_0 embedding as int8-g32-asym, bit for bit, so its logits are transformers' GGUF
+    loader's (the same dequantized weights), at ~60% of the int8 artifact's bytes."""
+    from tierlm.cache.artifact import Artifact
+    from tierlm.runtime.loader import load_model
+
+    cache, model_dir, _ = smollm_cache
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("TIERLM_CACHE", str(cache))
+        loaded = load_model(model_dir, device="cpu", dtype=torch.float32, quant="auto")
+    artifact = Artifact.open(loaded.artifact_dir)
+    assert artifact.manifest["quant"] == "mixed-source"
+    layer_records = [t for name, b in artifact.blocks.items() if name.startswith("layers.") for t in b.tensors.values()]
+    assert {r.encoding for r in layer_records} == {"int4", "plain"}
+    assert artifact.blocks["embed"].tensors["embed"].encoding == "int8"
+    assert (loaded.artifact_dir / "weights.bin").stat().st_size < 0.65 * 164 * 2**20
+    prompt = torch.tensor([[1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 2, 198, 1, 4093, 198, 6004, 2, 198]])
+    with torch.no_grad():
+        expected = reference_gguf_model(prompt).logits
+    got = loaded.model.forward(prompt, loaded.new_cache(), logits="all")
+    torch.testing.assert_close(got, expected, rtol=0, atol=LOGITS_ATOL)
+
+
 # ----------------------------------------------------------------------------- 2. embedded tokenizer
 
 
