@@ -15,7 +15,12 @@ memory control is writable, the 4gb run executes inside a memory cgroup capped a
 profile's 4 GiB with the artifact evicted from the page cache first: the page cache is charged
 to the cgroup, so streamed blocks really come from disk, as on a 4 GB machine.
 
-Run from the repo root: `.venv/bin/python benchmarks/bench_offload.py [--headline]`.
+`--mixed` writes a ChatGLM3-6B-shaped synthetic model (its real config.json, tests/data/chatglm3-6b,
+random weights) at `--quant mixed:5.2GiB` (int8 or int4 per weight, estimated: random weights
+are all alike) and runs it under `--profile 8gb` inside a memory cgroup capped at the profile's
+7 GiB device budget, cold page cache: the seed's "ChatGLM-6B in 5.2 GB" on an 8 GB machine.
+
+Run from the repo root: `.venv/bin/python benchmarks/bench_offload.py [--headline | --mixed]`.
 """
 
 from __future__ import annotations
@@ -215,6 +220,39 @@ def headline() -> None:
               f"{row['peak_rss'] / 2**30:.2f} | {cap} |")
 
 
+CHATGLM3_6B = Path(__file__).resolve().parent.parent / "tests" / "data" / "chatglm3-6b" / "config.json"
+MIXED_SIZE = "mixed:5.2GiB"
+
+
+def mixed_headline() -> None:
+    from tierlm.cache.artifact import Artifact
+    from tierlm.cache.synthetic import write_synthetic_artifact
+    from tierlm.paths import cache_root
+    from tierlm.profile import format_size, load_profile
+    from tierlm.quant.mixed import summary
+
+    target = cache_root() / "artifacts" / "synthetic-chatglm3-6b-mixed-5.2gib"
+    started = time.perf_counter()
+    write_synthetic_artifact(json.loads(CHATGLM3_6B.read_text()), target, quant=MIXED_SIZE)
+    artifact = Artifact.open(target)
+    modes = {f"{b}/{t}": f"{r.encoding}" for b, block in artifact.blocks.items() for t, r in block.tensors.items()}
+    weights = (target / "weights.bin").stat().st_size
+    print(f"synthetic ChatGLM3-6B-shaped {MIXED_SIZE} artifact ready in {time.perf_counter() - started:.0f} s: "
+          f"{weights / 2**30:.3f} GiB of weights ({summary(modes)}): {target}\n")  # fmt: skip
+    limit = load_profile("8gb").device_memory
+    row, enforced = capped_side(["tierlm", str(target), "8gb", str(HEADLINE_STEPS)], limit, target)
+    cap = f"cgroup {format_size(limit)}, cold page cache" if enforced else "none"
+    print("| profile | weights | decode tok/s | predicted | binding limit | resident / disk bytes | peak RSS GiB | cap |")
+    print("|---|---|---|---|---|---|---|---|")
+    if "error" in row:
+        print(f"| 8gb | {MIXED_SIZE} | failed: {row['error']} | | | | | {cap} |")
+        return
+    tiers = row["bytes_by_tier"]
+    print(f"| 8gb | {weights / 2**30:.2f} GiB | {row['decode_tps']:.2f} | {row['predicted_tps']:.2f} | {row['binding_limit']} | "
+          f"{tiers.get('device', 0) / 2**30:.2f} / {tiers.get('disk', 0) / 2**30:.2f} GiB | {row['peak_rss'] / 2**30:.2f} | "
+          f"{cap} |")  # fmt: skip
+
+
 def capped_side(argv: list[str], limit: int, artifact: Path) -> tuple[dict, bool]:
     """`side(argv)` inside a cgroup capped at `limit` (page cache included) with the artifact
     evicted from the page cache first, so streamed blocks come from the disk and not from RAM
@@ -278,9 +316,12 @@ def main() -> None:
         return
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--headline", action="store_true", help="the 7B-shaped synthetic model instead")
+    parser.add_argument("--mixed", action="store_true", help="the ChatGLM3-6B-shaped mixed:5.2GiB model under 8gb")
     args = parser.parse_args()
     if args.headline:
         headline()
+    elif args.mixed:
+        mixed_headline()
     else:
         with tempfile.TemporaryDirectory() as folder:
             smollm(Path(folder))

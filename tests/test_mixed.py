@@ -24,8 +24,9 @@ def _random_candidates(seed: int, count: int = 4) -> list[Candidate]:
         scale = rng.uniform(0.1, 10)
         sizes = {"int4-g128": elements // 2 + elements // 64, "int4-g64": elements // 2 + elements // 32,
                  "int4-g32": elements // 2 + elements // 16, "int4-g32-asym": elements // 2 + elements // 8,
-                 "int8": elements + 4 * 64}  # fmt: skip
-        base = {"int4-g128": 1.0, "int4-g64": 0.85, "int4-g32": 0.7, "int4-g32-asym": 0.55, "int8": 0.01}
+                 "int8": elements + 4 * 64, "int8-g32-asym": elements + elements // 4}  # fmt: skip
+        base = {"int4-g128": 1.0, "int4-g64": 0.85, "int4-g32": 0.7, "int4-g32-asym": 0.55, "int8": 0.01,
+                "int8-g32-asym": 0.003}  # fmt: skip
         damage = {m: elements * scale * base[m] * rng.uniform(0.9, 1.1) for m in OPTIONS}
         out.append(Candidate(f"t{i}", sizes, damage))
     return out
@@ -54,7 +55,7 @@ def test_allocation_fits_and_comes_close_to_the_best_choice(seed):
         assert best <= damage <= best + step
         assert previous is None or damage <= previous  # more bytes never do more damage
         previous = damage
-    assert set(allocate(candidates, largest).values()) == {"int8"}
+    assert set(allocate(candidates, largest).values()) == {"int8-g32-asym"}
     assert set(allocate(candidates, smallest).values()) == {"int4-g128"}
 
 
@@ -63,6 +64,7 @@ def test_the_weight_that_hurts_most_per_byte_gets_8_bits_first():
     loud = Candidate("loud", loud.sizes, {m: 1000 * d for m, d in loud.damage.items()})
     room = min(quiet.sizes.values()) + loud.sizes["int8"]
     assert allocate([quiet, loud], room) == {"t0": "int4-g128", "loud": "int8"}
+    assert allocate([quiet, loud], room + loud.sizes["int8-g32-asym"])["loud"] == "int8-g32-asym"
 
 
 def test_a_size_below_the_smallest_is_refused_with_what_would_do():

@@ -62,6 +62,11 @@ def artifact_key(request: ConversionRequest, merger=None) -> str:
         "adapters": merger.content_fingerprint() if merger is not None else None,
         "quant": codec.parse_mode(request.quant).key,
     }
+    if codec.parse_mode(request.quant).target_bytes is not None:  # mixed:SIZE: the choice's rules too
+        from tierlm.cache.sensitivity import CALIBRATION_TOKENS
+        from tierlm.quant.mixed import ALLOCATOR_VERSION, OPTIONS
+
+        parts["mixed"] = [ALLOCATOR_VERSION, list(OPTIONS), CALIBRATION_TOKENS]
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()
 
 

@@ -80,6 +80,10 @@ def write_synthetic_artifact(
     fields = {"config": dict(raw_config), "quant": quant, "seed": seed, "codec": codec.CODEC_VERSION}
     if moe is not None:
         fields.update(generator=MOE_GENERATOR, router_skew=router_skew)
+    if codec.parse_mode(quant).mixed:  # the per-weight choice's rules
+        from tierlm.quant.mixed import ALLOCATOR_VERSION
+
+        fields["mixed"] = ALLOCATOR_VERSION
     key = json.dumps(fields, sort_keys=True)
     with directory_lock(target):
         if (target / MANIFEST_NAME).is_file() and json.loads((target / MANIFEST_NAME).read_text()).get("key") == key:

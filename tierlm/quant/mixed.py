@@ -25,13 +25,16 @@ from dataclasses import dataclass
 
 from tierlm.errors import TierlmError
 
-# Smallest first. int4 groups are the packed chunks' multiples; per-channel int8 is the 8-bit
-# option (the fastest int8 kernel, and its error is ~100x below int4's).
-OPTIONS = ("int4-g128", "int4-g64", "int4-g32", "int4-g32-asym", "int8")
+# Smallest first. int4 groups are the packed chunks' multiples; per-channel int8 is the cheap 8-bit
+# option (the fastest int8 kernel, its error ~100x below int4's), int8-g32-asym the exact one
+# (it reproduces a GGUF Q5/Q8 source, e.g. a Q8_0 embedding, bit for bit).
+OPTIONS = ("int4-g128", "int4-g64", "int4-g32", "int4-g32-asym", "int8", "int8-g32-asym")
+# Bump when the same weights and size would be given other modes (artifact keys include it).
+ALLOCATOR_VERSION = 2  # 2: int8-g32-asym among the options
 # Mean squared error relative to the weight's mean square, measured on N(0, 1) weights [1024 x 4096]
 # with this package's quantizers: the damage estimate when no weights are at hand.
 GAUSSIAN_ERROR = {"int4-g128": 1.07e-2, "int4-g64": 8.98e-3, "int4-g32": 7.23e-3,
-                  "int4-g32-asym": 5.88e-3, "int8": 7.55e-5}  # fmt: skip
+                  "int4-g32-asym": 5.88e-3, "int8": 7.55e-5, "int8-g32-asym": 2.07e-5}  # fmt: skip
 
 
 @dataclass(frozen=True)
