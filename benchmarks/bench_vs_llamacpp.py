@@ -3,8 +3,9 @@
 Conditions (each configuration is a fresh process; rounds interleave every configuration, so
 drift on a shared machine hits all alike):
 - quiet, 2 threads: tierlm int8 (fused decode, the default), int8 with `TIERLM_FUSED=0` (the
-  eager path: before/after the fused step in one run), int8-g32-asym, fp32; llama.cpp Q8_0 and
-  Q4_1 (`-t 2`);
+  eager path: before/after the fused step in one run), int8-g32-asym, fp32, and the 4-bit rows
+  int4-g32-asym and auto (= mixed:source: the Q4_1 layers at 4 bits bit for bit, the Q8_0
+  embedding at 8); llama.cpp Q8_0 and Q4_1 (`-t 2`);
 - 1 thread: tierlm int8 `--threads 1`, llama.cpp Q8_0 `-t 1`;
 - one core busy: a sibling process spins (`python3 -c "while True: pass"`) for the duration of
   these rows only; tierlm int8 at its default thread count (fused and eager), llama.cpp Q8_0
@@ -16,7 +17,8 @@ GGUF made from it with `llama-quantize --allow-requantize` (same weights, 8-bit 
 of W8A16). tierlm runs `tierlm bench`'s measurement in-process (the same prompt and token counts,
 greedy, median of `--runs`), without recording the run in the probe cache (a busy-core run
 would "correct" the user's probe); its planner's prediction is reported beside it. Ratios are
-against llama.cpp Q8_0 measured in the same condition of the same run.
+against llama.cpp Q8_0 measured in the same condition of the same run, and for the quiet rows
+against llama.cpp Q4_1 too (the peer of the 4-bit rows: the same file).
 
 llama.cpp is not a dependency: build it once outside CI (e.g. from the llama-cpp-python sdist's
 vendor/llama.cpp: `cmake -B build -DGGML_NATIVE=ON && ninja -C build llama-bench llama-quantize`)
@@ -44,6 +46,7 @@ from typing import Callable
 
 QUIET, ONE_THREAD, BUSY = "quiet, 2 threads", "1 thread", "one core busy"
 PEER = "llama.cpp Q8_0"
+PEER4 = "llama.cpp Q4_1"
 
 
 @dataclass
@@ -156,6 +159,8 @@ def main() -> None:
         Config(QUIET, "tierlm int8 eager (TIERLM_FUSED=0)", "2", tierlm("int8", 2, eager)),
         Config(QUIET, "tierlm int8-g32-asym", "2", tierlm("int8-g32-asym", 2)),
         Config(QUIET, "tierlm fp32", "2", tierlm("fp32", 2)),
+        Config(QUIET, "tierlm int4-g32-asym (fused)", "2", tierlm("int4-g32-asym", 2)),
+        Config(QUIET, "tierlm auto = mixed:source (fused)", "2", tierlm("auto", 2)),
         Config(ONE_THREAD, "tierlm int8 (fused)", "1", tierlm("int8", 1)),
         Config(BUSY, "tierlm int8 (fused)", "default", tierlm("int8", 0)),
         Config(BUSY, "tierlm int8 eager (TIERLM_FUSED=0)", "default", tierlm("int8", 0, eager)),
@@ -173,7 +178,7 @@ def main() -> None:
 
         configs += [
             Config(QUIET, PEER, "2", peer(q8, 2)),
-            Config(QUIET, "llama.cpp Q4_1", "2", peer(q4, 2)),
+            Config(QUIET, PEER4, "2", peer(q4, 2)),
             Config(ONE_THREAD, PEER, "1", peer(q8, 1)),
             Config(BUSY, PEER, "2", peer(q8, 2)),
         ]
@@ -220,19 +225,21 @@ def report(configs: list[Config], host: dict, load_before, load_after, args) -> 
           f"{args.rounds} interleaved rounds (tierlm: median of {args.runs} runs each; llama-bench: "
           f"mean of {args.reps} repetitions each)\n")  # fmt: skip
     print("| condition | engine | threads | prefill tok/s | decode tok/s | prefill vs Q8_0 | decode vs Q8_0 "
-          "| decode vs predicted |")  # fmt: skip
-    print("|---|---|---|---|---|---|---|---|")
+          "| decode vs Q4_1 | decode vs predicted |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|")
     for config in configs:
         prefill, decode = median(config, "prefill"), median(config, "decode")
         peer = find(config.condition, PEER)
         vs = {k: (f"{v / median(peer, k):.2f}x" if peer and v else "n/a") for k, v in
               (("prefill", prefill), ("decode", decode))}  # fmt: skip
+        peer4 = find(config.condition, PEER4)
+        vs4 = f"{decode / median(peer4, 'decode'):.2f}x" if peer4 and decode else "n/a"
         predicted = median(config, "predicted")
         shown_threads = config.threads
         if config.threads == "default" and config.samples:
             shown_threads = f"default ({config.samples[0].get('threads')})"
         print(f"| {config.condition} | {config.engine} | {shown_threads} | {prefill:.0f} | {decode:.1f} | "
-              f"{vs['prefill']} | {vs['decode']} | {f'{decode / predicted:.0%}' if predicted else 'n/a'} |")  # fmt: skip
+              f"{vs['prefill']} | {vs['decode']} | {vs4} | {f'{decode / predicted:.0%}' if predicted else 'n/a'} |")  # fmt: skip
     busy, alone = find(BUSY, "tierlm int8 (fused)"), find(ONE_THREAD, "tierlm int8 (fused)")
     if busy and alone:
         print(f"\none core busy: tierlm default decode is {median(busy, 'decode') / median(alone, 'decode'):.2f}x "
