@@ -1,9 +1,10 @@
-"""INT8 weight-only matmul kernels on the CPU against fp32 `F.linear`, per layer shape.
+"""INT8 and INT4 weight-only matmul kernels on the CPU against fp32 `F.linear`, per layer shape.
 
 For each shape [out x in] (Llama-7B's 4096x4096, 11008x4096, 4096x11008 and SmolLM2's
 576x1536, 1536x576, 49152x576) and each row count (1 = decode, 8 = small batch, 128 = prefill
-chunk) it prints ms per call, GB/s of weight bytes read (fp32 bytes for F.linear, int8 + scale
-bytes for the int8 kernels) and the speed-up over fp32 F.linear (t_fp32 / t_kernel).
+chunk) it prints ms per call, GB/s of weight bytes read (fp32 bytes for F.linear, int8 or
+packed int4 + scale bytes for the quantized kernels) and the speed-up over fp32 F.linear
+(t_fp32 / t_kernel).
 
 Candidates:
   fp32             F.linear on the fp32 weight (the baseline)
@@ -11,6 +12,10 @@ Candidates:
                    whichever -march=native gives; streams int8, fp32 FMA)
   native-g128      the same, one scale per 128 columns (int8-g128)
   native-g32-asym  the same, scale and offset per 32 columns (int8-g32-asym, GGUF sources)
+  native-int4-g32  tierlm's C++ W4A16 kernel: packed nibbles, fp16 scale per 32 columns
+                   (symmetric, GGUF Q4_0's form); streams half of int8's bytes
+  native-int4-g32-asym  the same with an fp16 offset per group too (Q4_1's form)
+  native-int4-g128 the same, one fp16 scale per 128 columns
   numba            tierlm's numba W8A16 kernel (if numba is installed)
   native-deq+blas  tierlm: dequantize blocks of rows with the native code, then BLAS GEMM
   torch-deq+blas   the same with torch ops for the dequantization (the no-compiler path)
@@ -26,6 +31,11 @@ reuses one copy instead. Per (candidate, shape, rows): 2 warm-up calls, then cal
 `--seconds` (and >= 5), median reported. The 1-min load average is printed before and after
 and the process's CPU use per wall second during the timed calls: under ~1.8 with 2 threads
 means something else shared the cores and the row is marked '!'.
+
+Last, where 4096x11008 and batch 1 are among those run, it prints the int4 / int8 ratio of
+tokens/s (t_int8 / t_int4) of each native int4 candidate against the per-channel int8 kernel
+at batch 1 on 4096x11008, from calls that alternate between the two (so a load that comes
+and goes on the machine slows both alike), with their GB/s.
 
 Run from the repo root: `.venv/bin/python benchmarks/bench_int8_kernels.py` (a few minutes).
 """
@@ -77,11 +87,14 @@ def main() -> None:
         candidates = [c for c in candidates if c[0] in keep]
     for shape in shapes:
         _bench_shape(shape, rows_list, candidates, args)
+    if (4096, 11008) in shapes and 1 in rows_list:
+        _int4_over_int8(candidates, args)
     print(f"load average after: {os.getloadavg()[0]:.2f}")
 
 
 def _candidates(chosen):
     """(name, prepare(w) -> state, run(state, x) -> y, weight bytes of state)."""
+    from tierlm.quant.int4 import quantize_int4
     from tierlm.quant.int8 import quantize_int8
     from tierlm.quant.kernel_api import KernelUnavailable
     from tierlm.quant.native import load_native
@@ -100,6 +113,16 @@ def _candidates(chosen):
         out.append(("native-g128", lambda w: quantize_int8(w, 128), kernel_run(native), _int8_bytes))
         out.append(("native-g32-asym", lambda w: quantize_int8(w, 32, asymmetric=True), kernel_run(native),
                     _int8_bytes))  # fmt: skip
+
+        def int4(group, asymmetric=False):
+            return lambda w: quantize_int4(w, group, asymmetric=asymmetric)
+
+        def int4_run(qw, x):
+            return native.matmul4(x, qw.packed, qw.scales, qw.offsets, qw.group_size)
+
+        out.append(("native-int4-g32", int4(32), int4_run, _int8_bytes))
+        out.append(("native-int4-g32-asym", int4(32, True), int4_run, _int8_bytes))
+        out.append(("native-int4-g128", int4(128), int4_run, _int8_bytes))
     except KernelUnavailable as err:
         print(f"native kernel unavailable: {err}")
         native = None
@@ -128,7 +151,7 @@ def _candidates(chosen):
 
 
 def _int8_bytes(qw) -> int:
-    return qw.nbytes
+    return qw.nbytes  # Int8Weight or Int4Weight: quantized bytes plus scales (and offsets)
 
 
 def _fbgemm_pack(w):
@@ -148,7 +171,7 @@ def _bench_shape(shape, rows_list, candidates, args) -> None:
     weight = torch.randn(shape, generator=torch.Generator().manual_seed(0)) * 0.02
     print(f"\n[{out_features} x {in_features}]  (out x in)")
     header = "".join(f"{f'rows={r}: ms':>16}{'GB/s':>8}{'x fp32':>8}" for r in rows_list)
-    print(f"{'candidate':<17}{header}")
+    print(f"{'candidate':<21}{header}")
     baseline = {}
     for name, prepare, run, nbytes in candidates:
         state = prepare(weight)
@@ -164,7 +187,7 @@ def _bench_shape(shape, rows_list, candidates, args) -> None:
             flag = "!" if cpu < 0.9 * args.threads else " "
             speed, ratio = size / seconds / 1e9, baseline[rows] / seconds
             cells.append(f"{seconds * 1e3:>15.3f}{flag}{speed:>8.1f}{ratio:>8.2f}")
-        print(f"{name:<17}" + "".join(cells), flush=True)
+        print(f"{name:<21}" + "".join(cells), flush=True)
         del states, state
 
 
@@ -175,10 +198,60 @@ def _clone(state):
     if isinstance(state, tuple):  # fbgemm: repack a fresh copy from the unpacked weight
         qweight, bias = torch.ops.quantized.linear_unpack(state[0])
         return torch.ops.quantized.linear_prepack(qweight.clone(), bias), state[1]
+    from tierlm.quant.int4 import Int4Weight
     from tierlm.quant.int8 import Int8Weight
 
     offsets = None if state.offsets is None else state.offsets.clone()
+    if isinstance(state, Int4Weight):
+        return Int4Weight(state.packed.clone(), state.scales.clone(), state.group_size, offsets=offsets)
     return Int8Weight(state.qweight.clone(), state.scales.clone(), state.group_size, offsets=offsets)
+
+
+def _int4_over_int8(candidates, args) -> None:
+    """The tokens/s ratio t_int8 / t_int4 at batch 1 on 4096x11008, each native int4 candidate
+    against the per-channel int8 kernel, timed in alternating calls over their own copies."""
+    by_name = {c[0]: c for c in candidates}
+    if "native" not in by_name:
+        return
+    weight = torch.randn(4096, 11008, generator=torch.Generator().manual_seed(0)) * 0.02
+    x = torch.randn(1, 11008)
+    base = _copies(by_name["native"], weight, args)
+    print("\nint4 / int8 (per-channel native) at batch 1 on 4096x11008, alternating calls:")
+    for name in ("native-int4-g32", "native-int4-g32-asym", "native-int4-g128"):
+        if name not in by_name:
+            continue
+        other = _copies(by_name[name], weight, args)
+        (t8, t4), cpu = _time_pair(base, other, x, args.seconds * 4)
+        flag = " (!: the cores were shared)" if cpu < 0.9 * args.threads else ""
+        print(f"  {name:<21} {t8 / t4:5.2f}x tokens/s   int8 {t8 * 1e3:.3f} ms {base[2] / t8 / 1e9:5.1f} GB/s, "
+              f"int4 {t4 * 1e3:.3f} ms {other[2] / t4 / 1e9:5.1f} GB/s; {cpu:.2f} CPU s per s{flag}",
+              flush=True)  # fmt: skip
+        del other
+
+
+def _copies(candidate, weight, args):
+    """(run, states, bytes of one state): enough copies to read the working set per cycle."""
+    _, prepare, run, nbytes = candidate
+    state = prepare(weight)
+    size = nbytes(state)
+    copies = 1 if args.hot else max(1, -(-args.working_set * 2**20 // size))
+    return run, [state] + [_clone(state) for _ in range(copies - 1)], size
+
+
+def _time_pair(first, second, x, min_seconds: float):
+    """Median seconds per call of two (run, states, bytes) candidates, called in turn."""
+    samples = ([], [])
+    cpu0, wall0 = time.process_time(), time.perf_counter()
+    i = 0
+    while i < 10 or time.perf_counter() - wall0 < min_seconds:
+        for samples_of, (run, states, _) in zip(samples, (first, second)):
+            start = time.perf_counter()
+            run(states[i % len(states)], x)
+            if i >= 2:  # the first two calls warm up
+                samples_of.append(time.perf_counter() - start)
+        i += 1
+    cpu = (time.process_time() - cpu0) / (time.perf_counter() - wall0)
+    return (statistics.median(samples[0]), statistics.median(samples[1])), cpu
 
 
 def _time(call, min_seconds: float) -> tuple[float, float]:

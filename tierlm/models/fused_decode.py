@@ -3,7 +3,8 @@
 `LlamaModel.forward` asks `step_for` whether this step can be fused: one token per row (T == 1,
 batch 1 or a server `SlotBatch`), fp32 activations on the CPU, a KV cache of fp32 CPU buffers,
 and the native library loaded (csrc/fused_decode.h). Then each layer whose weights are INT8
-(`Int8Weight`, any group size, symmetric or not) or fp32 tensors on the CPU runs as
+(`Int8Weight`, any group size, symmetric or not), INT4 (`Int4Weight`: packed nibbles with fp16
+scales, symmetric or not, read as stored) or fp32 tensors on the CPU, in any mix, runs as
 `tierlm_decode_layer`: RMSNorm, QKV (+ bias), Qwen3's q/k head norms (when the block has
 `q_norm`/`k_norm`), RoPE from the model's `RotaryTable` (rotate-half or interleaved, partial
 rotary_dim), the K/V write at each row's slot and position, single-query grouped attention
@@ -25,12 +26,17 @@ import torch
 _c_ptr, _c_i64, _c_i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32
 
 
+# tl::WeightKind (csrc/gemv.h): what a weight's data holds.
+KIND_FP32, KIND_INT8, KIND_INT4 = 0, 1, 4
+
+
 class WeightArg(ctypes.Structure):
-    """tl::Weight (csrc/gemv.h)."""
+    """tl::Weight (csrc/gemv.h): `kind` is KIND_FP32, KIND_INT8 (fp32 scales) or KIND_INT4
+    (packed nibbles, `half` = 1: fp16 scales and offsets)."""
 
     _fields_ = [("data", _c_ptr), ("scales", _c_ptr), ("offsets", _c_ptr), ("bias", _c_ptr),
-                ("rows", _c_i64), ("cols", _c_i64), ("group", _c_i64), ("int8", _c_i32),
-                ("reserved", _c_i32)]  # fmt: skip
+                ("rows", _c_i64), ("cols", _c_i64), ("group", _c_i64), ("kind", _c_i32),
+                ("half", _c_i32)]  # fmt: skip
 
 
 class LayerArgs(ctypes.Structure):
@@ -146,8 +152,8 @@ class FusedStep:
             return False
         words += (self._keys_ptr + layer * self._layer_bytes, self._values_ptr + layer * self._layer_bytes)
         block = (_c_i64 * len(words))(*words)
-        self._lib.tierlm_decode_layer(ctypes.addressof(a), ctypes.addressof(block), x.data_ptr())
-        return True
+        # Nonzero: a weight the native code does not implement (x untouched): run eagerly.
+        return self._lib.tierlm_decode_layer(ctypes.addressof(a), ctypes.addressof(block), x.data_ptr()) == 0
 
 
 def _is_cpu_fp32(t) -> bool:
@@ -155,8 +161,8 @@ def _is_cpu_fp32(t) -> bool:
 
 
 def _weight_words(weight, bias, shape: tuple[int, int], keep: list) -> tuple | None:
-    """`weight` (Int8Weight or fp32 tensor of `shape`) and its bias as tl::Weight's 8 words
-    (data, scales, offsets, bias, rows, cols, group, int8); None if unsupported."""
+    """`weight` (fp32 tensor, Int8Weight or Int4Weight of `shape`) and its bias as tl::Weight's
+    9 words (data, scales, offsets, bias, rows, cols, group, kind, half); None if unsupported."""
     if weight.shape != shape:
         return None
     bias_ptr = 0
@@ -170,10 +176,32 @@ def _weight_words(weight, bias, shape: tuple[int, int], keep: list) -> tuple | N
     if isinstance(weight, torch.Tensor):
         if not _is_cpu_fp32(weight):
             return None
-        return weight.data_ptr(), 0, 0, bias_ptr, rows, cols, cols, 0
+        return weight.data_ptr(), 0, 0, bias_ptr, rows, cols, cols, KIND_FP32, 0
+    if getattr(weight, "packed", None) is not None:
+        return _int4_words(weight, bias_ptr, rows, cols)
     qweight = getattr(weight, "qweight", None)
     if qweight is None or not qweight.is_cpu or qweight.dtype != torch.int8:
         return None
     offsets = weight.offsets_2d
     offsets_ptr = offsets.data_ptr() if offsets is not None else 0
-    return qweight.data_ptr(), weight.scales_2d.data_ptr(), offsets_ptr, bias_ptr, rows, cols, weight.group, 1
+    scales_ptr = weight.scales_2d.data_ptr()
+    return qweight.data_ptr(), scales_ptr, offsets_ptr, bias_ptr, rows, cols, weight.group, KIND_INT8, 0
+
+
+def _int4_words(weight, bias_ptr: int, rows: int, cols: int) -> tuple | None:
+    """An Int4Weight's words, if its parts are what the native code reads: contiguous CPU uint8
+    packed [rows, cols / 2], float16 scales (and offsets) [rows, G], group and cols multiples of 32."""
+    packed, scales, offsets, group = weight.packed, weight.scales, weight.offsets, weight.group_size
+    if not isinstance(group, int) or group <= 0 or group % 32 or cols % 32:
+        return None
+    if packed.dtype != torch.uint8 or tuple(packed.shape) != (rows, cols // 2):
+        return None
+    want = (rows, -(-cols // group))
+    parts = [packed, scales] + ([offsets] if offsets is not None else [])
+    if any(not (p.is_cpu and p.is_contiguous()) for p in parts):
+        return None
+    for part in parts[1:]:
+        if part.dtype != torch.float16 or tuple(part.shape) != want:
+            return None
+    offsets_ptr = offsets.data_ptr() if offsets is not None else 0
+    return packed.data_ptr(), scales.data_ptr(), offsets_ptr, bias_ptr, rows, cols, group, KIND_INT4, 1

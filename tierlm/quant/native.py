@@ -9,7 +9,14 @@ shared library cached under `cache_root()/kernels`, and wraps its entry points:
   time, each cache line prefetching the next tile's; a group's partial dot is scaled once per
   group. Only the int8 bytes cross the memory bus and accumulation is fp32: W8A16.
 - `dequantize_into`: fp32 rows of a weight block, for the dequantize-then-BLAS path (prefill).
-- `decode_layer`: a whole decoder layer's decode step (tierlm/models/fused_decode.py).
+- `matmul4`: the same product for INT4 weights (tierlm/quant/int4.py: packed nibbles, fp16
+  scales and offsets per group of a multiple of 32 columns, all read as stored, no fp32 copy):
+  W = u * s + o (o = -8 s when symmetric); each group's fp32 dot with the nibbles is scaled
+  once, and o multiplies x summed over the group. Only the packed bytes (half of int8's) cross
+  the memory bus and accumulation is fp32: W4A16.
+- `dequantize4_into`: fp32 rows of an INT4 weight, exactly `int4.dequantize4`'s values.
+- `decode_layer`: a whole decoder layer's decode step (tierlm/models/fused_decode.py); its
+  weights may be fp32, INT8 or INT4.
 
 The vector code (csrc/simd.h) is AVX-512, AVX2+FMA or portable vector extensions, chosen by
 the compiler's target; the library is compiled with `-march=native`, so its cache key includes
@@ -41,7 +48,8 @@ ISA_NAMES = {512: "native-avx512", 256: "native-avx2", 0: "native-simd"}
 
 
 class NativeKernel:
-    """The compiled library behind the `Int8Kernel` interface (see `kernel_api`).
+    """The compiled library behind the `Int8Kernel` interface (see `kernel_api`), plus the INT4
+    entry points (`matmul4`, `dequantize4_into`).
 
     `lib` is the ctypes handle, for the other entry points (fused decode, pool controls).
     """
@@ -53,6 +61,10 @@ class NativeKernel:
         lib.tierlm_i8_matmul.restype = ctypes.c_int
         lib.tierlm_i8_dequant.argtypes = [ptr, ptr, ptr, i64, i64, i64, ptr, ctypes.c_int]
         lib.tierlm_i8_dequant.restype = ctypes.c_int
+        lib.tierlm_i4_matmul.argtypes = [ptr, i64, i64, ptr, ptr, ptr, i64, i64, ptr, ptr, ctypes.c_int]
+        lib.tierlm_i4_matmul.restype = ctypes.c_int
+        lib.tierlm_i4_dequant.argtypes = [ptr, ptr, ptr, i64, i64, i64, ptr, ctypes.c_int]
+        lib.tierlm_i4_dequant.restype = ctypes.c_int
         lib.tierlm_decode_layer.argtypes = [ptr, ptr, ptr]
         lib.tierlm_decode_layer.restype = ctypes.c_int
         lib.tierlm_decode_args_size.restype = i64
@@ -85,6 +97,37 @@ class NativeKernel:
             n, k, group, out.data_ptr(),
             torch.get_num_threads(),
         )  # fmt: skip
+        return out
+
+    def matmul4(self, x, packed, scales, offsets, group, bias=None):
+        """x [M, K] fp32 @ the INT4 weight's dequantized [N, K].T (+ bias [N] fp32) -> [M, N] fp32.
+
+        packed uint8 [N, K / 2], scales and offsets (None: symmetric) float16 [N, G], G =
+        ceil(K / group), laid out as tierlm/quant/int4.py packs them; all contiguous, on the CPU.
+        ValueError unless K and group are positive multiples of 32.
+        """
+        m, k = x.shape
+        n = packed.shape[0]
+        y = torch.empty(m, n, dtype=torch.float32)
+        done = self.lib.tierlm_i4_matmul(
+            x.data_ptr(), m, k, packed.data_ptr(), scales.data_ptr(),
+            offsets.data_ptr() if offsets is not None else None, n, group,
+            bias.data_ptr() if bias is not None else None, y.data_ptr(), torch.get_num_threads(),
+        )  # fmt: skip
+        if done != 0:
+            raise ValueError(f"int4 weights need K ({k}) and group ({group}) multiples of 32")
+        return y
+
+    def dequantize4_into(self, packed, scales, offsets, group, out):
+        """out [N, K] fp32 = the INT4 weight (packed [N, K / 2], fp16 scales and offsets or None
+        [N, G]) dequantized: u * s + o, exactly `int4.dequantize4`'s values. All contiguous."""
+        n, k = out.shape
+        done = self.lib.tierlm_i4_dequant(
+            packed.data_ptr(), scales.data_ptr(), offsets.data_ptr() if offsets is not None else None,
+            n, k, group, out.data_ptr(), torch.get_num_threads(),
+        )  # fmt: skip
+        if done != 0:
+            raise ValueError(f"int4 weights need K ({k}) and group ({group}) multiples of 32")
         return out
 
 

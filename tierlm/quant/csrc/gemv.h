@@ -1,4 +1,4 @@
-// W8A16 (and fp32) matrix-vector products for few activation rows, written once over `Vec`.
+// W8A16, W4A16 (and fp32) matrix-vector products for few activation rows, written once over `Vec`.
 //
 // A tile is R weight rows x MB activation rows: each step widens R x lanes weights to fp32 and
 // FMAs them with MB activation rows, so each weight byte is read from memory once per call.
@@ -6,6 +6,12 @@
 // group (one FMA per row per group) instead of multiplying every widened weight by its scale;
 // per channel the scale multiplies the finished sum. Each cache line of a row also prefetches
 // the same line of the next tile's rows, which keeps enough misses in flight per core.
+//
+// Int4 (tierlm/quant/int4.py's packing) runs the same tiles on nibbles: a 32-column chunk is
+// 16 bytes whose low nibbles are columns 0..15 and high nibbles 16..31, so `Vec::nibbles`
+// yields both halves from one load with an and and a shift. Each group's dot with the
+// unsigned nibbles u is scaled once by its fp16 scale s; the offset o (-8 s when symmetric)
+// adds o * (x summed over the group), one dot over the groups per output: W = u * s + o.
 #pragma once
 
 #include <algorithm>
@@ -21,19 +27,34 @@
 
 namespace tl {
 
-// A weight matrix [rows, cols]: int8 with fp32 scales [rows, G] (G = ceil(cols / group)) and,
-// for asymmetric modes, offsets of that shape; or fp32 (scales and offsets null).
+// What a Weight's data holds (the values of Weight::kind).
+enum WeightKind : int32_t { kFp32 = 0, kInt8 = 1, kInt4 = 4 };
+
+// A weight matrix [rows, cols]:
+//   kFp32  float data [rows, cols]; scales and offsets null.
+//   kInt8  int8 data [rows, cols], fp32 scales [rows, G] (G = ceil(cols / group)) and, for
+//          asymmetric modes, fp32 offsets of that shape (else null).
+//   kInt4  uint8 data [rows, cols / 2] packed as int4.py says (cols and group multiples of
+//          32), fp16 scales [rows, G] and fp16 offsets [rows, G] or null (symmetric: -8 s).
+// `half` says the scales (and offsets) are fp16: 1 for kInt4, 0 otherwise (`supported()`).
 // The layout is mirrored by `WeightArg` in tierlm/models/fused_decode.py.
 struct Weight {
   const void* data;
-  const float* scales;
-  const float* offsets;
+  const void* scales;
+  const void* offsets;
   const float* bias;  // [rows] or null
   int64_t rows, cols, group;
-  int32_t int8;
-  int32_t reserved;
+  int32_t kind;
+  int32_t half;
 
-  int64_t groups() const { return int8 ? (cols + group - 1) / group : 1; }
+  int64_t groups() const { return kind != kFp32 ? (cols + group - 1) / group : 1; }
+  // The combinations the kernels implement; anything else must be refused before a call.
+  bool supported() const {
+    if (kind == kFp32) return !scales && !offsets;
+    if (kind == kInt8) return !half && scales && group > 0;
+    if (kind == kInt4) return half && scales && group > 0 && group % 32 == 0 && cols % 32 == 0;
+    return false;
+  }
 };
 
 template <typename T>
@@ -114,6 +135,72 @@ inline void tile(const float* x, int64_t ldx, const WT* w, int64_t K, const floa
     }
 }
 
+// Int4: out[m][r] = sum_g s[r * G + g] * sum_{k in g} u[r][k] * x[m * ldx + k], u the nibbles of
+// rows of K / 2 packed bytes (the offsets' share is the caller's). Groups are whole 32-column
+// chunks, the last one possibly shorter; GS > 0: groups of GS columns, unrolled. One
+// accumulator chain per (row, activation row): measured faster on Zen 3 than two, whose extra
+// registers GCC spills.
+template <int R, int MB, int GS>
+inline void tile4(const float* x, int64_t ldx, const uint8_t* w, int64_t K, const uint16_t* s,
+                  int64_t G, int64_t group, float (&out)[MB][R]) {
+  using reg = Vec::reg;
+  constexpr int L = Vec::lanes;
+  constexpr int64_t CHUNK = 32, LINE = 128;  // columns per 16-byte chunk, per 64-byte line
+  static_assert(16 % L == 0 && GS % CHUNK == 0, "chunks are whole vectors, groups whole chunks");
+  const int64_t stride = K / 2;
+  reg acc[R][MB];
+  reg total[R][MB] = {};
+  auto chunk = [&](int64_t k) __attribute__((always_inline)) {
+    if (TL_PREFETCH && (k & (LINE - 1)) == 0)
+      for (int r = 0; r < R; ++r) prefetch(w + (r + R) * stride + k / 2);
+    for (int j = 0; j < 16; j += L) {
+      reg lo[R], hi[R];
+      for (int r = 0; r < R; ++r) Vec::nibbles(w + r * stride + k / 2 + j, lo[r], hi[r]);
+      for (int m = 0; m < MB; ++m) {
+        const reg x0 = Vec::load(x + m * ldx + k + j), x1 = Vec::load(x + m * ldx + k + 16 + j);
+        for (int r = 0; r < R; ++r) acc[r][m] = Vec::fma(hi[r], x1, Vec::fma(lo[r], x0, acc[r][m]));
+      }
+    }
+  };
+  // total += acc * (the scale of each row for group g): scales[r][i] when g is group i of the
+  // block of L groups whose scales were widened together (one fp16 vector load per row: a
+  // scalar conversion per row and group costs ~6% at group 32), else converted alone.
+  alignas(64) float scales[R][L];
+  auto widen_scales = [&](int64_t g) __attribute__((always_inline)) {
+    for (int r = 0; r < R; ++r) Vec::store(scales[r], Vec::load_half(s + r * G + g));
+  };
+  auto scale = [&](int64_t g, int i) __attribute__((always_inline)) {
+    for (int r = 0; r < R; ++r) {
+      const reg sv = Vec::set1(i >= 0 ? scales[r][i] : half_to_float(s[r * G + g]));
+      for (int m = 0; m < MB; ++m) total[r][m] = Vec::fma(acc[r][m], sv, total[r][m]);
+    }
+  };
+  auto clear = [&]() __attribute__((always_inline)) {
+    for (int r = 0; r < R; ++r)
+      for (int m = 0; m < MB; ++m) acc[r][m] = Vec::zero();
+  };
+  int64_t g = 0;
+  if constexpr (GS > 0) {
+    const int64_t whole = K / GS;
+    for (; g + L <= whole; g += L) {
+      widen_scales(g);
+      for (int i = 0; i < L; ++i) {
+        clear();
+        for (int64_t c = 0; c < GS; c += CHUNK) chunk((g + i) * GS + c);
+        scale(g + i, i);
+      }
+    }
+  }
+  for (; g < G; ++g) {  // any group size, and what is left of a fixed one (a short last group)
+    if (g % L == 0 && g + L <= G) widen_scales(g);
+    clear();
+    for (int64_t k = g * group, k1 = std::min(K, k + group); k < k1; k += CHUNK) chunk(k);
+    scale(g, g - g % L + L <= G ? static_cast<int>(g % L) : -1);
+  }
+  for (int m = 0; m < MB; ++m)
+    for (int r = 0; r < R; ++r) out[m][r] = Vec::sum(total[r][m]);
+}
+
 inline float dot(const float* a, const float* b, int64_t n) {
   constexpr int L = Vec::lanes;
   Vec::reg acc = Vec::zero();
@@ -121,6 +208,17 @@ inline float dot(const float* a, const float* b, int64_t n) {
   for (; i + L <= n; i += L) acc = Vec::fma(Vec::load(a + i), Vec::load(b + i), acc);
   float s = Vec::sum(acc);
   for (; i < n; ++i) s += a[i] * b[i];
+  return s;
+}
+
+// dot of fp16 a[n] with fp32 b[n].
+inline float dot_half(const uint16_t* a, const float* b, int64_t n) {
+  constexpr int L = Vec::lanes;
+  Vec::reg acc = Vec::zero();
+  int64_t i = 0;
+  for (; i + L <= n; i += L) acc = Vec::fma(Vec::load_half(a + i), Vec::load(b + i), acc);
+  float s = Vec::sum(acc);
+  for (; i < n; ++i) s += half_to_float(a[i]) * b[i];
   return s;
 }
 
@@ -141,20 +239,33 @@ inline void block(const Weight& W, const float* x, int64_t ldx, const float* xs,
                   float* y, int64_t ldy, bool accumulate) {
   float out[MB][R];
   const int64_t K = W.cols, G = W.groups();
-  if (!W.int8) {
+  if (W.kind == kInt4) {
+    const uint8_t* w = static_cast<const uint8_t*>(W.data) + n * (K / 2);
+    const uint16_t* s = static_cast<const uint16_t*>(W.scales) + n * G;
+    if (W.group == 32) tile4<R, MB, 32>(x, ldx, w, K, s, G, 32, out);
+    else if (W.group == 128) tile4<R, MB, 128>(x, ldx, w, K, s, G, 128, out);
+    else tile4<R, MB, 0>(x, ldx, w, K, s, G, W.group, out);
+    const uint16_t* o = static_cast<const uint16_t*>(W.offsets);
+    for (int m = 0; m < MB; ++m)
+      for (int r = 0; r < R; ++r)  // + sum_g o[g] * (x summed over g), o = -8 s when symmetric
+        out[m][r] += o ? dot_half(o + (n + r) * G, xs + m * G, G)
+                       : -8.0f * dot_half(s + r * G, xs + m * G, G);
+  } else if (W.kind == kFp32) {
     tile<R, MB, false, 0>(x, ldx, static_cast<const float*>(W.data) + n * K, K, nullptr, 1, K, out);
   } else {
     const int8_t* w = static_cast<const int8_t*>(W.data) + n * K;
-    if (G == 1) tile<R, MB, false, 0>(x, ldx, w, K, W.scales + n, 1, K, out);
+    const float* s = static_cast<const float*>(W.scales);
+    if (G == 1) tile<R, MB, false, 0>(x, ldx, w, K, s + n, 1, K, out);
     else if (W.group == 32 && K % 32 == 0)  // int8-g32 (GGUF sources): unrolled groups
-      tile<R, MB, true, 32>(x, ldx, w, K, W.scales + n * G, G, 32, out);
-    else tile<R, MB, true, 0>(x, ldx, w, K, W.scales + n * G, G, W.group, out);
+      tile<R, MB, true, 32>(x, ldx, w, K, s + n * G, G, 32, out);
+    else tile<R, MB, true, 0>(x, ldx, w, K, s + n * G, G, W.group, out);
   }
+  const float* offsets8 = W.kind == kInt8 ? static_cast<const float*>(W.offsets) : nullptr;
   for (int m = 0; m < MB; ++m)
     for (int r = 0; r < R; ++r) {
       float v = out[m][r];
       // Asymmetric weights W = q*s + o per group: x @ W.T gains sum_g o[g] * (x summed over g).
-      if (W.offsets) v += dot(W.offsets + (n + r) * G, xs + m * G, G);
+      if (offsets8) v += dot(offsets8 + (n + r) * G, xs + m * G, G);
       if (W.bias) v += W.bias[n + r];
       float& dst = y[m * ldy + r];
       dst = accumulate ? dst + v : v;
@@ -206,16 +317,23 @@ inline void gemv_rows(const Weight& W, const float* x, int64_t ldx, int64_t M, c
   }
 }
 
-// x [M, K] summed per group of W: [M, G] (empty unless W is asymmetric).
+// x [M, K] summed per group of W: [M, G]; empty unless W has offsets or is int4 (whose
+// symmetric offsets are implied).
 inline std::vector<float> group_sums(const Weight& W, const float* x, int64_t ldx, int64_t M) {
-  if (!W.offsets) return {};
+  if (!W.offsets && W.kind != kInt4) return {};
+  constexpr int L = Vec::lanes;
   const int64_t K = W.cols, G = W.groups();
   std::vector<float> xs(M * G);
   for (int64_t m = 0; m < M; ++m)
     for (int64_t g = 0; g < G; ++g) {
-      float acc = 0.0f;
-      for (int64_t k = g * W.group; k < std::min(K, (g + 1) * W.group); ++k) acc += x[m * ldx + k];
-      xs[m * G + g] = acc;
+      const float* row = x + m * ldx;
+      const int64_t k1 = std::min(K, (g + 1) * W.group);
+      int64_t k = g * W.group;
+      Vec::reg acc = Vec::zero();
+      for (; k + L <= k1; k += L) acc = Vec::fma(Vec::load(row + k), Vec::set1(1.0f), acc);
+      float total = Vec::sum(acc);
+      for (; k < k1; ++k) total += row[k];
+      xs[m * G + g] = total;
     }
   return xs;
 }

@@ -18,7 +18,7 @@ int tierlm_i8_isa() { return TIERLM_ISA; }
 int tierlm_i8_matmul(const float* x, int64_t M, int64_t K, const int8_t* w, const float* s,
                      const float* o, int64_t N, int64_t group, const float* bias, float* y,
                      int threads) {
-  const tl::Weight W{w, s, o, bias, N, K, group, 1, 0};
+  const tl::Weight W{w, s, o, bias, N, K, group, tl::kInt8, 0};
   const std::vector<float> xs = tl::group_sums(W, x, K, M);
   tl::gemv(W, x, K, M, xs.data(), y, N, false, threads);
   return 0;
@@ -41,27 +41,72 @@ int tierlm_i8_dequant(const int8_t* w, const float* s, const float* o, int64_t N
   return 0;
 }
 
+// y[M, N] = x[M, K] @ W.T (+ bias[N]) for int4 W[n, k] = u * s[n, g] + o[n, g] (int4.py's
+// packing: packed [N, K / 2]; fp16 s and o [N, G]; o null: symmetric, o = -8 s). Returns -1
+// (nothing written) unless K and group are positive multiples of 32.
+int tierlm_i4_matmul(const float* x, int64_t M, int64_t K, const uint8_t* packed, const uint16_t* s,
+                     const uint16_t* o, int64_t N, int64_t group, const float* bias, float* y,
+                     int threads) {
+  const tl::Weight W{packed, s, o, bias, N, K, group, tl::kInt4, 1};
+  if (!W.supported()) return -1;
+  const std::vector<float> xs = tl::group_sums(W, x, K, M);
+  tl::gemv(W, x, K, M, xs.data(), y, N, false, threads);
+  return 0;
+}
+
+// out[N, K] = u * s + o in fp32 (exactly dequantize4's values: u * s is exact in fp32), for the
+// int4 weight of tierlm_i4_matmul. Returns -1 (nothing written) on a bad K or group.
+int tierlm_i4_dequant(const uint8_t* packed, const uint16_t* s, const uint16_t* o, int64_t N,
+                      int64_t K, int64_t group, float* out, int threads) {
+  const tl::Weight W{packed, s, o, nullptr, N, K, group, tl::kInt4, 1};
+  if (!W.supported()) return -1;
+  using reg = tl::Vec::reg;
+  constexpr int L = tl::Vec::lanes;
+  const int64_t G = W.groups();
+  tl::parallel_for(N, 16, threads, [&](int64_t n0, int64_t n1) {
+    for (int64_t n = n0; n < n1; ++n)
+      for (int64_t g = 0; g < G; ++g) {
+        const float sg = tl::half_to_float(s[n * G + g]);
+        const float og = o ? tl::half_to_float(o[n * G + g]) : -8.0f * sg;
+        const reg sv = tl::Vec::set1(sg), ov = tl::Vec::set1(og);
+        for (int64_t k = g * group, k1 = std::min(K, k + group); k < k1; k += 32) {
+          const uint8_t* p = packed + n * (K / 2) + k / 2;
+          float* row = out + n * K + k;
+          for (int j = 0; j < 16; j += L) {
+            reg lo, hi;
+            tl::Vec::nibbles(p + j, lo, hi);
+            tl::Vec::store(row + j, tl::Vec::fma(lo, sv, ov));
+            tl::Vec::store(row + 16 + j, tl::Vec::fma(hi, sv, ov));
+          }
+        }
+      }
+  });
+  return 0;
+}
+
 // One decoder layer's decode step, x [batch, hidden] updated in place (see fused_decode.h).
-// `step` holds what every layer of a step shares; `words` this layer's 38 int64 words:
-// 4 weights (qkv, o, w13, w2) x {data, scales, offsets, bias, rows, cols, group, int8},
-// attn_norm, mlp_norm, q_norm, k_norm, keys, values (pointers as integers, 0 for null).
-// One flat array is what Python fills fastest (a layer costs ~40 ctypes field writes otherwise).
+// `step` holds what every layer of a step shares; `words` this layer's 42 int64 words:
+// 4 weights (qkv, o, w13, w2) x {data, scales, offsets, bias, rows, cols, group, kind, half}
+// (tl::Weight's fields), attn_norm, mlp_norm, q_norm, k_norm, keys, values (pointers as
+// integers, 0 for null). One flat array is what Python fills fastest (a layer costs ~40 ctypes
+// field writes otherwise). Returns -1 (x untouched) if a weight is no supported combination.
 int tierlm_decode_layer(const tl::LayerArgs* step, const int64_t* words, float* x) {
   tl::LayerArgs a = *step;
   auto ptr = [&](int i) { return reinterpret_cast<void*>(static_cast<intptr_t>(words[i])); };
   tl::Weight* weights[4] = {&a.qkv, &a.o, &a.w13, &a.w2};
   for (int i = 0; i < 4; ++i) {
-    const int b = 8 * i;
-    *weights[i] = tl::Weight{ptr(b), static_cast<const float*>(ptr(b + 1)),
-                             static_cast<const float*>(ptr(b + 2)), static_cast<const float*>(ptr(b + 3)),
-                             words[b + 4], words[b + 5], words[b + 6], static_cast<int32_t>(words[b + 7]), 0};
+    const int b = 9 * i;
+    *weights[i] = tl::Weight{ptr(b), ptr(b + 1), ptr(b + 2), static_cast<const float*>(ptr(b + 3)),
+                             words[b + 4], words[b + 5], words[b + 6],
+                             static_cast<int32_t>(words[b + 7]), static_cast<int32_t>(words[b + 8])};
+    if (!weights[i]->supported()) return -1;
   }
-  a.attn_norm = static_cast<const float*>(ptr(32));
-  a.mlp_norm = static_cast<const float*>(ptr(33));
-  a.q_norm = static_cast<const float*>(ptr(34));
-  a.k_norm = static_cast<const float*>(ptr(35));
-  a.keys = static_cast<float*>(ptr(36));
-  a.values = static_cast<float*>(ptr(37));
+  a.attn_norm = static_cast<const float*>(ptr(36));
+  a.mlp_norm = static_cast<const float*>(ptr(37));
+  a.q_norm = static_cast<const float*>(ptr(38));
+  a.k_norm = static_cast<const float*>(ptr(39));
+  a.keys = static_cast<float*>(ptr(40));
+  a.values = static_cast<float*>(ptr(41));
   tl::decode_layer(a, x);
   return 0;
 }
