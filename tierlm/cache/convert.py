@@ -97,7 +97,7 @@ def convert(request: ConversionRequest, out_dir: Path, key: str, merger=None, pr
     if mode.mixed and mode.target_bytes is not None:
         from tierlm.cache.sensitivity import choose_modes
 
-        choice = choose_modes(config, model_dir, layout, tensor_for, mode, _aligned_bytes, BLOCK_ALIGN)
+        choice = choose_modes(config, model_dir, layout, tensor_for, mode, aligned_bytes, BLOCK_ALIGN)
         modes = {key: codec.parse_mode(name) for key, name in choice.modes.items()}
         header["mixed"] = {"target_bytes": mode.target_bytes, "sensitivity": choice.sensitivity,
                            "tensor_modes": dict(choice.modes)}  # fmt: skip
@@ -240,7 +240,7 @@ def write_variant(out_dir: Path, base_dir: Path, layout, tensor_for, touched: se
         writer.close()
 
 
-def _aligned_bytes(shape, mode, name) -> int:
+def aligned_bytes(shape, mode, name) -> int:
     """A tensor's stored bytes with each part rounded up to its alignment in a block: an upper
     bound on what it adds, so choices made with it fit their size target."""
     return sum(-(-n // PART_ALIGN) * PART_ALIGN for n in codec.part_bytes(shape, mode, name))

@@ -24,7 +24,6 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from tierlm.blocks import EMBED
 from tierlm.cache import codec
 from tierlm.quant import mixed
 from tierlm.quant.modes import QuantMode, parse_quant_mode
@@ -42,7 +41,6 @@ class MixedChoice:
 
     modes: Mapping[str, str]
     sensitivity: str  # ACTIVATIONS (with the token count) or WEIGHTS_ONLY (with the reason)
-    weight_bytes: int  # the chosen weights' stored bytes plus the float tensors'
 
 
 def choose_modes(config, model_dir, layout, tensor_for, mode: QuantMode, part_bytes: Callable,
@@ -68,8 +66,7 @@ def choose_modes(config, model_dir, layout, tensor_for, mode: QuantMode, part_by
             candidates.append(_candidate(key, tensor, stats.get(key), part_bytes))
             del tensor
     chosen = mixed.allocate(candidates, mode.target_bytes - fixed)
-    total = fixed + sum(c.sizes[chosen[c.key]] for c in candidates)
-    return MixedChoice(chosen, how, total)
+    return MixedChoice(chosen, how)
 
 
 def _candidate(key: str, tensor: torch.Tensor, stats, part_bytes) -> mixed.Candidate:
@@ -162,7 +159,6 @@ class CalibrationStore(WeightStore):
 
     def __init__(self, layout, tensor_for):
         self._layout, self._tensor_for = layout, tensor_for
-        self._held: dict[str, dict] = {}
         self._columns: dict[str, torch.Tensor] = {}  # sums of x^2 per column
         self._rows: dict[str, int] = {}  # activation rows seen
         self._tokens: dict[str, torch.Tensor] = {}  # embedding lookups per row
@@ -175,11 +171,10 @@ class CalibrationStore(WeightStore):
             tensor = self._tensor_for(block, name, sources)
             keep = codec.keeps_float(name, tuple(tensor.shape))
             tensors[name] = tensor if keep else _Recorder(tensor, self._owner[sources], self)
-        self._held[block] = tensors
         return tensors
 
     def release(self, block: str) -> None:
-        self._held.pop(block, None)
+        pass  # the forward drops the block's tensors when it lets them go
 
     def block_names(self) -> list[str]:
         return list(self._layout)

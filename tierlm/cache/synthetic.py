@@ -43,7 +43,7 @@ from typing import Any, Mapping
 from tierlm.atomic import atomic_directory, directory_lock
 from tierlm.cache import codec
 from tierlm.cache.artifact import MANIFEST_NAME, ArtifactWriter
-from tierlm.cache.convert import write_layout
+from tierlm.cache.convert import aligned_bytes, write_layout
 from tierlm.config import ModelConfig
 from tierlm.progress import Progress
 
@@ -120,12 +120,11 @@ def _mixed_modes(config, shapes, layout, mode):
         return None
     if mode.target_bytes is None:
         raise ValueError("a synthetic artifact has no source grid: use mixed:SIZE or a concrete mode")
-    from tierlm.cache.artifact import BLOCK_ALIGN, PART_ALIGN
+    from tierlm.cache.artifact import BLOCK_ALIGN
     from tierlm.cache.sensitivity import estimated_modes
 
     blocks = {block: {name: shapes[name] for name in entries} for block, entries in layout.items()}
-    aligned = lambda shape, m, name: sum(-(-n // PART_ALIGN) * PART_ALIGN for n in codec.part_bytes(shape, m, name))  # noqa: E731
-    return {key: codec.parse_mode(name) for key, name in estimated_modes(blocks, mode, aligned, BLOCK_ALIGN).items()}
+    return {key: codec.parse_mode(name) for key, name in estimated_modes(blocks, mode, aligned_bytes, BLOCK_ALIGN).items()}
 
 
 def _normal(shape, name: str, std: float, generator):

@@ -114,6 +114,7 @@ from tierlm.offload.sizes import (
     workspace_bytes,
 )
 from tierlm.profile import Profile
+from tierlm.quant.mixed import mode_counts
 
 LIMITS = ("device bandwidth", "host bandwidth", "dispatch overhead", "link", "disk")
 GiB = 2**30
@@ -683,15 +684,8 @@ def _placement(ctx: _Context, tiers, computes, split: "_Split", charges, variant
         expert_slot_bytes=experts.slot_bytes if experts is not None else 0,
         expert_layers=_expert_layers(ctx, split),
         variants=tuple(variants),
-        weight_modes=_mode_counts(sizes.tensor_modes),
+        weight_modes=mode_counts(sizes.tensor_modes),
     )
-
-
-def _mode_counts(tensor_modes: Mapping[str, str]) -> tuple[tuple[str, int], ...]:
-    counts: dict[str, int] = {}
-    for mode in tensor_modes.values():
-        counts[mode] = counts.get(mode, 0) + 1
-    return tuple(sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])))
 
 
 def resident_mixed_size(config: ModelConfig, profile: Profile, bandwidths: Bandwidths, *, accelerator: bool,

@@ -112,9 +112,14 @@ def _above_chord(a, b, c) -> bool:
     return (b[1] - a[1]) * (c[0] - a[0]) >= (c[1] - a[1]) * (b[0] - a[0])
 
 
-def summary(choices: Mapping[str, str]) -> str:
-    """"int4-g128 x 150, int8 x 61": how many weights each mode holds, most first."""
+def mode_counts(choices: Mapping[str, str]) -> tuple[tuple[str, int], ...]:
+    """(mode, weights in it) for a per-weight choice, most first, then by name."""
     counts: dict[str, int] = {}
     for mode in choices.values():
         counts[mode] = counts.get(mode, 0) + 1
-    return ", ".join(f"{mode} x {n}" for mode, n in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])))
+    return tuple(sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])))
+
+
+def summary(choices: Mapping[str, str]) -> str:
+    """"int4-g128 x 150, int8 x 61": how many weights each mode holds, most first."""
+    return ", ".join(f"{mode} x {n}" for mode, n in mode_counts(choices))
