@@ -31,9 +31,9 @@ import torch
 from tierlm.quant.dispatch import kernel_choice
 from tierlm.quant.grids import gcd_steps, sorted_rows
 from tierlm.quant.kernel_api import group_count
+# The packed layout and its reference dequantization, re-exported: part of this module's API.
+from tierlm.quant.nibbles import CHUNK, ZERO_POINT, dequantize4, pack_nibbles, unpack_nibbles  # noqa: F401
 
-CHUNK = 32  # columns per packed chunk (16 bytes); group sizes and `in` are multiples of it
-ZERO_POINT = 8  # the nibble that means 0 in the symmetric modes
 _QUANTIZE_ROWS = 2048  # rows per step: bounds the candidates' fp32 temporaries
 _FP16_MAX = 65504.0
 
@@ -143,42 +143,6 @@ def check_int4_shape(in_features: int, group_size: int) -> None:
 def int4_fits(shape: tuple[int, ...]) -> bool:
     """Whether a 2-D weight of `shape` can be stored as int4 (its input dim a multiple of 32)."""
     return len(shape) == 2 and shape[1] >= CHUNK and shape[1] % CHUNK == 0
-
-
-# -- packing ----------------------------------------------------------------------------------
-
-
-def pack_nibbles(u: torch.Tensor) -> torch.Tensor:
-    """u [N, K] (values 0..15, any integer dtype) -> uint8 [N, K / 2] in the chunk order above."""
-    n, k = u.shape
-    chunks = u.to(torch.uint8).view(n, k // CHUNK, 2, CHUNK // 2)
-    return (chunks[:, :, 0] | (chunks[:, :, 1] << 4)).reshape(n, k // 2)
-
-
-def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
-    """uint8 [N, K / 2] -> uint8 [N, K] of values 0..15 (inverse of `pack_nibbles`)."""
-    n, half = packed.shape
-    chunks = packed.view(n, half // (CHUNK // 2), CHUNK // 2)
-    return torch.stack([chunks & 15, chunks >> 4], dim=2).reshape(n, 2 * half)
-
-
-def dequantize4(packed, scales, group_size: int, offsets=None, out: torch.Tensor | None = None) -> torch.Tensor:
-    """fp32 [N, K] from packed [N, K / 2], fp16 scales (and offsets) [N, G] (the reference).
-
-    Formed as u * s + o in fp32 with o = -8 s when symmetric, as the native kernels form it.
-    """
-    u = unpack_nibbles(packed)
-    n, k = u.shape
-    out = torch.empty(n, k, dtype=torch.float32, device=packed.device) if out is None else out
-    out.copy_(u)
-    s = _per_column(scales.float(), group_size, k)
-    o = _per_column(offsets.float(), group_size, k) if offsets is not None else s * -ZERO_POINT
-    return out.mul_(s).add_(o)
-
-
-def _per_column(values: torch.Tensor, group: int, k: int) -> torch.Tensor:
-    """[N, G] per-group values -> [N, K] per column (the last group may be short)."""
-    return values.repeat_interleave(group, dim=1)[:, :k]
 
 
 # -- quantization -----------------------------------------------------------------------------

@@ -131,6 +131,6 @@ class TorchKernel:
 
 def _dequantize4_into(packed, scales, offsets, group, out=None):
     """The torch INT4 dequantization (quant/int4.py's reference), into `out` if given."""
-    from tierlm.quant.int4 import dequantize4
+    from tierlm.quant.nibbles import dequantize4
 
     return dequantize4(packed, scales, group, offsets, out=out)
