@@ -224,6 +224,17 @@ MANIFEST_CASES: list[tuple[str, Callable[[Path], None], str]] = [
 ]
 
 
+# An INT4 artifact's records (packed nibbles, fp16 scales and offsets: tierlm/quant/int4.py).
+INT4_MANIFEST_CASES: list[tuple[str, Callable[[Path], None], str]] = [
+    ("int4-packed-as-int8", _manifest(lambda m: _part(m, part="packed").update(dtype="int8")), "expected 2-D uint8"),
+    ("int4-half-chunk", _manifest(lambda m: _part(m, part="packed").update(
+        shape=[_part(m, part="packed")["nbytes"] // 8, 8])), "16-byte chunks"),
+    ("int4-scales-fp32", _manifest(lambda m: _part(m, part="scales").update(
+        dtype="float32", shape=[_part(m, part="scales")["shape"][0] // 2, _part(m, part="scales")["shape"][1]])), "expected float16"),
+    ("int4-group-48", _manifest(lambda m: _block(m)["tensors"]["wqkv"]["meta"].update(group_size=48)), "multiple of 32"),
+    ("int4-group-missing", _manifest(lambda m: _block(m)["tensors"]["wqkv"]["meta"].pop("group_size")), "multiple of 32"),
+]  # fmt: skip
+
 # ----------------------------------------------------------------------------- LoRA adapters
 
 LORA_MODULE = "base_model.model.model.layers.0.self_attn.q_proj"

@@ -119,6 +119,22 @@ def test_bad_manifest_is_one_clear_error(case, good_artifact, tmp_path):
     assert "is unusable" in message and expected in message, message
 
 
+@pytest.fixture(scope="module")
+def good_int4_artifact(good_model) -> Path:
+    return ensure_artifact(ConversionRequest(good_model, (), "int4-g32-asym"))
+
+
+@pytest.mark.parametrize("case", corpus.INT4_MANIFEST_CASES, ids=[c[0] for c in corpus.INT4_MANIFEST_CASES])
+def test_bad_int4_manifest_is_one_clear_error(case, good_int4_artifact, tmp_path):
+    name, mutate, expected = case
+    bad = copy_dir(good_int4_artifact, tmp_path / f"art-{name}")
+    mutate(bad)
+    with pytest.raises(TierlmError) as err:
+        load_model(bad)
+    message = str(err.value)
+    assert "is unusable" in message and expected in message, message
+
+
 def test_bad_manifest_through_the_cli(good_artifact, tmp_path):
     _, mutate, _ = next(c for c in corpus.MANIFEST_CASES if c[0] == "blocks-list")
     bad = copy_dir(good_artifact, tmp_path / "art")
