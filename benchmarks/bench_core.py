@@ -99,7 +99,7 @@ def dram_bound_side(artifact: str) -> dict:
     import torch
 
     from tierlm.device.cpu import apply_threads
-    from tierlm.offload.probe import int8_bytes_per_s
+    from tierlm.probe.bandwidth import int8_bytes_per_s
     from tierlm.profile import load_profile
     from tierlm.runtime.loader import load_model
 

@@ -133,7 +133,7 @@ def run_baseline() -> dict:
     import torch
 
     from tierlm.profile import load_profile  # noqa: F401 - imported as run_tierlm does
-    from tierlm.runtime.baseline import runtime_baseline
+    from tierlm.probe.baseline import runtime_baseline
 
     torch.set_num_threads(2)
     return {"rss": runtime_baseline(torch.device("cpu"), "int8").charged}
@@ -145,7 +145,7 @@ def budget_for_resident_share(artifact: Path, folder: Path, share: float) -> int
     from tierlm.config import ModelConfig
     from tierlm.errors import TierlmError
     from tierlm.offload.planner import plan
-    from tierlm.runtime.machine_probe import load_bandwidths
+    from tierlm.probe.machine import load_bandwidths
     from tierlm.offload.sizes import sizes_from_artifact
     from tierlm.profile import load_profile
 
@@ -297,7 +297,7 @@ def evict_from_page_cache(path: Path) -> None:
     """Drop the file's clean pages from the page cache, so the next reads go to the disk."""
     import os
 
-    from tierlm.offload.probe import drop_pages
+    from tierlm.probe.bandwidth import drop_pages
 
     fd = os.open(path, os.O_RDONLY)
     try:

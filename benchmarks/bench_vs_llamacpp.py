@@ -81,7 +81,7 @@ def llama_bench(binary: Path, gguf: Path, prompt: int, gen: int, threads: int, r
 # The child: `tierlm bench`'s measurement, its probe check switched off (see the docstring).
 TIERLM_CHILD = """
 import json, sys
-import tierlm.runtime.measured as measured
+import tierlm.probe.measured as measured
 measured.note_measured_decode = lambda *args, **kwargs: None
 from tierlm.cli.bench import run_bench
 from tierlm.profile import load_profile
@@ -111,7 +111,7 @@ def prepare_probes(env_threads: list[tuple[dict, int]]) -> None:
     from tierlm.device.cpu import resolve_threads
 
     code = ("import sys, torch\ntorch.set_num_threads(int(sys.argv[1]))\n"
-            "from tierlm.runtime.machine_probe import load_probe\nload_probe('cpu', refresh=True)\n")  # fmt: skip
+            "from tierlm.probe.machine import load_probe\nload_probe('cpu', refresh=True)\n")  # fmt: skip
     for env, threads in {(tuple(env.items()), resolve_threads(threads or None)) for env, threads in env_threads}:
         subprocess.run([sys.executable, "-c", code, str(threads)], env={**os.environ, **dict(env)}, check=True,
                        capture_output=True, timeout=900)  # fmt: skip
@@ -119,7 +119,7 @@ def prepare_probes(env_threads: list[tuple[dict, int]]) -> None:
 
 def machine() -> dict:
     """CPU model, vector ISA, L3 size and usable CPUs, for the report."""
-    from tierlm.offload.probe import last_level_cache_bytes
+    from tierlm.probe.bandwidth import last_level_cache_bytes
 
     info = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
     model = re.search(r"^model name\s*:\s*(.+)$", info, re.M)

@@ -8,13 +8,13 @@ import torch
 from tests.tiny import make_model
 from tierlm.cache.artifact import Artifact, split_alias
 from tierlm.cache.convert import ConversionRequest, ensure_artifact
-from tierlm.cache.kv import KVCache
-from tierlm.cache.store import load_resident_artifact
+from tierlm.kv.cache import KVCache
+from tierlm.store.resident import load_resident_artifact
 from tierlm.config import ModelConfig
 from tierlm.models.llama import LlamaModel
 from tierlm.weights.ledger import Ledger
 from tierlm.offload.placement import DEVICE, DISK, HOST, BlockPlacement, Placement
-from tierlm.offload.tiered_store import EmbeddingRows, TieredStore
+from tierlm.store.tiered import EmbeddingRows, TieredStore
 from tierlm.server.metrics import store_metrics
 
 

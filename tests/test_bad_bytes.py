@@ -250,7 +250,7 @@ def victim_artifact(good_model, tmp_path, monkeypatch) -> Path:
 def tiered(artifact_dir: Path, tiers: dict[str, str]):
     """A TieredStore over `artifact_dir` with `tiers` (block -> tier; others on the device)."""
     from tierlm.offload.placement import DEVICE, BlockPlacement, Placement
-    from tierlm.offload.tiered_store import TieredStore
+    from tierlm.store.tiered import TieredStore
 
     art = Artifact.open(artifact_dir)
     blocks = tuple(BlockPlacement(n, tiers.get(n, DEVICE), art.blocks[n].nbytes) for n in art.blocks)
@@ -258,7 +258,7 @@ def tiered(artifact_dir: Path, tiers: dict[str, str]):
 
 
 def forward(artifact_dir: Path, store) -> None:
-    from tierlm.cache.kv import KVCache
+    from tierlm.kv.cache import KVCache
     from tierlm.config import ModelConfig
     from tierlm.models.llama import LlamaModel
 
@@ -279,7 +279,7 @@ def test_a_flipped_byte_is_caught_wherever_the_block_lives(victim_artifact, bloc
 
 
 def test_resident_load_checks_every_block(victim_artifact):
-    from tierlm.cache.store import load_resident_artifact
+    from tierlm.store.resident import load_resident_artifact
 
     flip_byte(victim_artifact, "norm", at=0)
     with pytest.raises(TierlmError, match="block 'norm' fails its checksum"):
@@ -323,9 +323,9 @@ def test_checksums_cover_every_byte_of_every_block(good_artifact):
 def test_saved_hot_rows_outside_the_vocabulary_are_ignored(victim_artifact):
     """The hot-row statistics beside an artifact are bytes from disk too: a row the embedding lacks
     is dropped from the warm start, never read."""
-    from tierlm.offload.hot_cache import COUNTS_NAME
+    from tierlm.store.hot_rows import COUNTS_NAME
     from tierlm.offload.placement import DEVICE, DISK, BlockPlacement, Placement
-    from tierlm.offload.tiered_store import TieredStore
+    from tierlm.store.tiered import TieredStore
 
     (victim_artifact / COUNTS_NAME).write_text('{"3": 9, "999999": 8, "-2": 7}')
     art = Artifact.open(victim_artifact)

@@ -16,10 +16,10 @@ from tests.test_offload import LAYOUTS, greedy, placement
 from tests.tiny import make_model
 from tierlm.cache.artifact import Artifact
 from tierlm.cache.convert import ConversionRequest, ensure_artifact
-from tierlm.cache.store import load_resident_artifact
+from tierlm.store.resident import load_resident_artifact
 from tierlm.config import ModelConfig
 from tierlm.device import DeviceBackend, DeviceMemory
-from tierlm.offload.tiered_store import TieredStore
+from tierlm.store.tiered import TieredStore
 
 
 class FakeStream:

@@ -15,7 +15,8 @@ import pytest
 from tierlm.config import ModelConfig
 from tierlm.runtime import measure_machine
 from tierlm.offload.planner import decode_terms, implied_bandwidths, plan, step_seconds
-from tierlm.offload.probe import MATRIX, SHORT_ROW, Bandwidths, row_seconds
+from tierlm.offload.bandwidths import MATRIX, Bandwidths
+from tierlm.probe.bandwidth import SHORT_ROW, row_seconds
 from tierlm.offload.sizes import sizes_from_config
 from tierlm.profile import load_profile
 

@@ -19,7 +19,7 @@ import torch
 from tests.test_copy_stream import FakeBackend
 from tierlm.blocks import expert_block, expert_of
 from tierlm.device import DeviceBackend
-from tierlm.offload.expert_cache import ExpertCache
+from tierlm.store.expert_cache import ExpertCache
 from tierlm.offload.routing_counts import RoutingCounts
 
 LAYERS, EXPERTS, SLOT = (0, 1, 2), 8, 64

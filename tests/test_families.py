@@ -95,7 +95,7 @@ CHATGLM3_6B = chatglm_config(hidden=4096, layers=28, heads=32, groups=2, kv_chan
 
 
 def gpu_bandwidths():
-    from tierlm.offload.probe import Bandwidths
+    from tierlm.offload.bandwidths import Bandwidths
 
     # A consumer GPU on PCIe 4.0 x16 as the cost model sees it (tests/test_planner.py's figures).
     return Bandwidths(device_bytes_per_s=800e9, host_bytes_per_s=40e9, link_bytes_per_s=25e9,

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from tests.tiny import DECODE_CASES, decode_steps, scattered_slot_prompts
-from tierlm.cache.kv import SlotKVCache
+from tierlm.kv.cache import SlotKVCache
 from tierlm.models import fused_decode
 from tierlm.quant.int8 import Int8Weight
 from tierlm.quant.kernel_api import KernelUnavailable

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from tests.tiny import DECODE_CASES, decode_steps, scattered_slot_prompts, make_model
-from tierlm.cache.kv import SlotKVCache
+from tierlm.kv.cache import SlotKVCache
 from tierlm.device.graphs import GraphUnavailable, RecordedGraph, graph_kind
 from tierlm.models import graph_decode
 from tierlm.models.graph_decode import GraphedDecode

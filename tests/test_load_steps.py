@@ -11,11 +11,11 @@ from types import SimpleNamespace
 
 import pytest
 
-from tierlm.offload.probe import Bandwidths
+from tierlm.offload.bandwidths import Bandwidths
 from tierlm.offload.sizes import resolve_quant
 from tierlm.profile import load_profile
 from tierlm.quant.modes import concrete_mode
-from tierlm.runtime.baseline import Baseline
+from tierlm.probe.baseline import Baseline
 from tierlm.runtime.loader import Budget, plan_load, requested_quant, resolve_source
 
 GiB = 2**30

@@ -36,7 +36,7 @@ STEPS = 6
 CHILD = r"""
 import json, sys
 import torch
-from tierlm.offload.probe import Bandwidths
+from tierlm.offload.bandwidths import Bandwidths
 from tierlm.profile import load_profile
 from tierlm.runtime.loader import load_model
 
@@ -105,7 +105,7 @@ def budget(synthetic, tmp_path_factory) -> int:
     """A device_memory whose plan keeps about a third of the weights resident."""
     from tierlm.config import ModelConfig
     from tierlm.offload.planner import plan
-    from tierlm.offload.probe import Bandwidths
+    from tierlm.offload.bandwidths import Bandwidths
     from tierlm.offload.sizes import sizes_from_artifact
     from tierlm.profile import load_profile
 

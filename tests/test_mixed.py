@@ -93,6 +93,7 @@ def _weights_bytes(artifact_dir) -> int:
 def test_mixed_conversion_fits_its_size_and_beats_all_int4_at_the_same_bytes(tiny):
     from tierlm.cache.artifact import Artifact
     from tierlm.cache.convert import ConversionRequest, ensure_artifact
+    from tierlm.store.calibration import activation_stats
     from tierlm.config import ModelConfig
     from tierlm.offload.sizes import sizes_from_config
     from tierlm.runtime.loader import load_model
@@ -100,7 +101,7 @@ def test_mixed_conversion_fits_its_size_and_beats_all_int4_at_the_same_bytes(tin
     int4 = ensure_artifact(ConversionRequest(tiny, (), "int4-g128"))
     int8 = ensure_artifact(ConversionRequest(tiny, (), "int8"))
     target = (_weights_bytes(int4) + _weights_bytes(int8)) // 2
-    mixed = ensure_artifact(ConversionRequest(tiny, (), f"mixed:{target}"))
+    mixed = ensure_artifact(ConversionRequest(tiny, (), f"mixed:{target}"), calibrate=activation_stats)
     assert _weights_bytes(mixed) <= target
     manifest = Artifact.open(mixed).manifest
     assert manifest["quant"] == f"mixed-{target}" and manifest["mixed"]["sensitivity"].startswith("activations")
@@ -119,15 +120,16 @@ def test_mixed_conversion_fits_its_size_and_beats_all_int4_at_the_same_bytes(tin
     mixed_error = (logits(f"mixed:{target}") - reference).square().mean()
     int4_error = (logits("int4-g128") - reference).square().mean()
     assert mixed_error < int4_error
-    assert ensure_artifact(ConversionRequest(tiny, (), f"mixed-{target}")) == mixed
+    assert ensure_artifact(ConversionRequest(tiny, (), f"mixed-{target}"), calibrate=activation_stats) == mixed
 
 
 def test_a_mixed_size_too_small_is_refused_before_anything_is_cached(tiny):
     from tierlm.cache.convert import ConversionRequest, artifacts_root, ensure_artifact
+    from tierlm.store.calibration import activation_stats
 
     before = set(artifacts_root().glob("*")) if artifacts_root().exists() else set()
     with pytest.raises(TierlmError, match="mixed:"):
-        ensure_artifact(ConversionRequest(tiny, (), "mixed:100KiB"))
+        ensure_artifact(ConversionRequest(tiny, (), "mixed:100KiB"), calibrate=activation_stats)
     after = {p for p in artifacts_root().glob("*") if not p.name.startswith(".")}
     assert after <= before | {p for p in after if p.name.endswith(".lock")}
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from tests.tiny import MOE_CASES, greedy, make_case, make_model, prompt
-from tierlm.cache.kv import SlotKVCache
+from tierlm.kv.cache import SlotKVCache
 from tierlm.runtime.loader import load_model
 
 LLAMA3_ROPE = {

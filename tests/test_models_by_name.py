@@ -78,7 +78,7 @@ def pinned_bandwidths(cache):
     import torch
 
     from tests.test_planner import CPU
-    from tierlm.offload.probe import save_bandwidths
+    from tierlm.probe.record import save_bandwidths
 
     threads = torch.get_num_threads()
     try:

@@ -18,7 +18,7 @@ import torch
 
 from tests.tiny import MOE_CASES, greedy, make_case, make_model, prompt, scattered_slot_prompts
 from tierlm.blocks import expert_of
-from tierlm.cache.kv import SlotKVCache
+from tierlm.kv.cache import SlotKVCache
 from tierlm.config import ModelConfig
 from tierlm.errors import TierlmError
 from tierlm.models import family_class
@@ -298,7 +298,7 @@ def test_a_one_token_sparse_layer_does_the_same_work_for_8_or_128_experts():
     from tierlm.blocks import expert_block
     from tierlm.config import MoeConfig
     from tierlm.models.moe import sparse_mlp
-    from tierlm.weights.store import ResidentStore
+    from tierlm.store.resident import ResidentStore
 
     class Calls(TorchDispatchMode):
         def __init__(self):

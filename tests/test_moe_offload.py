@@ -12,13 +12,13 @@ from tests.tiny import make_model
 from tierlm.blocks import expert_block, expert_of, is_expert
 from tierlm.cache.artifact import Artifact
 from tierlm.cache.convert import ConversionRequest, ensure_artifact
-from tierlm.cache.kv import KVCache
-from tierlm.cache.store import load_resident_artifact
+from tierlm.kv.cache import KVCache
+from tierlm.store.resident import load_resident_artifact
 from tierlm.config import ModelConfig
 from tierlm.models import family_class
 from tierlm.offload.placement import DEVICE, DISK, HOST, BlockPlacement, Placement
 from tierlm.offload.routing_counts import COUNTS_NAME, RoutingCounts
-from tierlm.offload.tiered_store import TieredStore
+from tierlm.store.tiered import TieredStore
 
 LAYERS, EXPERTS, TOP_K = 4, 8, 2
 RESIDENT = (0, 3, 5)  # of each layer's 8 experts, at open (without saved counts)
@@ -233,7 +233,7 @@ def test_a_planned_placement_splits_the_experts_and_keeps_the_tokens(moe, tmp_pa
     some of the experts resident: the store obeys it and the tokens stay the resident run's."""
     from tests.test_memory_profile import FIXED_BANDWIDTHS, write_profile
     from tierlm.offload.planner import plan
-    from tierlm.offload.probe import Bandwidths
+    from tierlm.offload.bandwidths import Bandwidths
     from tierlm.offload.sizes import sizes_from_artifact
     from tierlm.profile import load_profile
 
@@ -328,7 +328,7 @@ def test_offloaded_experts_inside_a_cgroup_capped_at_the_budget(tmp_path):
     from tests.test_memory_profile import FIXED_BANDWIDTHS, _cgroup_root, run_child, write_profile
     from tierlm.cache.synthetic import write_synthetic_artifact
     from tierlm.offload.planner import plan
-    from tierlm.offload.probe import Bandwidths
+    from tierlm.offload.bandwidths import Bandwidths
     from tierlm.offload.sizes import sizes_from_artifact
     from tierlm.profile import load_profile
 

@@ -23,7 +23,7 @@ from tierlm.config import ModelConfig
 from tierlm.errors import TierlmError
 from tierlm.offload.placement import DEVICE, DISK, HOST, placement_to_dict
 from tierlm.offload.planner import decode_terms, host_computes_expert, plan, step_seconds
-from tierlm.offload.probe import Bandwidths
+from tierlm.offload.bandwidths import Bandwidths
 from tierlm.offload.routing_counts import COUNTS_NAME, RoutingCounts
 from tierlm.offload.sizes import BlockSizes, expected_routing, sizes_from_config
 from tierlm.profile import load_profile
@@ -271,7 +271,7 @@ def test_dense_models_have_no_expert_charges(tmp_path):
 
 
 def test_plan_cli_shows_experts_per_layer_range(config):
-    from tierlm.offload.probe import save_bandwidths
+    from tierlm.probe.record import save_bandwidths
 
     save_bandwidths(CPU, "cpu")
     run = subprocess.run([sys.executable, "-m", "tierlm", "plan", "--model", str(QWEN3_30B), "--profile", "16gb",

@@ -160,7 +160,7 @@ def moe_session(tmp_path_factory):
     from tierlm.config import ModelConfig
     from tierlm.models import family_class
     from tierlm.offload.placement import DEVICE, DISK, BlockPlacement, Placement
-    from tierlm.offload.tiered_store import TieredStore
+    from tierlm.store.tiered import TieredStore
     from tierlm.profile import load_profile
     from tierlm.runtime.loader import LoadedModel
     from tierlm.runtime.session import Session

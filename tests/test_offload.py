@@ -10,13 +10,13 @@ import torch
 from tests.tiny import make_model
 from tierlm.cache.artifact import Artifact
 from tierlm.cache.convert import ConversionRequest, ensure_artifact
-from tierlm.cache.kv import KVCache
-from tierlm.cache.store import load_resident_artifact
+from tierlm.kv.cache import KVCache
+from tierlm.store.resident import load_resident_artifact
 from tierlm.config import ModelConfig
 from tierlm.errors import TierlmError
 from tierlm.models.llama import LlamaModel
 from tierlm.offload.placement import DEVICE, DISK, HOST, BlockPlacement, Placement
-from tierlm.offload.tiered_store import TieredStore
+from tierlm.store.tiered import TieredStore
 
 
 @pytest.fixture(scope="module", params=["untied", "tied"])
@@ -82,7 +82,7 @@ def test_read_delay_changes_nothing_but_is_reported_as_stall(artifact):
 
 
 def test_hot_row_cache_counts_persist_and_warm_the_next_start(artifact):
-    from tierlm.offload.hot_cache import COUNTS_NAME
+    from tierlm.store.hot_rows import COUNTS_NAME
 
     config, art = artifact
     (art.directory / COUNTS_NAME).unlink(missing_ok=True)  # other tests ran with this artifact
@@ -137,7 +137,7 @@ def test_read_error_mid_generation_is_a_clear_error_not_a_hang(tmp_path):
 
 @pytest.mark.parametrize("damage", ["[1, 2, 3]", '{"a": 1}', '{"1": [2]}', "not json", '{"1": null}'])
 def test_damaged_hot_row_statistics_cost_only_a_cold_start(tmp_path, damage):
-    from tierlm.offload.hot_cache import HotRowCache
+    from tierlm.store.hot_rows import HotRowCache
 
     path = tmp_path / "hot_rows.json"
     path.write_text(damage)

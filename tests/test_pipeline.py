@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from tests.tiny import DECODE_CASES, MOE_CASES, make_case, make_model, scattered_slot_prompts, write_profile
-from tierlm.cache.kv import SlotKVCache
+from tierlm.kv.cache import SlotKVCache
 from tierlm.config import ModelConfig
 from tierlm.distributed.launch import start_group
 from tierlm.distributed.pipeline import load_pipeline, stage_loads

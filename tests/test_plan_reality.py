@@ -21,7 +21,8 @@ import pytest
 
 from tierlm.config import ModelConfig
 from tierlm.offload.planner import decode_terms, implied_bandwidths, plan, step_seconds
-from tierlm.offload.probe import Bandwidths, ProbeRecord, bandwidths_path, read_probe, record_measured_run, save_bandwidths
+from tierlm.offload.bandwidths import Bandwidths
+from tierlm.probe.record import ProbeRecord, bandwidths_path, read_probe, record_measured_run, save_bandwidths
 from tierlm.offload.sizes import sizes_from_config
 from tierlm.profile import load_profile
 
@@ -73,7 +74,7 @@ def model_dir() -> Path:
 @pytest.fixture(scope="module")
 def child_probe_path() -> Path:
     """Where a child with the default thread count looks for its probe."""
-    where = subprocess.run([sys.executable, "-c", "from tierlm.offload.probe import bandwidths_path; "
+    where = subprocess.run([sys.executable, "-c", "from tierlm.probe.record import bandwidths_path; "
                             "print(bandwidths_path('cpu'))"], capture_output=True, text=True, check=True)  # fmt: skip
     return Path(where.stdout.strip())
 
@@ -132,7 +133,7 @@ def test_plan_places_the_blocks_the_load_places(model_dir, fixed_probe, tmp_path
 
 
 def test_the_baseline_charge_is_steady_across_processes(tmp_path):
-    from tierlm.runtime.baseline import GRAIN, KEEP_BELOW, TOLERANCE, steady_charge
+    from tierlm.probe.baseline import GRAIN, KEEP_BELOW, TOLERANCE, steady_charge
 
     record = tmp_path / "baseline.json"
     measured = 250 * MiB + 12345
@@ -237,7 +238,7 @@ def test_implied_bandwidths_reproduce_the_measured_step(tmp_path):
 
 
 def test_a_run_within_noise_is_recorded_but_corrects_nothing(tmp_path, monkeypatch):
-    from tierlm.runtime.measured import CORRECTION_RATIO, assess
+    from tierlm.probe.measured import CORRECTION_RATIO, assess
 
     monkeypatch.setenv("TIERLM_CACHE", str(tmp_path))
     (tmp_path / "config.json").write_text(json.dumps(LLAMA_7B))

@@ -21,7 +21,7 @@ from tierlm.errors import TierlmError
 from tierlm.offload.placement import DEVICE, DISK, HOST
 from tierlm.offload.placement import placement_to_dict
 from tierlm.offload.planner import plan
-from tierlm.offload.probe import Bandwidths
+from tierlm.offload.bandwidths import Bandwidths
 from tierlm.offload.sizes import kv_cache_bytes, sizes_from_config
 from tierlm.profile import load_profile, shipped_profiles
 
@@ -296,11 +296,11 @@ def tierlm(*args: str) -> subprocess.CompletedProcess:
 
 
 def test_plan_cli_json_for_a_config_only_directory_matches_the_function(model_dirs):
-    from tierlm.offload.probe import save_bandwidths
+    from tierlm.probe.record import save_bandwidths
 
     # Pin the bandwidths the CLI finds in its cache (the path depends on the child's thread count).
     where = subprocess.run(
-        [sys.executable, "-c", "from tierlm.offload.probe import bandwidths_path; print(bandwidths_path('cpu'))"],
+        [sys.executable, "-c", "from tierlm.probe.record import bandwidths_path; print(bandwidths_path('cpu'))"],
         capture_output=True, text=True, check=True,
     )  # fmt: skip
     save_bandwidths(CPU, "cpu")
@@ -332,16 +332,15 @@ def test_probe_pieces_run_and_the_cache_round_trips(tmp_path):
     """The probe's parts on this machine (small sizes), and a cached probe is reused as written."""
     import torch
 
-    from tierlm.offload import probe
-    from tierlm.runtime import machine_probe
+    from tierlm.probe import bandwidth, machine, record
 
     cpu = torch.device("cpu")
-    speed, dropped = probe.disk_bytes_per_s(tmp_path, nbytes=8 * MiB)
+    speed, dropped = bandwidth.disk_bytes_per_s(tmp_path, nbytes=8 * MiB)
     assert speed > 0 and isinstance(dropped, bool) and not list(tmp_path.iterdir())  # temp file removed
-    assert probe.link_bytes_per_s(cpu) > 0 and probe.row_seconds(10e9, 7e9) > 0
-    probe.save_bandwidths(CPU, cpu)
-    assert machine_probe.load_bandwidths(cpu) == CPU
-    assert probe.Bandwidths.from_dict(json.loads(json.dumps(GPU.to_dict()))) == GPU
+    assert bandwidth.link_bytes_per_s(cpu) > 0 and bandwidth.row_seconds(10e9, 7e9) > 0
+    record.save_bandwidths(CPU, cpu)
+    assert machine.load_bandwidths(cpu) == CPU
+    assert Bandwidths.from_dict(json.loads(json.dumps(GPU.to_dict()))) == GPU
 
 
 def test_a_missing_probe_runs_in_a_child_and_costs_the_caller_no_memory(tmp_path):
@@ -350,8 +349,9 @@ def test_a_missing_probe_runs_in_a_child_and_costs_the_caller_no_memory(tmp_path
     code = (
         "import json, torch\n"
         "from tierlm.device import read_memory\n"
-        "from tierlm.offload.probe import bandwidths_path, last_level_cache_bytes\n"
-        "from tierlm.runtime.machine_probe import load_bandwidths\n"
+        "from tierlm.probe.bandwidth import last_level_cache_bytes\n"
+        "from tierlm.probe.record import bandwidths_path\n"
+        "from tierlm.probe.machine import load_bandwidths\n"
         "before = read_memory().peak_rss\n"
         "measured = load_bandwidths('cpu')\n"
         "print(json.dumps({'growth': read_memory().peak_rss - before, 'llc': last_level_cache_bytes(),\n"

@@ -27,7 +27,7 @@ from tierlm.device.memory import MemoryLimits, address_space_room, cgroup_memory
 from tierlm.errors import TierlmError
 from tierlm.offload.placement import DEVICE, DISK
 from tierlm.offload.planner import cap_profile, check_fits, plan
-from tierlm.offload.probe import Bandwidths
+from tierlm.offload.bandwidths import Bandwidths
 from tierlm.offload.sizes import sizes_from_config
 from tierlm.profile import auto_profile, load_profile
 from tierlm.runtime.loader import shipped_fallbacks

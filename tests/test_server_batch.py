@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tests.tiny import make_model
-from tierlm.cache.kv import KVCache, SlotKVCache
+from tierlm.kv.cache import KVCache, SlotKVCache
 from tierlm.runtime.engine import Engine
 from tierlm.runtime.loader import load_model
 from tierlm.runtime.sampling import SamplingParams
@@ -180,11 +180,11 @@ def test_batched_decode_over_a_tiered_store_shares_each_streamed_block(tmp_path)
     reads each streamed block once for all its sequences."""
     from tierlm.cache.artifact import Artifact
     from tierlm.cache.convert import ConversionRequest, ensure_artifact
-    from tierlm.cache.store import load_resident_artifact
+    from tierlm.store.resident import load_resident_artifact
     from tierlm.config import ModelConfig
     from tierlm.models.llama import LlamaModel
     from tierlm.offload.placement import DEVICE, DISK, HOST, BlockPlacement, Placement
-    from tierlm.offload.tiered_store import TieredStore
+    from tierlm.store.tiered import TieredStore
 
     make_model(tmp_path, layers=4, with_tokenizer=False)
     config = ModelConfig.from_dir(tmp_path)

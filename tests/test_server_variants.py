@@ -259,7 +259,7 @@ def test_add_serve_and_remove_an_adapter_while_serving(session, adapters, expect
 
 def plan_with(session, variants, profile=None):
     from tierlm.offload.planner import plan
-    from tierlm.runtime.machine_probe import load_bandwidths
+    from tierlm.probe.machine import load_bandwidths
 
     loaded = session.loaded
     baseline = loaded.placement.charges["device"]["baseline"]
@@ -296,7 +296,7 @@ def test_a_variant_that_does_not_fit_is_refused_by_the_plan(session):
 MEMORY_CHILD = """
 import ctypes, gc, json, sys
 from pathlib import Path
-import tierlm.runtime.variants, tierlm.lora.merge, tierlm.cache.convert  # imported before measuring
+import tierlm.store.variants, tierlm.lora.merge, tierlm.cache.convert  # imported before measuring
 from tierlm.profile import load_profile
 from tierlm.runtime.session import open_session
 

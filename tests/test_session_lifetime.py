@@ -5,7 +5,7 @@ from pathlib import Path
 from tierlm.weights.ledger import Ledger
 from tierlm.profile import Profile
 from tierlm.runtime.session import Session
-from tierlm.weights.store import ResidentStore
+from tierlm.store.resident import ResidentStore
 
 
 class CountingLoaded:
@@ -47,7 +47,7 @@ def test_a_served_session_allocates_no_batch_one_kv_cache(tmp_path, monkeypatch)
     import httpx
 
     from tests.tiny import make_model, write_profile
-    from tierlm.cache.kv import KVCache
+    from tierlm.kv.cache import KVCache
     from tierlm.profile import load_profile
     from tierlm.runtime.session import open_session
     from tierlm.server.options import ServerOptions

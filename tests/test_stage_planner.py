@@ -16,7 +16,7 @@ from tierlm.stages import StageSpan, even_split
 from tierlm.errors import TierlmError
 from tierlm.offload.placement import DEVICE, DISK, placement_to_dict
 from tierlm.offload.planner import plan
-from tierlm.offload.probe import Bandwidths
+from tierlm.offload.bandwidths import Bandwidths
 from tierlm.offload.sizes import kv_cache_bytes, sizes_from_config, workspace_bytes
 from tierlm.offload.stage_planner import Link, split_stages
 from tierlm.profile import load_profile
@@ -261,7 +261,7 @@ def test_a_batch_in_micro_batches_is_priced_round_the_ring(llama70b):
 
 
 def test_the_link_probe_measures_two_gloo_processes_caches_and_reprobes(monkeypatch, tmp_path):
-    from tierlm.runtime.link_probe import gbps_link, link_path, load_link
+    from tierlm.probe.link import gbps_link, link_path, load_link
 
     monkeypatch.setenv("TIERLM_CACHE", str(tmp_path))
     measured = load_link()
@@ -290,11 +290,11 @@ def test_plan_stages_cli_shows_each_stage_as_its_rank_would_plan_it(tmp_path):
     import subprocess
     import sys
 
-    from tierlm.offload.probe import save_bandwidths
+    from tierlm.probe.record import save_bandwidths
 
     # Pin the bandwidths the CLI finds in its cache (the path depends on the child's thread count).
     where = subprocess.run(
-        [sys.executable, "-c", "from tierlm.offload.probe import bandwidths_path; print(bandwidths_path('cpu'))"],
+        [sys.executable, "-c", "from tierlm.probe.record import bandwidths_path; print(bandwidths_path('cpu'))"],
         capture_output=True, text=True, check=True,
     )  # fmt: skip
     save_bandwidths(CPU, "cpu")

@@ -217,7 +217,7 @@ def test_a_streaming_stage_plans_and_opens_only_its_blocks(checkpoint, tmp_path)
     placement (BlockSizes.only + the planner's `layers`) streams some of its own blocks from disk and
     places nothing else, its TieredStore opens those, and the chained logits equal the whole model's."""
     from tierlm.offload.planner import plan
-    from tierlm.offload.probe import Bandwidths
+    from tierlm.offload.bandwidths import Bandwidths
     from tierlm.offload.sizes import sizes_from_artifact
     from tierlm.profile import load_profile
     from tierlm.runtime.loader import open_store, resolve_source, stage_blocks

@@ -194,11 +194,11 @@ def test_cache_list_shows_what_a_variant_adds_and_its_base(base_dir, adapters):
 @pytest.mark.parametrize("tiers", ["all-disk", "three-tiers"])
 def test_streamed_variant_gives_the_full_lora_artifacts_logits(base_dir, adapters, tiers):
     from tests.test_offload import LAYOUTS, placement
-    from tierlm.cache.kv import KVCache
-    from tierlm.cache.store import load_resident_artifact
+    from tierlm.kv.cache import KVCache
+    from tierlm.store.resident import load_resident_artifact
     from tierlm.config import ModelConfig
     from tierlm.models.llama import LlamaModel
-    from tierlm.offload.tiered_store import TieredStore
+    from tierlm.store.tiered import TieredStore
 
     pairs = ((adapters["embed"], 1.0), (adapters["layer1"], 1.0))  # the embedding's rows come from the variant
     variant = Artifact.open(ensure_variant_artifact(ConversionRequest(base_dir, (), "int8"), pairs))

@@ -134,7 +134,7 @@ def tight_session(model, profile_path, adapters):
     first adapter's variant (with a slot to read the second's per use) but not both held; also
     both variants as sized before anything is held. The RSS child runs it too."""
     from tierlm.runtime.session import open_session
-    from tierlm.runtime.variants import overlay_for
+    from tierlm.store.variants import overlay_for
 
     session = open_session(str(model), load_profile(str(profile_path)), device="cpu", dtype="fp32")
     sized = [overlay_for(session.loaded.artifact_dir, ((Path(a), 1.0),), device="cpu", hold=False) for a in adapters]
@@ -208,7 +208,7 @@ MEMORY_CHILD = """
 import ctypes, gc, json, sys
 from pathlib import Path
 import torch
-import tierlm.runtime.variants, tierlm.lora.merge, tierlm.cache.convert  # imported before measuring
+import tierlm.store.variants, tierlm.lora.merge, tierlm.cache.convert  # imported before measuring
 from tests.test_variant_tiers import tight_session
 
 def rss():
@@ -217,7 +217,7 @@ def rss():
     return int(Path("/proc/self/statm").read_text().split()[1]) * 4096
 
 def run(store, model, name):
-    from tierlm.cache.kv import KVCache
+    from tierlm.kv.cache import KVCache
     store.select([name])
     type(model)(model.config, store, 32, "cpu", torch.float32).forward(torch.tensor([[5, 17, 99, 3, 41]]),
                                                                        KVCache.for_model(model.config, 32))

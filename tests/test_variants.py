@@ -1,4 +1,4 @@
-"""LoRA variants at run time (runtime/variants.py): rows of one batch on different variants.
+"""LoRA variants at run time (store/variants.py): rows of one batch on different variants.
 
 The reference for every row is the same prompt run alone on that variant's own full artifact
 (what `tierlm generate --lora` loads); the unmerged delta's reference is peft-checked merging.
@@ -14,13 +14,13 @@ import torch
 from tests.test_lora_merge import save_adapter
 from tests.tiny import make_model, prompt
 from tierlm.cache.convert import ConversionRequest, ensure_artifact
-from tierlm.cache.kv import SlotKVCache
+from tierlm.kv.cache import SlotKVCache
 from tierlm.errors import TierlmError
 from tierlm.lora.adapter import LoraAdapter
 from tierlm.lora.merge import LoraMerger
 from tierlm.runtime.loader import load_model
 from tierlm.weights.checkpoint import Checkpoint
-from tierlm.runtime.variants import (
+from tierlm.store.variants import (
     MERGED,
     UNMERGED,
     RowSwitched,
@@ -302,12 +302,12 @@ def test_a_variant_store_over_streamed_experts_gives_the_resident_logits(tmp_pat
     each expert when the model takes it, not all of a layer's up front (more misses than slots)."""
     from tierlm.blocks import expert_of
     from tierlm.cache.artifact import Artifact
-    from tierlm.cache.kv import KVCache
-    from tierlm.cache.store import load_resident_artifact
+    from tierlm.kv.cache import KVCache
+    from tierlm.store.resident import load_resident_artifact
     from tierlm.config import ModelConfig
     from tierlm.models import family_class
     from tierlm.offload.placement import DEVICE, DISK, BlockPlacement, Placement
-    from tierlm.offload.tiered_store import TieredStore
+    from tierlm.store.tiered import TieredStore
 
     monkeypatch.setenv("TIERLM_CACHE", str(tmp_path / "cache"))
     folder = tmp_path / "moe"

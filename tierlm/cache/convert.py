@@ -24,6 +24,7 @@ from tierlm.atomic import atomic_directory, directory_lock, make_dirs
 from tierlm.cache import codec
 from tierlm.cache.artifact import ARTIFACTS_DIR, FORMAT_VERSION, MANIFEST_NAME, BLOCK_ALIGN, PART_ALIGN, Artifact, ArtifactWriter
 from tierlm.cache.fingerprint import checkpoint_digest
+from tierlm.cache.sensitivity import Calibrate
 from tierlm.config import ModelConfig
 from tierlm.errors import TierlmError
 from tierlm.paths import cache_root
@@ -53,8 +54,9 @@ def artifacts_root() -> Path:
     return cache_root() / ARTIFACTS_DIR
 
 
-def artifact_key(request: ConversionRequest, merger=None) -> str:
-    """sha256 of the base weights' content, the adapters' content and weights, quant, format."""
+def artifact_key(request: ConversionRequest, merger=None, calibrated: bool = False) -> str:
+    """sha256 of the base weights' content, the adapters' content and weights, quant, format;
+    for mixed:SIZE also the choice's rules and whether a calibration forward weighed it."""
     parts = {
         "format": FORMAT_VERSION,
         "codec": codec.CODEC_VERSION,
@@ -66,15 +68,16 @@ def artifact_key(request: ConversionRequest, merger=None) -> str:
         from tierlm.cache.sensitivity import CALIBRATION_TOKENS
         from tierlm.quant.mixed import ALLOCATOR_VERSION, OPTIONS
 
-        parts["mixed"] = [ALLOCATOR_VERSION, list(OPTIONS), CALIBRATION_TOKENS]
+        parts["mixed"] = [ALLOCATOR_VERSION, list(OPTIONS), CALIBRATION_TOKENS if calibrated else None]
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()
 
 
-def ensure_artifact(request: ConversionRequest, progress: Progress | None = None) -> Path:
-    """The artifact directory for `request`, converting first if no finished one exists."""
+def ensure_artifact(request: ConversionRequest, progress: Progress | None = None, calibrate: Calibrate | None = None) -> Path:
+    """The artifact directory for `request`, converting first if no finished one exists;
+    `calibrate`: mixed:SIZE's calibration forward (tierlm/store/calibration.py), else weights alone."""
     ModelConfig.from_dir(request.model_dir)  # a bad config.json fails now, not after hashing the weights
     merger = _merger(request.adapters)
-    key = artifact_key(request, merger)
+    key = artifact_key(request, merger, calibrated=calibrate is not None)
     mode = codec.parse_mode(request.quant)
     target = artifacts_root() / f"{Path(request.model_dir).name}-{mode.name}-{key[:16]}"
     make_dirs(target.parent)
@@ -82,11 +85,12 @@ def ensure_artifact(request: ConversionRequest, progress: Progress | None = None
         if _is_complete(target, key):
             return target
         with atomic_directory(target) as tmp:
-            convert(request, tmp, key, merger, progress)
+            convert(request, tmp, key, merger, progress, calibrate)
     return target
 
 
-def convert(request: ConversionRequest, out_dir: Path, key: str, merger=None, progress: Progress | None = None) -> None:
+def convert(request: ConversionRequest, out_dir: Path, key: str, merger=None, progress: Progress | None = None,
+            calibrate: Calibrate | None = None) -> None:
     """Write the artifact for `request` into `out_dir` (which the caller renames into place)."""
     model_dir = Path(request.model_dir)
     config = ModelConfig.from_dir(model_dir)
@@ -97,7 +101,7 @@ def convert(request: ConversionRequest, out_dir: Path, key: str, merger=None, pr
     if mode.mixed and mode.target_bytes is not None:
         from tierlm.cache.sensitivity import choose_modes
 
-        choice = choose_modes(config, model_dir, layout, tensor_for, mode, aligned_bytes, BLOCK_ALIGN)
+        choice = choose_modes(config, model_dir, layout, tensor_for, mode, aligned_bytes, BLOCK_ALIGN, calibrate)
         modes = {key: codec.parse_mode(name) for key, name in choice.modes.items()}
         header["mixed"] = {"target_bytes": mode.target_bytes, "sensitivity": choice.sensitivity,
                            "tensor_modes": dict(choice.modes)}  # fmt: skip
@@ -171,7 +175,8 @@ def _link_model_files(base_dir: Path, out_dir: Path) -> None:
 
 
 def ensure_variant_artifact(
-    base: ConversionRequest, adapters: tuple[tuple[Path, float], ...], progress: Progress | None = None
+    base: ConversionRequest, adapters: tuple[tuple[Path, float], ...], progress: Progress | None = None,
+    calibrate: Calibrate | None = None,
 ) -> Path:
     """The variant artifact of `base` (no adapters) with `adapters`, building its base first.
 
@@ -186,7 +191,7 @@ def ensure_variant_artifact(
     if merger is None:
         raise TierlmError("a variant needs at least one LoRA adapter")
     layout, tensor_for = _sources(Path(base.model_dir), config, merger)  # validates the adapters
-    base_dir = ensure_artifact(base, progress)
+    base_dir = ensure_artifact(base, progress, calibrate)
     base_key = Artifact.open(base_dir).manifest["key"]
     key = variant_key(base_key, merger)
     mode = codec.parse_mode(base.quant)

@@ -220,6 +220,7 @@ def convert(
 ):
     """Merge LoRA adapters and quantize into a cached artifact (reused by chat/generate); prints its path."""
     from tierlm.cache.convert import ConversionRequest, ensure_artifact
+    from tierlm.store.calibration import activation_stats
     from tierlm.cli.progress import progress_factory
     from tierlm.lora.spec import parse_lora_spec
     from tierlm.offload.sizes import resolve_auto
@@ -230,7 +231,7 @@ def convert(
     adapters = tuple(parse_lora_spec(spec) for spec in lora or ())
     model_dir = resolve_model_dir(model, progress)
     mode = concrete_mode(resolve_auto(quant, model_dir), accelerator=False, converted=True)
-    print(ensure_artifact(ConversionRequest(model_dir, adapters, mode), progress("converting")))
+    print(ensure_artifact(ConversionRequest(model_dir, adapters, mode), progress("converting"), activation_stats))
 
 
 cache_app = typer.Typer(help="List, verify or remove cached models and artifacts.", no_args_is_help=True)
@@ -391,7 +392,7 @@ def _plan_stages(model, profile, stages, quant, device, threads, as_json, link_g
 
     from tierlm.cli.plan_view import render_stage_plan, stage_plan_for, stage_profiles
     from tierlm.device.cpu import apply_threads
-    from tierlm.runtime.link_probe import gbps_link, load_link
+    from tierlm.probe.link import gbps_link, load_link
     from tierlm.runtime.session import resolve_model_dir
 
     profiles = stage_profiles(profile, stages)

@@ -6,7 +6,7 @@ empty KV cache and decodes greedily for `--tokens` tokens without stopping at EO
 alike; the median run is reported beside the planner's prediction, the memory the profile
 allows, what the process measured, and the memory manager's ledger when blocks stream.
 The measured decode speed is also checked against the cached probe's prediction, which it
-corrects when the two disagree beyond noise (runtime/measured.py).
+corrects when the two disagree beyond noise (probe/measured.py).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ def run_bench(session, prompt_tokens: int, new_tokens: int, runs: int) -> dict:
     """Time `runs` greedy generations; return the figures `format_bench` prints."""
     from tierlm.device import read_memory
     from tierlm.errors import TierlmError
-    from tierlm.runtime.measured import note_measured_decode
+    from tierlm.probe.measured import note_measured_decode
     from tierlm.runtime.sampling import SamplingParams
 
     engine = session.engine

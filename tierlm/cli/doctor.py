@@ -236,8 +236,8 @@ def _probe(device, refresh: bool) -> dict:
     if device is None:
         return {"error": "no compute device resolved"}
     try:
-        from tierlm.offload.probe import bandwidths_path, read_probe
-        from tierlm.runtime.machine_probe import load_probe
+        from tierlm.probe.record import bandwidths_path, read_probe
+        from tierlm.probe.machine import load_probe
 
         path = bandwidths_path(device)
         record = load_probe(device, refresh=True) if refresh else read_probe(path)
@@ -250,7 +250,7 @@ def _probe(device, refresh: bool) -> dict:
 
 def _probe_lines(found: dict) -> list[str]:
     from tierlm.cli.plan_view import last_run_text, probe_age_text
-    from tierlm.offload.probe import ProbeRecord
+    from tierlm.probe.record import ProbeRecord
 
     if found.get("error"):
         return [f"probe     {found['error']}"]

@@ -1,6 +1,6 @@
 """`tierlm plan`: the placement a load would make, computed as the load computes it, and shown.
 
-`plan_for` charges the baseline the loader charges (runtime/baseline.py), from a process in the
+`plan_for` charges the baseline the loader charges (probe/baseline.py), from a process in the
 state a session is in when it loads: tokenizer loaded, the model's family imported, INT8 kernels
 calibrated. So under a tight profile the plan streams the blocks the real load streams.
 """
@@ -22,9 +22,9 @@ def plan_for(model_dir: Path, profile, quant: str | None = None, device: str | N
     is a variant beside it, placed as `serve` places it (see `_with_variants`)."""
     from tierlm.device import resolve_device
     from tierlm.lora.spec import parse_lora_spec, split_variant_specs
-    from tierlm.offload.probe import bandwidths_path
+    from tierlm.probe.record import bandwidths_path
     from tierlm.runtime.loader import plan_load, read_budget, requested_quant, resolve_source
-    from tierlm.runtime.machine_probe import load_probe
+    from tierlm.probe.machine import load_probe
 
     target = resolve_device(device)
     merged, variants = split_variant_specs(loras)
@@ -58,7 +58,7 @@ def _with_variants(planned, budget, variants):
     from tierlm.device import compute_dtype
     from tierlm.runtime.loader import convert_source, plan_load
     from tierlm.runtime.session import plan_with_variants, variant_base_artifact
-    from tierlm.runtime.variants import overlay_for
+    from tierlm.store.variants import overlay_for
 
     device = budget.device
     source = planned.source
@@ -82,7 +82,7 @@ def _with_resident_mixed(placement, planned, budget):
     from dataclasses import replace
 
     from tierlm.offload.planner import resident_mixed_size
-    from tierlm.runtime.machine_probe import load_bandwidths
+    from tierlm.probe.machine import load_bandwidths
 
     if placement.fully_resident or planned.sizes.quant.startswith(("int4", "mixed")):
         return placement
@@ -335,10 +335,10 @@ def stage_plan_for(model_dir: Path, profiles: list, link, quant: str | None = No
     from dataclasses import replace
 
     from tierlm.device import resolve_device
-    from tierlm.offload.probe import bandwidths_path
+    from tierlm.probe.record import bandwidths_path
     from tierlm.offload.stage_planner import split_stages
     from tierlm.runtime.loader import expected_sizes, read_budget, requested_quant, resolve_source
-    from tierlm.runtime.machine_probe import load_probe
+    from tierlm.probe.machine import load_probe
 
     target = resolve_device(device)
     accelerator = target.type != "cpu"
@@ -372,7 +372,7 @@ def least_stages_for(model_dir: Path, profile, quant: str | None = None, device:
     from tierlm.device import resolve_device
     from tierlm.offload.stage_planner import least_stages
     from tierlm.runtime.loader import expected_sizes, read_budget, requested_quant, resolve_source
-    from tierlm.runtime.machine_probe import load_bandwidths
+    from tierlm.probe.machine import load_bandwidths
 
     target = resolve_device(device)
     accelerator = target.type != "cpu"

@@ -228,7 +228,7 @@ def _save_line_history(path) -> None:
 
 def _check_probe(session, stats) -> None:
     """The last reply is a measured decode: it corrects a cached probe that was far off (as `bench` does)."""
-    from tierlm.runtime.measured import note_measured_decode
+    from tierlm.probe.measured import note_measured_decode
 
     if stats is None or session.pipeline is not None:  # a pipeline's speed includes the other stages
         return

@@ -108,7 +108,7 @@ class PipelineModel:
 
     def _header(self, cache, rows: int, length: int, all_logits: bool) -> StepHeader:
         """Where `rows` x `length` new tokens go in `cache`: each row's length before the step."""
-        from tierlm.cache.kv import SlotBatch, SlotView
+        from tierlm.kv.cache import SlotBatch, SlotView
 
         root = cache.parent if isinstance(cache, (SlotView, SlotBatch)) else cache
         cache_id = self._cache_id(root)

@@ -47,7 +47,7 @@ def load_stage(load: StageLoad, progress=None, *, set_threads: bool = True):
 def stage_cache(loaded, slotted: bool, rows: int, max_len: int):
     """A KV cache for `loaded`'s stage alone (its layers only), the twin of one of rank 0's: a
     SlotKVCache of `rows` slots, or a KVCache of batch `rows`, `max_len` positions long."""
-    from tierlm.cache.kv import KVCache, SlotKVCache
+    from tierlm.kv.cache import KVCache, SlotKVCache
 
     common = dict(device=loaded.device, dtype=loaded.dtype, layers=len(loaded.span.layers))
     if slotted:

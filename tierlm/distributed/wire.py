@@ -22,7 +22,7 @@ from tierlm.errors import TierlmError
 
 # Ops
 STEP, LOAD, RELEASE, SHUTDOWN = 1, 2, 3, 4
-# The kind of rank 0's cache a step runs on (cache/kv.py).
+# The kind of rank 0's cache a step runs on (kv/cache.py).
 CONTIGUOUS, SLOT_VIEW, SLOT_BATCH = 0, 1, 2
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 

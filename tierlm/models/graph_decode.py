@@ -161,7 +161,7 @@ class GraphedDecode:
         if self.failed is not None or x.shape[1] != 1 or not hasattr(cache, "decode_rows"):
             return None
         if getattr(self.model.store, "switched", False):
-            return None  # rows on LoRA variants (runtime/variants.py): a graph replays the base's weights
+            return None  # rows on LoRA variants (store/variants.py): a graph replays the base's weights
         keys, values, slots, positions = cache.decode_rows()
         if len(slots) != x.shape[0]:
             return None

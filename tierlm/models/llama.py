@@ -154,7 +154,7 @@ class LlamaModel:
         (left unchanged). The last stage returns logits [B, T or 1, V] (fp32); any other returns the
         hidden states [B, T, H] of every position, which the next stage needs whatever `logits` says.
         The whole model is the one-stage case. One path for prefill, decode and batched decode:
-        `cache` (cache/kv.py, holding this stage's layers only) supplies the positions (as cos/sin)
+        `cache` (kv/cache.py, holding this stage's layers only) supplies the positions (as cos/sin)
         and the mask and writes the new keys/values. A `KVCache` or `SlotView` puts T tokens after
         its offset; a `SlotBatch` puts one token per slot at that slot's own length, and each row
         gets what it would get alone.

@@ -55,7 +55,7 @@ class ExpertLayer:
 
 @dataclass(frozen=True)
 class VariantPlacement:
-    """A LoRA variant served beside the base (runtime/variants.py): its mode, the bytes it adds
+    """A LoRA variant served beside the base (store/variants.py): its mode, the bytes it adds
     when held, and its tier. device: held where it computes; host: held in host RAM, copied to
     the device per use; disk: its changed tensors read from its variant artifact per use."""
 

@@ -13,7 +13,7 @@ What each tier is charged (`Placement.charges`), all of which must fit its budge
             are one RAM tier there (no "host" entry then; `emulate_host_tier` keeps it separate);
             MoE: expert slots ("experts") and stream slots for cold experts ("expert_stream");
             LoRA variants served beside the base ("variants": the resident ones' own merged blocks
-            or low-rank factors, runtime/variants.py; the base's blocks are charged once;
+            or low-rank factors, store/variants.py; the base's blocks are charged once;
             "variant_stream": one slot, the largest block of a variant read per use)
     host    baseline (RSS measured at start-up), host-tier weights, pinned staging for disk
             blocks (accelerator: the same slot count x the largest disk block), host workspace
@@ -102,7 +102,7 @@ from tierlm.config import ModelConfig
 from tierlm.device.memory import MemoryLimits
 from tierlm.errors import TierlmError
 from tierlm.offload.placement import DEVICE, DISK, HOST, BlockPlacement, ExpertLayer, Placement, VariantPlacement
-from tierlm.offload.probe import MATRIX, Bandwidths
+from tierlm.offload.bandwidths import MATRIX, Bandwidths
 from tierlm.offload.sizes import (
     PREFILL_CHUNK,
     BlockSizes,

@@ -15,7 +15,7 @@ lower one, until they meet (~15 rounds of at most world x log2(layers) plans, ea
 even share of the layers left as the bound allows (`_Search.split`), so a uniform model on equal ranks
 splits evenly and an uneven set of profiles gets an uneven split.
 
-What a token costs besides the stages (`Link`: measured by runtime/link_probe.py):
+What a token costs besides the stages (`Link`: measured by probe/link.py):
     hand-over   per boundary, hidden_size x rows x c bytes (c: compute dtype, 4 on CPUs, 2 on
                 accelerators): latency + bytes / bandwidth
     return      the last stage's logits to rank 0, which samples: vocab x rows x 4 bytes (fp32)
@@ -42,7 +42,7 @@ from tierlm.config import ModelConfig
 from tierlm.stages import StageSpan, even_split
 from tierlm.errors import TierlmError
 from tierlm.offload.placement import Placement
-from tierlm.offload.probe import Bandwidths
+from tierlm.offload.bandwidths import Bandwidths
 from tierlm.offload.sizes import BlockSizes, compute_bytes
 from tierlm.profile import Profile
 
@@ -57,7 +57,7 @@ class Link:
 
     bytes_per_s: float
     latency_s: float
-    source: str = "measured"  # "measured ..." (runtime/link_probe.py), or "--link-gbps"
+    source: str = "measured"  # "measured ..." (probe/link.py), or "--link-gbps"
     probed_at: float | None = None  # when it was measured (time.time()); None: given by hand
 
     def seconds(self, nbytes: int) -> float:

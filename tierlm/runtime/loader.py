@@ -42,14 +42,14 @@ class LoadedModel:
 
     def new_cache(self, batch: int = 1, dtype=None):
         """A KV cache for this stage's layers (all of them for the whole model)."""
-        from tierlm.cache.kv import KVCache
+        from tierlm.kv.cache import KVCache
 
         return KVCache.for_model(self.config, self.max_len, batch=batch, device=self.device,
                                  dtype=dtype or self.dtype, layers=len(self.span.layers))  # fmt: skip
 
     def new_slot_cache(self, slots: int, dtype=None):
         """A SlotKVCache of `slots` sequences for this stage's layers (the server's batches)."""
-        from tierlm.cache.kv import SlotKVCache
+        from tierlm.kv.cache import SlotKVCache
 
         return SlotKVCache.for_model(self.config, self.max_len, slots, device=self.device,
                                      dtype=dtype or self.dtype, layers=len(self.span.layers))  # fmt: skip
@@ -75,7 +75,7 @@ class Budget:
 
     profile: object  # a Profile
     device: object
-    baseline: object  # runtime/baseline.py Baseline: its `charged` bytes are charged
+    baseline: object  # probe/baseline.py Baseline: its `charged` bytes are charged
     limits: object  # the process's real limits (device/memory.py), which budgets are capped at
     fallbacks: list  # the shipped profiles a refusal may suggest instead
     bandwidths: object = None  # None: the probe's, read after the fit check
@@ -194,9 +194,9 @@ def resolve_source(model_dir: Path, quant: str, adapters=(), *, accelerator: boo
 
 def read_budget(source: WeightSource, profile, device, bandwidths=None, span=None) -> Budget:
     """The baseline charged for the runtime, measured before any weight is loaded
-    (runtime/baseline.py), the process limits and the shipped fallback profiles."""
+    (probe/baseline.py), the process limits and the shipped fallback profiles."""
     from tierlm.device.memory import process_limits
-    from tierlm.runtime.baseline import runtime_baseline
+    from tierlm.probe.baseline import runtime_baseline
 
     baseline = runtime_baseline(device, source.quant, source.directory)
     return Budget(profile, device, baseline, process_limits(device), shipped_fallbacks(), bandwidths, span)
@@ -234,9 +234,10 @@ def expected_sizes(source: WeightSource, accelerator: bool):
 def convert_source(source: WeightSource, accelerator: bool, progress) -> WeightSource:
     """The artifact for `source`'s mode and adapters, converted on first use."""
     from tierlm.cache.convert import ConversionRequest, ensure_artifact
+    from tierlm.store.calibration import activation_stats
 
     mode = concrete_mode(source.quant, accelerator=accelerator, converted=True)
-    artifact_dir = Path(ensure_artifact(ConversionRequest(source.directory, source.adapters, mode), progress))
+    artifact_dir = Path(ensure_artifact(ConversionRequest(source.directory, source.adapters, mode), progress, activation_stats))
     return replace(source, directory=artifact_dir, quant=artifact_quant(artifact_dir), compiled=True)
 
 
@@ -249,7 +250,7 @@ def open_store(source: WeightSource, placement, device, dtype, *, span=None, rea
     if not source.as_stored:
         return _artifact_store(source, placement, device, dtype, span, read_delay_s, progress)
     from tierlm.weights.checkpoint import Checkpoint
-    from tierlm.weights.store import load_resident
+    from tierlm.store.resident import load_resident
 
     layout = source.family.checkpoint_layout(source.config)
     layout = {block: layout[block] for block in stage_blocks(source.config, span, list(layout))}
@@ -296,7 +297,7 @@ def shipped_fallbacks() -> list:
 def _plan(config, sizes, budget: Budget):
     from tierlm.offload.planner import plan
     from tierlm.offload.sizes import expected_routing
-    from tierlm.runtime.machine_probe import load_bandwidths
+    from tierlm.probe.machine import load_bandwidths
 
     _check_fits(config, sizes, budget)  # a missing probe runs in a child
     return plan(
@@ -321,14 +322,14 @@ def _stage_layers(budget: Budget) -> dict:
 
 
 def _artifact_store(source: WeightSource, placement, device, dtype, span, read_delay_s: float, progress):
-    from tierlm.cache.store import load_resident_artifact
+    from tierlm.store.resident import load_resident_artifact
 
     artifact_dir = source.directory
     if placement is None or placement.fully_resident:
         only = None if span.world == 1 else lambda name: span.owns(name, source.config.tie_word_embeddings)
         return load_resident_artifact(artifact_dir, device=device, dtype=dtype, progress=progress, only=only)
     from tierlm.cache.artifact import Artifact
-    from tierlm.offload.tiered_store import TieredStore
+    from tierlm.store.tiered import TieredStore
 
     policy, speculate = expert_options()
     return TieredStore(Artifact.open(artifact_dir), placement, device=device, dtype=dtype, read_delay_s=read_delay_s,
@@ -340,7 +341,7 @@ def expert_options() -> tuple[str, bool]:
     model's guesses start reads (TIERLM_SPECULATE=0 turns them off): benchmarks compare them."""
     import os
 
-    from tierlm.offload.expert_cache import POLICIES
+    from tierlm.store.expert_cache import POLICIES
 
     policy = os.environ.get("TIERLM_EXPERT_CACHE", "").strip().lower() or "lfu"
     if policy not in POLICIES:

@@ -1,8 +1,8 @@
 """Measuring this machine once: the probe's bandwidths and the decode path's fixed costs.
 
 Runs as a child process (`python -m tierlm.runtime.measure_machine DEVICE THREADS`, started by
-runtime/machine_probe.py) so the weights it cycles never land in the caller's memory. The byte
-and FLOP measurements live in offload/probe.py beside the record they fill; the per-layer and
+probe/machine.py) so the weights it cycles never land in the caller's memory. The byte
+and FLOP measurements live in probe/bandwidth.py beside the record they fill; the per-layer and
 per-token costs need the runtime itself (a real decode step), so they live here.
 """
 
@@ -13,17 +13,9 @@ import sys
 from pathlib import Path
 from typing import Callable
 
-from tierlm.offload.probe import (
-    SHORT_ROW,
-    Bandwidths,
-    disk_bytes_per_s,
-    gemm_flops,
-    int8_bytes_per_s,
-    link_bytes_per_s,
-    probe_device,
-    row_seconds,
-    save_bandwidths,
-)
+from tierlm.offload.bandwidths import Bandwidths
+from tierlm.probe.bandwidth import SHORT_ROW, disk_bytes_per_s, gemm_flops, int8_bytes_per_s, link_bytes_per_s, probe_device, row_seconds
+from tierlm.probe.record import save_bandwidths
 from tierlm.paths import cache_root
 
 # The overhead probe's model: a real family's shape at widths where weight bytes are negligible

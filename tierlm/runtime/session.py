@@ -48,10 +48,10 @@ class Session:
         return Engine(self.loaded, self.tokenizer)
 
     def variant_store(self):
-        """The weight store as a VariantStore (runtime/variants.py), wrapping the base store on
+        """The weight store as a VariantStore (store/variants.py), wrapping the base store on
         first use. Call it before the model runs on another thread: the server does, before its
         worker starts, so variants can be added while it serves."""
-        from tierlm.runtime.variants import VariantStore
+        from tierlm.store.variants import VariantStore
 
         store = self.loaded.store
         if not isinstance(store, VariantStore):
@@ -71,10 +71,10 @@ class Session:
 
     def add_variant(self, name: str, adapters, progress: ProgressFactory | None = None):
         """Build the variant `name` (its `adapters` [(path, weight)] on top of the served base,
-        merged or unmerged as runtime/variants.py's cost model chooses), place it where the
+        merged or unmerged as store/variants.py's cost model chooses), place it where the
         planner says (held, or read from disk per use) and add it to the variant store; returns
         its Overlay (mode, why, nbytes, tier). Slow: it may convert."""
-        from tierlm.runtime.variants import overlay_for
+        from tierlm.store.variants import overlay_for
 
         store = self.variant_store()
         base = self._base_artifact(progress)
@@ -264,10 +264,11 @@ def variant_base_artifact(model_dir: Path, artifact_dir, base_adapters, device, 
     if artifact_dir is not None:
         return Path(artifact_dir)
     from tierlm.cache.convert import ConversionRequest, ensure_artifact
+    from tierlm.store.calibration import activation_stats
     from tierlm.quant.modes import AS_STORED, concrete_mode
 
     mode = concrete_mode(AS_STORED, accelerator=device.type != "cpu", converted=True)
-    return Path(ensure_artifact(ConversionRequest(model_dir, tuple(base_adapters), mode), progress))
+    return Path(ensure_artifact(ConversionRequest(model_dir, tuple(base_adapters), mode), progress, activation_stats))
 
 
 def plan_with_variants(config, sizes, device, profile, placement, overlays):
@@ -278,7 +279,7 @@ def plan_with_variants(config, sizes, device, profile, placement, overlays):
     from tierlm.offload.placement import DEVICE, HOST
     from tierlm.offload.planner import plan
     from tierlm.offload.sizes import expected_routing
-    from tierlm.runtime.machine_probe import load_bandwidths
+    from tierlm.probe.machine import load_bandwidths
 
     baseline = (placement.charges.get(HOST) or placement.charges[DEVICE])["baseline"]
     return plan(config, sizes, profile, load_bandwidths(device), accelerator=device.type != "cpu",

@@ -30,7 +30,7 @@ class Variant:
     done: int = 0
     total: int = 0
     error: str | None = None
-    overlay: object = None  # runtime/variants.py's Overlay once ready: its mode and bytes
+    overlay: object = None  # store/variants.py's Overlay once ready: its mode and bytes
 
     def progress(self, label: str):
         """A ProgressFactory's callback for the step `label`: GET /v1/adapters shows it."""

@@ -4,7 +4,7 @@ A new sequence is prefilled alone into its slot (one chunk per step, so running 
 keep decoding meanwhile), then joins the shared decode step: one forward over ids [n, 1] at
 each sequence's own position (`LlamaModel.forward` over a `SlotBatch`, via `forward_batch`).
 Each sequence carries its LoRA variant (None: the base); before each forward the runner tells
-a variant store (runtime/variants.py) the variant of every row, so rows of different variants
+a variant store (store/variants.py) the variant of every row, so rows of different variants
 share one decode step. A plain store has no variants and is not told.
 Every sequence keeps its own `SequenceState` (sampler and seed, stop matcher, stream decoder,
 limits), the one the engine uses too, so its tokens, text and finish reason are the ones it

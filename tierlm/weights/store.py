@@ -1,8 +1,8 @@
 """Weight stores: the forward pass borrows a block's tensors and hands them back.
 
-The contract is `acquire(block) -> {name: tensor}` followed by `release(block)`. A resident
-store keeps everything in memory; a tiered store (offload/) implements the same two calls
-by fetching blocks from host RAM or disk, so model code never changes.
+The contract is `acquire(block) -> {name: tensor}` followed by `release(block)`. The stores
+themselves live in tierlm/store/: a resident store keeps everything in memory, a tiered store
+implements the same two calls by fetching blocks from host RAM or disk, so model code never changes.
 """
 
 from __future__ import annotations
@@ -12,9 +12,6 @@ from typing import Iterator, Mapping, Sequence
 
 import torch
 
-from tierlm.blocks import CheckpointLayout, expert_block
-from tierlm.progress import Progress
-from tierlm.weights.checkpoint import Checkpoint
 
 
 class WeightStore:
@@ -79,62 +76,3 @@ class WeightStore:
 
     def close(self) -> None:
         """Release threads and files; a resident store holds none."""
-
-
-class ResidentStore(WeightStore):
-    """Every block lives on the compute device for the life of the store."""
-
-    def __init__(self, blocks: Mapping[str, Mapping[str, torch.Tensor]]):
-        self._blocks = {name: dict(tensors) for name, tensors in blocks.items()}
-
-    def acquire(self, block: str) -> Mapping[str, torch.Tensor]:
-        return self._blocks[block]
-
-    def release(self, block: str) -> None:
-        pass
-
-    @contextmanager
-    def experts(self, layer: int, uses: Mapping[int, int]) -> Iterator[Mapping[int, Mapping[str, torch.Tensor]]]:
-        blocks = self._blocks
-        yield {expert: blocks[expert_block(layer, expert)] for expert in uses}
-
-    def peek(self, block: str) -> Mapping[str, torch.Tensor] | None:
-        return self._blocks.get(block)
-
-    def block_names(self) -> list[str]:
-        return list(self._blocks)
-
-    def nbytes(self) -> int:
-        # Tied tensors appear in two blocks but occupy memory once.
-        unique = {id(t): t for tensors in self._blocks.values() for t in tensors.values()}
-        return sum(t.nbytes for t in unique.values())
-
-
-def load_resident(
-    checkpoint: Checkpoint,
-    layout: CheckpointLayout,
-    *,
-    device="cpu",
-    dtype: torch.dtype = torch.float32,
-    progress: Progress | None = None,
-) -> ResidentStore:
-    """Build every block from the checkpoint, fusing multi-tensor entries, cast to `dtype`.
-
-    Tensors read from the same checkpoint names (tied embedding and head) are shared.
-    Peak memory is the model plus one tensor (when a cast is needed).
-    """
-    built: dict[tuple[str, ...], torch.Tensor] = {}
-    blocks: dict[str, dict[str, torch.Tensor]] = {}
-    for done, (block, entries) in enumerate(layout.items(), start=1):
-        blocks[block] = {}
-        for name, sources in entries.items():
-            if sources not in built:
-                built[sources] = _assemble(checkpoint, sources, device, dtype)
-            blocks[block][name] = built[sources]
-        if progress:
-            progress(done, len(layout))
-    return ResidentStore(blocks)
-
-
-def _assemble(checkpoint: Checkpoint, sources: tuple[str, ...], device, dtype) -> torch.Tensor:
-    return checkpoint.read_concat(sources).to(device=device, dtype=dtype)

@@ -21,7 +21,7 @@ def note_measured_decode(loaded, profile, tokens_per_s: float, steps: int, sourc
     cache, correcting the cached figures when the prediction was off by more than
     CORRECTION_RATIO. Returns the recorded run (with "corrected"), or None when there is nothing
     to compare: no plan, too few steps, or no cached probe."""
-    from tierlm.offload.probe import record_measured_run
+    from tierlm.probe.record import record_measured_run
 
     if loaded.placement is None or loaded.sizes is None or steps < MIN_DECODE_STEPS or tokens_per_s <= 0:
         return None

@@ -10,7 +10,9 @@ import json
 import subprocess
 import sys
 
-from tierlm.offload.probe import Bandwidths, ProbeRecord, bandwidths_path, probe_device, read_probe
+from tierlm.offload.bandwidths import Bandwidths
+from tierlm.probe.bandwidth import probe_device
+from tierlm.probe.record import ProbeRecord, bandwidths_path, read_probe
 
 
 def load_bandwidths(device=None, *, refresh: bool = False) -> Bandwidths:

@@ -595,8 +595,9 @@ def _merged_reader(model_dir, adapters, quant, changed, device, dtype, progress)
     """A reader of the changed tensors in the variant artifact of `adapters` (all of them, over the
     checkpoint) in the base's quant mode: exactly what the full `--lora` conversion stores."""
     from tierlm.cache.convert import ConversionRequest, ensure_variant_artifact
+    from tierlm.store.calibration import activation_stats
 
-    directory = ensure_variant_artifact(ConversionRequest(model_dir, (), quant), tuple(adapters), progress)
+    directory = ensure_variant_artifact(ConversionRequest(model_dir, (), quant), tuple(adapters), progress, activation_stats)
     return _VariantReader(Path(directory), changed, torch.device(device), dtype)
 
 

@@ -28,10 +28,10 @@ from tierlm.cache import codec
 from tierlm.cache.artifact import Artifact
 from tierlm.device import backend_for
 from tierlm.errors import TierlmError
-from tierlm.offload.hot_cache import COUNTS_NAME, HotRowCache
+from tierlm.store.hot_rows import COUNTS_NAME, HotRowCache
 from tierlm.weights.ledger import Ledger
 from tierlm.offload.placement import DEVICE, DISK, HOST, Placement
-from tierlm.offload.prefetch import PrefetchRing
+from tierlm.store.prefetch import PrefetchRing
 from tierlm.offload.routing_counts import COUNTS_NAME as EXPERT_COUNTS_NAME
 from tierlm.weights.store import WeightStore
 
@@ -194,7 +194,7 @@ class TieredStore(WeightStore):
 
     def _expert_cache(self, policy: str):
         """The cache over every routed expert of the artifact (None for a dense model)."""
-        from tierlm.offload.expert_cache import ExpertCache
+        from tierlm.store.expert_cache import ExpertCache
         from tierlm.offload.routing_counts import RoutingCounts
 
         placed = [b for b in self.placement.blocks if is_expert(b.name)]

@@ -6,7 +6,7 @@ and 1-16 MiB tensors one way, acknowledged by a tiny one (the bandwidth: the slo
 bytes, so the latency drops out). The best of a few tries counts, as in the machine probe.
 
 `load_link()` reads `<cache>/probe/link-gloo-local-v1.json`, measuring first when there is none
-(in a child process: `python -m tierlm.runtime.link_probe`, which also re-probes by hand);
+(in a child process: `python -m tierlm.probe.link`, which also re-probes by hand);
 `load_link(refresh=True)` and `tierlm plan --stages N --reprobe-link` measure afresh. Ranks on
 other machines are not measured from here: `tierlm plan --link-gbps G` gives their link.
 """
@@ -88,7 +88,7 @@ def measure(port: int | None = None) -> tuple[float, float]:
     import torch.distributed as dist
 
     port = port or free_port()
-    peer = subprocess.Popen([sys.executable, "-m", "tierlm.runtime.link_probe", "--rank", "1", "--port", str(port)])
+    peer = subprocess.Popen([sys.executable, "-m", "tierlm.probe.link", "--rank", "1", "--port", str(port)])
     try:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=2,
                                 timeout=_timeout())  # fmt: skip
@@ -172,17 +172,17 @@ def _measure_in_child() -> dict:
     so the caller never joins a process group."""
     from tierlm.errors import TierlmError
 
-    done = subprocess.run([sys.executable, "-m", "tierlm.runtime.link_probe"], capture_output=True, text=True,
+    done = subprocess.run([sys.executable, "-m", "tierlm.probe.link"], capture_output=True, text=True,
                           timeout=TIMEOUT_S * 2)  # fmt: skip
     if done.returncode != 0:
         tail = (done.stderr or done.stdout).strip().splitlines()[-3:]
         raise TierlmError(f"measuring the link between local ranks failed: {' | '.join(tail)}",
-                          "run `python -m tierlm.runtime.link_probe` to see the whole error, or give --link-gbps")  # fmt: skip
+                          "run `python -m tierlm.probe.link` to see the whole error, or give --link-gbps")  # fmt: skip
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 if __name__ == "__main__":
-    # `python -m tierlm.runtime.link_probe`: measure and cache (re-probes); `--rank 1 --port P`: the peer.
+    # `python -m tierlm.probe.link`: measure and cache (re-probes); `--rank 1 --port P`: the peer.
     if "--rank" in sys.argv:
         _serve_rank1(int(sys.argv[sys.argv.index("--port") + 1]))
     else:
