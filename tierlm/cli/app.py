@@ -9,6 +9,7 @@ from typing import Optional
 import typer
 
 from tierlm.config import GenerationDefaults  # light: json and dataclasses only
+from tierlm.errors import TierlmError
 from tierlm.quant.modes import mode_choices  # light: no torch
 
 app = typer.Typer(
@@ -94,8 +95,16 @@ def _open(model, profile_name, device, dtype, quant, lora, threads=None, stages=
     profiles = _stage_profiles(profile_name, stages)
     return open_session(
         model, profiles[0], device=device, dtype=dtype, quant=quant, loras=tuple(lora or ()), threads=threads,
-        progress=progress_factory(), stage_profiles=tuple(profiles) if len(profiles) > 1 else (),
+        progress=progress_factory(), **_stage_load(profiles, device=device, quant=quant, threads=threads),
     )
+
+
+def _stage_load(profiles: list, **common) -> dict:
+    """open_session's `load` for a pipeline of one stage per profile (distributed/pipeline.py);
+    nothing for one process."""
+    from tierlm.distributed.pipeline import pipeline_load
+
+    return {"load": pipeline_load(profiles, **common)} if len(profiles) > 1 else {}
 
 
 def _stage_profiles(names: str, stages: int | None) -> list:
@@ -375,7 +384,7 @@ def plan(
     try:
         placement, header = plan_for(model_dir, chosen, quant, device, tuple(lora or ()))
     except TierlmError as refused:  # what one process cannot hold, a pipeline of them may
-        from tierlm.cli.plan_view import least_stages_for
+        from tierlm.runtime.planning import least_stages_for
 
         more = least_stages_for(model_dir, chosen, quant, device)
         if more is None:
@@ -494,10 +503,13 @@ def serve(
     if batch_size is not None:  # the planner then reserves KV memory for this many sequences (on every stage)
         chosen = [dataclasses.replace(p, batch_size=batch_size) for p in chosen]
     merged, variants = split_variant_specs(lora or ())
+    if variants and len(chosen) > 1:
+        raise TierlmError("LoRA variants are not served over pipeline stages",
+                          "merge the adapter into the base with --lora DIR, or drop --stages")  # fmt: skip
     with open_session(
         pick_model(model_arg, model), chosen[0], device=device, dtype=dtype, quant=quant, loras=merged,
         variants=variants, threads=threads, progress=progress_factory(),
-        stage_profiles=tuple(chosen) if len(chosen) > 1 else (), stage_timeout=stage_timeout,
+        **_stage_load(chosen, stage_timeout=stage_timeout, device=device, quant=quant, threads=threads),
     ) as session:
         # Sampling flags become the server's defaults for requests that omit the field.
         given = dict(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, repetition_penalty=repetition_penalty)

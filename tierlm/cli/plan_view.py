@@ -1,8 +1,7 @@
-"""`tierlm plan`: the placement a load would make, computed as the load computes it, and shown.
+"""`tierlm plan`: the placement a load would make, drawn.
 
-`plan_for` charges the baseline the loader charges (probe/baseline.py), from a process in the
-state a session is in when it loads: tokenizer loaded, the model's family imported, INT8 kernels
-calibrated. So under a tight profile the plan streams the blocks the real load streams.
+What the plan is comes from runtime/planning.py, which runs the loader's own steps; this module
+only draws it.
 """
 
 from __future__ import annotations
@@ -10,86 +9,34 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+from tierlm.blocks import EMBED, HEAD, is_expert, is_layer, layer_index
+from tierlm.errors import TierlmError
+from tierlm.offload.placement import DEVICE, DISK
+from tierlm.offload.planner import mixed_size_text
+from tierlm.probe.record import bandwidths_path
+from tierlm.profile import format_size, load_profile
+from tierlm.runtime.planning import plan_model, plan_stages
+
 MiB = 2**20
 
 
 def plan_for(model_dir: Path, profile, quant: str | None = None, device: str | None = None, loras=()):
-    """(Placement, header lines) for `model_dir` under `profile` (a Profile), as `tierlm plan`
-    prints them, from the loader's own steps (resolve the weight source, read the budget, plan).
-    Reads no weights: block sizes come as the loader expects them, from an artifact's manifest
-    or config.json. Raises TierlmError when it cannot fit.
-    `loras`: `--lora` values as `serve` takes them: DIR[:WEIGHT] merges into the base, NAME=DIR[:WEIGHT]
-    is a variant beside it, placed as `serve` places it (see `_with_variants`)."""
-    from tierlm.device import resolve_device
-    from tierlm.lora.spec import parse_lora_spec, split_variant_specs
-    from tierlm.probe.record import bandwidths_path
-    from tierlm.runtime.loader import plan_load, read_budget, requested_quant, resolve_source
-    from tierlm.probe.machine import load_probe
-
-    target = resolve_device(device)
-    merged, variants = split_variant_specs(loras)
-    adapters = tuple(parse_lora_spec(spec) for spec in merged)
-    source = resolve_source(model_dir, requested_quant(quant, profile), adapters, accelerator=target.type != "cpu")
-    tokenizer = _tokenizer_as_a_session_holds_it(model_dir)  # noqa: F841 - held while measuring
-    budget = read_budget(source, profile, target)
-    planned = plan_load(source, budget)
-    placement, variant_lines = _with_variants(planned, budget, variants) if variants else (planned.placement, [])
-    placement = _with_resident_mixed(placement, planned, budget)
-    probe = load_probe(target)  # the record the plan's bandwidths came from, for its age
-    config, baseline = source.config, budget.baseline
+    """(Placement, header lines) for `model_dir` under `profile`, as `tierlm plan` prints them:
+    runtime/planning.py `plan_model` plans (it says what `loras` may be), this draws."""
+    plan = plan_model(model_dir, profile, quant, device, loras)
+    config, baseline, budget = plan.source.config, plan.budget.baseline, plan.budget
     header = [
         f"model    {model_dir} ({config.model_type}, {config.num_hidden_layers} layers{_moe_text(config)})",
         f"profile  {profile.summary()}",
-        f"quant    {_quant_line(planned.sizes.quant, quant, profile.quant)}",
-        f"device   {target}; baseline {_mib(baseline.charged)} charged ({_mib(baseline.measured)} RSS with the "
+        f"quant    {_quant_line(plan.planned.sizes.quant, quant, profile.quant)}",
+        f"device   {budget.device}; baseline {_mib(baseline.charged)} charged ({_mib(baseline.measured)} RSS with the "
         f"runtime loaded: torch, tokenizer, kernels)",
         limits_line(budget.limits),
-        *probe_lines(probe, bandwidths_path(target).stem),
-        *(f"lora     {path}{'' if weight == 1.0 else f' x{weight:g}'} merged into the base" for path, weight in adapters),
-        *variant_lines,
+        *probe_lines(plan.probe, bandwidths_path(budget.device).stem),
+        *(f"lora     {path}{'' if weight == 1.0 else f' x{weight:g}'} merged into the base" for path, weight in plan.source.adapters),
+        *(f"variant  {name}: {why}" for name, why in plan.variant_whys.items()),
     ]
-    return placement, header
-
-
-def _with_variants(planned, budget, variants):
-    """(the placement with `variants` {name: ((path, weight), ...)} placed beside the base, a line
-    per variant saying its mode and why), computed as `serve` does: the base's artifact (the load
-    converts to it first, once) and each variant's (built once, cached) are read to size them."""
-    from tierlm.device import compute_dtype
-    from tierlm.runtime.loader import convert_source, plan_load
-    from tierlm.runtime.session import plan_with_variants, variant_base_artifact
-    from tierlm.store.variants import overlay_for
-
-    device = budget.device
-    source = planned.source
-    if not (source.as_stored or source.compiled):  # as the load does: convert, then plan the exact sizes
-        planned = plan_load(convert_source(source, device.type != "cpu", None), budget)
-    artifact_dir = planned.source.directory if planned.source.compiled else None
-    base = variant_base_artifact(source.directory, artifact_dir, source.adapters, device)
-    overlays = {name: overlay_for(base, adapters, device=device, dtype=compute_dtype(device), hold=False)
-                for name, adapters in variants.items()}  # fmt: skip
-    try:
-        placement = plan_with_variants(source.config, planned.sizes, device, budget.profile, planned.placement, overlays)
-    finally:
-        for overlay in overlays.values():
-            overlay.close()
-    return placement, [f"variant  {name}: {overlay.why}" for name, overlay in overlays.items()]
-
-
-def _with_resident_mixed(placement, planned, budget):
-    """`placement` with the largest mixed:SIZE that would keep every block on the device, where
-    some block is not there and the weights are not 4-bit already."""
-    from dataclasses import replace
-
-    from tierlm.offload.planner import resident_mixed_size
-    from tierlm.probe.machine import load_bandwidths
-
-    if placement.fully_resident or planned.sizes.quant.startswith(("int4", "mixed")):
-        return placement
-    size = resident_mixed_size(planned.source.config, budget.profile, budget.bandwidths or load_bandwidths(budget.device),
-                               accelerator=budget.device.type != "cpu", baseline_bytes=budget.baseline.charged,
-                               limits=budget.limits)  # fmt: skip
-    return replace(placement, resident_mixed_bytes=size or 0)
+    return plan.placement, header
 
 
 def _moe_text(config) -> str:
@@ -101,7 +48,6 @@ def _moe_text(config) -> str:
 
 def limits_line(limits) -> str:
     """The plan header's line on the limits the process really has (device/memory.py)."""
-    from tierlm.profile import format_size
 
     found = [f"RAM {format_size(limits.ram)} ({limits.ram_source})"] if limits.ram is not None else []
     if limits.device_free is not None:
@@ -116,8 +62,6 @@ def render_plan(placement, header: list[str]) -> str:
 def placement_rows(placement) -> list[tuple[str, str, int]]:
     """(blocks, where, bytes), consecutive layers on the same tier grouped as `layers.0-27`;
     routed experts are shown per layer range by `expert_rows` instead."""
-    from tierlm.blocks import EMBED, HEAD, is_expert, is_layer, layer_index
-    from tierlm.offload.placement import DEVICE
 
     rows: list[tuple[str, str, int]] = []
     run: list = []  # BlockPlacements
@@ -182,7 +126,6 @@ def expert_rows(placement) -> list[dict]:
 
 def _expert_lines(placement) -> list[str]:
     """The experts table of `describe`: per layer range, resident / E, hit rate, bytes per token."""
-    from tierlm.profile import format_size
 
     rows = expert_rows(placement)
     if not rows:
@@ -206,8 +149,6 @@ def _expert_lines(placement) -> list[str]:
 
 def _variant_lines(placement) -> list[str]:
     """The LoRA variants of `describe`: each one's mode, bytes and where it lies."""
-    from tierlm.offload.placement import DEVICE, DISK
-    from tierlm.profile import format_size
 
     if not placement.variants:
         return []
@@ -220,7 +161,6 @@ def _variant_lines(placement) -> list[str]:
 
 def describe(placement) -> str:
     """The human-readable plan: blocks, per-tier totals against budgets (itemised), speeds."""
-    from tierlm.profile import format_size
 
     lines = [f"{'block':22} {'tier':32} {'bytes':>10}"]
     lines += [f"{name:22} {where:32} {format_size(n):>10}" for name, where, n in placement_rows(placement)]
@@ -241,7 +181,6 @@ def describe(placement) -> str:
     lines.append(f"decode   {placement.predicted_decode_tokens_per_s:.2f} tokens/s (predicted), "
                  f"bound by {placement.binding_limit}")  # fmt: skip
     if placement.resident_mixed_bytes:
-        from tierlm.offload.planner import mixed_size_text
 
         lines.append(f"fits     every block on the device with --quant mixed:{mixed_size_text(placement.resident_mixed_bytes)}")
     lines += [f"note     {note}" for note in placement.notes]
@@ -285,20 +224,6 @@ def format_age(seconds: float) -> str:
     return f"{int(seconds)} s"
 
 
-def _tokenizer_as_a_session_holds_it(model_dir: Path):
-    """The model's tokenizer, loaded as a session loads it before the weights (its memory is
-    part of the baseline); None for a directory without one (config.json alone)."""
-    from tierlm.errors import TierlmError
-    from tierlm.runtime.tokenizer import Tokenizer
-
-    if not (Path(model_dir) / "tokenizer.json").is_file():
-        return None
-    try:
-        return Tokenizer.from_dir(model_dir)
-    except TierlmError:
-        return None  # a session would refuse it; the plan still stands
-
-
 def _quant_line(chosen: str, asked: str | None, profiles: str) -> str:
     requested = asked or profiles
     shown = chosen if requested == chosen else f"{requested} → {chosen}"  # "auto → int8-g32-asym"
@@ -317,8 +242,6 @@ def _mib(nbytes: int) -> str:
 def stage_profiles(names: str, stages: int | None) -> list:
     """One Profile per stage from `--profile a[,b,...]` and `--stages N` (a list alone: one
     stage per name; one name: every stage)."""
-    from tierlm.errors import TierlmError
-    from tierlm.profile import load_profile
 
     listed = [load_profile(name.strip()) for name in names.split(",")]
     count = stages or len(listed)
@@ -329,57 +252,20 @@ def stage_profiles(names: str, stages: int | None) -> list:
 
 
 def stage_plan_for(model_dir: Path, profiles: list, link, quant: str | None = None, device: str | None = None):
-    """(StagePlan, header lines) for `model_dir` split over one stage per profile, each stage
-    planned as its rank's load plans it (block sizes, baseline and bandwidths as `plan_for`
-    reads them; every rank assumed alike this machine). `link`: offload/stage_planner.Link."""
-    from dataclasses import replace
-
-    from tierlm.device import resolve_device
-    from tierlm.probe.record import bandwidths_path
-    from tierlm.offload.stage_planner import split_stages
-    from tierlm.runtime.loader import expected_sizes, read_budget, requested_quant, resolve_source
-    from tierlm.probe.machine import load_probe
-
-    target = resolve_device(device)
-    accelerator = target.type != "cpu"
-    source = resolve_source(model_dir, requested_quant(quant, profiles[0]), accelerator=accelerator)
-    tokenizer = _tokenizer_as_a_session_holds_it(model_dir)  # noqa: F841 - held while measuring
-    budget = read_budget(source, profiles[0], target)
-    probe = load_probe(target)
-
-    def split(source):
-        return split_stages(source.config, expected_sizes(source, accelerator), profiles, probe.bandwidths, link,
-                            accelerator=accelerator, baseline_bytes=budget.baseline.charged, limits=budget.limits)  # fmt: skip
-
-    planned = split(source)
-    if source.as_stored and not all(s.placement.fully_resident for s in planned.stages):
-        planned = split(replace(source, as_stored=False))  # as the loader does: streamed weights are converted
-    config, baseline = source.config, budget.baseline
+    """(StagePlan, header lines) for `model_dir` split over one stage per profile: runtime/planning.py
+    `plan_stages` plans, this draws. `link`: offload/stage_planner.Link."""
+    plan = plan_stages(model_dir, profiles, link, quant, device)
+    config, budget, planned = plan.source.config, plan.budget, plan.planned
     names = ",".join(dict.fromkeys(p.name for p in profiles))
     header = [
         f"model    {model_dir} ({config.model_type}, {config.num_hidden_layers} layers{_moe_text(config)})",
         f"stages   {len(profiles)}, profile {names}; quant {planned.stages[0].sizes.quant}",
-        f"device   {target} on every rank; baseline {_mib(baseline.charged)} charged per rank",
+        f"device   {budget.device} on every rank; baseline {_mib(budget.baseline.charged)} charged per rank",
         limits_line(budget.limits),
-        *probe_lines(probe, bandwidths_path(target).stem),
+        *probe_lines(plan.probe, bandwidths_path(budget.device).stem),
         f"link     {link_text(planned.link)}",
     ]
     return planned, header
-
-
-def least_stages_for(model_dir: Path, profile, quant: str | None = None, device: str | None = None) -> int | None:
-    """The fewest stages of `profile` that hold a model one process of it cannot (for a refusal's hint)."""
-    from tierlm.device import resolve_device
-    from tierlm.offload.stage_planner import least_stages
-    from tierlm.runtime.loader import expected_sizes, read_budget, requested_quant, resolve_source
-    from tierlm.probe.machine import load_bandwidths
-
-    target = resolve_device(device)
-    accelerator = target.type != "cpu"
-    source = resolve_source(model_dir, requested_quant(quant, profile), accelerator=accelerator)
-    budget = read_budget(source, profile, target)
-    return least_stages(source.config, expected_sizes(source, accelerator), [profile], load_bandwidths(target),
-                        accelerator=accelerator, baseline_bytes=budget.baseline.charged, limits=budget.limits)  # fmt: skip
 
 
 def link_text(link, now: float | None = None) -> str:
@@ -391,7 +277,6 @@ def link_text(link, now: float | None = None) -> str:
 def render_stage_plan(planned, header: list[str]) -> str:
     """Per stage: its layers, profile, bytes per tier against the budgets, predicted step and
     where its blocks live; then the transfers and the pipeline's predicted speed."""
-    from tierlm.profile import format_size
 
     lines = [*header, "", f"{'rank':4} {'layers':8} {'profile':8} {'device':>22} {'host':>22} {'disk':>10} {'step':>10}"]
 

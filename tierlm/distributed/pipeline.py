@@ -195,6 +195,18 @@ def stage_loads(model_dir: Path, config, profiles: list, *, context_length: int 
             for span, profile in zip(spans, profiles)]  # fmt: skip
 
 
+def pipeline_load(profiles: list, *, stage_timeout: float | None = None, **common):
+    """runtime/session.py `open_session`'s `load` for a pipeline of len(profiles) stages: this
+    process is rank 0, under the profile the session passes; `common` are the command's own
+    settings (device, quant, threads), which every rank resolves for itself."""
+
+    def load(source, *, profile, dtype=None, progress=None, **_):
+        return open_pipeline(source.directory, [profile, *profiles[1:]], stage_timeout=stage_timeout, dtype=dtype,
+                             adapters=source.adapters, progress=progress, **common)  # fmt: skip
+
+    return load
+
+
 def open_pipeline(model_dir: Path, profiles: list, *, progress=None, stage_timeout: float | None = None, **common):
     """Start a pipeline of len(profiles) stages (spawned here, or torchrun's processes) and load
     it; returns rank 0's LoadedModel (its model a PipelineModel that owns the group).
@@ -208,7 +220,9 @@ def open_pipeline(model_dir: Path, profiles: list, *, progress=None, stage_timeo
     loads = stage_loads(model_dir, config, profiles, **common)
     group = start_group(len(profiles), device, stage_timeout=stage_timeout)
     try:
-        return load_pipeline(group, loads, owns_group=True, progress=progress)
+        loaded = load_pipeline(group, loads, owns_group=True, progress=progress)
     except BaseException:
         group.close()
         raise
+    loaded.pipeline = loaded.model  # the session closes the stages with it
+    return loaded

@@ -1,34 +1,63 @@
-"""Open a model directory: config, family, weights in a store, KV cache sized for the context."""
+"""Open a model directory: config, family, weights in a store, KV cache sized for the context.
+
+A load runs in named steps, each taking what the step before resolved: `resolve_source` (the
+model's config, family and weight format, read once), `read_budget`, `plan_load`,
+`convert_source`, `open_store`. `tierlm plan` (runtime/planning.py) runs the same steps but
+the last two.
+"""
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+import torch
+
+from tierlm.cache.artifact import MANIFEST_NAME, Artifact
+from tierlm.cache.convert import ConversionRequest, ensure_artifact
 from tierlm.config import ModelConfig
+from tierlm.device import compute_dtype, resolve_device
+from tierlm.device.memory import MemoryLimits, process_limits
 from tierlm.errors import TierlmError
+from tierlm.kv.cache import KVCache, SlotKVCache
+from tierlm.models import family_class
+from tierlm.models.llama import LlamaModel
+from tierlm.offload.placement import Placement
+from tierlm.offload.planner import check_fits, plan
+from tierlm.offload.sizes import BlockSizes, cached_artifact, expected_routing, resolve_auto, sizes_from_artifact, sizes_from_config
+from tierlm.probe.baseline import Baseline, runtime_baseline
+from tierlm.probe.machine import load_bandwidths
+from tierlm.profile import Profile, load_profile, shipped_profiles
 from tierlm.progress import Progress
 from tierlm.quant.modes import AS_STORED, concrete_mode
+from tierlm.stages import StageSpan, whole_model
+from tierlm.store.calibration import activation_stats
+from tierlm.store.expert_cache import POLICIES
+from tierlm.store.resident import load_resident, load_resident_artifact
+from tierlm.store.tiered import TieredStore
+from tierlm.weights.checkpoint import Checkpoint
+from tierlm.weights.store import WeightStore
 
 
 @dataclass
 class LoadedModel:
     config: ModelConfig
-    model: object  # a family Model (models/llama.py, ...)
-    store: object  # a WeightStore
+    model: LlamaModel  # a family Model (every family extends LlamaModel), or a pipeline's rank-0 PipelineModel
+    store: WeightStore
     max_len: int
-    device: object
-    dtype: object
-    placement: object = None  # the planner's Placement when a profile was given
-    sizes: object = None  # the BlockSizes it was planned from (measured runs are checked against it)
+    device: torch.device
+    dtype: torch.dtype
+    placement: Placement | None = None  # the planner's Placement when a profile was given
+    sizes: BlockSizes | None = None  # the BlockSizes it was planned from (measured runs are checked against it)
     weight_format: str = ""  # how the weights are held: a quant mode ("int8", "fp16") or, as stored, the dtype
     artifact_dir: Path | None = None  # the compiled artifact the weights come from (None: as stored)
-    span: object = None  # the pipeline stage loaded (tierlm/stages.py StageSpan; None: the whole model)
+    span: StageSpan | None = None  # the pipeline stage loaded (None: the whole model)
+    source: "WeightSource | None" = None  # what the load resolved its weights from
+    pipeline: object = None  # the stages in other processes (distributed/pipeline.py's PipelineModel); None: one process
 
     def __post_init__(self):
         if self.span is None:
-            from tierlm.stages import whole_model
-
             self.span = whole_model(self.config.num_hidden_layers)
 
     @property
@@ -37,20 +66,19 @@ class LoadedModel:
         return f"{self.weight_format or 'unknown'} weights, {dtype_name(self.dtype)} compute"
 
     def close(self) -> None:
-        """Release what the store holds open (reader threads, files) and persist its statistics."""
+        """Release what the store holds open (reader threads, files) and persist its statistics;
+        a pipeline's workers release their stages (and exit, when this process started them)."""
+        if self.pipeline is not None:
+            self.pipeline.close()
         self.store.close()
 
     def new_cache(self, batch: int = 1, dtype=None):
         """A KV cache for this stage's layers (all of them for the whole model)."""
-        from tierlm.kv.cache import KVCache
-
         return KVCache.for_model(self.config, self.max_len, batch=batch, device=self.device,
                                  dtype=dtype or self.dtype, layers=len(self.span.layers))  # fmt: skip
 
     def new_slot_cache(self, slots: int, dtype=None):
         """A SlotKVCache of `slots` sequences for this stage's layers (the server's batches)."""
-        from tierlm.kv.cache import SlotKVCache
-
         return SlotKVCache.for_model(self.config, self.max_len, slots, device=self.device,
                                      dtype=dtype or self.dtype, layers=len(self.span.layers))  # fmt: skip
 
@@ -64,6 +92,8 @@ class WeightSource:
     config: ModelConfig
     family: type  # the family Model class (models/llama.py, ...)
     quant: str  # a concrete mode ("auto" resolved; an artifact's own) or "none": as stored
+    requested: str  # the mode asked for (--quant, else the profile's), as the user spelled it
+    resolved: str  # `requested` with "auto" resolved, before an artifact's own mode overrides it
     adapters: tuple[tuple[Path, float], ...] = ()
     compiled: bool = False  # `directory` is an artifact
     as_stored: bool = False  # the checkpoint's tensors are loaded as they are, no artifact
@@ -73,13 +103,13 @@ class WeightSource:
 class Budget:
     """What a plan is charged against, read once per load (and by `tierlm plan`)."""
 
-    profile: object  # a Profile
-    device: object
-    baseline: object  # probe/baseline.py Baseline: its `charged` bytes are charged
-    limits: object  # the process's real limits (device/memory.py), which budgets are capped at
-    fallbacks: list  # the shipped profiles a refusal may suggest instead
-    bandwidths: object = None  # None: the probe's, read after the fit check
-    span: object = None  # the pipeline stage planned (StageSpan): only its blocks and layers are charged
+    profile: Profile
+    device: torch.device
+    baseline: Baseline  # its `charged` bytes are charged
+    limits: MemoryLimits  # the process's real limits, which budgets are capped at
+    fallbacks: list[Profile]  # the shipped profiles a refusal may suggest instead
+    bandwidths: object = None  # offload/bandwidths.py Bandwidths; None: the probe's, read after the fit check
+    span: StageSpan | None = None  # the pipeline stage planned: only its blocks and layers are charged
 
 
 @dataclass(frozen=True)
@@ -87,8 +117,8 @@ class Planned:
     """A plan's outcome, with the source and sizes it was made for."""
 
     source: WeightSource  # as resolved, or as an artifact when the weights as stored do not fit resident
-    sizes: object  # the BlockSizes the placement was made from
-    placement: object  # a Placement
+    sizes: BlockSizes  # what the placement was made from
+    placement: Placement
 
 
 def load_model(
@@ -108,21 +138,37 @@ def load_model(
 ) -> LoadedModel:
     """Load a model for `device` in `dtype` (defaults: the device's compute dtype).
 
-    `model_dir` is a Hugging Face checkpoint or a compiled artifact directory. In steps:
-    resolve the weight source (`quant`, else the profile's, with LoRA `adapters` as
-    (path, weight) pairs), plan it under the `profile` when one is given, convert to the
-    artifact the source needs on first use, open the store. The context is the profile's
-    (or `context_length`), capped by max_position_embeddings. `stage` (tierlm/stages.py
-    StageSpan; None: the whole model) loads one pipeline stage: only its blocks are planned and
-    opened, and its caches hold only its layers.
+    `model_dir` is a Hugging Face checkpoint or a compiled artifact directory; its weight source
+    is resolved (`quant`, else the profile's, with LoRA `adapters` as (path, weight) pairs) and
+    loaded by `load_source`, whose steps and other arguments are documented there.
     """
-    import torch
-
-    from tierlm.device import compute_dtype, resolve_device
-
-    device = resolve_device(device) if not isinstance(device, torch.device) else device
-    dtype = dtype or compute_dtype(device)
+    device = device if isinstance(device, torch.device) else resolve_device(device)
     source = resolve_source(model_dir, requested_quant(quant, profile), adapters, accelerator=device.type != "cpu")
+    return load_source(source, device=device, dtype=dtype, context_length=context_length, profile=profile,
+                       bandwidths=bandwidths, read_delay_s=read_delay_s, progress=progress,
+                       convert_progress=convert_progress, stage=stage)  # fmt: skip
+
+
+def load_source(
+    source: "WeightSource",
+    *,
+    device: torch.device,
+    dtype=None,
+    context_length: int | None = None,
+    profile=None,
+    bandwidths=None,
+    read_delay_s: float = 0.0,
+    progress: Progress | None = None,
+    convert_progress: Progress | None = None,
+    stage=None,
+) -> LoadedModel:
+    """Load the resolved `source`: plan it under the `profile` when one is given, convert to the
+    artifact the source needs on first use, open the store. The context is the profile's (or
+    `context_length`), capped by max_position_embeddings. `stage` (tierlm/stages.py StageSpan;
+    None: the whole model) loads one pipeline stage: only its blocks are planned and opened, and
+    its caches hold only its layers.
+    """
+    dtype = dtype or compute_dtype(device)
     span = stage_span(source.config, stage)
     budget = read_budget(source, profile, device, bandwidths, span) if profile is not None else None
     planned = plan_load(source, budget) if budget is not None else None
@@ -140,13 +186,11 @@ def load_model(
     sizes = planned.sizes if planned is not None else None
     artifact_dir = source.directory if source.compiled else None
     return LoadedModel(source.config, model, store, max_len, device, dtype, placement, sizes, weight_format, artifact_dir,
-                       span)  # fmt: skip
+                       span, source)  # fmt: skip
 
 
 def stage_span(config: ModelConfig, stage):
     """`stage`, checked against the model, or the whole model when None."""
-    from tierlm.stages import whole_model
-
     layers = config.num_hidden_layers
     if stage is None:
         return whole_model(layers)
@@ -174,30 +218,23 @@ def context_for(config: ModelConfig, context_length: int | None, profile) -> int
 
 
 def resolve_source(model_dir: Path, quant: str, adapters=(), *, accelerator: bool) -> WeightSource:
-    """Step 1: the model's config and family, and the format its weights will be read in. The
-    family is imported here, before any baseline is measured, as a session imports it."""
-    from tierlm.models import family_class
-    from tierlm.offload.sizes import resolve_auto
-
+    """Step 1: the model's config and family, and the format its weights will be read in, each
+    read once. The family is imported here, before any baseline is measured, as a session imports it."""
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
         raise TierlmError(f"model directory {model_dir} does not exist")
     config = ModelConfig.from_dir(model_dir)
     family = family_class(config)
-    mode = resolve_auto(quant, model_dir, accelerator)  # before anything is keyed on the mode
+    resolved = resolve_auto(quant, model_dir, accelerator)  # before anything is keyed on the mode
     compiled = is_artifact(model_dir)
-    if compiled:
-        mode = artifact_quant(model_dir)
+    mode = artifact_quant(model_dir) if compiled else resolved
     as_stored = not compiled and mode == AS_STORED and not adapters
-    return WeightSource(model_dir, config, family, mode, tuple(adapters), compiled, as_stored)
+    return WeightSource(model_dir, config, family, mode, quant, resolved, tuple(adapters), compiled, as_stored)
 
 
 def read_budget(source: WeightSource, profile, device, bandwidths=None, span=None) -> Budget:
     """The baseline charged for the runtime, measured before any weight is loaded
     (probe/baseline.py), the process limits and the shipped fallback profiles."""
-    from tierlm.device.memory import process_limits
-    from tierlm.probe.baseline import runtime_baseline
-
     baseline = runtime_baseline(device, source.quant, source.directory)
     return Budget(profile, device, baseline, process_limits(device), shipped_fallbacks(), bandwidths, span)
 
@@ -219,8 +256,6 @@ def expected_sizes(source: WeightSource, accelerator: bool):
     """The BlockSizes `source` will have, without reading a weight: an artifact's manifest; as
     stored, predicted from config.json; to be converted, the cached artifact's for that mode, else
     predicted."""
-    from tierlm.offload.sizes import cached_artifact, sizes_from_artifact, sizes_from_config
-
     if source.compiled:
         return sizes_from_artifact(source.directory)
     if source.as_stored:
@@ -233,9 +268,6 @@ def expected_sizes(source: WeightSource, accelerator: bool):
 
 def convert_source(source: WeightSource, accelerator: bool, progress) -> WeightSource:
     """The artifact for `source`'s mode and adapters, converted on first use."""
-    from tierlm.cache.convert import ConversionRequest, ensure_artifact
-    from tierlm.store.calibration import activation_stats
-
     mode = concrete_mode(source.quant, accelerator=accelerator, converted=True)
     artifact_dir = Path(ensure_artifact(ConversionRequest(source.directory, source.adapters, mode), progress, activation_stats))
     return replace(source, directory=artifact_dir, quant=artifact_quant(artifact_dir), compiled=True)
@@ -249,9 +281,6 @@ def open_store(source: WeightSource, placement, device, dtype, *, span=None, rea
     span = stage_span(source.config, span)
     if not source.as_stored:
         return _artifact_store(source, placement, device, dtype, span, read_delay_s, progress)
-    from tierlm.weights.checkpoint import Checkpoint
-    from tierlm.store.resident import load_resident
-
     layout = source.family.checkpoint_layout(source.config)
     layout = {block: layout[block] for block in stage_blocks(source.config, span, list(layout))}
     store = load_resident(Checkpoint(source.directory), layout, device=device, dtype=dtype, progress=progress)
@@ -261,8 +290,6 @@ def open_store(source: WeightSource, placement, device, dtype, *, span=None, rea
 
 def artifact_quant(artifact_dir: Path) -> str:
     """The quant mode a compiled artifact's weights are stored in (its manifest's)."""
-    from tierlm.cache.artifact import Artifact
-
     return str(Artifact.open(Path(artifact_dir)).manifest.get("quant", "unknown"))
 
 
@@ -272,15 +299,11 @@ def dtype_name(dtype) -> str:
 
 
 def is_artifact(model_dir: Path) -> bool:
-    from tierlm.cache.artifact import MANIFEST_NAME
-
     return (Path(model_dir) / MANIFEST_NAME).is_file()
 
 
 def _check_fits(config, sizes, budget: Budget) -> None:
     """Refuse as the planner would, before anything is probed."""
-    from tierlm.offload.planner import check_fits
-
     check_fits(config, sizes, budget.profile, accelerator=budget.device.type != "cpu",
                baseline_bytes=budget.baseline.charged, limits=budget.limits, fallbacks=budget.fallbacks,
                **_stage_layers(budget))  # fmt: skip
@@ -289,16 +312,10 @@ def _check_fits(config, sizes, budget: Budget) -> None:
 def shipped_fallbacks() -> list:
     """The shipped profiles (Profile objects), which a refusal may suggest instead: read here, so
     that the planner reads no files (`tierlm plan` passes the same)."""
-    from tierlm.profile import load_profile, shipped_profiles
-
     return [load_profile(name) for name in shipped_profiles()]
 
 
 def _plan(config, sizes, budget: Budget):
-    from tierlm.offload.planner import plan
-    from tierlm.offload.sizes import expected_routing
-    from tierlm.probe.machine import load_bandwidths
-
     _check_fits(config, sizes, budget)  # a missing probe runs in a child
     return plan(
         config,
@@ -322,15 +339,10 @@ def _stage_layers(budget: Budget) -> dict:
 
 
 def _artifact_store(source: WeightSource, placement, device, dtype, span, read_delay_s: float, progress):
-    from tierlm.store.resident import load_resident_artifact
-
     artifact_dir = source.directory
     if placement is None or placement.fully_resident:
         only = None if span.world == 1 else lambda name: span.owns(name, source.config.tie_word_embeddings)
         return load_resident_artifact(artifact_dir, device=device, dtype=dtype, progress=progress, only=only)
-    from tierlm.cache.artifact import Artifact
-    from tierlm.store.tiered import TieredStore
-
     policy, speculate = expert_options()
     return TieredStore(Artifact.open(artifact_dir), placement, device=device, dtype=dtype, read_delay_s=read_delay_s,
                        expert_policy=policy, speculate=speculate)  # fmt: skip
@@ -339,10 +351,6 @@ def _artifact_store(source: WeightSource, placement, device, dtype, span, read_d
 def expert_options() -> tuple[str, bool]:
     """The expert cache's policy (TIERLM_EXPERT_CACHE=lfu|lru|stream, default lfu) and whether the
     model's guesses start reads (TIERLM_SPECULATE=0 turns them off): benchmarks compare them."""
-    import os
-
-    from tierlm.store.expert_cache import POLICIES
-
     policy = os.environ.get("TIERLM_EXPERT_CACHE", "").strip().lower() or "lfu"
     if policy not in POLICIES:
         raise TierlmError(f"TIERLM_EXPERT_CACHE={policy!r} is not an expert cache policy",

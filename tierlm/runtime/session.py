@@ -3,14 +3,42 @@
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import dataclass, field, replace
 from functools import cached_property
 from pathlib import Path
+from typing import Callable
 
+import torch
+
+from tierlm.cache import catalog
+from tierlm.cache.artifact import Artifact
+from tierlm.cache.convert import ConversionRequest, ensure_artifact
 from tierlm.config import GenerationDefaults
+from tierlm.device import resolve_device
+from tierlm.device.cpu import apply_threads
+from tierlm.device.memory import process_limits
 from tierlm.errors import TierlmError
+from tierlm.lora.adapter import LoraAdapter
+from tierlm.lora.merge import LoraMerger
+from tierlm.lora.spec import parse_lora_spec
+from tierlm.offload.placement import DEVICE, HOST
+from tierlm.offload.planner import VariantCharge, plan
+from tierlm.offload.sizes import expected_routing
+from tierlm.probe.machine import load_bandwidths
 from tierlm.profile import Profile
 from tierlm.progress import ProgressFactory
+from tierlm.quant.modes import AS_STORED, concrete_mode
+from tierlm.runtime.engine import Engine
+from tierlm.runtime.loader import LoadedModel, is_artifact, load_source, requested_quant, resolve_source
+from tierlm.runtime.tokenizer import Tokenizer
+from tierlm.store.calibration import activation_stats
+from tierlm.store.variants import VariantStore, overlay_for
+from tierlm.weights.checkpoint import Checkpoint
+
+# How a session loads its resolved source: runtime/loader.py `load_source` in this process, or a
+# pipeline of stages (distributed/pipeline.py `pipeline_load`), with load_source's keywords.
+Load = Callable[..., LoadedModel]
 
 
 @dataclass
@@ -25,8 +53,8 @@ class Session:
     Use it as a context manager (`with open_session(...) as session:`), or call `close()`.
     """
 
-    loaded: object  # runtime.loader.LoadedModel
-    tokenizer: object
+    loaded: LoadedModel
+    tokenizer: Tokenizer
     profile: Profile
     model_dir: Path
     load_s: float
@@ -35,24 +63,24 @@ class Session:
     base_adapters: tuple[tuple[Path, float], ...] = ()
     # The variants added so far: name -> (its own adapters, its overlay in the variant store).
     variants: dict = field(default_factory=dict)
-    # The stages in other processes (distributed/pipeline.py's PipelineModel, also loaded.model); None: one process.
-    pipeline: object = None
     # Held while the set of variants and the plan change: the server adds on one thread, removes on another.
     _variants_lock: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False, compare=False)
     closed: bool = field(default=False, init=False)
 
     @cached_property
-    def engine(self):
-        from tierlm.runtime.engine import Engine
-
+    def engine(self) -> Engine:
         return Engine(self.loaded, self.tokenizer)
+
+    @property
+    def pipeline(self):
+        """The stages in other processes (distributed/pipeline.py's PipelineModel, also
+        loaded.model); None: one process."""
+        return self.loaded.pipeline
 
     def variant_store(self):
         """The weight store as a VariantStore (store/variants.py), wrapping the base store on
         first use. Call it before the model runs on another thread: the server does, before its
         worker starts, so variants can be added while it serves."""
-        from tierlm.store.variants import VariantStore
-
         store = self.loaded.store
         if not isinstance(store, VariantStore):
             store = VariantStore(store, device=self.loaded.device)
@@ -62,10 +90,6 @@ class Session:
     def check_variant(self, adapters) -> None:
         """Check a variant's `adapters` [(path, weight)] against the base checkpoint; a TierlmError
         names the first misfit. Reads the adapters and the checkpoint's headers; writes nothing (the server's 400)."""
-        from tierlm.lora.adapter import LoraAdapter
-        from tierlm.lora.merge import LoraMerger
-        from tierlm.weights.checkpoint import Checkpoint
-
         merger = LoraMerger([(LoraAdapter.load(Path(path)), weight) for path, weight in adapters])
         merger.validate(Checkpoint(self._checkpoint_dir()), tied=self.loaded.config.tie_word_embeddings)
 
@@ -74,8 +98,6 @@ class Session:
         merged or unmerged as store/variants.py's cost model chooses), place it where the
         planner says (held, or read from disk per use) and add it to the variant store; returns
         its Overlay (mode, why, nbytes, tier). Slow: it may convert."""
-        from tierlm.store.variants import overlay_for
-
         store = self.variant_store()
         base = self._base_artifact(progress)
         # Not held yet: a merged variant is only sized, so a variant placed on disk never is in memory.
@@ -122,12 +144,8 @@ class Session:
         return replanned
 
     def _checkpoint_dir(self) -> Path:
-        from tierlm.runtime.loader import is_artifact
-
         if not is_artifact(self.model_dir):
             return self.model_dir
-        from tierlm.cache.artifact import Artifact
-
         artifact = Artifact.open(self.model_dir)
         try:
             return Path(artifact.manifest["source"])
@@ -157,8 +175,6 @@ class Session:
         if self.closed:
             return
         self.closed = True
-        if self.pipeline is not None:
-            self.pipeline.close()  # the workers release their stages (and exit, when this session started them)
         self.loaded.close()
 
     def __enter__(self) -> "Session":
@@ -171,8 +187,6 @@ class Session:
 def resolve_model_dir(model: str | None, progress: ProgressFactory | None = None) -> Path:
     """A model directory from `--model`: None -> the embedded default, a name from `tierlm list`,
     a directory, or a .gguf (imported once). Records the use for `tierlm list`'s LAST USED."""
-    from tierlm.cache import catalog
-
     model_dir = catalog.resolve_model(model, progress)
     catalog.mark_used(model_dir)
     return model_dir
@@ -189,8 +203,7 @@ def open_session(
     variants=None,
     threads: int | None = None,
     progress: ProgressFactory | None = None,
-    stage_profiles: tuple[Profile, ...] = (),
-    stage_timeout: float | None = None,
+    load: Load = load_source,
 ) -> Session:
     """Load the model within the profile's context and return a session over it.
 
@@ -199,55 +212,23 @@ def open_session(
     beside it (`serve --lora NAME=PATH`);
     `threads` (else the profile's; 0 or None: the CPUs this process may use) is set in torch
     before the INT8 kernels are calibrated for it.
-    `stage_profiles` (one per pipeline stage, rank order; empty: one process) runs the model as a
-    pipeline: this process is rank 0 under `profile`, the others run under theirs
-    (distributed/pipeline.py; spawned here, or torchrun's ranks); `stage_timeout` (else
-    TIERLM_STAGE_TIMEOUT, else 5 s) is how long a stage may go silent before it counts as failed.
+    `load` loads the resolved source: in this process, or as a pipeline of stages with this
+    process as rank 0 under `profile` (distributed/pipeline.py `pipeline_load`).
     """
-    import time
-
-    import torch
-
-    from tierlm.device.cpu import apply_threads
-    from tierlm.offload.sizes import resolve_auto
-    from tierlm.runtime.loader import load_model
-    from tierlm.runtime.tokenizer import Tokenizer
-
-    from tierlm.lora.spec import parse_lora_spec
-
     adapters = tuple(parse_lora_spec(spec) for spec in loras)
     model_dir = resolve_model_dir(model, progress)
     profile = replace(profile, threads=apply_threads(threads or profile.threads))
     started = time.perf_counter()
     tokenizer = Tokenizer.from_dir(model_dir)
-    torch_dtype = _parse_dtype(dtype)
-    if stage_profiles:
-        from tierlm.distributed.pipeline import open_pipeline
-
-        if variants:
-            raise TierlmError("LoRA variants are not served over pipeline stages",
-                              "merge the adapter into the base with --lora DIR, or drop --stages")  # fmt: skip
-        loaded = open_pipeline(model_dir, [profile, *stage_profiles[1:]], stage_timeout=stage_timeout,
-                               device=device, dtype=torch_dtype, quant=quant,
-                               adapters=adapters, threads=threads,
-                               progress=progress("loading weights") if progress else None)  # fmt: skip
-    else:
-        loaded = load_model(
-            model_dir,
-            device=device,
-            dtype=torch_dtype,
-            quant=quant,
-            profile=profile,
-            adapters=adapters,
-            progress=progress("loading weights") if progress else None,
-            convert_progress=progress("converting (merge + quantize)") if progress else None,
-        )
-    requested = quant or profile.quant
-    resolved = resolve_auto(requested, model_dir, accelerator=loaded.device.type != "cpu")
-    profile = replace(profile, quant=requested, quant_resolved=resolved)
+    target = resolve_device(device)
+    source = resolve_source(model_dir, requested_quant(quant, profile), adapters, accelerator=target.type != "cpu")
+    loaded = load(source, device=target, dtype=_parse_dtype(dtype), profile=profile,
+                  progress=progress("loading weights") if progress else None,
+                  convert_progress=progress("converting (merge + quantize)") if progress else None)  # fmt: skip
+    # The profile says the quant mode asked for and what it resolved to.
+    profile = replace(profile, quant=quant or profile.quant, quant_resolved=source.resolved)
     defaults = GenerationDefaults.from_dir(model_dir)
     session = Session(loaded, tokenizer, profile, model_dir, time.perf_counter() - started, defaults, adapters)
-    session.pipeline = loaded.model if stage_profiles else None
     try:
         for name, variant in (variants or {}).items():
             session.add_variant(name, variant, progress)
@@ -263,10 +244,6 @@ def variant_base_artifact(model_dir: Path, artifact_dir, base_adapters, device, 
     else, for weights loaded as stored, one in their own format (converted once, cached)."""
     if artifact_dir is not None:
         return Path(artifact_dir)
-    from tierlm.cache.convert import ConversionRequest, ensure_artifact
-    from tierlm.store.calibration import activation_stats
-    from tierlm.quant.modes import AS_STORED, concrete_mode
-
     mode = concrete_mode(AS_STORED, accelerator=device.type != "cpu", converted=True)
     return Path(ensure_artifact(ConversionRequest(model_dir, tuple(base_adapters), mode), progress, activation_stats))
 
@@ -275,12 +252,6 @@ def plan_with_variants(config, sizes, device, profile, placement, overlays):
     """The placement of a load (`placement`, made from `sizes` under `profile` for `device`)
     re-made with `overlays` {name: Overlay} placed beside the base, as `serve` charges them and
     `tierlm plan --lora NAME=PATH` shows them. The baseline is the one the load charged."""
-    from tierlm.device.memory import process_limits
-    from tierlm.offload.placement import DEVICE, HOST
-    from tierlm.offload.planner import plan
-    from tierlm.offload.sizes import expected_routing
-    from tierlm.probe.machine import load_bandwidths
-
     baseline = (placement.charges.get(HOST) or placement.charges[DEVICE])["baseline"]
     return plan(config, sizes, profile, load_bandwidths(device), accelerator=device.type != "cpu",
                 baseline_bytes=baseline, limits=process_limits(device), routing=expected_routing(config, sizes),
@@ -290,8 +261,6 @@ def plan_with_variants(config, sizes, device, profile, placement, overlays):
 def variant_charges(overlays, uses=None) -> list:
     """The planner's VariantCharges for `overlays` {name: Overlay}, in their order; `uses`
     {name: requests} makes the more used ones hotter (none kept yet: the order given)."""
-    from tierlm.offload.planner import VariantCharge
-
     uses = uses or {}
     return [VariantCharge(name, o.mode, o.nbytes, o.largest, uses.get(name, 0)) for name, o in overlays.items()]
 
@@ -309,8 +278,6 @@ def _tiers(placement) -> dict[str, str]:
 
 
 def _parse_dtype(name: str | None):
-    import torch
-
     choices = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
     if name in (None, "auto"):
         return None
