@@ -28,7 +28,15 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import psutil
+
 from tierlm.errors import TierlmError
+from tierlm.paths import cache_root
+
+try:
+    import fcntl
+except ImportError:  # Windows: no advisory locks; builds are merely not serialised
+    fcntl = None
 
 # errno values of a disk refusing a write: full, or read-only / not ours.
 _FULL = frozenset(filter(None, (errno.ENOSPC, getattr(errno, "EDQUOT", None))))
@@ -45,9 +53,7 @@ def directory_lock(target: Path) -> Iterator[None]:
     Serialises builders of one directory across processes; the kernel drops the lock if the
     holder dies. Not re-entrant: taking it twice in one process deadlocks.
     """
-    try:
-        import fcntl
-    except ImportError:  # Windows: no advisory locks, builds are merely not serialised
+    if fcntl is None:
         yield
         return
     handle = _open_lock(target.parent / f".{target.name}.lock")
@@ -120,8 +126,6 @@ def refused_errno(err: BaseException) -> int | None:
 def refused_write_error(err: BaseException, where: Path) -> TierlmError | None:
     """One line for a refused write under `where` (None if `err` is something else): a full disk,
     or a read-only/foreign directory, naming the cache and $TIERLM_CACHE when it is the cache."""
-    from tierlm.paths import cache_root
-
     code = refused_errno(err)
     filename = getattr(err, "filename", None)
     if code is None or (code in (errno.EACCES, errno.EPERM) and filename and not _inside(Path(filename), where)):
@@ -211,8 +215,7 @@ def _remove_stale_temporaries(target: Path) -> None:
 
 
 def _process_alive(pid: int) -> bool:
-    import psutil  # pid_exists is safe on Windows, where os.kill(pid, 0) would signal the process
-
+    # psutil's pid_exists is safe on Windows, where os.kill(pid, 0) would signal the process.
     return pid == os.getpid() or psutil.pid_exists(pid)
 
 
@@ -232,9 +235,7 @@ def _open_lock(lock_path: Path):
 
 def _lock_held(lock_path: Path) -> bool:
     """Whether a process holds `lock_path` now (probed without creating or writing it)."""
-    try:
-        import fcntl
-    except ImportError:  # Windows: no advisory locks; the process check alone decides
+    if fcntl is None:  # Windows: the process check alone decides
         return False
     try:
         handle = lock_path.open("r")

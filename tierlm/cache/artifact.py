@@ -18,82 +18,50 @@ against the checksums of the file it lives in.
 
 Bytes from disk are untrusted: `Artifact.open` validates the whole manifest (types, ranges,
 overlaps, encodings, and the model's block layout when config.json is beside it) before anything
-is allocated, and every block's bytes are checked against their checksums on their first read.
-This module is the only reader of `weights.bin`; stores go through `Artifact`'s public methods.
+is allocated (tierlm/cache/manifest.py: the records and their checks), and every block's bytes
+are checked against their checksums on their first read. This module is the only reader of `weights.bin`; stores go through `Artifact`'s public methods.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import math
 import os
 import threading
 import zlib
 from collections.abc import Iterator
-from dataclasses import dataclass, field, replace
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Mapping
 
+import torch
+
+from tierlm.cache.encodings import check_record
+# split_alias is re-exported: the artifact's readers parse alias targets with it.
+from tierlm.cache.manifest import (  # noqa: F401
+    ARTIFACTS_DIR,
+    BLOCK_ALIGN,
+    CHECK_CHUNK,
+    CHECKSUM,
+    FORMAT_VERSION,
+    MANIFEST_NAME,
+    MAX_MANIFEST_BYTES,
+    PART_ALIGN,
+    WEIGHTS_NAME,
+    BlockRecord,
+    Malformed,
+    PartRecord,
+    TensorRecord,
+    block_to_json,
+    check_variant,
+    parse_manifest,
+    split_alias,
+)
+from tierlm.config import ModelConfig
 from tierlm.errors import TierlmError
-
-FORMAT_VERSION = 2  # 2: a CRC32 per chunk of every block
-BLOCK_ALIGN = 4096  # page size: streamed reads start on a page, O_DIRECT-friendly
-PART_ALIGN = 64  # cache line: every part is a valid view for any element size
-CHECK_CHUNK = 1 << 20  # checksum granularity: an embedding row is verified by reading 1 MiB, not the block
-CHECKSUM = "crc32"  # zlib's: ~1 GB/s on one core and it releases the GIL, so verifying overlaps reading
-MANIFEST_NAME = "manifest.json"
-WEIGHTS_NAME = "weights.bin"
-ARTIFACTS_DIR = "artifacts"  # under the cache root
-MAX_MANIFEST_BYTES = 64 << 20  # a 70B model's manifest is well under 1 MiB
-# Part dtypes a manifest may name, with their sizes (no torch import needed to validate).
-PART_DTYPES = {"float32": 4, "float16": 2, "bfloat16": 2, "int8": 1, "uint8": 1}
-
-
-@dataclass(frozen=True)
-class PartRecord:
-    """One raw tensor inside a block: offset is relative to the block's start."""
-
-    offset: int
-    nbytes: int
-    dtype: str  # torch dtype name, e.g. "int8", "float32"
-    shape: tuple[int, ...]
-
-
-@dataclass(frozen=True)
-class TensorRecord:
-    """A block tensor as stored: its encoding (`plain`, `int8`, ...), parts and encoding metadata."""
-
-    encoding: str
-    parts: Mapping[str, PartRecord]
-    meta: Mapping[str, Any] = field(default_factory=dict)
-
-
-@dataclass(frozen=True)
-class BlockRecord:
-    offset: int
-    nbytes: int
-    tensors: Mapping[str, TensorRecord]
-    aliases: Mapping[str, str] = field(default_factory=dict)  # name -> "block/tensor" (split_alias)
-    crc32: tuple[int, ...] = ()  # one per CHECK_CHUNK bytes of the block, the last one shorter
-    digest: str | None = None  # sha256 of the block's bytes; None in manifests written before it
-
-    def alias_targets(self) -> dict[str, tuple[str, str]]:
-        """{alias: (block, tensor)}: each name this block takes from an earlier block's tensor."""
-        return {alias: split_alias(target) for alias, target in self.aliases.items()}
-
-    @property
-    def borrowed_from(self) -> str | None:
-        """The block whose bytes this one reads when it holds only aliases (a tied head), else None."""
-        if self.aliases and not self.tensors:
-            return split_alias(next(iter(self.aliases.values())))[0]
-        return None
-
-
-def split_alias(target: str) -> tuple[str, str]:
-    """An alias target as the manifest records it, "block/tensor" -> (block, tensor); the one parser."""
-    block, _, tensor = target.partition("/")
-    return block, tensor
+from tierlm.models import family_class
+from tierlm.paths import cache_root
 
 
 class ArtifactWriter:
@@ -125,7 +93,7 @@ class ArtifactWriter:
             self._pad_to(PART_ALIGN)
             data = tensor.detach().contiguous().cpu()
             offset = self._file.tell() - self._start
-            self._write(memoryview(data.reshape(-1).view(_uint8()).numpy()))
+            self._write(memoryview(data.reshape(-1).view(torch.uint8).numpy()))
             records[part_name] = PartRecord(
                 offset, data.nbytes, str(data.dtype).removeprefix("torch."), tuple(data.shape)
             )
@@ -159,7 +127,7 @@ class ArtifactWriter:
             **header,
             "weights_bytes": size,
             "checksum": {"algorithm": CHECKSUM, "chunk_bytes": CHECK_CHUNK},
-            "blocks": {name: _block_to_json(block) for name, block in self._blocks.items()},
+            "blocks": {name: block_to_json(block) for name, block in self._blocks.items()},
         }
         (self.directory / MANIFEST_NAME).write_text(json.dumps(manifest, indent=1) + "\n")
 
@@ -193,8 +161,8 @@ class Artifact:
         self.directory = Path(directory)
         self.manifest = manifest
         try:
-            self.blocks = _parse_manifest(manifest, variant="base" in manifest)
-        except _Malformed as err:
+            self.blocks = parse_manifest(manifest, variant="base" in manifest)
+        except Malformed as err:
             raise _corrupt(self.directory, f"manifest: {err}") from None
         self._verified: set[str] = set()
         self._verified_chunks: set[tuple[str, int]] = set()
@@ -282,8 +250,6 @@ class Artifact:
         Worker threads read and check blocks ahead of the caller (reads and zlib's CRC both
         release the GIL), so checking overlaps reading and the caller's decoding.
         """
-        from concurrent.futures import ThreadPoolExecutor
-
         with ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1)) as pool:
             futures = [(name, pool.submit(self.read_bytes, name)) for name in names]
             try:
@@ -299,8 +265,6 @@ class Artifact:
         `host`: the block's (already verified) bytes in memory; otherwise each row is read from
         disk after the chunks holding it are verified.
         """
-        import torch
-
         record = self.blocks[block].tensors[tensor]
         out = {}
         for part_name, part in record.parts.items():
@@ -328,8 +292,6 @@ class Artifact:
 
         One reusable buffer of the largest block; `progress(done, total)` after each block.
         """
-        import torch
-
         largest = max((b.nbytes for b in self.blocks.values()), default=0)
         buffer = torch.empty(largest, dtype=torch.uint8)
         for done, name in enumerate(self.blocks, start=1):
@@ -346,8 +308,6 @@ class Artifact:
     # -- internals ----------------------------------------------------------------------------
 
     def _read_raw(self, name: str, into=None):
-        import torch
-
         block = self.blocks[name]
         buffer = into if into is not None else torch.empty(block.nbytes, dtype=torch.uint8)
         self._pread(buffer[: block.nbytes], block.offset, name)
@@ -379,8 +339,6 @@ class Artifact:
 
     def _verify_range(self, name: str, start: int, length: int) -> None:
         """Verify the chunks of block `name` that bytes [start, start + length) touch, once each."""
-        import torch
-
         if name in self._verified or length == 0:
             return
         block = self.blocks[name]
@@ -404,10 +362,6 @@ class Artifact:
 
     def _check_layout(self) -> None:
         """The blocks and tensors config.json's family expects, in its shapes, and nothing else."""
-        from tierlm.cache import codec
-        from tierlm.config import ModelConfig
-        from tierlm.models import family_class
-
         config = ModelConfig.from_dir(self.directory)
         family = family_class(config)
         layout, shapes = family.checkpoint_layout(config), family.canonical_shapes(config)
@@ -422,7 +376,7 @@ class Artifact:
                 missing = sorted(set(entries) - held) or sorted(held - set(entries))
                 raise _corrupt(self.directory, f"block {name!r} does not hold exactly {sorted(entries)} ({missing[0]!r})")
             for tensor, record in block.tensors.items():
-                problem = codec.check_record(record, shapes.get(tensor))
+                problem = check_record(record, shapes.get(tensor))
                 if problem:
                     raise _corrupt(self.directory, f"{name}/{tensor}: {problem}")
 
@@ -449,8 +403,8 @@ class VariantArtifact(Artifact):
         self._closes_base = base is None
         self.base = self._open_base(base)
         try:
-            self._check_against_base()
-        except _Malformed as err:
+            check_variant(manifest, self.stored, self.base.blocks)
+        except Malformed as err:
             self.close()
             raise _corrupt(self.directory, f"manifest: {err}") from None
         # The base's records: a changed block composes to the same layout, though not its digest.
@@ -541,38 +495,6 @@ class VariantArtifact(Artifact):
             )
         return base
 
-    def _check_against_base(self) -> None:
-        """Every stored tensor fits its place in the base's block exactly; "shared" names the rest."""
-        base_blocks = self.base.blocks
-        for name, stored in self.stored.items():
-            block = base_blocks.get(name)
-            if block is None:
-                raise _Malformed(f"block {name!r} is not a block of the base")
-            for tensor, record in stored.tensors.items():
-                place = block.tensors.get(tensor)
-                if place is None or place.encoding != record.encoding or dict(place.meta) != dict(record.meta):
-                    raise _Malformed(f"{name}/{tensor} is not stored as the base stores it")
-                if _part_shapes(place) != _part_shapes(record):
-                    raise _Malformed(f"{name}/{tensor} has other parts than the base's")
-            for alias, target in stored.aliases.items():
-                if block.aliases.get(alias) != target:
-                    raise _Malformed(f"block {name!r}: alias {alias!r} is not the base's")
-        shared = _mapping(self.manifest.get("shared"), "shared")
-        expected = [name for name in base_blocks if name not in self.stored]
-        if sorted(shared) != sorted(expected):
-            odd = sorted(set(shared) ^ set(expected))
-            raise _Malformed(f"block {odd[0]!r} is not exactly one of stored or shared")
-        for name, digest in shared.items():
-            recorded = base_blocks[name].digest
-            if digest is not None and not _is_digest(digest):
-                raise _Malformed(f"shared block {name!r} has digest {digest!r}, not a sha256 in hex")
-            if digest and recorded and digest != recorded:
-                raise _Malformed(f"shared block {name!r} has other bytes in the base than the variant was built over")
-
-
-def _part_shapes(record: TensorRecord) -> dict[str, tuple[str, tuple[int, ...]]]:
-    return {name: (part.dtype, part.shape) for name, part in record.parts.items()}
-
 
 class _ChunkSums:
     """CRC32 of each CHECK_CHUNK bytes of a block, fed the block's bytes in order."""
@@ -600,155 +522,12 @@ class _ChunkSums:
         return self.values
 
 
-class _Malformed(ValueError):
-    """A manifest field that is not what the format says; becomes one TierlmError line."""
-
-
-def _parse_manifest(manifest: Mapping[str, Any], variant: bool = False) -> dict[str, BlockRecord]:
-    """Every block record, checked against the manifest's own facts before any byte is read
-    (a variant's own blocks: it may have none, when its adapters change nothing)."""
-    size = _count(manifest.get("weights_bytes"), "weights_bytes")
-    checksum = manifest.get("checksum")
-    if checksum != {"algorithm": CHECKSUM, "chunk_bytes": CHECK_CHUNK}:
-        raise _Malformed(f"checksum {checksum!r}, expected {CHECKSUM} over {CHECK_CHUNK}-byte chunks")
-    raw_blocks = _mapping(manifest.get("blocks"), "blocks")
-    blocks = {str(name): _block(str(name), raw, size) for name, raw in raw_blocks.items()}
-    if not blocks and not variant:
-        raise _Malformed("no blocks")
-    _no_overlap([(b.offset, b.nbytes, f"block {n!r}") for n, b in blocks.items()])
-    earlier: dict[str, BlockRecord] = {}
-    for name, block in blocks.items():
-        for alias, target in block.aliases.items():
-            source, tensor = split_alias(target)
-            if alias in block.tensors or tensor not in getattr(earlier.get(source), "tensors", {}):
-                raise _Malformed(f"block {name!r}: alias {alias!r} -> {target!r} does not name an earlier block's tensor")
-        earlier[name] = block
-    return blocks
-
-
-def _block(name: str, raw: Any, weights_bytes: int) -> BlockRecord:
-    from tierlm.cache import codec
-
-    raw = _mapping(raw, f"block {name!r}")
-    offset = _count(raw.get("offset"), f"block {name!r} offset")
-    nbytes = _count(raw.get("nbytes"), f"block {name!r} nbytes")
-    if offset + nbytes > weights_bytes:
-        raise _Malformed(
-            f"block {name!r} spans bytes {offset}..{offset + nbytes}, past the end of weights.bin ({weights_bytes})"
-        )
-    sums = raw.get("crc32")
-    if not isinstance(sums, list) or len(sums) != -(-nbytes // CHECK_CHUNK):
-        raise _Malformed(f"block {name!r} has no checksum per {CHECK_CHUNK}-byte chunk")
-    if not all(_is_count(v) and v < 1 << 32 for v in sums):
-        raise _Malformed(f"block {name!r} has checksums that are not 32-bit values")
-    digest = raw.get("digest")
-    if digest is not None and not _is_digest(digest):
-        raise _Malformed(f"block {name!r} has digest {digest!r}, not a sha256 in hex")
-    tensors = {}
-    for tensor, t in _mapping(raw.get("tensors"), f"block {name!r} tensors").items():
-        record = _tensor(f"{name}/{tensor}", t, nbytes)
-        problem = codec.check_record(record)
-        if problem:
-            raise _Malformed(f"{name}/{tensor}: {problem}")
-        tensors[str(tensor)] = record
-    aliases = _mapping(raw.get("aliases", {}), f"block {name!r} aliases")
-    if not all(isinstance(v, str) for v in aliases.values()):
-        raise _Malformed(f"block {name!r} has aliases that are not 'block/tensor' strings")
-    return BlockRecord(offset, nbytes, tensors, {str(k): v for k, v in aliases.items()}, tuple(sums), digest)
-
-
-def _tensor(what: str, raw: Any, block_bytes: int) -> TensorRecord:
-    raw = _mapping(raw, what)
-    encoding, meta = raw.get("encoding"), raw.get("meta", {})
-    if not isinstance(encoding, str):
-        raise _Malformed(f"{what} has encoding {encoding!r}")
-    parts = {str(p): _part(f"{what}.{p}", r, block_bytes) for p, r in _mapping(raw.get("parts"), f"{what} parts").items()}
-    _no_overlap([(p.offset, p.nbytes, f"part {what}.{n}") for n, p in parts.items()])
-    return TensorRecord(encoding, parts, _mapping(meta, f"{what} meta"))
-
-
-def _part(what: str, raw: Any, block_bytes: int) -> PartRecord:
-    raw = _mapping(raw, what)
-    offset, nbytes = _count(raw.get("offset"), f"{what} offset"), _count(raw.get("nbytes"), f"{what} nbytes")
-    dtype, shape = raw.get("dtype"), raw.get("shape")
-    if dtype not in PART_DTYPES:
-        raise _Malformed(f"{what} has unknown dtype {dtype!r}")
-    if not isinstance(shape, list) or not all(_is_count(d) for d in shape):
-        raise _Malformed(f"{what} has shape {shape!r}, not a list of non-negative integers")
-    if nbytes != math.prod(shape) * PART_DTYPES[dtype]:
-        raise _Malformed(f"{what} is {nbytes} bytes, but {dtype}{shape} needs {math.prod(shape) * PART_DTYPES[dtype]}")
-    if offset % PART_ALIGN or offset + nbytes > block_bytes:
-        raise _Malformed(
-            f"{what} at bytes {offset}..{offset + nbytes} is misaligned or outside its {block_bytes}-byte block"
-        )
-    return PartRecord(offset, nbytes, dtype, tuple(shape))
-
-
-def _no_overlap(spans: list[tuple[int, int, str]]) -> None:
-    """(offset, nbytes, label) ranges must not share a byte (empty ones share nothing)."""
-    ordered = sorted(s for s in spans if s[1])
-    for (start, size, first), (next_start, _, second) in zip(ordered, ordered[1:]):
-        if next_start < start + size:
-            raise _Malformed(f"{first} and {second} overlap")
-
-
-def _mapping(value: Any, what: str) -> Mapping[str, Any]:
-    if not isinstance(value, dict):
-        raise _Malformed(f"{what} is a {type(value).__name__}, not an object")
-    return value
-
-
-def _count(value: Any, what: str) -> int:
-    if not _is_count(value):
-        raise _Malformed(f"{what} is {value!r}, not a non-negative integer")
-    return value
-
-
-def _is_digest(value: Any) -> bool:
-    return isinstance(value, str) and len(value) == 64 and all(c in "0123456789abcdef" for c in value)
-
-
-def _is_count(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
-
-
 def _part_view(buffer, part: PartRecord):
-    import torch
-
     raw = buffer[part.offset : part.offset + part.nbytes]
     return raw.view(getattr(torch, part.dtype)).reshape(part.shape)
 
 
-def _uint8():
-    import torch
-
-    return torch.uint8
-
-
-def _block_to_json(block: BlockRecord) -> dict:
-    return {
-        "offset": block.offset,
-        "nbytes": block.nbytes,
-        "crc32": list(block.crc32),
-        **({"digest": block.digest} if block.digest else {}),
-        "tensors": {
-            name: {
-                "encoding": t.encoding,
-                "meta": dict(t.meta),
-                "parts": {
-                    p: {"offset": r.offset, "nbytes": r.nbytes, "dtype": r.dtype, "shape": list(r.shape)}
-                    for p, r in t.parts.items()
-                },
-            }
-            for name, t in block.tensors.items()
-        },
-        "aliases": dict(block.aliases),
-    }
-
-
 def _fix_hint(directory: Path) -> str:
-    from tierlm.paths import cache_root
-
     cached = directory.resolve().parent == (cache_root() / ARTIFACTS_DIR).resolve()
     if cached:
         return f"remove it with `tierlm cache rm {directory.name}`; it is rebuilt on next use"

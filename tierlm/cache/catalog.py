@@ -33,13 +33,14 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from tierlm.cache.artifact import FORMAT_VERSION, MANIFEST_NAME
+from tierlm.cache.manifest import FORMAT_VERSION, MANIFEST_NAME
 from tierlm.cache.entries import cache_entries, usage_stamp
 from tierlm.errors import TierlmError
 from tierlm.paths import cache_root
 from tierlm.progress import ProgressFactory
 from tierlm.weights import embedded
-from tierlm.weights.gguf_import import IMPORT_FORMAT_VERSION, read_import_record
+from tierlm.weights.import_record import IMPORT_FORMAT_VERSION, read_import_record
+from tierlm.weights.safetensors_index import checkpoint_entries
 
 # Older import directories end in `-<12 hex digits of the content key>`; names drop it.
 _KEY_SUFFIX = re.compile(r"-[0-9a-f]{12}$")
@@ -373,10 +374,8 @@ def list_models(entries: list[Entry] | None = None) -> list[ModelRow]:
 
 def parameter_count(model_dir: Path) -> int | None:
     """Parameters of the checkpoint in `model_dir`, from its safetensors headers (no weights read)."""
-    from tierlm.weights.checkpoint import Checkpoint
-
     try:
-        return sum(math.prod(e.shape) for e in Checkpoint(Path(model_dir)).entries.values())
+        return sum(math.prod(e.shape) for e in checkpoint_entries(Path(model_dir)).values())
     except (TierlmError, OSError):
         return None
 

@@ -20,15 +20,23 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
+import torch
+
 from tierlm.atomic import atomic_directory, directory_lock, make_dirs
 from tierlm.cache import codec
-from tierlm.cache.artifact import ARTIFACTS_DIR, FORMAT_VERSION, MANIFEST_NAME, BLOCK_ALIGN, PART_ALIGN, Artifact, ArtifactWriter
+from tierlm.cache.artifact import ARTIFACTS_DIR, BLOCK_ALIGN, FORMAT_VERSION, MANIFEST_NAME, PART_ALIGN, Artifact, ArtifactWriter
+from tierlm.cache.encodings import part_bytes
 from tierlm.cache.fingerprint import checkpoint_digest
-from tierlm.cache.sensitivity import Calibrate
+from tierlm.cache.sensitivity import CALIBRATION_TOKENS, Calibrate, choose_modes
 from tierlm.config import ModelConfig
 from tierlm.errors import TierlmError
+from tierlm.lora.adapter import LoraAdapter
+from tierlm.lora.merge import LoraMerger
+from tierlm.models import family_class
 from tierlm.paths import cache_root
 from tierlm.progress import Progress
+from tierlm.quant.mixed import ALLOCATOR_VERSION, OPTIONS
+from tierlm.weights.checkpoint import Checkpoint, check_finite
 
 # Files besides the weights that make an artifact directory a complete model for the runtime.
 MODEL_FILES = (
@@ -65,9 +73,6 @@ def artifact_key(request: ConversionRequest, merger=None, calibrated: bool = Fal
         "quant": codec.parse_mode(request.quant).key,
     }
     if codec.parse_mode(request.quant).target_bytes is not None:  # mixed:SIZE: the choice's rules too
-        from tierlm.cache.sensitivity import CALIBRATION_TOKENS
-        from tierlm.quant.mixed import ALLOCATOR_VERSION, OPTIONS
-
         parts["mixed"] = [ALLOCATOR_VERSION, list(OPTIONS), CALIBRATION_TOKENS if calibrated else None]
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()
 
@@ -99,8 +104,6 @@ def convert(request: ConversionRequest, out_dir: Path, key: str, merger=None, pr
     header = _header(key, config, model_dir, mode, request.adapters)
     modes = None
     if mode.mixed and mode.target_bytes is not None:
-        from tierlm.cache.sensitivity import choose_modes
-
         choice = choose_modes(config, model_dir, layout, tensor_for, mode, aligned_bytes, BLOCK_ALIGN, calibrate)
         modes = {key: codec.parse_mode(name) for key, name in choice.modes.items()}
         header["mixed"] = {"target_bytes": mode.target_bytes, "sensitivity": choice.sensitivity,
@@ -117,11 +120,6 @@ def convert(request: ConversionRequest, out_dir: Path, key: str, merger=None, pr
 def _sources(model_dir: Path, config: ModelConfig, merger):
     """(the family's block layout, tensor_for(block, name, sources) -> merged fp32 tensor); the
     adapters are validated against the checkpoint first."""
-    from tierlm.models import family_class
-    from tierlm.weights.checkpoint import Checkpoint
-
-    import torch
-
     family = family_class(config)
     layout, shapes = family.checkpoint_layout(config), family.canonical_shapes(config)
     checkpoint = Checkpoint(model_dir)
@@ -248,7 +246,7 @@ def write_variant(out_dir: Path, base_dir: Path, layout, tensor_for, touched: se
 def aligned_bytes(shape, mode, name) -> int:
     """A tensor's stored bytes with each part rounded up to its alignment in a block: an upper
     bound on what it adds, so choices made with it fit their size target."""
-    return sum(-(-n // PART_ALIGN) * PART_ALIGN for n in codec.part_bytes(shape, mode, name))
+    return sum(-(-n // PART_ALIGN) * PART_ALIGN for n in part_bytes(shape, mode, name))
 
 
 def write_layout(writer: ArtifactWriter, layout, tensor_for, mode, progress: Progress | None = None,
@@ -279,8 +277,6 @@ def write_layout(writer: ArtifactWriter, layout, tensor_for, mode, progress: Pro
 def _encode_finite(block: str, name: str, tensor, mode):
     """codec.encode, refusing NaN/Inf before it (quantizing them is garbage) and after it (a
     finite fp32 value can overflow fp16)."""
-    from tierlm.weights.checkpoint import check_finite
-
     what = f"{block}.{name}"
     check_finite(tensor, f"weight {what}", "the source weights are damaged; nothing was cached")
     encoding, parts, meta = codec.encode(tensor, mode, name)
@@ -293,9 +289,6 @@ def _encode_finite(block: str, name: str, tensor, mode):
 def _merger(adapters: Sequence[tuple[Path, float]]):
     if not adapters:
         return None
-    from tierlm.lora.adapter import LoraAdapter
-    from tierlm.lora.merge import LoraMerger
-
     return LoraMerger([(LoraAdapter.load(Path(path)), weight) for path, weight in adapters])
 
 

@@ -18,6 +18,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
+try:
+    import fcntl
+except ImportError:  # Windows: no advisory locks, builds are merely not serialised
+    fcntl = None
+
 from tierlm.atomic import refused_write_error, remove_stale_temporaries, stale_temporaries
 from tierlm.errors import TierlmError
 from tierlm.paths import cache_root
@@ -119,10 +124,6 @@ def _lock_path(target: Path) -> Path:
 def _try_lock(lock: Path) -> Iterator[IO | None]:
     """Hold `lock` if no one else does (yields its handle), else yield None. On the way out the
     file is unlinked, while still held, if the directory it guards no longer exists."""
-    try:
-        import fcntl
-    except ImportError:  # Windows: no advisory locks, builds are merely not serialised
-        fcntl = None
     with open(lock, "a") as handle:
         if fcntl is not None:
             try:

@@ -22,7 +22,6 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from tierlm.cache import codec
 from tierlm.quant import mixed
@@ -112,18 +111,3 @@ class _Record:
 
     encoding: str
     meta: Mapping
-
-
-def estimated_modes(blocks: Mapping[str, Mapping[str, tuple[int, ...]]], mode: QuantMode,
-                    part_bytes: Callable, block_padding: int = 0) -> dict[str, str]:  # fmt: skip
-    """"block/tensor" -> mode for mixed:SIZE with no weights at hand (a plan from config.json, a
-    synthetic artifact): damage estimated per element (`quant.mixed.GAUSSIAN_ERROR`).
-    `blocks`: block -> {tensor: shape}; `part_bytes(shape, mode, name) -> int` as in `choose_modes`."""
-    weights, fixed = [], block_padding * len(blocks)
-    for block, tensors in blocks.items():
-        for name, shape in tensors.items():
-            if codec.keeps_float(name, shape):
-                fixed += part_bytes(shape, mode, name)
-            else:
-                weights.append(mixed.estimated_candidate(f"{block}/{name}", shape, lambda s, m: part_bytes(s, parse_quant_mode(m), None)))
-    return mixed.allocate(weights, mode.target_bytes - fixed)

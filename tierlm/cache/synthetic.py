@@ -40,12 +40,20 @@ import zlib
 from pathlib import Path
 from typing import Any, Mapping
 
+import numpy as np
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
 from tierlm.atomic import atomic_directory, directory_lock
 from tierlm.cache import codec
-from tierlm.cache.artifact import MANIFEST_NAME, ArtifactWriter
+from tierlm.cache.artifact import BLOCK_ALIGN, MANIFEST_NAME, ArtifactWriter
 from tierlm.cache.convert import aligned_bytes, write_layout
+from tierlm.cache.encodings import keeps_float
+from tierlm.cache.mixed_estimate import estimated_modes
 from tierlm.config import ModelConfig
+from tierlm.models import family_class
 from tierlm.progress import Progress
+from tierlm.quant.mixed import ALLOCATOR_VERSION
 
 WEIGHT_STD = 0.02
 EMBED_STD = 1.0  # MoE only: see the module docstring (residual scaling)
@@ -69,8 +77,6 @@ def write_synthetic_artifact(
     `router_skew`: Zipf exponent of the expert popularity built into an MoE model's routers
     (module docstring); None for a dense model or uniform-ish routing.
     """
-    import torch
-
     target = Path(target)
     target.parent.mkdir(parents=True, exist_ok=True)
     config = ModelConfig.from_dict(raw_config)
@@ -81,15 +87,11 @@ def write_synthetic_artifact(
     if moe is not None:
         fields.update(generator=MOE_GENERATOR, router_skew=router_skew)
     if codec.parse_mode(quant).mixed:  # the per-weight choice's rules
-        from tierlm.quant.mixed import ALLOCATOR_VERSION
-
         fields["mixed"] = ALLOCATOR_VERSION
     key = json.dumps(fields, sort_keys=True)
     with directory_lock(target):
         if (target / MANIFEST_NAME).is_file() and json.loads((target / MANIFEST_NAME).read_text()).get("key") == key:
             return target
-        from tierlm.models import family_class
-
         family = family_class(config)
         layout, shapes = family.checkpoint_layout(config), family.canonical_shapes(config)
         mode = codec.parse_mode(quant)
@@ -120,16 +122,11 @@ def _mixed_modes(config, shapes, layout, mode):
         return None
     if mode.target_bytes is None:
         raise ValueError("a synthetic artifact has no source grid: use mixed:SIZE or a concrete mode")
-    from tierlm.cache.artifact import BLOCK_ALIGN
-    from tierlm.cache.sensitivity import estimated_modes
-
     blocks = {block: {name: shapes[name] for name in entries} for block, entries in layout.items()}
     return {key: codec.parse_mode(name) for key, name in estimated_modes(blocks, mode, aligned_bytes, BLOCK_ALIGN).items()}
 
 
 def _normal(shape, name: str, std: float, generator):
-    import torch
-
     if "norm" in name:
         return 1.0 + 0.1 * torch.randn(shape, generator=generator)
     return std * torch.randn(shape, generator=generator)
@@ -153,7 +150,7 @@ def _write_moe(writer, layout, shapes, config, mode, seed: int, skew: float | No
                 encoded = codec.encode(rows if shared is None else rows.add_(shared), mode, name)
             elif name == "router":
                 encoded = codec.encode(_router(shape, generator, shared, skew, seed, block), mode, name)
-            elif not codec.keeps_float(name, shape):
+            elif not keeps_float(name, shape):
                 std = output_std if name in OUTPUT_PROJECTIONS else WEIGHT_STD
                 encoded = _uniform_int8(shape, std, mode, seed, block, name)
             else:
@@ -170,22 +167,16 @@ def _seed_of(seed: int, block: str, name: str) -> int:
 
 
 def _generator(seed: int, block: str, name: str):
-    import torch
-
     return torch.Generator().manual_seed(_seed_of(seed, block, name))
 
 
 def _shared_component(hidden: int, seed: int):
     """m: the vector every embedding row shares when routing is skewed (std EMBED_STD)."""
-    import torch
-
     return EMBED_STD * torch.randn(hidden, generator=_generator(seed, "shared", "m"))
 
 
 def _router(shape, generator, shared, skew: float | None, seed: int, block: str):
     """Router [E, H]: random rows; with a skew, their m-direction replaced by the Zipf bias."""
-    import torch
-
     experts, hidden = shape
     rows = torch.randn(shape, generator=generator) / math.sqrt(hidden)
     if shared is None:
@@ -199,9 +190,6 @@ def _router(shape, generator, shared, skew: float | None, seed: int, block: str)
 def _uniform_int8(shape, std: float, mode, seed: int, block: str, name: str):
     """(encoding, parts, meta) of a random [out, in] weight drawn on the int8 grid (uniform
     values in [-127, 127], a constant scale giving std `std`); float modes store q * scale."""
-    import numpy as np
-    import torch
-
     rows, columns = shape
     bits = np.random.SFC64(_seed_of(seed, block, name)).random_raw(-(-rows * columns // 8))
     q = bits.view(np.int8)[: rows * columns].reshape(rows, columns)
@@ -220,8 +208,6 @@ def _uniform_int8(shape, std: float, mode, seed: int, block: str, name: str):
 
 def _write_byte_tokenizer(directory: Path, vocab_size: int) -> None:
     """A byte-level BPE covering 256 bytes plus ChatML specials (ids beyond decode to nothing)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-
     alphabet = pre_tokenizers.ByteLevel.alphabet()
     vocab = {symbol: i for i, symbol in enumerate(sorted(alphabet))}
     specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]

@@ -10,11 +10,15 @@ truncation and malformed headers but not flipped bits inside a tensor.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
+from tierlm.cache.artifact import FORMAT_VERSION, MANIFEST_NAME, Artifact
 from tierlm.cache.entries import CacheEntry, cache_entries
+from tierlm.config import ModelConfig
 from tierlm.errors import TierlmError
+from tierlm.weights.safetensors_index import checkpoint_entries
 
 
 @dataclass(frozen=True)
@@ -73,10 +77,6 @@ def _verdict(entry: CacheEntry) -> Verdict:
 
 def _format_version(entry: CacheEntry) -> int | None:
     """An older format version the manifest declares, or None (current, or left to Artifact.open)."""
-    import json
-
-    from tierlm.cache.artifact import FORMAT_VERSION, MANIFEST_NAME
-
     try:
         version = json.loads((entry.path / MANIFEST_NAME).read_bytes()).get("format_version")
     except (OSError, ValueError, AttributeError, RecursionError):
@@ -85,8 +85,6 @@ def _format_version(entry: CacheEntry) -> int | None:
 
 
 def _verify_artifact(entry: CacheEntry) -> None:
-    from tierlm.cache.artifact import Artifact
-
     artifact = Artifact.open(entry.path)
     try:
         artifact.verify()
@@ -95,8 +93,5 @@ def _verify_artifact(entry: CacheEntry) -> None:
 
 
 def _verify_model(entry: CacheEntry) -> None:
-    from tierlm.config import ModelConfig
-    from tierlm.weights.checkpoint import Checkpoint
-
     ModelConfig.from_dir(entry.path)
-    Checkpoint(entry.path)
+    checkpoint_entries(entry.path)

@@ -24,6 +24,8 @@ from pathlib import Path
 import torch
 
 from tierlm.quant.kernel_api import Int8Kernel, KernelUnavailable
+from tierlm.quant.native import load_native
+from tierlm.quant.numba_kernel import load_numba
 from tierlm.quant.torch_kernels import BlasKernel, TorchKernel
 
 # Batch-1 calibration layer: 8 MiB of int8, larger than L2 and typical of a 1-3B model's layer.
@@ -116,9 +118,6 @@ def default_cpu_loaders() -> list[tuple[str, KernelLoader]]:
     at batch 1 against the native kernel's 18-27 GB/s (benchmarks/bench_int8_kernels.py), and
     importing it costs ~0.6 s per process, so it is not loaded when the native kernel loads.
     """
-    from tierlm.quant.native import load_native
-    from tierlm.quant.numba_kernel import load_numba
-
     return [("native", load_native), ("numba", load_numba)]
 
 

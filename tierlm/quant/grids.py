@@ -6,6 +6,7 @@ can hold its grid.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 
@@ -38,7 +39,5 @@ def sorted_rows(flat):
     """flat [n, group] sorted along its rows: numpy's SIMD sort on the CPU (~10x torch's for
     rows of 32), torch's elsewhere."""
     if flat.device.type == "cpu" and flat.dtype == torch.float32:
-        import numpy as np
-
         return torch.from_numpy(np.sort(flat.detach().numpy(), axis=-1))
     return flat.sort(dim=-1).values

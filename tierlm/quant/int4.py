@@ -31,6 +31,7 @@ import torch
 from tierlm.quant.dispatch import kernel_choice
 from tierlm.quant.grids import gcd_steps, sorted_rows
 from tierlm.quant.kernel_api import group_count
+from tierlm.quant.modes import int4_fits
 # The packed layout and its reference dequantization, re-exported: part of this module's API.
 from tierlm.quant.nibbles import CHUNK, ZERO_POINT, dequantize4, pack_nibbles, unpack_nibbles  # noqa: F401
 
@@ -138,11 +139,6 @@ def check_int4_shape(in_features: int, group_size: int) -> None:
         raise ValueError(f"int4 group_size must be a positive multiple of {CHUNK}, got {group_size}")
     if in_features < CHUNK or in_features % CHUNK:
         raise ValueError(f"int4 weights need a multiple of {CHUNK} input columns, got {in_features}")
-
-
-def int4_fits(shape: tuple[int, ...]) -> bool:
-    """Whether a 2-D weight of `shape` can be stored as int4 (its input dim a multiple of 32)."""
-    return len(shape) == 2 and shape[1] >= CHUNK and shape[1] % CHUNK == 0
 
 
 # -- quantization -----------------------------------------------------------------------------

@@ -29,6 +29,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from tierlm.errors import TierlmError
+from tierlm.units import parse_size
 
 AUTO = "auto"
 AS_STORED = "none"
@@ -110,8 +111,6 @@ def parse_quant_mode(name: str) -> QuantMode:
 def _mixed_mode(name: str, text: str) -> QuantMode:
     """mixed:source, or mixed:SIZE with SIZE in the profiles' units, canonically named in bytes
     (mixed:5GiB and mixed-5368709120 are one artifact)."""
-    from tierlm.units import parse_size
-
     target = text[len("mixed:"):].strip()
     if target == "source":
         return QuantMode(MIXED_SOURCE, "mixed")
@@ -123,6 +122,11 @@ def _mixed_mode(name: str, text: str) -> QuantMode:
     if size <= 0:
         raise TierlmError(f"quant mode {name!r}: the size must be positive", "e.g. mixed:5.2GiB")
     return QuantMode(f"mixed-{size}", "mixed", target_bytes=size)
+
+
+def int4_fits(shape: tuple[int, ...]) -> bool:
+    """Whether a 2-D weight of `shape` can be stored as int4 (its input dim a multiple of 32)."""
+    return len(shape) == 2 and shape[1] >= _INT4_GROUP and shape[1] % _INT4_GROUP == 0
 
 
 def mode_choices() -> str:

@@ -1,7 +1,8 @@
 """The native CPU library: tierlm's C++ kernels, built once with the system compiler.
 
 One owner: this module compiles every `.cpp` of `tierlm/quant/csrc` (package data) into one
-shared library cached under `cache_root()/kernels`, and wraps its entry points:
+shared library cached under `kernels_root()` ($TIERLM_KERNELS, else `cache_root()/kernels`),
+and wraps its entry points:
 
 - `matmul`: y[M, N] = x[M, K] @ (q[N, K] * s[N, G] (+ o[N, G])).T (+ bias), for small M
   (decode); asymmetric offsets o add each output's dot with x summed per group. Weights are
@@ -38,6 +39,7 @@ from pathlib import Path
 
 import torch
 
+from tierlm.paths import kernels_root
 from tierlm.quant.kernel_api import KernelUnavailable
 
 SOURCES = Path(__file__).with_name("csrc")
@@ -132,16 +134,15 @@ class NativeKernel:
 
 
 def load_native(build_root: Path | None = None, flags: tuple[str, ...] = FLAGS) -> NativeKernel:
-    """The native kernel, compiled into `build_root` (default `cache_root()/kernels`) if needed.
+    """The native kernel, compiled into `build_root` (default `kernels_root()`: $TIERLM_KERNELS,
+    else `cache_root()/kernels`) if needed.
 
     `flags` are the compiler flags (tests pass e.g. `-march=x86-64-v3` for the AVX2 path,
     `-march=x86-64-v2` for the portable one). Raises KernelUnavailable when there is no C++ compiler or the
     build fails.
     """
     if build_root is None:
-        from tierlm.paths import cache_root
-
-        build_root = cache_root() / "kernels"
+        build_root = kernels_root()
     compiler = _compiler()
     library = build_root / f"tierlm_cpu-{_build_key(compiler, flags)}.so"
     if not library.exists():

@@ -15,8 +15,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import torch
 
+from tierlm.paths import cache_root
 from tierlm.quant.kernel_api import KernelUnavailable
 from tierlm.quant.torch_kernels import offset_term
 
@@ -47,12 +49,10 @@ class NumbaKernel:
 def load_numba(build_root: Path | None = None) -> NumbaKernel:
     """Compile (or load from cache) the numba kernel; KernelUnavailable without numba."""
     try:
-        import numba
+        import numba  # the optional `cpu` extra: absent on most installs, ~0.6 s to import
     except ImportError:
         raise KernelUnavailable("numba is not installed") from None
     if build_root is None:
-        from tierlm.paths import cache_root
-
         build_root = cache_root() / "kernels"
     cache_dir = build_root / f"numba-{numba.__version__}"
     try:
@@ -80,8 +80,6 @@ def _compile(numba, cache_dir: Path):
     numba reads its cache directory from its config when a cached function is created, so the
     setting is swapped in for the decoration only and put back at once.
     """
-    import numpy as np
-
     previous = numba.config.CACHE_DIR
     numba.config.CACHE_DIR = str(cache_dir)
     try:

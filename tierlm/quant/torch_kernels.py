@@ -13,6 +13,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from tierlm.quant.nibbles import dequantize4
+
 
 def dequantize_into(
     qweight: torch.Tensor,
@@ -131,6 +133,4 @@ class TorchKernel:
 
 def _dequantize4_into(packed, scales, offsets, group, out=None):
     """The torch INT4 dequantization (quant/int4.py's reference), into `out` if given."""
-    from tierlm.quant.nibbles import dequantize4
-
     return dequantize4(packed, scales, group, offsets, out=out)

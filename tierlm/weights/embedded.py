@@ -14,6 +14,7 @@ another format and the GGUF is imported afresh.
 
 from __future__ import annotations
 
+import importlib.util
 import re
 from pathlib import Path
 
@@ -21,12 +22,8 @@ from tierlm.atomic import directory_lock, make_dirs
 from tierlm.errors import TierlmError
 from tierlm.paths import cache_root
 from tierlm.progress import Progress
-from tierlm.weights.gguf_import import (
-    IMPORT_FORMAT_VERSION,
-    gguf_content_key,
-    import_gguf,
-    read_import_record,
-)
+from tierlm.weights.gguf_import import import_gguf
+from tierlm.weights.import_record import IMPORT_FORMAT_VERSION, gguf_content_key, read_import_record
 
 EMBEDDED_MODEL_NAME = "SmolLM2-135M-Instruct"
 # What the embedded model answers to on the command line (`tierlm chat smollm2`).
@@ -43,8 +40,6 @@ def embedded_gguf_path() -> Path:
 
     The package is located, never imported: its __init__ pulls in packages tierlm does not need.
     """
-    import importlib.util
-
     spec = importlib.util.find_spec(EMBEDDED_PACKAGE)
     locations = list(spec.submodule_search_locations or []) if spec is not None else []
     for location in locations:

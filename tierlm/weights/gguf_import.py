@@ -23,14 +23,17 @@ tierlm.weights.gguf_tokenizer.
 
 from __future__ import annotations
 
-import hashlib
-import json
 import math
 import re
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any
+
+import numpy as np
+from gguf.quants import dequantize
+from safetensors.numpy import save_file
 
 from tierlm.atomic import atomic_directory, directory_lock, fsync_file, make_dirs, write_json
 from tierlm.config import LIMITS, MAX_ROPE_THETA, ModelConfig, shown_value
@@ -39,13 +42,17 @@ from tierlm.progress import Progress
 from tierlm.weights.gguf_reader import GgufMetadata, open_gguf
 # SUPPORTED_TOKENIZERS is re-exported: it is part of this module's public API.
 from tierlm.weights.gguf_tokenizer import SUPPORTED_TOKENIZERS, build_tokenizer  # noqa: F401
+# The receipt lives in import_record.py; RECORD_NAME and the source_* readers stay importable here
+# for the tests and offload/sizes.py.
+from tierlm.weights.import_record import (  # noqa: F401
+    IMPORT_FORMAT_VERSION,
+    RECORD_NAME,
+    gguf_content_key,
+    read_import_record,
+    source_tensor_types,
+    source_types_by_name,
+)
 
-# Bump when the written directory changes in a way that old imports should not be reused.
-# 2: the receipt records the source tensor types (`--quant auto` keeps a quantized grid).
-# 3: the content key is a sha256 of the whole file (it sampled regions, so an edit between them
-#    returned the stale import). Older imports are listed as another format and imported afresh.
-IMPORT_FORMAT_VERSION = 3
-RECORD_NAME = "tierlm-import.json"
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen2moe", "qwen3moe")
 # Shards are flushed at this size so a big model never sits in RAM as float32 all at once.
 SHARD_BYTES = 2 * 1024**3
@@ -138,47 +145,6 @@ def import_gguf(gguf_path: Path, out_dir: Path, progress: Progress | None = None
     return out_dir
 
 
-def gguf_content_key(gguf_path: Path) -> str:
-    """A short hex key for a GGUF file's whole content and this importer's version.
-
-    Keyed by a sha256 of every byte, so an in-place edit anywhere (a chat template, one tensor)
-    is a new import; the digest is remembered per file (tierlm.digests), so only the
-    first run after a change reads the whole file.
-    """
-    from tierlm.digests import file_digest
-
-    gguf_path = Path(gguf_path)
-    try:
-        content = file_digest(gguf_path)
-    except FileNotFoundError:
-        raise TierlmError(f"GGUF file not found: {gguf_path}", hint="check the path") from None
-    except OSError as err:
-        raise TierlmError(f"cannot read GGUF file {gguf_path}: {err.strerror or err}") from None
-    return hashlib.sha256(f"tierlm-gguf-import-v{IMPORT_FORMAT_VERSION}:sha256:{content}".encode()).hexdigest()[:16]
-
-
-def read_import_record(model_dir: Path) -> dict[str, Any] | None:
-    """The receipt of a completed import in `model_dir`, or None if it holds none."""
-    try:
-        return json.loads((Path(model_dir) / RECORD_NAME).read_text())
-    except (OSError, ValueError):
-        return None
-
-
-def source_tensor_types(model_dir: Path) -> dict[str, int]:
-    """GGUF tensor type name -> tensor count an import's weights were stored in ({} when
-    `model_dir` is not an import)."""
-    record = read_import_record(model_dir) or {}
-    return dict(record.get("tensor_types") or {})
-
-
-def source_types_by_name(model_dir: Path) -> dict[str, str]:
-    """HF tensor name -> the GGUF type it was stored in, as an import recorded it ({} when
-    `model_dir` is not an import, or an import older than the record)."""
-    record = read_import_record(model_dir) or {}
-    return dict(record.get("tensor_type_of") or {})
-
-
 def unpermute_rope_rows(weight, n_head: int):
     """Undo llama.cpp's Q/K permutation: rows [n_head*head_dim, ...] back to HF's half-split order.
 
@@ -249,8 +215,6 @@ def _bad_value(meta: GgufMetadata, key: str, value: Any, expected: str) -> Tierl
 
 def _f32(value: float) -> float:
     """GGUF stores float32: print the shortest decimal that round-trips, e.g. 1e-05 not 9.99e-06."""
-    import numpy as np
-
     return float(str(np.float32(value)))
 
 
@@ -445,8 +409,6 @@ def _llama3_scaling_from_freqs(meta: GgufMetadata, freqs_tensor, head_dim: int) 
     llama.cpp writes the result of HF's llama3 formula as `rope_freqs` instead of its parameters;
     they are found by trying the values Meta's releases use and checking the curve matches exactly.
     """
-    import numpy as np
-
     stored = np.asarray(freqs_tensor.data, dtype=np.float64).reshape(-1)
     if np.allclose(stored, 1.0):
         return None
@@ -601,9 +563,6 @@ def _shards(plan: list[_Planned]) -> list[list[_Planned]]:
 
 def _dequantize(item: _Planned, path: Path):
     """One tensor as a contiguous float32 array in HF shape and row order."""
-    import numpy as np
-    from gguf.quants import dequantize
-
     # One expert's slice of a merged MoE tensor (a view of the memory map): only it is dequantized.
     data = item.tensor.data if item.expert is None else item.tensor.data[item.expert]
     try:
@@ -623,8 +582,6 @@ def _dequantize(item: _Planned, path: Path):
 
 def _write_weights(plan: list[_Planned], out: Path, source: Path, progress: Progress | None) -> None:
     """Dequantize tensor by tensor and write shard by shard; only one shard is held in memory."""
-    from safetensors.numpy import save_file
-
     shards = _shards(plan)
     total = sum(item.source_bytes for item in plan)
     done = 0
@@ -652,8 +609,6 @@ def _write_weights(plan: list[_Planned], out: Path, source: Path, progress: Prog
 def _tensor_types(plan: list[_Planned]) -> dict[str, int]:
     """How many GGUF tensors (a merged expert tensor counts once) each type held: the dequantized
     floats keep that grid."""
-    from collections import Counter
-
     sources = {item.tensor.name: item.tensor.tensor_type.name for item in plan}
     return dict(sorted(Counter(sources.values()).items()))
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from gguf import GGUFReader
+
 from tierlm.errors import TierlmError
 
 
@@ -42,8 +44,6 @@ class GgufMetadata:
 
 def open_gguf(gguf_path: Path):
     """A GGUFReader over the file, with gguf's and numpy's errors turned into TierlmError."""
-    from gguf import GGUFReader
-
     if not gguf_path.is_file():
         raise TierlmError(f"GGUF file not found: {gguf_path}", hint="check the path")
     try:

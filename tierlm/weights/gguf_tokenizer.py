@@ -10,6 +10,8 @@ from __future__ import annotations
 from types import MappingProxyType
 from typing import Any
 
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+
 from tierlm.errors import TierlmError
 from tierlm.weights.gguf_reader import GgufMetadata
 
@@ -94,8 +96,6 @@ def _token_id_name(meta: GgufMetadata, tokens: list[str], key: str) -> str | Non
 
 def _byte_level_bpe(meta: GgufMetadata, tokens: list[str], token_types: list[int]):
     """GPT-2 style byte-level BPE; the pre-tokenizer follows llama.cpp's reading of `tokenizer.ggml.pre`."""
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-
     pre = meta.get("tokenizer.ggml.pre", "default")
     if pre in _GPT2_PRE:
         pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
@@ -149,8 +149,6 @@ def _byte_alphabet() -> dict[int, str]:
 
 def _sentencepiece_bpe(meta: GgufMetadata, tokens: list[str], token_types: list[int]):
     """SentencePiece BPE with byte fallback and Metaspace, as transformers' GGUF converter builds it."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-
     vocab = {token: index for index, token in enumerate(tokens)}
     scores = meta.get("tokenizer.ggml.scores")
     merges = _merges(meta, tokens, vocab, scores=scores)
@@ -203,8 +201,6 @@ def _add_special_tokens(tokenizer, tokens: list[str], token_types: list[int], na
     Both kinds are matched whole in input text, as llama.cpp does; only special ones are dropped by
     `decode(skip_special_tokens=True)`, so a user-defined `<think>` stays visible (as in transformers).
     """
-    from tokenizers import AddedToken
-
     vocab = tokenizer.get_vocab()
     special, plain = [], []
     for token, token_type in zip(tokens, token_types):
@@ -225,8 +221,6 @@ def _add_special_tokens(tokenizer, tokens: list[str], token_types: list[int], na
 
 def _set_post_processor(tokenizer, bos: str | None, eos: str | None, byte_level: bool) -> None:
     """Add BOS/EOS around encoded text when the GGUF says so (tokenizer.ggml.add_bos/eos_token)."""
-    from tokenizers import processors
-
     if bos is None and eos is None:
         tokenizer.post_processor = processors.ByteLevel(trim_offsets=False) if byte_level else None
         return

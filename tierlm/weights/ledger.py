@@ -7,6 +7,9 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+from tierlm.device.backend import DeviceBackend
+from tierlm.device.proc import status_bytes
+
 
 @dataclass
 class Ledger:
@@ -98,13 +101,9 @@ class Ledger:
 
     def snapshot(self, device=None) -> dict:
         """Everything /stats, bench and /metrics show, measured now."""
-        from tierlm.device.proc import status_bytes
-
         status = status_bytes()
         measured = {key: status[key] for key in ("RssAnon", "RssFile", "VmRSS", "VmHWM") if key in status}
         if device is not None and getattr(device, "type", "cpu") != "cpu":
-            from tierlm.device import DeviceBackend
-
             stats = DeviceBackend(device).memory()
             measured["device_allocated"], measured["device_peak"] = stats.allocated, stats.peak
         return {

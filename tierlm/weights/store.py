@@ -12,6 +12,8 @@ from typing import Iterator, Mapping, Sequence
 
 import torch
 
+from tierlm.blocks import expert_block
+from tierlm.weights.ledger import Ledger
 
 
 class WeightStore:
@@ -70,8 +72,6 @@ class WeightStore:
         """The store's streaming figures (weights/ledger.Ledger): planned bytes per tier, bytes
         read, prefetch stall, hot-row hits. A resident store streams nothing: an empty ledger,
         every figure zero and nothing planned."""
-        from tierlm.weights.ledger import Ledger
-
         return Ledger()
 
     def close(self) -> None:

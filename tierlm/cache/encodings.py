@@ -1,0 +1,128 @@
+"""What each stored encoding of a block tensor holds and costs: its parts, their bytes, the checks
+a manifest's records must pass, and which weights stay float.
+
+2-D weights (projections, embedding, head) take the quant mode's format: INT8 with scales (and
+offsets when asymmetric), INT4 packed nibbles with fp16 scales (and offsets), or a float dtype.
+1-D tensors (norms, biases) always stay fp32: they are tiny and precision-critical. So do the 2-D
+weights named in `FLOAT_WEIGHTS`. No torch here: the planner sizes an artifact and a manifest is
+validated with these rules alone; tierlm/cache/codec.py encodes and decodes the tensors.
+"""
+
+from __future__ import annotations
+
+from tierlm.quant.modes import QuantMode, int4_fits, parse_quant_mode
+
+FLOAT_DTYPES = ("float32", "float16", "bfloat16")
+# encoding -> (parts it must have, parts it may have)
+ENCODINGS = {"plain": ({"data"}, set()), "int8": ({"qweight", "scales"}, {"offsets"}),
+             "int4": ({"packed", "scales"}, {"offsets"})}  # fmt: skip
+
+# Canonical names of 2-D weights kept in fp32 under every mode: an MoE router's near-tied logits
+# choose experts, and an error that flips one changes the token (llama.cpp keeps ffn_gate_inp in F32).
+FLOAT_WEIGHTS = frozenset({"router", "shared_gate"})
+
+
+def keeps_float(name: str | None, shape: tuple[int, ...]) -> bool:
+    """Whether a tensor of canonical `name` and `shape` is stored in fp32 whatever the mode."""
+    return len(shape) != 2 or name in FLOAT_WEIGHTS
+
+
+_FLOAT_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+
+
+def part_bytes(shape: tuple[int, ...], mode: QuantMode, name: str | None = None) -> list[int]:
+    """Bytes of each part `encode` writes for a tensor of `shape` (canonical `name`) in the
+    concrete `mode`, in order."""
+    elements = 1
+    for dim in shape:
+        elements *= dim
+    if keeps_float(name, shape):
+        return [elements * 4]  # norms, biases and routers stay fp32
+    if mode.mixed:
+        raise ValueError(f"{mode.name} is chosen per tensor: size each with its concrete mode")
+    out_features, in_features = shape
+    if mode.weight_dtype == "int4":
+        if int4_fits(shape):
+            groups = -(-in_features // mode.group_size)
+            return [elements // 2, *[out_features * groups * 2] * (2 if mode.asymmetric else 1)]  # fp16
+        mode = int4_fallback(mode)
+    if not mode.quantized:
+        return [elements * _FLOAT_BYTES[mode.weight_dtype]]
+    groups = 1 if mode.group_size is None else -(-in_features // mode.group_size)
+    return [elements, *[out_features * groups * 4] * (2 if mode.asymmetric else 1)]  # int8, fp32 scales
+
+
+def int4_fallback(mode: QuantMode) -> QuantMode:
+    """The int8 mode an int4 mode stores a weight in whose input dim is no multiple of 32."""
+    return parse_quant_mode("int8-g32-asym" if mode.asymmetric else "int8-g32")
+
+
+def record_mode(record) -> str:
+    """The concrete quant mode a quantized record was stored in ("int4-g32-asym", "int8", ...)."""
+    group = record.meta.get("group_size")
+    asym = "-asym" if "offsets" in record.parts else ""
+    if record.encoding in ("int4", "int8"):
+        return f"{record.encoding}{'' if group is None else f'-g{group}'}{asym}"
+    return record.parts["data"].dtype
+
+
+def logical_shape(record) -> tuple[int, ...]:
+    """The [out, in] (or 1-D) shape a record decodes to, whatever its encoding packs."""
+    if record.encoding == "int4":
+        rows, half = record.parts["packed"].shape
+        return rows, 2 * half
+    return tuple(record.parts["qweight" if record.encoding == "int8" else "data"].shape)
+
+
+def check_record(record, shape: tuple[int, ...] | None = None) -> str | None:
+    """Why `decode` could not turn `record` (an artifact's TensorRecord) into a tensor of
+    `shape` (None: any shape), or None when it can. Manifests are checked with it on open."""
+    if record.encoding not in ENCODINGS:
+        return f"unknown encoding {record.encoding!r}"
+    required, optional = ENCODINGS[record.encoding]
+    names = set(record.parts)
+    if not required <= names <= required | optional:
+        return f"{record.encoding} tensor has parts {sorted(names)}, expected {sorted(required)}"
+    if record.encoding == "plain":
+        data = record.parts["data"]
+        if data.dtype not in FLOAT_DTYPES:
+            return f"plain tensor stored as {data.dtype}, expected one of {', '.join(FLOAT_DTYPES)}"
+        return _shape_problem(data.shape, shape)
+    if record.encoding == "int4":
+        return _int4_problem(record, shape)
+    return _int8_problem(record, shape)
+
+
+def _int8_problem(record, shape) -> str | None:
+    qweight, scales = record.parts["qweight"], record.parts["scales"]
+    group = record.meta.get("group_size")
+    if qweight.dtype != "int8" or len(qweight.shape) != 2:
+        return f"qweight is {qweight.dtype}{list(qweight.shape)}, expected 2-D int8"
+    if group is not None and (not isinstance(group, int) or isinstance(group, bool) or group < 1):
+        return f"group_size {group!r} is not a positive integer"
+    rows, columns = qweight.shape
+    want = (rows,) if group is None else (rows, -(-columns // group))
+    for part in [scales] + ([record.parts["offsets"]] if "offsets" in record.parts else []):
+        if part.dtype not in FLOAT_DTYPES or tuple(part.shape) != want:
+            return f"scales/offsets are {part.dtype}{list(part.shape)}, expected float {list(want)}"
+    return _shape_problem(qweight.shape, shape)
+
+
+def _int4_problem(record, shape) -> str | None:
+    packed, group = record.parts["packed"], record.meta.get("group_size")
+    if packed.dtype != "uint8" or len(packed.shape) != 2 or packed.shape[1] < 16 or packed.shape[1] % 16:
+        return f"packed is {packed.dtype}{list(packed.shape)}, expected 2-D uint8 of whole 16-byte chunks"
+    if not isinstance(group, int) or isinstance(group, bool) or group < 32 or group % 32:
+        return f"int4 group_size {group!r} is not a positive multiple of 32"
+    rows, columns = packed.shape[0], 2 * packed.shape[1]
+    want = (rows, -(-columns // group))
+    for part in [record.parts["scales"]] + ([record.parts["offsets"]] if "offsets" in record.parts else []):
+        if part.dtype != "float16" or tuple(part.shape) != want:
+            return f"int4 scales/offsets are {part.dtype}{list(part.shape)}, expected float16 {list(want)}"
+    return _shape_problem((rows, columns), shape)
+
+
+def _shape_problem(actual, expected) -> str | None:
+    if expected is not None and tuple(actual) != tuple(expected):
+        return f"shape {list(actual)}, config.json implies {list(expected)}"
+    return None

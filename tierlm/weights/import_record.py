@@ -1,0 +1,62 @@
+"""The receipt a finished GGUF import leaves in its directory (tierlm-import.json), and the content
+key an import is found by.
+
+Written last by tierlm/weights/gguf_import.py; read by the catalogue and the planner, which need
+what the import was made from but none of the converter (numpy, gguf).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any
+
+from tierlm.digests import file_digest
+from tierlm.errors import TierlmError
+
+# Bump when the written directory changes in a way that old imports should not be reused.
+# 2: the receipt records the source tensor types (`--quant auto` keeps a quantized grid).
+# 3: the content key is a sha256 of the whole file (it sampled regions, so an edit between them
+#    returned the stale import). Older imports are listed as another format and imported afresh.
+IMPORT_FORMAT_VERSION = 3
+RECORD_NAME = "tierlm-import.json"
+
+
+def read_import_record(model_dir: Path) -> dict[str, Any] | None:
+    """The receipt of a completed import in `model_dir`, or None if it holds none."""
+    try:
+        return json.loads((Path(model_dir) / RECORD_NAME).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def source_tensor_types(model_dir: Path) -> dict[str, int]:
+    """GGUF tensor type name -> tensor count an import's weights were stored in ({} when
+    `model_dir` is not an import)."""
+    record = read_import_record(model_dir) or {}
+    return dict(record.get("tensor_types") or {})
+
+
+def source_types_by_name(model_dir: Path) -> dict[str, str]:
+    """HF tensor name -> the GGUF type it was stored in, as an import recorded it ({} when
+    `model_dir` is not an import, or an import older than the record)."""
+    record = read_import_record(model_dir) or {}
+    return dict(record.get("tensor_type_of") or {})
+
+
+def gguf_content_key(gguf_path: Path) -> str:
+    """A short hex key for a GGUF file's whole content and this importer's version.
+
+    Keyed by a sha256 of every byte, so an in-place edit anywhere (a chat template, one tensor)
+    is a new import; the digest is remembered per file (tierlm.digests), so only the
+    first run after a change reads the whole file.
+    """
+    gguf_path = Path(gguf_path)
+    try:
+        content = file_digest(gguf_path)
+    except FileNotFoundError:
+        raise TierlmError(f"GGUF file not found: {gguf_path}", hint="check the path") from None
+    except OSError as err:
+        raise TierlmError(f"cannot read GGUF file {gguf_path}: {err.strerror or err}") from None
+    return hashlib.sha256(f"tierlm-gguf-import-v{IMPORT_FORMAT_VERSION}:sha256:{content}".encode()).hexdigest()[:16]
