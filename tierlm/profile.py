@@ -30,18 +30,23 @@ Keys (sizes take units: "7.5GiB", "800MB", or a number of bytes):
     threads          (optional, default 0) CPU threads for compute; 0 = the CPUs this process may
                      use (affinity, capped by the cgroup CPU quota: device/cpu.py)
 
-Every byte the planner charges to a tier must fit in that tier's budget: see offload/planner.py.
+Every byte the planner charges to a tier must fit in that tier's budget: see offload/planner/charges.py.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import sys
 from dataclasses import dataclass, fields
 from importlib import resources
 from pathlib import Path
 from typing import Any
 
+import psutil
+
+from tierlm.device.memory import process_limits
 from tierlm.errors import TierlmError
+from tierlm.quant.modes import check_mode_name, mode_choices
 from tierlm.units import format_size, parse_size  # noqa: F401 - part of this module's API
 
 if sys.version_info >= (3, 11):
@@ -137,12 +142,8 @@ def auto_profile(ram_available: int | None = None, device_free: int | None = Non
     Pass the numbers (and `limits`, a MemoryLimits) to size one without asking the machine (tests).
     """
     if limits is None and ram_available is None:
-        from tierlm.device.memory import process_limits
-
         limits = process_limits()
     if ram_available is None:
-        import psutil
-
         ram_available = psutil.virtual_memory().available
     if device_free is None:
         device_free = _accelerator_free_bytes()
@@ -183,16 +184,12 @@ def _ram_under_limits(available: int, limits) -> tuple[int, str]:
 
 def _accelerator_free_bytes() -> int:
     """Free memory on the accelerator auto-detection picks, 0 on a CPU-only machine."""
-    import importlib.util
-
     if "torch" not in sys.modules and importlib.util.find_spec("torch") is None:
         return 0
-    from tierlm.device import backend_for, resolve_device
+    # Only `--profile auto` asks the accelerator: torch loads here, so reading a profile does not.
+    from tierlm.device.backend import accelerator_free_bytes
 
-    device = resolve_device(None)
-    if device.type == "cpu":
-        return 0
-    return int(backend_for(device).memory().free)
+    return accelerator_free_bytes()
 
 
 def profile_from_dict(name: str, raw: dict[str, Any]) -> Profile:
@@ -230,9 +227,6 @@ def profile_from_dict(name: str, raw: dict[str, Any]) -> Profile:
 
 def _check_quant(profile: str, value: Any) -> str:
     """The quant mode name, lower-cased; the accepted names come from quant/modes.py."""
-    # Imported here: quant/ sits below profile in the layering, and modes.py imports nothing heavy.
-    from tierlm.quant.modes import check_mode_name, mode_choices
-
     try:
         if isinstance(value, str):
             return check_mode_name(value)

@@ -14,6 +14,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import psutil
+import torch
+
+from tierlm.device.cpu import cpu_info
+from tierlm.device.proc import resident_bytes
+from tierlm.device.resolve import resolve_device
+
 SYNC_KINDS = ("cpu", "mps")  # no side streams; host memory stays unpinned
 
 
@@ -45,8 +52,6 @@ class DeviceBackend:
         self.pinned = self.streams  # pinning only pays off (and only works) with async copies
 
     def new_stream(self):
-        import torch
-
         if not self.streams:
             return torch.cpu.Stream()
         if hasattr(torch, "Stream"):
@@ -54,8 +59,6 @@ class DeviceBackend:
         return self._module().Stream(device=self.device)
 
     def current_stream(self):
-        import torch
-
         if not self.streams:
             return torch.cpu.current_stream()
         accelerator = _accelerator_api(self.device)
@@ -64,8 +67,6 @@ class DeviceBackend:
         return self._module().current_stream(self.device)
 
     def new_event(self):
-        import torch
-
         if not self.streams:
             return torch.cpu.Event()
         if hasattr(torch, "Event"):
@@ -82,8 +83,6 @@ class DeviceBackend:
 
     def empty_host(self, nbytes: int):
         """A uint8 host buffer; pinned when the device copies asynchronously from it."""
-        import torch
-
         return torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pinned)
 
     def memory(self) -> DeviceMemory:
@@ -119,34 +118,32 @@ class DeviceBackend:
     def name(self) -> str:
         """A human name: the CPU model, or the card's name as its backend reports it."""
         if self.device.type == "cpu":
-            from tierlm.device.cpu import cpu_info
-
             return cpu_info().model
         if self.device.type == "mps":
             return "Apple GPU (MPS)"
         return self._module().get_device_name(self.device.index or 0)
 
     def _module(self):
-        import torch
-
         return torch.get_device_module(self.device.type)
 
 
 def backend_for(device) -> DeviceBackend:
     """The backend for a torch.device or a name as resolve_device accepts it."""
-    import torch
-
     if not isinstance(device, torch.device):
-        from tierlm.device.resolve import resolve_device
-
         device = resolve_device(device)
     return DeviceBackend(device)
 
 
+def accelerator_free_bytes() -> int:
+    """Free memory on the accelerator `--device auto` picks, 0 on a CPU-only machine."""
+    device = resolve_device(None)
+    if device.type == "cpu":
+        return 0
+    return int(backend_for(device).memory().free)
+
+
 def _accelerator_api(device):
     """torch.accelerator when this torch has it and it drives `device`'s type, else None."""
-    import torch
-
     accelerator = getattr(torch, "accelerator", None)
     try:
         current = accelerator.current_accelerator() if accelerator is not None else None
@@ -163,9 +160,5 @@ def _on_stream(stream, module):
 
 
 def _host_memory() -> DeviceMemory:
-    import psutil
-
-    from tierlm.device.proc import resident_bytes
-
     (rss, peak), machine = resident_bytes(), psutil.virtual_memory()
     return DeviceMemory(rss, peak or rss, machine.total, machine.available)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import platform
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -27,8 +28,6 @@ class CpuInfo:
 
 def cpu_info(cpuinfo: Path = Path("/proc/cpuinfo")) -> CpuInfo:
     """The first processor's model name and feature flags (Linux; elsewhere features are unknown)."""
-    import platform
-
     cores = os.cpu_count() or 1
     try:
         text = cpuinfo.read_text()
@@ -120,6 +119,8 @@ def resolve_threads(requested: int | None = None) -> int:
 def apply_threads(requested: int | None = None) -> int:
     """Set torch's intra-op thread count (call before the INT8 kernels are calibrated: their choice
     is keyed on it) and return it."""
+    # This module is torch-free (`tierlm list` and `--help` read the CPU through it); torch loads
+    # when a command sets its threads.
     import torch
 
     threads = resolve_threads(requested)

@@ -24,7 +24,14 @@ from __future__ import annotations
 import os
 from typing import Callable
 
+import torch
+from torch.utils._pytree import tree_leaves, tree_map
+from torch.utils._python_dispatch import TorchDispatchMode
+
 WARMUP_RUNS = 2  # eager runs on a side stream before capture (cuBLAS handles, lazy inits)
+# Ops that read a device value back to the host: forbidden inside a CUDA capture.
+_HOST_SYNCS = frozenset({torch.ops.aten._local_scalar_dense.default, torch.ops.aten.nonzero.default,
+                         torch.ops.aten.item.default})  # fmt: skip
 
 
 class GraphUnavailable(RuntimeError):
@@ -37,8 +44,6 @@ def graphs_enabled() -> bool:
 
 def graph_kind(device) -> tuple[str | None, str]:
     """("cuda" | "npu", "") when `device` can capture graphs, else (None, why not)."""
-    import torch
-
     if not graphs_enabled():
         return None, "TIERLM_GRAPHS=0"
     if device.type == "cuda":
@@ -64,8 +69,6 @@ class DecodeGraph:
 def graph_factory(kind: str) -> Callable[[], DecodeGraph]:
     """New graphs of `kind` ("cuda" | "npu") sharing one memory pool: they never run at once, and
     whatever outlives a replay is in buffers allocated outside capture."""
-    import torch
-
     pool = (torch.cuda if kind == "cuda" else torch.npu).graph_pool_handle()
     return lambda: AcceleratorGraph(kind, pool)
 
@@ -74,8 +77,6 @@ class AcceleratorGraph(DecodeGraph):
     """A CUDA graph or an NPUGraph, allocating from `pool`."""
 
     def __init__(self, kind: str, pool):
-        import torch
-
         self.module = torch.cuda if kind == "cuda" else torch.npu
         self.kind = kind
         self.pool = pool
@@ -115,7 +116,7 @@ class RecordedGraph(DecodeGraph):
         self.replays = 0
 
     def capture(self, step: Callable[[], None]) -> None:
-        recorder = _recorder()
+        recorder = _Recorder()
         with recorder:
             step()
         self.tape = recorder.tape
@@ -129,8 +130,6 @@ class RecordedGraph(DecodeGraph):
         self.static = [(t, t.data_ptr()) for t in static.values()]
 
     def replay(self) -> None:
-        from torch.utils._pytree import tree_map
-
         for tensor, address in self.static:
             if tensor.data_ptr() != address:
                 raise GraphUnavailable(f"a static tensor {tuple(tensor.shape)} moved since capture")
@@ -147,32 +146,20 @@ class RecordedGraph(DecodeGraph):
 
 
 def _tensors(tree) -> list:
-    import torch
-    from torch.utils._pytree import tree_leaves
-
     return [leaf for leaf in tree_leaves(tree) if isinstance(leaf, torch.Tensor)]
 
 
-def _recorder():
+class _Recorder(TorchDispatchMode):
     """A dispatch mode that runs each aten op and keeps (op, args, kwargs, outputs)."""
-    import torch
-    from torch.utils._python_dispatch import TorchDispatchMode
 
-    # Ops that read a device value back to the host: forbidden inside a CUDA capture.
-    syncs = {torch.ops.aten._local_scalar_dense.default, torch.ops.aten.nonzero.default,
-             torch.ops.aten.item.default}  # fmt: skip
+    def __init__(self):
+        super().__init__()
+        self.tape: list = []
 
-    class Recorder(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.tape: list = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            kwargs = kwargs or {}
-            if func in syncs:
-                raise GraphUnavailable(f"{func} reads a device value on the host during capture")
-            out = func(*args, **kwargs)
-            self.tape.append((func, args, kwargs, out))
-            return out
-
-    return Recorder()
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in _HOST_SYNCS:
+            raise GraphUnavailable(f"{func} reads a device value on the host during capture")
+        out = func(*args, **kwargs)
+        self.tape.append((func, args, kwargs, out))
+        return out

@@ -2,11 +2,18 @@
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
 from tierlm.device.proc import STATUS, resident_bytes, status_bytes
+
+try:
+    import resource
+except ImportError:  # Windows: no RLIMIT_AS
+    resource = None
 
 
 @dataclass(frozen=True)
@@ -24,9 +31,7 @@ def read_memory(device=None) -> MemoryReading:
     rss, peak = resident_bytes()
     allocated = device_peak = 0
     if device is not None and device.type != "cpu":
-        from tierlm.device.backend import DeviceBackend
-
-        stats = DeviceBackend(device).memory()
+        stats = _device_memory(device)
         allocated, device_peak = stats.allocated, stats.peak
     return MemoryReading(rss, peak or rss, allocated, device_peak)
 
@@ -38,9 +43,6 @@ def trim_heap() -> None:
     keeps them: kernel calibration left ~40 MiB there. Trimming before the baseline is read
     makes the baseline what the process really needs.
     """
-    import ctypes
-    import ctypes.util
-
     name = ctypes.util.find_library("c")
     try:
         trim = ctypes.CDLL(name).malloc_trim if name else None
@@ -116,9 +118,7 @@ def process_limits(
     ram, source = min(found, key=lambda item: item[0]) if found else (None, "")
     device_free = None
     if device is not None and device.type != "cpu":
-        from tierlm.device.backend import DeviceBackend
-
-        device_free = int(DeviceBackend(device).memory().free)
+        device_free = int(_device_memory(device).free)
     return MemoryLimits(ram, source, device_free)
 
 
@@ -130,8 +130,8 @@ def address_space_room(
     The limit counts address space, not residence: what is mapped but not resident now (torch
     reserves ~400 MiB of it) is taken off, since the budgets charge resident bytes.
     """
-    import resource
-
+    if resource is None:
+        return None, ""
     soft, _ = (getrlimit or resource.getrlimit)(resource.RLIMIT_AS)
     if soft == resource.RLIM_INFINITY or soft < 0:
         return None, ""
@@ -140,3 +140,11 @@ def address_space_room(
     unresident = max(size - rss, 0) if size is not None and rss is not None else 0
     return max(soft - unresident, 0), "address-space limit (RLIMIT_AS)"
 
+
+def _device_memory(device):
+    """The accelerator `device`'s memory figures (backend.py's DeviceMemory)."""
+    # backend.py imports torch: reading RAM alone (profile.py, `tierlm list`) must not load it, and
+    # a device other than the CPU means the caller has loaded it already.
+    from tierlm.device.backend import DeviceBackend
+
+    return DeviceBackend(device).memory()

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import psutil
+
 STATUS = Path("/proc/self/status")
 
 
@@ -31,6 +33,4 @@ def resident_bytes() -> tuple[int, int | None]:
     fields = status_bytes()
     if "VmRSS" in fields:
         return fields["VmRSS"], fields.get("VmHWM")
-    import psutil
-
     return psutil.Process().memory_info().rss, None  # psutil has no portable peak

@@ -13,6 +13,8 @@ import sys
 import warnings
 from dataclasses import dataclass
 
+import torch
+
 from tierlm.errors import TierlmError
 
 KINDS = ("cuda", "npu", "mps", "cpu")  # auto-detection order
@@ -36,8 +38,6 @@ class DeviceStatus:
 def resolve_device(name: str | None = None):
     """`cuda[:i]`, `npu[:i]`, `mps` or `cpu` -> torch.device; `None`/`auto`: the first available
     in KINDS order. An unavailable kind asked for by name is a TierlmError that says why."""
-    import torch
-
     if name in (None, "auto"):
         for kind in KINDS:
             status = device_status(kind, quiet=False)
@@ -64,8 +64,6 @@ def compute_dtype(device):
     CPUs stay fp32 even with native bf16: on an AVX512-BF16 Xeon, batch-1 decode of
     SmolLM2 measured 26.5 tok/s in bf16 against 30.9 tok/s in fp32 (torch 2.13).
     """
-    import torch
-
     if device.type in ("cuda", "npu"):
         supported = getattr(getattr(torch, device.type, None), "is_bf16_supported", None)
         return torch.bfloat16 if supported is not None and supported() else torch.float16
@@ -80,8 +78,6 @@ def device_status(kind: str, *, quiet: bool = True) -> DeviceStatus:
     `quiet=False` warns when an installed torch_npu fails to import, so auto-detection on an
     NPU machine does not fall back to the CPU silently.
     """
-    import torch
-
     if kind == "cpu":
         return DeviceStatus("cpu", 1)
     if kind == "cuda":
