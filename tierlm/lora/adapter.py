@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 from tierlm.errors import TierlmError
 from tierlm.lora.experts import ParameterLora, parameter_for_depth, strip_base_layers, targeted_parameters
 from tierlm.lora.patterns import in_modules_to_save, pattern_value
-from tierlm.weights.checkpoint import MAX_WEIGHT
+from tierlm.weights.checkpoint import MAX_WEIGHT, check_finite, read_safetensors
 
 if TYPE_CHECKING:
     import torch
@@ -287,8 +287,6 @@ def _file_sha256(path: Path) -> bytes:
 def _read_tensors(weights_path: Path) -> dict[str, "torch.Tensor"]:
     """Every tensor, after the header is validated whole; each must be a finite float tensor
     within ±MAX_WEIGHT, so a bad value is refused here, by name, before any merge."""
-    from tierlm.weights.checkpoint import check_finite, read_safetensors
-
     try:
         tensors = read_safetensors(weights_path)
     except OSError as err:

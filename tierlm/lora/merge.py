@@ -40,18 +40,14 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+
+import torch
 
 from tierlm.errors import TierlmError
 from tierlm.lora.adapter import LoraAdapter, ModuleLora
 from tierlm.lora.expert_slices import per_expert_loras
 from tierlm.lora.patterns import any_target
-from tierlm.weights.checkpoint import MAX_WEIGHT
-
-if TYPE_CHECKING:
-    import torch
-
-    from tierlm.weights.checkpoint import Checkpoint
+from tierlm.weights.checkpoint import MAX_WEIGHT, Checkpoint, check_finite
 
 # The tied pair in every family tierlm runs.
 EMBED_MODULE = "model.embed_tokens"
@@ -152,8 +148,6 @@ class LoraMerger:
         An untouched tensor is returned cast to float32 (the same object when already float32).
         A merged tensor holding NaN/Inf or values beyond ±MAX_WEIGHT is a TierlmError naming it.
         """
-        import torch
-
         contribs = [c for c in self._planned().get(name, ()) if c.weight]
         with torch.no_grad():
             original = base.to(torch.float32)
@@ -175,8 +169,6 @@ class LoraMerger:
         depends on W), a whole-tensor replacement (modules_to_save, a saved base weight), an
         Embedding's LoRA, a lora_B bias. Served unmerged, x @ Aᵀ @ Bᵀ is added to the base's x @ Wᵀ.
         """
-        import torch
-
         terms = []
         for contrib in self._planned().get(name, ()):
             if not contrib.weight:
@@ -300,8 +292,6 @@ def _tied_copy(adapter: LoraAdapter) -> bool:
     head, embed = adapter.modules.get(HEAD_MODULE), adapter.modules.get(EMBED_MODULE)
     if not adapter.config.ensure_weight_tying or head is None or embed is None:
         return False
-    import torch
-
     if head.magnitude is not None or embed.magnitude is not None:
         raise TierlmError(
             f"LoRA adapter {adapter.path} ties DoRA on lm_head to embed_tokens (ensure_weight_tying); "
@@ -395,8 +385,6 @@ def _combine(contribs: list[_Contribution], original: "torch.Tensor") -> "torch.
 def _check_merged(name: str, merged: "torch.Tensor", paths: list[Path]) -> None:
     """Inputs in range can still overflow together (large factors times a large weight, a DoRA
     norm near zero): the merged tensor is checked before anything quantizes or caches it."""
-    from tierlm.weights.checkpoint import check_finite
-
     adapters = ", ".join(str(p) for p in paths)
     check_finite(
         merged, f"merging LoRA adapter(s) {adapters} into {name!r} gives a tensor that",
@@ -414,8 +402,6 @@ def _run(steps: tuple[_Step, ...], base: "torch.Tensor") -> "torch.Tensor":
 
 
 def _apply(step: _Step, current: "torch.Tensor") -> "torch.Tensor":
-    import torch
-
     if step.kind == "replace":
         # A copy: the caller owns what merge returns, the adapter keeps its tensor.
         return step.tensor.to(torch.float32, copy=True)
@@ -425,8 +411,6 @@ def _apply(step: _Step, current: "torch.Tensor") -> "torch.Tensor":
 
 
 def _additive_delta(step: _Step) -> "torch.Tensor":
-    import torch
-
     if step.kind == "bias":
         # (out,), added to the base bias exactly as peft: bias + lora_B.bias * scaling.
         return step.module.bias.to(torch.float32) * step.module.scaling
@@ -435,8 +419,6 @@ def _additive_delta(step: _Step) -> "torch.Tensor":
 
 def _lora_delta(lora: ModuleLora) -> "torch.Tensor":
     """s·B@A, shape (out, in); for an embedding s·(B@A)ᵀ, shape (num_embeddings, embedding_dim)."""
-    import torch
-
     lora_A, lora_B = lora.lora_A.to(torch.float32), lora.lora_B.to(torch.float32)
     product = lora_B @ lora_A
     return (product.T if lora.kind == "embedding" else product) * lora.scaling
@@ -449,8 +431,6 @@ def _dora(lora: ModuleLora, current: "torch.Tensor", delta: "torch.Tensor") -> "
     column of an Embedding weight (num_embeddings, dim) -> (dim,), on the weight the adapter
     was applied to (`current`), and treated as a constant as peft does (no gradient here anyway).
     """
-    import torch
-
     magnitude = lora.magnitude.to(torch.float32)
     if lora.kind == "embedding":
         norm = torch.linalg.norm(current.T + delta.T, dim=1)

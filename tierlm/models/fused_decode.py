@@ -23,6 +23,9 @@ import os
 
 import torch
 
+from tierlm.quant.kernel_api import KernelUnavailable
+from tierlm.quant.native import load_native
+
 _c_ptr, _c_i64, _c_i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32
 
 
@@ -60,9 +63,6 @@ def enabled() -> bool:
 @functools.lru_cache(maxsize=None)
 def native_library():
     """The native library's ctypes handle, or None where it cannot load (the eager path runs)."""
-    from tierlm.quant.kernel_api import KernelUnavailable
-    from tierlm.quant.native import load_native
-
     try:
         kernel = load_native()
     except KernelUnavailable:

@@ -27,7 +27,7 @@ import queue
 import time
 from collections import OrderedDict
 from collections.abc import Mapping
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Sequence
 
@@ -480,6 +480,4 @@ class ExpertCache:
 
 def concurrent_wait(future: Future) -> None:
     """Wait for a fill without raising (its error, if any, is raised by the caller's result())."""
-    from concurrent.futures import wait
-
     wait([future])

@@ -26,13 +26,16 @@ import torch
 from tierlm.blocks import EMBED, HEAD, expert_of, is_expert
 from tierlm.cache import codec
 from tierlm.cache.artifact import Artifact
-from tierlm.device import backend_for
+from tierlm.cache.encodings import logical_shape
+from tierlm.device.backend import backend_for
 from tierlm.errors import TierlmError
-from tierlm.store.hot_rows import COUNTS_NAME, HotRowCache
-from tierlm.weights.ledger import Ledger
 from tierlm.offload.placement import DEVICE, DISK, HOST, Placement
-from tierlm.store.prefetch import PrefetchRing
 from tierlm.offload.routing_counts import COUNTS_NAME as EXPERT_COUNTS_NAME
+from tierlm.offload.routing_counts import RoutingCounts
+from tierlm.store.expert_cache import ExpertCache
+from tierlm.store.hot_rows import COUNTS_NAME, HotRowCache
+from tierlm.store.prefetch import PrefetchRing
+from tierlm.weights.ledger import Ledger
 from tierlm.weights.store import WeightStore
 
 
@@ -194,9 +197,6 @@ class TieredStore(WeightStore):
 
     def _expert_cache(self, policy: str):
         """The cache over every routed expert of the artifact (None for a dense model)."""
-        from tierlm.store.expert_cache import ExpertCache
-        from tierlm.offload.routing_counts import RoutingCounts
-
         placed = [b for b in self.placement.blocks if is_expert(b.name)]
         if not placed:
             return None
@@ -310,7 +310,7 @@ class EmbeddingRows:
         self.read_rows = read_rows
         self.ledger = ledger
         self.device, self.dtype = device, dtype
-        vocab, width = codec.logical_shape(record)
+        vocab, width = logical_shape(record)
         row_bytes = width * torch.empty((), dtype=dtype).element_size()
         capacity = cache_bytes // row_bytes if cache_bytes else 0
         self.cache = (

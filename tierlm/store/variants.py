@@ -10,7 +10,7 @@ the rows that use it, each merged variant's weight on its own rows, and adds x·
 rows of an unmerged variant. A batch of one merged variant gets its tensors directly, so the
 fused CPU decode keeps running; device graphs (models/graph_decode.py) replay only the base.
 
-Each overlay lies on the tier the planner gave it (offload/planner.py, "variants"): `device`,
+Each overlay lies on the tier the planner gave it (offload/planner/variants.py): `device`,
 held where it computes; `host`, held in host RAM and copied over per use; `disk` (merged only),
 nothing held: a block's changed tensors are read from the variant artifact when a forward
 acquires it and freed with that forward, so a rarely used variant costs one block's bytes.
@@ -29,7 +29,17 @@ import torch
 import torch.nn.functional as F
 
 from tierlm.blocks import EMBED, expert_block, is_expert
+from tierlm.cache import codec
+from tierlm.cache.artifact import Artifact
+from tierlm.cache.convert import ConversionRequest, ensure_variant_artifact
+from tierlm.config import ModelConfig
 from tierlm.errors import TierlmError
+from tierlm.lora.adapter import LoraAdapter
+from tierlm.lora.merge import LoraMerger
+from tierlm.models import family_class
+from tierlm.models.base import embed, linear
+from tierlm.store.calibration import activation_stats
+from tierlm.weights.checkpoint import Checkpoint
 from tierlm.weights.store import WeightStore
 
 MERGED, UNMERGED = "merged", "unmerged"
@@ -170,8 +180,6 @@ class RowSwitched:
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """x [B, ..., in] -> [B, ..., out]; row b computed with row b's variant."""
-        from tierlm.models.base import linear
-
         self._check(x)
         if not self.merged:
             out = linear(x, self.base, bias)
@@ -190,8 +198,6 @@ class RowSwitched:
 
     def rows(self, ids: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
         """Embedding rows for ids [B, T] -> [B, T, in]; row b's from row b's variant."""
-        from tierlm.models.base import embed
-
         self._check(ids)
         out = embed(self.base, ids)
         if dtype is not None:
@@ -500,14 +506,6 @@ def overlay_for(
     nothing (sized block by block), for the caller to place (`Overlay.placed`); unmerged factors
     are held on `device` either way.
     """
-    # cache/ and lora/ sit above weights/: imported here, where the serving layer builds variants.
-    from tierlm.cache.artifact import Artifact
-    from tierlm.config import ModelConfig
-    from tierlm.lora.adapter import LoraAdapter
-    from tierlm.lora.merge import LoraMerger
-    from tierlm.models import family_class
-    from tierlm.weights.checkpoint import Checkpoint
-
     base = Artifact.open(Path(base_artifact))
     try:
         manifest = dict(base.manifest)
@@ -594,9 +592,6 @@ def _concatenated(terms, heights, device, dtype) -> LowRank:
 def _merged_reader(model_dir, adapters, quant, changed, device, dtype, progress) -> "_VariantReader":
     """A reader of the changed tensors in the variant artifact of `adapters` (all of them, over the
     checkpoint) in the base's quant mode: exactly what the full `--lora` conversion stores."""
-    from tierlm.cache.convert import ConversionRequest, ensure_variant_artifact
-    from tierlm.store.calibration import activation_stats
-
     directory = ensure_variant_artifact(ConversionRequest(model_dir, (), quant), tuple(adapters), progress, activation_stats)
     return _VariantReader(Path(directory), changed, torch.device(device), dtype)
 
@@ -644,15 +639,11 @@ class _VariantReader:
 
     def _opened(self):
         """The open artifact (call with the lock held)."""
-        from tierlm.cache.artifact import Artifact
-
         if self._artifact is None:
             self._artifact = Artifact.open(self.directory)
         return self._artifact
 
     def _decoded(self, blocks, device: torch.device, copy: bool) -> dict[str, dict[str, object]]:
-        from tierlm.cache import codec
-
         read: dict[str, dict] = {}
         decoded: dict[tuple[str, str], object] = {}
         out: dict[str, dict[str, object]] = {}
