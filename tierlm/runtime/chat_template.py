@@ -16,11 +16,18 @@ template that loops for minutes or builds gigabyte strings is stopped with a Tie
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections.abc import Mapping, Sequence
+from datetime import datetime
 from typing import Any
 
+import jinja2
+import jinja2.nodes
+from jinja2.ext import Extension, loopcontrols
+from jinja2.utils import Namespace
+
 from tierlm.errors import TierlmError
-from tierlm.runtime.template_budget import DEFAULT_MAX_CHARS, DEFAULT_SECONDS, RenderBudget, text_size
+from tierlm.runtime.template_budget import DEFAULT_MAX_CHARS, DEFAULT_SECONDS, RenderBudget, bounded_environment, text_size
 
 # Names a message's reasoning may arrive under; templates read the first one
 # (gpt-oss templates read "thinking"), so both are filled, as transformers does.
@@ -113,11 +120,6 @@ def compile_template(source: str):
 
     Raises TierlmError (with the line number) on a syntax error.
     """
-    import jinja2
-    import jinja2.ext
-
-    from tierlm.runtime.template_budget import bounded_environment
-
     # Templates are untrusted code; jinja2 before 3.1.6 has known sandbox escapes.
     if tuple(int(p) for p in jinja2.__version__.split(".")[:3] if p.isdigit()) < (3, 1, 6):
         raise TierlmError(f"chat templates need jinja2>=3.1.6 (found {jinja2.__version__})",
@@ -128,11 +130,11 @@ def compile_template(source: str):
             "raise_exception": _raise_exception,
             "strftime_now": _strftime_now,
             "dict": _TemplateDict(),
-            "namespace": _namespace_class(),
+            "namespace": _TemplateNamespace,
         },
         trim_blocks=True,
         lstrip_blocks=True,
-        extensions=[jinja2.ext.loopcontrols, _generation_tag()],
+        extensions=[loopcontrols, _GenerationTag],
     )
     hint = "fix chat_template in tokenizer_config.json or chat_template.jinja"
     try:
@@ -146,20 +148,14 @@ def compile_template(source: str):
 
 def _tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
     # Jinja's own tojson HTML-escapes <, >, & and ', which would change the prompt text.
-    import json
-
     return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
 
 def _raise_exception(message):
-    import jinja2
-
     raise jinja2.TemplateError(message)
 
 
 def _strftime_now(fmt):
-    from datetime import datetime
-
     return datetime.now().strftime(fmt)
 
 
@@ -173,50 +169,40 @@ class _TemplateDict:
         return dict.fromkeys(*args, **kwargs)
 
 
-def _namespace_class():
+def _check_namespace_name(name):
+    if isinstance(name, str) and name.startswith("_"):
+        raise jinja2.exceptions.SecurityError(
+            f"chat templates cannot store underscore-prefixed attributes on a namespace ({name!r})")
+
+
+class _TemplateNamespace(Namespace):
     """A jinja2 Namespace that refuses underscore names, closing a route to CPython internals."""
-    import jinja2
-    import jinja2.utils
 
-    def check(name):
-        if isinstance(name, str) and name.startswith("_"):
-            raise jinja2.exceptions.SecurityError(
-                f"chat templates cannot store underscore-prefixed attributes on a namespace ({name!r})")
+    def __init__(*args, **kwargs):  # noqa: N805 - Namespace's signature trick, so namespace(self=...) works
+        self, args = args[0], args[1:]
+        attrs = dict(*args, **kwargs)
+        for name in attrs:
+            _check_namespace_name(name)
+        Namespace.__init__(self, attrs)
 
-    class TemplateNamespace(jinja2.utils.Namespace):
-        def __init__(*args, **kwargs):  # noqa: N805 - Namespace's signature trick, so namespace(self=...) works
-            self, args = args[0], args[1:]
-            attrs = dict(*args, **kwargs)
-            for name in attrs:
-                check(name)
-            jinja2.utils.Namespace.__init__(self, attrs)
-
-        def __setitem__(self, name, value):
-            check(name)
-            jinja2.utils.Namespace.__setitem__(self, name, value)
-
-    return TemplateNamespace
+    def __setitem__(self, name, value):
+        _check_namespace_name(name)
+        Namespace.__setitem__(self, name, value)
 
 
-def _generation_tag():
-    """The `{% generation %}` extension class; built on call so importing this module skips jinja2."""
-    import jinja2.ext
-    import jinja2.nodes
+class _GenerationTag(Extension):
+    """`{% generation %}...{% endgeneration %}` marks assistant text for training masks; for
+    inference it renders its body unchanged."""
 
-    class GenerationTag(jinja2.ext.Extension):
-        # `{% generation %}...{% endgeneration %}` marks assistant text for training masks;
-        # for inference it renders its body unchanged.
-        tags = {"generation"}
+    tags = {"generation"}
 
-        def parse(self, parser):
-            lineno = next(parser.stream).lineno
-            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
-            return jinja2.nodes.CallBlock(self.call_method("_render"), [], [], body).set_lineno(lineno)
+    def parse(self, parser):
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return jinja2.nodes.CallBlock(self.call_method("_render"), [], [], body).set_lineno(lineno)
 
-        def _render(self, caller):
-            return caller()
-
-    return GenerationTag
+    def _render(self, caller):
+        return caller()
 
 
 def _normalize_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict]:

@@ -10,13 +10,22 @@ from __future__ import annotations
 
 import math
 import sys
+import tempfile
 from pathlib import Path
 from typing import Callable
 
+import torch
+
+from tierlm.cache.synthetic import write_synthetic_artifact
+from tierlm.device.resolve import compute_dtype
 from tierlm.offload.bandwidths import Bandwidths
+from tierlm.paths import cache_root
 from tierlm.probe.bandwidth import SHORT_ROW, disk_bytes_per_s, gemm_flops, int8_bytes_per_s, link_bytes_per_s, probe_device, row_seconds
 from tierlm.probe.record import save_bandwidths
-from tierlm.paths import cache_root
+from tierlm.runtime.engine import Engine
+from tierlm.runtime.loader import load_model
+from tierlm.runtime.sampling import SamplingParams
+from tierlm.runtime.tokenizer import Tokenizer
 
 # The overhead probe's model: a real family's shape at widths where weight bytes are negligible
 # (a few KiB per layer), so a decode step times what a layer costs besides its bytes.
@@ -31,10 +40,6 @@ OVERHEAD_STEPS = 32  # decode steps per timed generation
 
 def probe(device=None) -> Bandwidths:
     """Measure every speed once (a few seconds; the disk probe writes a 128 MiB temp file)."""
-    import torch
-
-    from tierlm.device import compute_dtype
-
     device = probe_device(device)
     cpu = torch.device("cpu")
     dtype = compute_dtype(device)
@@ -74,8 +79,6 @@ def decode_overheads(device, dtype, depths: tuple[int, int] = OVERHEAD_LAYERS) -
     difference per layer is the layer's fixed cost, the rest the token's. A tiny layer (the
     probe before v3) ran a fraction of a real layer's ops and under-charged small models ~2x.
     """
-    import tempfile
-
     with tempfile.TemporaryDirectory(prefix="tierlm-probe-") as folder:
         step = {layers: _decode_step_timer(Path(folder) / f"{layers}l", layers, device, dtype) for layers in depths}
         best = dict.fromkeys(depths, math.inf)
@@ -90,12 +93,6 @@ def decode_overheads(device, dtype, depths: tuple[int, int] = OVERHEAD_LAYERS) -
 def _decode_step_timer(folder: Path, layers: int, device, dtype) -> Callable[[], float]:
     """A function timing one greedy generation of OVERHEAD_STEPS decode steps on a synthetic
     `layers`-layer model written to `folder`; it returns seconds per decode step."""
-    from tierlm.cache.synthetic import write_synthetic_artifact
-    from tierlm.runtime.engine import Engine
-    from tierlm.runtime.loader import load_model
-    from tierlm.runtime.sampling import SamplingParams
-    from tierlm.runtime.tokenizer import Tokenizer
-
     artifact = write_synthetic_artifact({**OVERHEAD_CONFIG, "num_hidden_layers": layers}, folder, quant="int8")
     loaded = load_model(artifact, device=device, dtype=dtype, context_length=64)
     engine = Engine(loaded, Tokenizer.from_dir(artifact))
@@ -114,8 +111,6 @@ def _decode_step_timer(folder: Path, layers: int, device, dtype) -> Callable[[],
 
 if __name__ == "__main__":
     # `python -m tierlm.runtime.measure_machine DEVICE [THREADS]`: probe and cache (what load_probe runs).
-    import torch
-
     if len(sys.argv) > 2:
         torch.set_num_threads(int(sys.argv[2]))
     chosen = probe_device(sys.argv[1] if len(sys.argv) > 1 else None)

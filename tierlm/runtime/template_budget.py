@@ -21,12 +21,21 @@ is kept per thread on the environment.
 
 from __future__ import annotations
 
+import json
 import math
 import re
+import string
+import threading
 import time
 from collections.abc import Iterable, Mapping
 from contextlib import contextmanager
 from typing import Any
+
+from jinja2 import nodes, pass_context
+from jinja2.compiler import CodeGenerator
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from jinja2.utils import Namespace
+from jinja2.visitor import NodeTransformer
 
 from tierlm.errors import TierlmError
 
@@ -95,8 +104,6 @@ class RenderBudget:
 def text_size(value: Any, limit: float = math.inf) -> int:
     """About how many characters str(value) has (containers as their repr), counted only until
     the count passes `limit`, so a list of a million references costs little to measure."""
-    from jinja2.utils import Namespace
-
     total, stack = 0, [value]
     while stack and total <= limit:
         item = stack.pop()
@@ -133,8 +140,6 @@ def printf_size(fmt: str, args: Any, limit: float) -> float:
 
 def format_size(fmt: str, args: tuple, kwargs: Mapping[str, Any], limit: float) -> float:
     """A bound on len(fmt.format(*args, **kwargs)), widths in format specs included."""
-    import string
-
     values = [*args, *kwargs.values()]
     size = len(fmt) + sum(text_size(v, limit) for v in values)
     try:
@@ -172,121 +177,119 @@ def _digits_value(digits: str) -> float:
     return int(digits) if len(digits) < 12 else math.inf
 
 
-def bounded_environment(filters: Mapping[str, Any], globals: Mapping[str, Any], **options):
+def bounded_environment(filters: Mapping[str, Any], globals: Mapping[str, Any], **options) -> "BoundedEnvironment":
     """An ImmutableSandboxedEnvironment (with `options`, and `filters`/`globals` added) whose
     templates spend from the RenderBudget that `env.spending(budget)` sets for the current thread."""
-    import threading
+    return BoundedEnvironment(extra_filters=filters, extra_globals=globals, **options)
 
-    import jinja2
-    from jinja2 import nodes
-    from jinja2.compiler import CodeGenerator
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-    from jinja2.visitor import NodeTransformer
 
-    class RouteThroughBudget(NodeTransformer):
-        """Loops iterate through LOOP_FILTER and `~` joins through CONCAT_FILTER, where the budget looks."""
+class _RouteThroughBudget(NodeTransformer):
+    """Loops iterate through LOOP_FILTER and `~` joins through CONCAT_FILTER, where the budget looks."""
 
-        def __init__(self, environment):
-            self.environment = environment
+    def __init__(self, environment):
+        self.environment = environment
 
-        def visit_For(self, node):
-            node = self.generic_visit(node)
-            node.iter = self._filter(node.iter, LOOP_FILTER)
-            return node
+    def visit_For(self, node):
+        node = self.generic_visit(node)
+        node.iter = self._filter(node.iter, LOOP_FILTER)
+        return node
 
-        def visit_Concat(self, node):
-            node = self.generic_visit(node)
-            return self._filter(nodes.List(node.nodes, lineno=node.lineno), CONCAT_FILTER)
+    def visit_Concat(self, node):
+        node = self.generic_visit(node)
+        return self._filter(nodes.List(node.nodes, lineno=node.lineno), CONCAT_FILTER)
 
-        def _filter(self, arg, name):
-            return nodes.Filter(arg, name, [], [], None, None, lineno=arg.lineno).set_environment(self.environment)
+    def _filter(self, arg, name):
+        return nodes.Filter(arg, name, [], [], None, None, lineno=arg.lineno).set_environment(self.environment)
 
-    class BudgetedCodeGenerator(CodeGenerator):
-        def visit_Template(self, node, frame=None):
-            RouteThroughBudget(self.environment).visit(node)
-            super().visit_Template(node, frame)
 
-    class BoundedEnvironment(ImmutableSandboxedEnvironment):
-        # Intercepted operators are also never folded at compile time, where 'x' * 10**9 would run.
-        intercepted_binops = frozenset({"+", "*", "**", "%"})
-        code_generator_class = BudgetedCodeGenerator
+class _BudgetedCodeGenerator(CodeGenerator):
+    def visit_Template(self, node, frame=None):
+        _RouteThroughBudget(self.environment).visit(node)
+        super().visit_Template(node, frame)
 
-        def __init__(self, **kwargs):
-            super().__init__(**kwargs)
-            self._local = threading.local()
-            self.globals.pop("lipsum", None)  # lorem ipsum of any length, and no use in a prompt
-            self.globals.update(globals)
-            self.filters.update(filters)
-            for name, func in list(self.filters.items()):
-                self.filters[name] = self._guarded(name, func)
-            self.filters[LOOP_FILTER] = self._loop
-            self.filters[CONCAT_FILTER] = self._concat
-            self.finalize = self._finalize
 
-        @contextmanager
-        def spending(self, budget: RenderBudget):
-            """Renders in this thread spend from `budget` until the block ends."""
-            self._local.budget = budget
-            try:
-                yield budget
-            finally:
-                self._local.budget = None
+class BoundedEnvironment(ImmutableSandboxedEnvironment):
+    """The sandbox whose every step spends from the current thread's RenderBudget (module doc)."""
 
-        def budget(self) -> RenderBudget:
-            budget = getattr(self._local, "budget", None)
-            if budget is None:
-                raise TierlmError("a chat template was rendered outside ChatTemplate.render, which bounds it")
-            return budget
+    # Intercepted operators are also never folded at compile time, where 'x' * 10**9 would run.
+    intercepted_binops = frozenset({"+", "*", "**", "%"})
+    code_generator_class = _BudgetedCodeGenerator
 
-        def call_binop(self, context, operator, left, right):
+    def __init__(self, extra_filters: Mapping[str, Any] | None = None, extra_globals: Mapping[str, Any] | None = None,
+                 **kwargs):  # fmt: skip
+        super().__init__(**kwargs)
+        self._local = threading.local()
+        self.globals.pop("lipsum", None)  # lorem ipsum of any length, and no use in a prompt
+        self.globals.update(extra_globals or {})
+        self.filters.update(extra_filters or {})
+        for name, func in list(self.filters.items()):
+            self.filters[name] = self._guarded(name, func)
+        self.filters[LOOP_FILTER] = self._loop
+        self.filters[CONCAT_FILTER] = self._concat
+        self.finalize = self._finalize
+
+    @contextmanager
+    def spending(self, budget: RenderBudget):
+        """Renders in this thread spend from `budget` until the block ends."""
+        self._local.budget = budget
+        try:
+            yield budget
+        finally:
+            self._local.budget = None
+
+    def budget(self) -> RenderBudget:
+        budget = getattr(self._local, "budget", None)
+        if budget is None:
+            raise TierlmError("a chat template was rendered outside ChatTemplate.render, which bounds it")
+        return budget
+
+    def call_binop(self, context, operator, left, right):
+        budget = self.budget()
+        budget.tick()
+        _check_binop(budget, operator, left, right)
+        return budget.charge(self.binop_table[operator](left, right))
+
+    def call(__self, __context, __obj, *args, **kwargs):  # noqa: N805 - jinja's signature
+        budget = __self.budget()
+        budget.tick()
+        args = _check_str_method(budget, __obj, args, kwargs)
+        return budget.charge(super().call(__context, __obj, *args, **kwargs))
+
+    @pass_context
+    def _finalize(self, context, value):
+        budget = self.budget()
+        if not isinstance(value, str):
+            budget.allow(text_size(value, budget.max_chars), "text")
+            budget.tick()
+            return value
+        return budget.charge(value)
+
+    @pass_context
+    def _loop(self, context, iterable):
+        budget = self.budget()
+        for item in iterable:
+            budget.tick()
+            yield item
+
+    @pass_context
+    def _concat(self, context, parts):
+        budget = self.budget()
+        budget.allow(join_size("", parts, budget.max_chars), "a ~ join")
+        return budget.charge("".join(map(str, parts)))
+
+    def _guarded(self, name, func):
+        """`func` with its result's size estimated first where it can outgrow its input."""
+
+        @pass_context
+        def guarded(context, value, *args, **kwargs):
             budget = self.budget()
             budget.tick()
-            _check_binop(budget, operator, left, right)
-            return budget.charge(self.binop_table[operator](left, right))
+            if name in _STRINGIFYING and not isinstance(value, str):
+                budget.allow(text_size(value, budget.max_chars), f"the text of |{name}'s input")
+            value = _check_filter(budget, name, value, args, kwargs)
+            return budget.charge(context.call(func, value, *args, **kwargs))
 
-        def call(__self, __context, __obj, *args, **kwargs):  # noqa: N805 - jinja's signature
-            budget = __self.budget()
-            budget.tick()
-            args = _check_str_method(budget, __obj, args, kwargs)
-            return budget.charge(super().call(__context, __obj, *args, **kwargs))
-
-        @jinja2.pass_context
-        def _finalize(self, context, value):
-            budget = self.budget()
-            if not isinstance(value, str):
-                budget.allow(text_size(value, budget.max_chars), "text")
-                budget.tick()
-                return value
-            return budget.charge(value)
-
-        @jinja2.pass_context
-        def _loop(self, context, iterable):
-            budget = self.budget()
-            for item in iterable:
-                budget.tick()
-                yield item
-
-        @jinja2.pass_context
-        def _concat(self, context, parts):
-            budget = self.budget()
-            budget.allow(join_size("", parts, budget.max_chars), "a ~ join")
-            return budget.charge("".join(map(str, parts)))
-
-        def _guarded(self, name, func):
-            """`func` with its result's size estimated first where it can outgrow its input."""
-
-            @jinja2.pass_context
-            def guarded(context, value, *args, **kwargs):
-                budget = self.budget()
-                budget.tick()
-                if name in _STRINGIFYING and not isinstance(value, str):
-                    budget.allow(text_size(value, budget.max_chars), f"the text of |{name}'s input")
-                value = _check_filter(budget, name, value, args, kwargs)
-                return budget.charge(context.call(func, value, *args, **kwargs))
-
-            return guarded
-
-    return BoundedEnvironment(**options)
+        return guarded
 
 
 def _check_binop(budget: RenderBudget, operator: str, left: Any, right: Any) -> None:
@@ -378,8 +381,6 @@ def _check_filter(budget: RenderBudget, name: str, value: Any, args: tuple, kwar
 
 def _allow_json(budget: RenderBudget, value: Any, options: dict) -> None:
     """Encode `value` as tojson will, counting the text without keeping it (indent can multiply it)."""
-    import json
-
     options = {"ensure_ascii": False, **options}
     size = 0
     try:

@@ -13,6 +13,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from tokenizers import Tokenizer as Backend
+
 from tierlm.errors import TierlmError
 from tierlm.runtime.chat_template import ChatTemplate
 
@@ -58,8 +60,6 @@ class Tokenizer:
         wins over tokenizer_config's `chat_template`, as in transformers 5),
         generation_config.json and config.json (for `eos_token_id`).
         """
-        from tokenizers import Tokenizer as Backend
-
         root = Path(path)
         if not root.is_dir():
             raise TierlmError(f"tokenizer directory {root} does not exist")
