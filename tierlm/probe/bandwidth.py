@@ -8,7 +8,13 @@ import re
 import time
 from pathlib import Path
 
+import torch
+
+from tierlm.device.backend import DeviceBackend
+from tierlm.device.resolve import resolve_device
+from tierlm.models import fused_decode
 from tierlm.offload.bandwidths import MATRIX
+from tierlm.quant.int8 import Int8Weight, quantize_int8
 
 # The short-row probe's weight: 576-wide rows (a ~100M model's), 16 MiB as the long-row one.
 SHORT_ROW = 576
@@ -24,10 +30,6 @@ READ_CHUNK = 16 << 20
 def int8_bytes_per_s(device, dtype, cols: int = MATRIX) -> float:
     """Weight bytes/s of `quantize_int8(W).linear(x)` at batch 1, W [16 MiB / cols, cols]
     (4096 x 4096 by default), copies cycled (see MIN_WEIGHT_BYTES)."""
-    import torch
-
-    from tierlm.quant.int8 import Int8Weight, quantize_int8
-
     gen = torch.Generator().manual_seed(0)
     base = quantize_int8(torch.randn(MATRIX * MATRIX // cols, cols, generator=gen))
     if device.type == "cpu":
@@ -50,8 +52,6 @@ def int8_bytes_per_s(device, dtype, cols: int = MATRIX) -> float:
 
 def gemm_flops(device, dtype) -> float:
     """FLOP/s of one [M, K] @ [K, N] GEMM in `dtype` (M = 512 tokens on CPUs, 4096 on GPUs)."""
-    import torch
-
     m, k = (512, 2048) if device.type == "cpu" else (4096, 8192)
     a = torch.randn(m, k, device=device).to(dtype)
     b = torch.randn(k, k, device=device).to(dtype)
@@ -61,10 +61,6 @@ def gemm_flops(device, dtype) -> float:
 
 def link_bytes_per_s(device) -> float:
     """Host -> device copy bytes/s: pinned H2D on accelerators, RAM-to-RAM `copy_` on CPUs."""
-    import torch
-
-    from tierlm.device import DeviceBackend
-
     backend = DeviceBackend(device)
     source = backend.empty_host(COPY_BYTES).fill_(1)  # pinned where the tiered store pins too
     target = torch.empty(COPY_BYTES, dtype=torch.uint8, device=device)
@@ -129,17 +125,23 @@ def last_level_cache_bytes() -> int:
 
 
 def probe_device(device):
-    import torch
-
-    from tierlm.device import resolve_device
-
     return device if isinstance(device, torch.device) else resolve_device(device)
+
+
+def probe_key(device) -> tuple[str, int]:
+    """(the name `device`'s probe is filed under: its kind, the card's name or the CPU's decode
+    path; torch's current thread count), which key the cached record (probe/record.py)."""
+    device = probe_device(device)
+    name = device.type
+    if device.type != "cpu":
+        name += "-" + DeviceBackend(device).name()
+    if device.type == "cpu" and not fused_decode.enabled():
+        name += "-eager"  # the per-layer overhead is the decode path's: eager layers cost ~10x more
+    return name, torch.get_num_threads()
 
 
 def _best_seconds(run, device, reps: int) -> float:
     """The fastest of `reps` timed runs: the machine's capability, not its momentary load."""
-    from tierlm.device import DeviceBackend
-
     sync = DeviceBackend(device).synchronize  # a whole-device wait: this is a measurement
     run()  # warm-up: kernel calibration, first-touch page faults, thread pools
     sync()

@@ -23,6 +23,14 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
+from tierlm import __version__
+from tierlm.atomic import optional_write, replace_file
+from tierlm.device.memory import read_memory, trim_heap
+from tierlm.paths import cache_root
+from tierlm.quant.dispatch import kernel_choice
+
 # Run-to-run RSS differences seen at this point are ~0.1 MiB; 4 MiB covers other machines'
 # allocators without charging much.
 TOLERANCE = 4 << 20
@@ -49,8 +57,6 @@ def runtime_baseline(device, quant: str, model_dir: Path | None = None) -> Basel
     `quant` is the weight format to be loaded ("int8...", "fp32", "none", ...): INT8 kernels are
     calibrated only for int8 weights. `model_dir` keys the record (tokenizers differ in size).
     """
-    from tierlm.device import read_memory, trim_heap
-
     prepare_runtime(device, quant.startswith("int8"))
     trim_heap()
     measured = read_memory().rss
@@ -65,16 +71,12 @@ def prepare_runtime(device, int8: bool) -> None:
         importlib.import_module(module)
 
     if int8:
-        from tierlm.quant.dispatch import kernel_choice
-
         kernel_choice(device)
 
 
 def steady_charge(measured: int, path: Path) -> int:
     """`measured` made deterministic: the recorded charge while `measured` lies in the band
     [charge - KEEP_BELOW, charge]; otherwise a new record, measured + TOLERANCE (whole MiB)."""
-    from tierlm.atomic import optional_write, replace_file
-
     recorded = _read_record(path)
     if recorded is not None and recorded["charged"] - KEEP_BELOW <= measured <= recorded["charged"]:
         return int(recorded["charged"])
@@ -87,11 +89,6 @@ def steady_charge(measured: int, path: Path) -> int:
 
 def record_path(device, quant: str, model_dir: Path | None) -> Path:
     """`<cache>/baseline/<key>.json`, keyed by what changes the baseline."""
-    import torch
-
-    from tierlm import __version__
-    from tierlm.paths import cache_root
-
     model = str(Path(model_dir).resolve()) if model_dir is not None else ""
     key = "|".join([str(device), str(torch.get_num_threads()), "int8" if quant.startswith("int8") else "float",
                     model, torch.__version__, __version__])  # fmt: skip

@@ -18,8 +18,14 @@ import socket
 import subprocess
 import sys
 import time
+from datetime import timedelta
 from pathlib import Path
 
+import torch
+import torch.distributed as dist
+
+from tierlm.atomic import optional_write, replace_file
+from tierlm.errors import TierlmError
 from tierlm.offload.stage_planner import Link
 from tierlm.paths import cache_root
 
@@ -36,8 +42,6 @@ def link_path() -> Path:
 
 def gbps_link(gbps: float, latency_ms: float) -> Link:
     """A link given by hand (`--link-gbps`, `--link-latency-ms`): ranks on other machines."""
-    from tierlm.errors import TierlmError
-
     if not gbps > 0 or latency_ms < 0:
         raise TierlmError(f"a link of {gbps} Gbit/s and {latency_ms} ms", "give --link-gbps > 0 and --link-latency-ms >= 0")
     return Link(gbps * 1e9 / 8, latency_ms / 1e3, f"--link-gbps {gbps:g}, latency {latency_ms:g} ms")
@@ -73,8 +77,6 @@ def link_record(bytes_per_s: float, latency_s: float) -> dict:
 
 def save_link(record: dict, path: Path | None = None) -> Path:
     """Write a measured link's record (atomically; skipped on a read-only cache)."""
-    from tierlm.atomic import optional_write, replace_file
-
     path = link_path() if path is None else path
     with optional_write():
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -85,8 +87,6 @@ def save_link(record: dict, path: Path | None = None) -> Path:
 def measure(port: int | None = None) -> tuple[float, float]:
     """(bytes per second, latency in seconds) between this process (rank 0) and a second local
     process it starts (rank 1), over gloo."""
-    import torch.distributed as dist
-
     port = port or free_port()
     peer = subprocess.Popen([sys.executable, "-m", "tierlm.probe.link", "--rank", "1", "--port", str(port)])
     try:
@@ -105,9 +105,6 @@ def measure(port: int | None = None) -> tuple[float, float]:
 
 
 def _time_rank0() -> tuple[float, float]:
-    import torch
-    import torch.distributed as dist
-
     tiny = torch.zeros(1)
     rounds = []
     for _ in range(TINY_ROUNDS):
@@ -127,8 +124,6 @@ def _time_rank0() -> tuple[float, float]:
 
 
 def _one_way(payload, ack) -> float:
-    import torch.distributed as dist
-
     start = time.perf_counter()
     dist.send(payload, 1)
     dist.recv(ack, 1)
@@ -137,9 +132,6 @@ def _one_way(payload, ack) -> float:
 
 def _serve_rank1(port: int) -> None:
     """Rank 1: answer rank 0's schedule (_time_rank0's) message for message."""
-    import torch
-    import torch.distributed as dist
-
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=1, world_size=2, timeout=_timeout())
     try:
         tiny = torch.zeros(1)
@@ -162,16 +154,12 @@ def free_port() -> int:
 
 
 def _timeout():
-    from datetime import timedelta
-
     return timedelta(seconds=TIMEOUT_S)
 
 
 def _measure_in_child() -> dict:
     """Measure in a child process (it caches the result and prints its record as the last line),
     so the caller never joins a process group."""
-    from tierlm.errors import TierlmError
-
     done = subprocess.run([sys.executable, "-m", "tierlm.probe.link"], capture_output=True, text=True,
                           timeout=TIMEOUT_S * 2)  # fmt: skip
     if done.returncode != 0:

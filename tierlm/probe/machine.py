@@ -10,6 +10,9 @@ import json
 import subprocess
 import sys
 
+import torch
+
+from tierlm.errors import TierlmError
 from tierlm.offload.bandwidths import Bandwidths
 from tierlm.probe.bandwidth import probe_device
 from tierlm.probe.record import ProbeRecord, bandwidths_path, read_probe
@@ -34,10 +37,6 @@ def load_probe(device=None, *, refresh: bool = False) -> ProbeRecord:
 
 def _probe_in_child(device) -> None:
     """Run `probe` in a child process with this process's thread count; it saves the cache file."""
-    import torch
-
-    from tierlm.errors import TierlmError
-
     done = subprocess.run(
         [sys.executable, "-m", "tierlm.runtime.measure_machine", str(device), str(torch.get_num_threads())],
         capture_output=True, text=True, timeout=600,

@@ -9,6 +9,9 @@ A probe taken while the machine was busy would mislead every later prediction, s
 is a `ProbeRecord`: the figures, when they were probed, the last measured run beside its
 prediction, and the corrections measured runs made (`record_measured_run`). `tierlm doctor
 --probe` probes afresh.
+
+No torch here: a record is read without it. Only naming a device's file asks torch (the device's
+name, its thread count: probe/bandwidth.py `probe_key`).
 """
 
 from __future__ import annotations
@@ -20,9 +23,9 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable
 
+from tierlm.atomic import directory_lock, optional_write, replace_file
 from tierlm.offload.bandwidths import Bandwidths
 from tierlm.paths import cache_root
-from tierlm.probe.bandwidth import probe_device
 
 # 2: weights cycled past the last-level cache (v1's 64 MiB sat in a 260 MiB L3), best of 3
 # cold disk reads. 3: the per-layer and per-token overheads timed on the real decode path, and
@@ -33,18 +36,12 @@ KEPT_CORRECTIONS = 5  # the newest corrections kept in the record, for `doctor` 
 
 def bandwidths_path(device=None) -> Path:
     """The cache file for `device` at torch's current thread count."""
-    import torch
+    # torch names the device and its threads: loaded here, where a device is named, so that
+    # reading a record does not load it.
+    from tierlm.probe.bandwidth import probe_key
 
-    from tierlm.device import DeviceBackend
-    from tierlm.models import fused_decode
-
-    device = probe_device(device)
-    name = device.type
-    if device.type != "cpu":
-        name += "-" + DeviceBackend(device).name()
-    if device.type == "cpu" and not fused_decode.enabled():
-        name += "-eager"  # the per-layer overhead is the decode path's: eager layers cost ~10x more
-    key = re.sub(r"[^A-Za-z0-9_.-]+", "_", f"{name}-{torch.get_num_threads()}t-v{PROBE_VERSION}")
+    name, threads = probe_key(device)
+    key = re.sub(r"[^A-Za-z0-9_.-]+", "_", f"{name}-{threads}t-v{PROBE_VERSION}")
     return cache_root() / "probe" / f"{key}.json"
 
 
@@ -92,8 +89,6 @@ def save_bandwidths(bandwidths: Bandwidths, device=None, *, probed_at: float | N
 
 def save_probe(record: ProbeRecord, device=None) -> Path:
     """Write `record` as the cached probe for `device` (atomically; skipped on a read-only cache)."""
-    from tierlm.atomic import optional_write, replace_file
-
     path = bandwidths_path(device)
     with optional_write():
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -109,8 +104,6 @@ def record_measured_run(device, assess: Callable[[Bandwidths], tuple[dict, Bandw
     record's lock on the figures as they are now, so concurrent runs do not undo each other.
     Returns the updated record; None (nothing written) when no probe is cached.
     """
-    from tierlm.atomic import directory_lock
-
     path = bandwidths_path(device)
     if not path.parent.is_dir():
         return None
