@@ -17,7 +17,7 @@ holds one small TCP connection to rank 0 and both ends send a byte every `interv
 The timeout is `--stage-timeout` (TIERLM_STAGE_TIMEOUT in a worker's environment); it bounds how
 long a stopped rank goes unnoticed, not how long a stage may compute: a busy stage still beats.
 Spawned workers find rank 0's listener in their environment (`worker_env`); under torchrun rank 0
-broadcasts its port once the group is formed (`announce_health` / `join_health`) and the workers
+broadcasts its port once the group is formed (launch.py `announce_health` / `join_health`) and the workers
 connect to MASTER_ADDR.
 """
 
@@ -410,26 +410,6 @@ def _read_line(sock: socket.socket, limit: int = 64) -> str:
             raise OSError("no hello")
         data += chunk
     return data.decode("ascii")
-
-
-def announce_health(world: int, timeout: float | None, device) -> PipelineHealth:
-    """Rank 0 of a torchrun group: a PipelineHealth listening on every interface, whose port and
-    timeout every rank learns from one broadcast (matched by `join_health` on each worker)."""
-    import torch.distributed as dist
-
-    health = PipelineHealth(world, timeout or stage_timeout_s(), host="0.0.0.0")
-    dist.broadcast_object_list([health.port, health.timeout], src=0, device=device)
-    return health
-
-
-def join_health(env, device) -> "Heartbeat":
-    """A torchrun worker's heartbeat to rank 0 (at MASTER_ADDR), after `announce_health`'s broadcast."""
-    import torch.distributed as dist
-
-    announced = [None, None]
-    dist.broadcast_object_list(announced, src=0, device=device)
-    port, timeout = announced
-    return Heartbeat(f"{env.master_addr}:{port}", env.rank, timeout)
 
 
 class Heartbeat:

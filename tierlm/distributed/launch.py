@@ -1,7 +1,8 @@
 """Starting the ranks of a pipeline: local worker processes spawned by tierlm, or the processes
-torchrun started; then one torch.distributed process group over them.
+torchrun started; then one torch.distributed process group over them, and (under torchrun) the
+broadcast that tells every rank where rank 0's health monitor listens.
 
-Imported by the CLI: torch is imported inside the functions that need it.
+Which rank this process is, and the timeouts, are tierlm/distributed/ranks.py's (torch-free).
 """
 
 from __future__ import annotations
@@ -11,60 +12,15 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
+from datetime import timedelta
 
+import torch
+import torch.distributed as dist
+
+from tierlm.distributed.health import Heartbeat, PipelineHealth, stage_timeout_s
+from tierlm.distributed.ranks import BACKEND_ENV, PARENT_ENV, TIMEOUT_ENV, RankEnv, backend_for, rank_env, timeout_s
+from tierlm.distributed.wire import SHUTDOWN, Link, control
 from tierlm.errors import TierlmError
-
-# Loading a stage may convert a checkpoint first (minutes for a large model), and every
-# collective a rank waits in is bounded by this; TIERLM_PIPELINE_TIMEOUT overrides it.
-DEFAULT_TIMEOUT_S = 1800.0
-# Set in a locally spawned worker: the pid of rank 0, which the worker outlives by at most a poll.
-PARENT_ENV = "TIERLM_PIPELINE_PARENT"
-TIMEOUT_ENV = "TIERLM_PIPELINE_TIMEOUT"
-BACKEND_ENV = "TIERLM_PIPELINE_BACKEND"  # a spawned worker's, from rank 0's device
-
-
-@dataclass(frozen=True)
-class RankEnv:
-    """Where this process sits in a pipeline, as torchrun (or tierlm's spawner) tells it."""
-
-    rank: int
-    world: int
-    master_addr: str
-    master_port: int
-
-
-def rank_env(environ=None) -> RankEnv | None:
-    """This process's rank from RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT; None outside a pipeline
-    (unset, or a world of one)."""
-    env = os.environ if environ is None else environ
-    if "RANK" not in env or "WORLD_SIZE" not in env:
-        return None
-    try:
-        rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
-        port = int(env.get("MASTER_PORT", "29500"))
-    except ValueError:
-        raise TierlmError(f"RANK={env['RANK']!r}, WORLD_SIZE={env['WORLD_SIZE']!r} are not integers",
-                          "launch with torchrun, or unset RANK and WORLD_SIZE") from None  # fmt: skip
-    if world <= 1:
-        return None
-    if not 0 <= rank < world:
-        raise TierlmError(f"RANK={rank} is outside WORLD_SIZE={world}", "launch with torchrun")
-    return RankEnv(rank, world, env.get("MASTER_ADDR", "127.0.0.1"), port)
-
-
-def timeout_s() -> float:
-    raw = os.environ.get(TIMEOUT_ENV, "").strip()
-    try:
-        return float(raw) if raw else DEFAULT_TIMEOUT_S
-    except ValueError:
-        raise TierlmError(f"{TIMEOUT_ENV}={raw!r} is not a number of seconds", f"unset {TIMEOUT_ENV}") from None
-
-
-def backend_for(device_type: str) -> str:
-    """The torch.distributed backend for a compute device: gloo on CPUs, nccl on CUDA, hccl on
-    Ascend (torch_npu registers it)."""
-    return {"cuda": "nccl", "npu": "hccl"}.get(device_type, "gloo")
-
 
 @dataclass
 class PipelineGroup:
@@ -78,8 +34,6 @@ class PipelineGroup:
     health: object = None  # the PipelineHealth watching spawned workers (distributed/health.py)
 
     def link(self):
-        from tierlm.distributed.wire import Link
-
         return Link(0, self.world, self.device, self.health)
 
     def check_alive(self) -> None:
@@ -95,10 +49,6 @@ class PipelineGroup:
         if self.closed:
             return
         self.closed = True
-        import torch.distributed as dist
-
-        from tierlm.distributed.wire import SHUTDOWN, control
-
         if self.health is not None:
             self.health.stop_watching()  # the workers exit now: no failure
 
@@ -127,8 +77,6 @@ def end_processes(processes, grace_s: float) -> None:
 def start_group(stages: int, device, *, timeout: float | None = None, stage_timeout: float | None = None) -> PipelineGroup:
     """Rank 0 of a pipeline of `stages` ranks: under torchrun (RANK/WORLD_SIZE set) the group its
     processes form, else `stages - 1` local worker processes spawned here (127.0.0.1, a free port)."""
-    import torch
-
     device = torch.device(device)
     comm_device = device if backend_for(device.type) != "gloo" else torch.device("cpu")
     timeout = timeout or timeout_s()
@@ -140,8 +88,6 @@ def start_group(stages: int, device, *, timeout: float | None = None, stage_time
             raise TierlmError(f"--stages {stages} under torchrun with WORLD_SIZE={env.world}",
                               f"drop --stages, or launch {stages} processes")  # fmt: skip
         join_group(env, backend_for(device.type), timeout)
-        from tierlm.distributed.health import announce_health
-
         return PipelineGroup(env.world, comm_device, health=announce_health(env.world, stage_timeout, comm_device))
     if stages < 2:
         raise TierlmError(f"a pipeline needs at least 2 stages, not {stages}")
@@ -152,12 +98,6 @@ def spawn_group(stages: int, device, comm_device, timeout: float, stage_timeout:
     """Spawn ranks 1..stages-1 as `python -m tierlm.distributed.worker` and form the group; a
     heartbeat (health.py) watches them: a worker silent for `stage_timeout` s (default: the
     environment's TIERLM_STAGE_TIMEOUT, else 5) or exited fails the pipeline and is killed."""
-    from datetime import timedelta
-
-    import torch.distributed as dist
-
-    from tierlm.distributed.health import PipelineHealth, stage_timeout_s
-
     if dist.is_initialized():
         raise TierlmError("this process already belongs to a torch.distributed group",
                           "close the other pipeline first")  # fmt: skip
@@ -200,10 +140,6 @@ def wait_for_workers(store, group: PipelineGroup, timeout: float) -> None:
 def join_group(env: RankEnv, backend: str, timeout: float) -> None:
     """This process's place in the group of `env`: a worker tierlm spawned reaches rank 0's store
     (and counts itself in); under torchrun, the group its environment describes."""
-    from datetime import timedelta
-
-    import torch.distributed as dist
-
     if PARENT_ENV not in os.environ:
         dist.init_process_group(backend, init_method="env://", rank=env.rank, world_size=env.world,
                                 timeout=timedelta(seconds=timeout))  # fmt: skip
@@ -212,3 +148,19 @@ def join_group(env: RankEnv, backend: str, timeout: float) -> None:
     store.add("joined", 1)
     dist.init_process_group(backend, store=store, rank=env.rank, world_size=env.world,
                             timeout=timedelta(seconds=timeout))  # fmt: skip
+
+
+def announce_health(world: int, timeout: float | None, device) -> PipelineHealth:
+    """Rank 0 of a torchrun group: a PipelineHealth listening on every interface, whose port and
+    timeout every rank learns from one broadcast (matched by `join_health` on each worker)."""
+    health = PipelineHealth(world, timeout or stage_timeout_s(), host="0.0.0.0")
+    dist.broadcast_object_list([health.port, health.timeout], src=0, device=device)
+    return health
+
+
+def join_health(env: RankEnv, device) -> Heartbeat:
+    """A torchrun worker's heartbeat to rank 0 (at MASTER_ADDR), after `announce_health`'s broadcast."""
+    announced = [None, None]
+    dist.broadcast_object_list(announced, src=0, device=device)
+    port, timeout = announced
+    return Heartbeat(f"{env.master_addr}:{port}", env.rank, timeout)

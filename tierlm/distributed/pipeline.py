@@ -17,9 +17,14 @@ from pathlib import Path
 
 import torch
 
+from tierlm.config import ModelConfig
+from tierlm.device.resolve import resolve_device
+from tierlm.distributed.launch import start_group
 from tierlm.distributed.stage_load import StageLoad, load_stage
 from tierlm.distributed.wire import CONTIGUOUS, LOAD, RELEASE, SLOT_BATCH, SLOT_VIEW, StepHeader, control
 from tierlm.errors import TierlmError
+from tierlm.kv.cache import SlotBatch, SlotView
+from tierlm.runtime.loader import context_for
 from tierlm.stages import StageSpan, even_split
 
 
@@ -108,8 +113,6 @@ class PipelineModel:
 
     def _header(self, cache, rows: int, length: int, all_logits: bool) -> StepHeader:
         """Where `rows` x `length` new tokens go in `cache`: each row's length before the step."""
-        from tierlm.kv.cache import SlotBatch, SlotView
-
         root = cache.parent if isinstance(cache, (SlotView, SlotBatch)) else cache
         cache_id = self._cache_id(root)
         dropped, self._dropped = tuple(self._dropped), []
@@ -183,8 +186,6 @@ def stage_loads(model_dir: Path, config, profiles: list, *, context_length: int 
     """One StageLoad per profile (one stage each): the layers split by `plan_spans`, every stage
     with the same context (the shortest its profiles allow) and `common` settings (device,
     dtype, quant, adapters, threads)."""
-    from tierlm.runtime.loader import context_for
-
     if context_length is None and any(p is not None for p in profiles):
         context_length = min(context_for(config, None, p) for p in profiles)
     # Every stage keeps a KV cache for as many sequences as rank 0 serves (serve --batch-size).
@@ -211,10 +212,6 @@ def open_pipeline(model_dir: Path, profiles: list, *, progress=None, stage_timeo
     """Start a pipeline of len(profiles) stages (spawned here, or torchrun's processes) and load
     it; returns rank 0's LoadedModel (its model a PipelineModel that owns the group).
     `stage_timeout`: seconds a stage may go without a heartbeat (distributed/health.py)."""
-    from tierlm.config import ModelConfig
-    from tierlm.device import resolve_device
-    from tierlm.distributed.launch import start_group
-
     device = resolve_device(common.get("device"))
     config = ModelConfig.from_dir(Path(model_dir))
     loads = stage_loads(model_dir, config, profiles, **common)

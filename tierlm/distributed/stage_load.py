@@ -7,6 +7,11 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+import torch
+
+from tierlm.device.cpu import apply_threads
+from tierlm.kv.cache import KVCache, SlotKVCache
+from tierlm.runtime.loader import load_model
 from tierlm.stages import StageSpan
 
 
@@ -29,11 +34,6 @@ class StageLoad:
 def load_stage(load: StageLoad, progress=None, *, set_threads: bool = True):
     """The LoadedModel of `load`'s stage: only its blocks, planned under its profile. A worker
     sets its thread count first; rank 0 (`set_threads` False) keeps the one its session set."""
-    import torch
-
-    from tierlm.device.cpu import apply_threads
-    from tierlm.runtime.loader import load_model
-
     profile = load.profile
     wanted = load.threads or (profile.threads if profile is not None else None)
     threads = apply_threads(wanted) if set_threads else torch.get_num_threads()
@@ -47,8 +47,6 @@ def load_stage(load: StageLoad, progress=None, *, set_threads: bool = True):
 def stage_cache(loaded, slotted: bool, rows: int, max_len: int):
     """A KV cache for `loaded`'s stage alone (its layers only), the twin of one of rank 0's: a
     SlotKVCache of `rows` slots, or a KVCache of batch `rows`, `max_len` positions long."""
-    from tierlm.kv.cache import KVCache, SlotKVCache
-
     common = dict(device=loaded.device, dtype=loaded.dtype, layers=len(loaded.span.layers))
     if slotted:
         return SlotKVCache.for_model(loaded.config, max_len, rows, **common)

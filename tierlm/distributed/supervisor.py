@@ -17,6 +17,8 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
+from tierlm.distributed.launch import start_group
+from tierlm.distributed.wire import LOAD, RELEASE, control
 from tierlm.errors import TierlmError
 
 
@@ -137,9 +139,6 @@ def restart_workers(model) -> None:
     start a new one (new port, same world) and load every worker's stage again, as before.
     Rank 0's stage stays loaded; the new workers make their cache twins on first use, so
     only sequences started after the restart run on it (the server's fresh batch runner)."""
-    from tierlm.distributed.launch import start_group
-    from tierlm.distributed.wire import LOAD, RELEASE, control
-
     model.group.close(grace_s=0.0)  # its processes are dead or are killed now
     group = start_group(model.world, model.device)
     try:

@@ -18,9 +18,15 @@ import time
 import traceback
 
 import torch
+import torch.distributed as dist
 
 from tierlm.distributed import wire
+from tierlm.distributed.health import Heartbeat
+from tierlm.distributed.launch import join_group, join_health
+from tierlm.distributed.ranks import BACKEND_ENV, PARENT_ENV, rank_env, timeout_s
+from tierlm.distributed.stage_load import load_stage, stage_cache
 from tierlm.errors import TierlmError
+from tierlm.profile import format_size
 
 PARENT_POLL_S = 0.5
 
@@ -70,8 +76,6 @@ class StageWorker:
         self.release()
         report = {"rank": self.rank, "ok": False}
         try:
-            from tierlm.distributed.stage_load import load_stage
-
             self.loaded = load_stage(loads[self.rank])
             report.update(ok=True, max_len=self.loaded.max_len, dtype=str(self.loaded.dtype),
                           describe=self.describe())  # fmt: skip
@@ -86,8 +90,6 @@ class StageWorker:
         text = self.loaded.span.describe()
         placement = self.loaded.placement
         if placement is not None:
-            from tierlm.profile import format_size
-
             tiers = ", ".join(f"{tier} {format_size(n)}" for tier, n in placement.block_bytes_by_tier().items())
             text += f" ({tiers})"
         return text
@@ -112,8 +114,6 @@ class StageWorker:
 
     def position(self, step: wire.StepHeader):
         """This stage's twin of rank 0's cache, set to the lengths the step starts from."""
-        from tierlm.distributed.stage_load import stage_cache
-
         slots = step.kind != wire.CONTIGUOUS
         cache = self.caches.get(step.cache_id)
         rows = cache.slots if slots and cache is not None else (cache.keys.shape[1] if cache is not None else None)
@@ -145,17 +145,11 @@ class StageWorker:
 
 
 def serve_stage(env, backend: str, heartbeat=None) -> None:
-    """Join the group described by `env` (a launch.RankEnv) and serve as its rank until SHUTDOWN
+    """Join the group described by `env` (a ranks.RankEnv) and serve as its rank until SHUTDOWN
     (`heartbeat`: this worker's health.Heartbeat, told when SHUTDOWN came)."""
-    import torch.distributed as dist
-
-    from tierlm.distributed.launch import PARENT_ENV, join_group, timeout_s
-
     join_group(env, backend, timeout_s())
     device = {"nccl": "cuda", "hccl": "npu"}.get(backend, "cpu")  # where the link's tensors live
     if PARENT_ENV not in os.environ:  # torchrun's rank: rank 0 names its heartbeat now (health.py)
-        from tierlm.distributed.health import join_health
-
         heartbeat = join_health(env, device)  # beats until this process exits
     try:
         StageWorker(env.rank, env.world, device).run()
@@ -175,8 +169,6 @@ def exit_when_orphaned(parent: int) -> None:
 
 
 def main() -> None:
-    from tierlm.distributed.launch import BACKEND_ENV, PARENT_ENV, rank_env
-
     parent = os.environ.get(PARENT_ENV)
     if parent:
         threading.Thread(target=exit_when_orphaned, args=(int(parent),), daemon=True, name="orphan-watch").start()
@@ -185,8 +177,6 @@ def main() -> None:
         print("error: a pipeline worker needs RANK >= 1 and WORLD_SIZE in its environment", file=sys.stderr)
         sys.exit(2)
     try:
-        from tierlm.distributed.health import Heartbeat
-
         heartbeat = Heartbeat.from_env(env.rank)  # beats until this process exits
         serve_stage(env, os.environ.get(BACKEND_ENV, "gloo"), heartbeat)
     except TierlmError as err:
