@@ -42,16 +42,7 @@ from tierlm.progress import Progress
 from tierlm.weights.gguf_reader import GgufMetadata, open_gguf
 # SUPPORTED_TOKENIZERS is re-exported: it is part of this module's public API.
 from tierlm.weights.gguf_tokenizer import SUPPORTED_TOKENIZERS, build_tokenizer  # noqa: F401
-# The receipt lives in import_record.py; RECORD_NAME and the source_* readers stay importable here
-# for the tests and offload/sizes.py.
-from tierlm.weights.import_record import (  # noqa: F401
-    IMPORT_FORMAT_VERSION,
-    RECORD_NAME,
-    gguf_content_key,
-    read_import_record,
-    source_tensor_types,
-    source_types_by_name,
-)
+from tierlm.weights.import_record import IMPORT_FORMAT_VERSION, RECORD_NAME, gguf_content_key, read_import_record
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen2moe", "qwen3moe")
 # Shards are flushed at this size so a big model never sits in RAM as float32 all at once.
