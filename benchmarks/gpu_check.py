@@ -49,7 +49,7 @@ def parity(device, workdir: Path) -> dict:
     import torch
 
     from tests.tiny import make_model
-    from tierlm.device import compute_dtype
+    from tierlm.device.resolve import compute_dtype
     from tierlm.quant.int8 import quantize_int8
     from tierlm.runtime.loader import load_model
 
@@ -87,7 +87,7 @@ def parity(device, workdir: Path) -> dict:
 
 
 def decode(artifact: Path, profile_name: str, device) -> dict:
-    from tierlm.device import backend_for
+    from tierlm.device.backend import backend_for
     from tierlm.profile import load_profile
     from tierlm.runtime.loader import load_model
 
@@ -155,7 +155,7 @@ def graph_rows(device, models: list[tuple[str, object, dict]]) -> list[dict]:
 def graph_row(name: str, model_dir: Path, options: dict, device) -> dict:
     import torch
 
-    from tierlm.device import backend_for
+    from tierlm.device.backend import backend_for
     from tierlm.models import graph_decode
     from tierlm.runtime.loader import load_model
 
@@ -218,7 +218,8 @@ def main() -> None:
     import torch
 
     from tierlm.cache.synthetic import write_synthetic_artifact
-    from tierlm.device import backend_for, resolve_device
+    from tierlm.device.backend import backend_for
+    from tierlm.device.resolve import resolve_device
 
     device = resolve_device(args.device)
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="tierlm-gpu-check-"))

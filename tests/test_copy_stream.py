@@ -18,7 +18,7 @@ from tierlm.cache.artifact import Artifact
 from tierlm.cache.convert import ConversionRequest, ensure_artifact
 from tierlm.store.resident import load_resident_artifact
 from tierlm.config import ModelConfig
-from tierlm.device import DeviceBackend, DeviceMemory
+from tierlm.device.backend import DeviceBackend, DeviceMemory
 from tierlm.store.tiered import TieredStore
 
 

@@ -19,7 +19,8 @@ import torch
 from typer.testing import CliRunner
 
 from tierlm.cli.app import app
-from tierlm.device import compute_dtype, device_status, read_memory, resolve_device
+from tierlm.device.memory import read_memory
+from tierlm.device.resolve import compute_dtype, device_status, resolve_device
 from tierlm.errors import TierlmError
 
 REPORT_KEYS = {"tierlm", "python", "platform", "torch", "devices", "device", "cpu", "int8_kernel", "packages",
@@ -131,12 +132,13 @@ def test_unknown_and_unavailable_devices_are_clear_errors():
     assert read_memory(torch.device("cpu")).rss > 0
 
 
+@pytest.mark.e2e
 def test_a_working_torch_npu_is_imported_on_demand(tmp_path):
     root = fake_torch_npu(tmp_path, WORKING_NPU)
     code = (
         "import sys, json, tierlm, torch\n"
         "assert 'torch_npu' not in sys.modules, 'autoloaded by import torch'\n"
-        "from tierlm.device import resolve_device, compute_dtype, backend_for, read_memory\n"
+        "from tierlm.device.backend import backend_for\nfrom tierlm.device.memory import read_memory\nfrom tierlm.device.resolve import resolve_device, compute_dtype\n"
         "d = resolve_device('npu')\n"
         "m = backend_for(d).memory()\n"
         "print(json.dumps([str(d), str(resolve_device()), str(compute_dtype(d)), m.total, m.free, m.allocated,\n"
@@ -152,6 +154,7 @@ def test_a_working_torch_npu_is_imported_on_demand(tmp_path):
                                                   "free": 30 << 30}]  # fmt: skip
 
 
+@pytest.mark.e2e
 def test_a_broken_torch_npu_cannot_break_cpu_users(tmp_path):
     root = fake_torch_npu(tmp_path, BROKEN_NPU)
     # The hazard is real: torch's own autoload of the broken plugin fails `import torch`.
@@ -159,7 +162,7 @@ def test_a_broken_torch_npu_cannot_break_cpu_users(tmp_path):
     cpu = python("import tierlm, torch\nprint(float((torch.ones(2) + 1).sum()))", root)
     assert cpu.returncode == 0 and cpu.stdout.strip() == "4.0", cpu.stderr
     # Auto-detection warns and stays on the CPU; asking for the NPU is a clear error.
-    auto = python("from tierlm.device import resolve_device\nprint(resolve_device())", root)
+    auto = python("from tierlm.device.resolve import resolve_device\nprint(resolve_device())", root)
     assert auto.returncode == 0 and auto.stdout.strip() == "cpu"
     assert "torch_npu is installed but failed to import" in auto.stderr
     asked = python("import sys\nfrom tierlm.cli.app import main\nsys.argv = ['tierlm', 'plan', '--device', 'npu']\n"

@@ -18,7 +18,7 @@ import torch
 
 from tests.test_copy_stream import FakeBackend
 from tierlm.blocks import expert_block, expert_of
-from tierlm.device import DeviceBackend
+from tierlm.device.backend import DeviceBackend
 from tierlm.store.expert_cache import ExpertCache
 from tierlm.offload.routing_counts import RoutingCounts
 

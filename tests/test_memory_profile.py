@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.e2e  # child processes under a budget and a cgroup
+
 SYNTHETIC = {
     "model_type": "llama",
     "vocab_size": 8192,
@@ -43,7 +45,7 @@ from tierlm.runtime.loader import load_model
 artifact, profile_path, bandwidths = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
 prompt, steps = json.loads(sys.argv[4]), int(sys.argv[5])
 if steps == 0:  # baseline probe: what load_model sees before any weight is read
-    from tierlm.device import read_memory
+    from tierlm.device.memory import read_memory
     print(json.dumps({"baseline": read_memory().rss}))
     sys.exit(0)
 loaded = load_model(artifact, device="cpu", dtype=torch.float32, profile=load_profile(profile_path),
@@ -104,7 +106,7 @@ def synthetic(tmp_path_factory) -> Path:
 def budget(synthetic, tmp_path_factory) -> int:
     """A device_memory whose plan keeps about a third of the weights resident."""
     from tierlm.config import ModelConfig
-    from tierlm.offload.planner import plan
+    from tierlm.offload.planner.search import plan
     from tierlm.offload.bandwidths import Bandwidths
     from tierlm.offload.sizes import sizes_from_artifact
     from tierlm.profile import load_profile

@@ -20,7 +20,7 @@ from tierlm.config import ModelConfig
 from tierlm.errors import TierlmError
 from tierlm.offload.placement import DEVICE, DISK, HOST
 from tierlm.offload.placement import placement_to_dict
-from tierlm.offload.planner import plan
+from tierlm.offload.planner.search import plan
 from tierlm.offload.bandwidths import Bandwidths
 from tierlm.offload.sizes import kv_cache_bytes, sizes_from_config
 from tierlm.profile import load_profile, shipped_profiles
@@ -295,6 +295,7 @@ def tierlm(*args: str) -> subprocess.CompletedProcess:
                           env=os.environ.copy())  # fmt: skip
 
 
+@pytest.mark.e2e
 def test_plan_cli_json_for_a_config_only_directory_matches_the_function(model_dirs):
     from tierlm.probe.record import save_bandwidths
 
@@ -314,7 +315,7 @@ def test_plan_cli_json_for_a_config_only_directory_matches_the_function(model_di
     config = ModelConfig.from_dir(model_dirs["llama-2-7b"])
     expected = plan(config, sizes_from_config(config, "int8"), load_profile("8gb"), CPU, accelerator=False, baseline_bytes=baseline)
     # The CLI adds the mixed:SIZE that would keep every block on the device: the function's figure.
-    from tierlm.offload.planner import resident_mixed_size
+    from tierlm.offload.planner.search import resident_mixed_size
 
     resident = resident_mixed_size(config, load_profile("8gb"), CPU, accelerator=False, baseline_bytes=baseline)
     assert resident and not expected.fully_resident
@@ -343,12 +344,13 @@ def test_probe_pieces_run_and_the_cache_round_trips(tmp_path):
     assert Bandwidths.from_dict(json.loads(json.dumps(GPU.to_dict()))) == GPU
 
 
+@pytest.mark.e2e
 def test_a_missing_probe_runs_in_a_child_and_costs_the_caller_no_memory(tmp_path):
     """The probe cycles weights past the last-level cache (hundreds of MiB here); that must not
     land in the process whose budget the planner is about to charge."""
     code = (
         "import json, torch\n"
-        "from tierlm.device import read_memory\n"
+        "from tierlm.device.memory import read_memory\n"
         "from tierlm.probe.bandwidth import last_level_cache_bytes\n"
         "from tierlm.probe.record import bandwidths_path\n"
         "from tierlm.probe.machine import load_bandwidths\n"

@@ -134,7 +134,7 @@ def _pipeline_worker(device) -> bool:
     env = rank_env()
     if env is None or env.rank == 0:
         return False
-    from tierlm.device import resolve_device
+    from tierlm.device.resolve import resolve_device
     from tierlm.distributed.launch import backend_for
     from tierlm.distributed.worker import serve_stage
 

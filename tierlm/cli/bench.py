@@ -28,7 +28,7 @@ def prompt_ids(tokenizer, count: int) -> list[int]:
 
 def run_bench(session, prompt_tokens: int, new_tokens: int, runs: int) -> dict:
     """Time `runs` greedy generations; return the figures `format_bench` prints."""
-    from tierlm.device import read_memory
+    from tierlm.device.memory import read_memory
     from tierlm.errors import TierlmError
     from tierlm.probe.measured import note_measured_decode
     from tierlm.runtime.sampling import SamplingParams

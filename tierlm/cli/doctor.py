@@ -32,7 +32,7 @@ def collect(probe: bool = False) -> dict:
     import torch
 
     from tierlm import __version__
-    from tierlm.device import resolve_device
+    from tierlm.device.resolve import resolve_device
     from tierlm.device.cpu import apply_threads
 
     apply_threads()  # what every command runs with unless told: the kernel choice and probe are keyed on it
@@ -136,7 +136,8 @@ def _device(kind: str) -> dict:
     """One kind: available units with name and memory, or the reason there are none."""
     import torch
 
-    from tierlm.device import DeviceBackend, device_status
+    from tierlm.device.backend import DeviceBackend
+    from tierlm.device.resolve import device_status
 
     status = device_status(kind)
     found = {"kind": kind, "available": status.available, "count": status.count, "reason": status.reason}
@@ -216,7 +217,7 @@ def _package(module: str) -> dict:
         version = getattr(sys.modules.get(module), "__version__", None) or "unknown version"
     found = {"version": version, "purpose": purpose, "reason": None}
     if module == "torch_npu":
-        from tierlm.device import device_status
+        from tierlm.device.resolve import device_status
 
         status = device_status("npu")  # installed is not enough: it must import and see an NPU
         if not status.available:

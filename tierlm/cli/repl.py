@@ -240,7 +240,7 @@ def _check_probe(session, stats) -> None:
 
 
 def format_stats(session, stats) -> str:
-    from tierlm.device import read_memory
+    from tierlm.device.memory import read_memory
     from tierlm.profile import format_size
 
     engine = session.engine

@@ -17,14 +17,14 @@ import torch
 from tierlm.cache.artifact import MANIFEST_NAME, Artifact
 from tierlm.cache.convert import ConversionRequest, ensure_artifact
 from tierlm.config import ModelConfig
-from tierlm.device import compute_dtype, resolve_device
+from tierlm.device.resolve import compute_dtype, resolve_device
 from tierlm.device.memory import MemoryLimits, process_limits
 from tierlm.errors import TierlmError
 from tierlm.kv.cache import KVCache, SlotKVCache
 from tierlm.models import family_class
 from tierlm.models.llama import LlamaModel
 from tierlm.offload.placement import Placement
-from tierlm.offload.planner import check_fits, plan
+from tierlm.offload.planner.search import check_fits, plan
 from tierlm.offload.sizes import BlockSizes, cached_artifact, expected_routing, resolve_auto, sizes_from_artifact, sizes_from_config
 from tierlm.probe.baseline import Baseline, runtime_baseline
 from tierlm.probe.machine import load_bandwidths

@@ -12,11 +12,11 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 
-from tierlm.device import compute_dtype, resolve_device
+from tierlm.device.resolve import compute_dtype, resolve_device
 from tierlm.errors import TierlmError
 from tierlm.lora.spec import parse_lora_spec, split_variant_specs
 from tierlm.offload.placement import Placement
-from tierlm.offload.planner import resident_mixed_size
+from tierlm.offload.planner.search import resident_mixed_size
 from tierlm.offload.stage_planner import Link, StagePlan, least_stages, split_stages
 from tierlm.probe.machine import load_bandwidths, load_probe
 from tierlm.probe.record import ProbeRecord

@@ -15,7 +15,7 @@ from tierlm.cache import catalog
 from tierlm.cache.artifact import Artifact
 from tierlm.cache.convert import ConversionRequest, ensure_artifact
 from tierlm.config import GenerationDefaults
-from tierlm.device import resolve_device
+from tierlm.device.resolve import resolve_device
 from tierlm.device.cpu import apply_threads
 from tierlm.device.memory import process_limits
 from tierlm.errors import TierlmError
@@ -23,7 +23,8 @@ from tierlm.lora.adapter import LoraAdapter
 from tierlm.lora.merge import LoraMerger
 from tierlm.lora.spec import parse_lora_spec
 from tierlm.offload.placement import DEVICE, HOST
-from tierlm.offload.planner import VariantCharge, plan
+from tierlm.offload.planner.search import plan
+from tierlm.offload.planner.variants import VariantCharge
 from tierlm.offload.sizes import expected_routing
 from tierlm.probe.machine import load_bandwidths
 from tierlm.profile import Profile

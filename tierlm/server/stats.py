@@ -10,7 +10,7 @@ from __future__ import annotations
 
 def server_stats(state) -> dict:
     """The figures for one server (`app.state` of create_app)."""
-    from tierlm.device import read_memory
+    from tierlm.device.memory import read_memory
 
     session, worker = state.session, state.worker
     loaded, profile = session.loaded, session.profile

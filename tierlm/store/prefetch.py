@@ -46,7 +46,7 @@ class Slot:
 class PrefetchRing:
     """`slots` uint8 buffers of `slot_bytes` on `backend.device`, filled by `reader` in `order`.
 
-    `backend` is a tierlm.device.DeviceBackend (or an object with the same methods, as the
+    `backend` is a tierlm.device.backend.DeviceBackend (or an object with the same methods, as the
     tests inject). `staging_bytes`: the largest block the reader reads into a staging buffer;
     0 when every streamed block already lies in host memory, so no staging is allocated.
     """
