@@ -12,16 +12,17 @@ import torch
 import torch.nn.functional as F
 
 from tierlm.config import RopeConfig
+from tierlm.weights.store import Weight
 
 
-def linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+def linear(x: torch.Tensor, weight: torch.Tensor | Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., in] @ weight[out, in].T (+ bias) -> [..., out]."""
     if isinstance(weight, torch.Tensor):
         return F.linear(x, weight, bias)
     return weight.linear(x, bias)
 
 
-def embed(weight, ids: torch.Tensor) -> torch.Tensor:
+def embed(weight: torch.Tensor | Weight, ids: torch.Tensor) -> torch.Tensor:
     """Rows of the embedding [V, H] for token ids [B, T] -> [B, T, H]."""
     if isinstance(weight, torch.Tensor):
         return F.embedding(ids, weight)

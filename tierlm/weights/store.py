@@ -1,6 +1,7 @@
 """Weight stores: the forward pass borrows a block's tensors and hands them back.
 
-The contract is `acquire(block) -> {name: tensor}` followed by `release(block)`. The stores
+The contract is `acquire(block) -> {name: tensor or Weight}` followed by `release(block)`; a
+`Weight` is a stored matrix that computes its own products (INT8, INT4, a LoRA variant's rows). The stores
 themselves live in tierlm/store/: a resident store keeps everything in memory, a tiered store
 implements the same two calls by fetching blocks from host RAM or disk, so model code never changes.
 """
@@ -8,12 +9,30 @@ implements the same two calls by fetching blocks from host RAM or disk, so model
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import Iterator, Mapping, Sequence
+from typing import Iterator, Mapping, Protocol, Sequence, Union
 
 import torch
 
 from tierlm.blocks import expert_block
 from tierlm.weights.ledger import Ledger
+
+
+class Weight(Protocol):
+    """A stored 2-D weight that is not a plain tensor (quant/int8.py Int8Weight, quant/int4.py
+    Int4Weight, store/variants.py RowSwitched, store/calibration.py's recorder): the model asks it
+    for products and embedding rows (models/base.py `linear`, `embed`) and never for its bytes."""
+
+    shape: torch.Size
+
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """x [..., in] @ weight[out, in].T (+ bias) -> [..., out]."""
+
+    def rows(self, ids: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The rows `ids` of an embedding [V, H] -> [..., H]."""
+
+
+# What a block holds under each tensor name.
+Tensors = Mapping[str, Union[torch.Tensor, Weight]]
 
 
 class WeightStore:
@@ -22,14 +41,14 @@ class WeightStore:
     # Whether `hint_experts` is worth the model's guessing (a store that streams experts says True).
     speculates: bool = False
 
-    def acquire(self, block: str) -> Mapping[str, torch.Tensor]:
+    def acquire(self, block: str) -> Tensors:
         raise NotImplementedError
 
     def release(self, block: str) -> None:
         raise NotImplementedError
 
     @contextmanager
-    def block(self, name: str) -> Iterator[Mapping[str, torch.Tensor]]:
+    def block(self, name: str) -> Iterator[Tensors]:
         tensors = self.acquire(name)
         try:
             yield tensors
@@ -37,11 +56,11 @@ class WeightStore:
             self.release(name)
 
     @contextmanager
-    def experts(self, layer: int, uses: Mapping[int, int]) -> Iterator[Mapping[int, Mapping[str, torch.Tensor]]]:
+    def experts(self, layer: int, uses: Mapping[int, int]) -> Iterator[Mapping[int, Tensors]]:
         """The tensors of each chosen expert of `layer` ({expert: rows that chose it}), held together
         while the layer computes. Tensors may live on another device (host compute): the model moves
         the rows there and the result back (models/base.weight_device)."""
-        got: dict[int, Mapping[str, torch.Tensor]] = {}
+        got: dict[int, Tensors] = {}
         try:
             for expert in uses:
                 got[expert] = self.acquire(expert_block(layer, expert))
@@ -50,7 +69,7 @@ class WeightStore:
             for expert in got:
                 self.release(expert_block(layer, expert))
 
-    def peek(self, block: str) -> Mapping[str, torch.Tensor] | None:
+    def peek(self, block: str) -> Tensors | None:
         """A block's tensors if they are resident now, without acquiring it; None otherwise."""
         return None
 
