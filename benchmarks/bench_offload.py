@@ -144,7 +144,7 @@ def budget_for_resident_share(artifact: Path, folder: Path, share: float) -> int
     the budget is what the planner charges besides weights (baseline, KV, workspace, ring)."""
     from tierlm.config import ModelConfig
     from tierlm.errors import TierlmError
-    from tierlm.offload.planner import plan
+    from tierlm.offload.planner.search import plan
     from tierlm.probe.machine import load_bandwidths
     from tierlm.offload.sizes import sizes_from_artifact
     from tierlm.profile import load_profile

@@ -40,28 +40,29 @@ import torch
 from tierlm.cache.encodings import check_record
 # split_alias is re-exported: the artifact's readers parse alias targets with it.
 from tierlm.cache.manifest import (  # noqa: F401
-    ARTIFACTS_DIR,
     BLOCK_ALIGN,
     CHECK_CHUNK,
     CHECKSUM,
     FORMAT_VERSION,
     MANIFEST_NAME,
-    MAX_MANIFEST_BYTES,
     PART_ALIGN,
     WEIGHTS_NAME,
     BlockRecord,
     Malformed,
     PartRecord,
     TensorRecord,
+    base_directory,
     block_to_json,
     check_variant,
+    fix_hint,
     parse_manifest,
+    read_manifest,
     split_alias,
+    unusable,
 )
 from tierlm.config import ModelConfig
 from tierlm.errors import TierlmError
 from tierlm.models import family_class
-from tierlm.paths import cache_root
 
 
 class ArtifactWriter:
@@ -163,7 +164,7 @@ class Artifact:
         try:
             self.blocks = parse_manifest(manifest, variant="base" in manifest)
         except Malformed as err:
-            raise _corrupt(self.directory, f"manifest: {err}") from None
+            raise unusable(self.directory, f"manifest: {err}") from None
         self._verified: set[str] = set()
         self._verified_chunks: set[tuple[str, int]] = set()
         self._file = None
@@ -178,21 +179,12 @@ class Artifact:
         Artifact of that directory, so its reads and checks are shared), else opened here.
         """
         directory = Path(directory)
-        try:
-            if (directory / MANIFEST_NAME).stat().st_size > MAX_MANIFEST_BYTES:
-                raise _corrupt(directory, f"manifest larger than {MAX_MANIFEST_BYTES >> 20} MiB")
-            manifest = json.loads((directory / MANIFEST_NAME).read_bytes())
-        except (OSError, ValueError, RecursionError) as err:
-            raise _corrupt(directory, f"unreadable manifest: {err}") from None
-        if not isinstance(manifest, dict):
-            raise _corrupt(directory, f"manifest is a JSON {type(manifest).__name__}, not an object")
-        if manifest.get("format_version") != FORMAT_VERSION:
-            raise _corrupt(directory, f"format version {manifest.get('format_version')!r}, expected {FORMAT_VERSION}")
+        manifest = read_manifest(directory)
         weights = directory / WEIGHTS_NAME
         artifact = VariantArtifact(directory, manifest, base) if "base" in manifest else cls(directory, manifest)
         if not weights.is_file() or weights.stat().st_size != manifest["weights_bytes"]:
             artifact.close()
-            raise _corrupt(directory, "weights.bin is missing or has the wrong size")
+            raise unusable(directory, "weights.bin is missing or has the wrong size")
         if (directory / "config.json").is_file():
             artifact._check_layout()
         return artifact
@@ -322,7 +314,7 @@ class Artifact:
         while done < len(view):
             count = os.preadv(fd, [view[done:]], offset + done)
             if count <= 0:
-                raise _corrupt(self.directory, f"weights.bin ends inside block {block!r}, at byte {offset + done}")
+                raise unusable(self.directory, f"weights.bin ends inside block {block!r}, at byte {offset + done}")
             done += count
 
     def _fd(self) -> int:
@@ -357,7 +349,7 @@ class Artifact:
             raise TierlmError(
                 f"artifact {self.directory} is corrupt: block {name!r} fails its checksum "
                 f"(bytes {begin}..{begin + len(data)} of the block)",
-                _fix_hint(self.directory),
+                fix_hint(self.directory),
             )
 
     def _check_layout(self) -> None:
@@ -368,17 +360,17 @@ class Artifact:
         if set(layout) != set(self.blocks):
             missing, extra = sorted(set(layout) - set(self.blocks)), sorted(set(self.blocks) - set(layout))
             what = f"block {missing[0]!r} is missing" if missing else f"unexpected block {extra[0]!r}"
-            raise _corrupt(self.directory, f"{what} for a {config.model_type} model of {config.num_hidden_layers} layers")
+            raise unusable(self.directory, f"{what} for a {config.model_type} model of {config.num_hidden_layers} layers")
         for name, entries in layout.items():
             block = self.blocks[name]
             held = set(block.tensors) | set(block.aliases)
             if held != set(entries):
                 missing = sorted(set(entries) - held) or sorted(held - set(entries))
-                raise _corrupt(self.directory, f"block {name!r} does not hold exactly {sorted(entries)} ({missing[0]!r})")
+                raise unusable(self.directory, f"block {name!r} does not hold exactly {sorted(entries)} ({missing[0]!r})")
             for tensor, record in block.tensors.items():
                 problem = check_record(record, shapes.get(tensor))
                 if problem:
-                    raise _corrupt(self.directory, f"{name}/{tensor}: {problem}")
+                    raise unusable(self.directory, f"{name}/{tensor}: {problem}")
 
 
 class VariantArtifact(Artifact):
@@ -406,7 +398,7 @@ class VariantArtifact(Artifact):
             check_variant(manifest, self.stored, self.base.blocks)
         except Malformed as err:
             self.close()
-            raise _corrupt(self.directory, f"manifest: {err}") from None
+            raise unusable(self.directory, f"manifest: {err}") from None
         # The base's records: a changed block composes to the same layout, though not its digest.
         self.blocks = {
             name: replace(record, digest=None) if name in self.stored else record
@@ -468,10 +460,8 @@ class VariantArtifact(Artifact):
             self.base.close()
 
     def _open_base(self, base: Artifact | None) -> Artifact:
-        name, key = self.manifest.get("base"), self.manifest.get("base_key")
-        if not isinstance(name, str) or name in ("", ".", "..") or "/" in name or "\\" in name:
-            raise _corrupt(self.directory, f"manifest: base {name!r} is not an artifact directory name")
-        where = self.directory.parent / name
+        key = self.manifest.get("base_key")
+        where = base_directory(self.directory, self.manifest)
         if base is None:
             if not (where / MANIFEST_NAME).is_file():
                 raise TierlmError(
@@ -525,14 +515,3 @@ class _ChunkSums:
 def _part_view(buffer, part: PartRecord):
     raw = buffer[part.offset : part.offset + part.nbytes]
     return raw.view(getattr(torch, part.dtype)).reshape(part.shape)
-
-
-def _fix_hint(directory: Path) -> str:
-    cached = directory.resolve().parent == (cache_root() / ARTIFACTS_DIR).resolve()
-    if cached:
-        return f"remove it with `tierlm cache rm {directory.name}`; it is rebuilt on next use"
-    return "delete the directory and rebuild it with `tierlm convert`"
-
-
-def _corrupt(directory: Path, why: str) -> TierlmError:
-    return TierlmError(f"artifact {directory} is unusable ({why})", _fix_hint(directory))

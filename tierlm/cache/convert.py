@@ -24,16 +24,16 @@ import torch
 
 from tierlm.atomic import atomic_directory, directory_lock, make_dirs
 from tierlm.cache import codec
-from tierlm.cache.artifact import ARTIFACTS_DIR, BLOCK_ALIGN, FORMAT_VERSION, MANIFEST_NAME, PART_ALIGN, Artifact, ArtifactWriter
+from tierlm.cache.artifact import BLOCK_ALIGN, FORMAT_VERSION, MANIFEST_NAME, PART_ALIGN, Artifact, ArtifactWriter
 from tierlm.cache.encodings import part_bytes
 from tierlm.cache.fingerprint import checkpoint_digest
+from tierlm.cache.manifest import artifacts_root
 from tierlm.cache.sensitivity import CALIBRATION_TOKENS, Calibrate, choose_modes
 from tierlm.config import ModelConfig
 from tierlm.errors import TierlmError
 from tierlm.lora.adapter import LoraAdapter
 from tierlm.lora.merge import LoraMerger
 from tierlm.models import family_class
-from tierlm.paths import cache_root
 from tierlm.progress import Progress
 from tierlm.quant.mixed import ALLOCATOR_VERSION, OPTIONS
 from tierlm.weights.checkpoint import Checkpoint, check_finite
@@ -56,10 +56,6 @@ class ConversionRequest:
     model_dir: Path
     adapters: tuple[tuple[Path, float], ...] = ()
     quant: str = "int8"
-
-
-def artifacts_root() -> Path:
-    return cache_root() / ARTIFACTS_DIR
 
 
 def artifact_key(request: ConversionRequest, merger=None, calibrated: bool = False) -> str:

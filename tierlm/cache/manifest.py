@@ -1,17 +1,22 @@
 """The compiled artifact's manifest: its format constants, block/tensor/part records, and the
-validation every manifest passes before a byte of weights.bin is read (tierlm/cache/artifact.py
-describes the format and reads the blocks).
+validation every manifest passes before a byte of weights.bin is read (`read_manifest`,
+`parse_manifest`), and the error an unusable artifact gives (tierlm/cache/artifact.py describes
+the format and reads the blocks).
 
 No torch here: the catalogue and the planner read manifests without loading any weights.
 """
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Mapping
 
 from tierlm.cache.encodings import check_record
+from tierlm.errors import TierlmError
+from tierlm.paths import cache_root
 
 FORMAT_VERSION = 2  # 2: a CRC32 per chunk of every block
 BLOCK_ALIGN = 4096  # page size: streamed reads start on a page, O_DIRECT-friendly
@@ -74,6 +79,50 @@ def split_alias(target: str) -> tuple[str, str]:
 
 class Malformed(ValueError):
     """A manifest field that is not what the format says; becomes one TierlmError line."""
+
+
+def read_manifest(directory: Path) -> dict[str, Any]:
+    """The manifest in `directory` as JSON, checked to be one of this format within its size
+    bound (its records are `parse_manifest`'s to check); an `unusable` error otherwise. Reads
+    nothing else: the planner sizes an artifact from it, `Artifact.open` goes on to the weights."""
+    directory = Path(directory)
+    try:
+        if (directory / MANIFEST_NAME).stat().st_size > MAX_MANIFEST_BYTES:
+            raise unusable(directory, f"manifest larger than {MAX_MANIFEST_BYTES >> 20} MiB")
+        manifest = json.loads((directory / MANIFEST_NAME).read_bytes())
+    except (OSError, ValueError, RecursionError) as err:
+        raise unusable(directory, f"unreadable manifest: {err}") from None
+    if not isinstance(manifest, dict):
+        raise unusable(directory, f"manifest is a JSON {type(manifest).__name__}, not an object")
+    if manifest.get("format_version") != FORMAT_VERSION:
+        raise unusable(directory, f"format version {manifest.get('format_version')!r}, expected {FORMAT_VERSION}")
+    return manifest
+
+
+def base_directory(directory: Path, manifest: Mapping[str, Any]) -> Path:
+    """Where the base of the variant artifact in `directory` lies: the sibling its manifest names."""
+    name = manifest.get("base")
+    if not isinstance(name, str) or name in ("", ".", "..") or "/" in name or "\\" in name:
+        raise unusable(directory, f"manifest: base {name!r} is not an artifact directory name")
+    return Path(directory).parent / name
+
+
+def artifacts_root() -> Path:
+    """The cache's artifacts directory: each conversion's artifact is a directory in it."""
+    return cache_root() / ARTIFACTS_DIR
+
+
+def fix_hint(directory: Path) -> str:
+    """How to mend a damaged artifact: a cached one is removed and rebuilt on next use."""
+    cached = directory.resolve().parent == artifacts_root().resolve()
+    if cached:
+        return f"remove it with `tierlm cache rm {directory.name}`; it is rebuilt on next use"
+    return "delete the directory and rebuild it with `tierlm convert`"
+
+
+def unusable(directory: Path, why: str) -> TierlmError:
+    """The one error for an artifact that cannot be read as its format says."""
+    return TierlmError(f"artifact {directory} is unusable ({why})", fix_hint(directory))
 
 
 def parse_manifest(manifest: Mapping[str, Any], variant: bool = False) -> dict[str, BlockRecord]:

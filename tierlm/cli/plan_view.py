@@ -12,7 +12,7 @@ from pathlib import Path
 from tierlm.blocks import EMBED, HEAD, is_expert, is_layer, layer_index
 from tierlm.errors import TierlmError
 from tierlm.offload.placement import DEVICE, DISK
-from tierlm.offload.planner import mixed_size_text
+from tierlm.offload.sizes import mixed_size_text
 from tierlm.probe.record import bandwidths_path
 from tierlm.profile import format_size, load_profile
 from tierlm.runtime.planning import plan_model, plan_stages

@@ -2,9 +2,10 @@
 
 Block bytes come from a compiled artifact's manifest (`sizes_from_artifact`), or are predicted
 from config.json alone (`sizes_from_config`), so `tierlm plan` works for a 14B model that is not
-on disk. The prediction encodes every tensor as `cache/codec.py` stores it and lays the parts
-out as `cache/artifact.py` does (each part at a 64-byte boundary of its block), so it equals the
-manifest's block sizes.
+on disk. The prediction sizes every tensor's parts as `cache/encodings.py` says `cache/codec.py`
+stores them and lays them out as `cache/artifact.py` does (each part at a 64-byte boundary of
+its block), so it equals the manifest's block sizes; a mixed:SIZE mode's per-weight choice is
+the estimate of `cache/mixed_estimate.py`.
 
 Non-weight charges (bytes; c = compute dtype bytes: 4 on CPUs (fp32), 2 on accelerators):
 
@@ -34,21 +35,47 @@ Non-weight charges (bytes; c = compute dtype bytes: 4 on CPUs (fp32), 2 on accel
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Mapping
 
 from tierlm.blocks import EMBED, HEAD
-from tierlm.cache import codec
-from tierlm.cache.artifact import BLOCK_ALIGN, MANIFEST_NAME, PART_ALIGN, Artifact
+from tierlm.cache.encodings import keeps_float, logical_shape, part_bytes, record_mode
+from tierlm.cache.manifest import (
+    BLOCK_ALIGN,
+    MANIFEST_NAME,
+    PART_ALIGN,
+    WEIGHTS_NAME,
+    BlockRecord,
+    Malformed,
+    artifacts_root,
+    base_directory,
+    parse_manifest,
+    read_manifest,
+    unusable,
+)
+from tierlm.cache.mixed_estimate import estimated_modes
 from tierlm.config import ModelConfig
 from tierlm.errors import TierlmError
-from tierlm.quant.modes import AUTO, QuantMode, auto_quant, check_mode_name, concrete_mode, parse_quant_mode
+from tierlm.models import family_class  # the family is looked up, never named here
+from tierlm.offload.routing_counts import COUNTS_NAME, RoutingCounts
+from tierlm.quant.modes import (
+    AUTO,
+    QuantMode,
+    auto_quant,
+    check_mode_name,
+    concrete_mode,
+    parse_quant_mode,
+    source_grid_mode,
+)
+from tierlm.weights.import_record import source_tensor_types, source_types_by_name
 
 PREFILL_CHUNK = 512  # tokens per prefill step; the engine and the batch runner import it from here
 HOT_CACHE_ROWS = 4096  # embedding rows the hot cache may hold (Zipfian tokens: most lookups)
 KERNEL_BLOCK_BYTES = 1 << 20  # the CPU BLAS kernel's dequantization block (quant/torch_kernels.py)
 _KV_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}
+MiB, GiB = 2**20, 2**30
 
 
 @dataclass(frozen=True)
@@ -123,49 +150,64 @@ def resolve_auto(quant: str, model_dir: Path | None, accelerator: bool = False) 
         return name
     if model_dir is None:  # nothing known about the source: treated as floats
         return auto_quant(accelerator=accelerator)
-    from tierlm.weights.gguf_import import source_tensor_types
-
     if (Path(model_dir) / MANIFEST_NAME).is_file():
-        return str(Artifact.open(Path(model_dir)).manifest["quant"])
+        return str(read_manifest(Path(model_dir))["quant"])
     return auto_quant(source_tensor_types(model_dir), accelerator=accelerator)
 
 
 def sizes_from_artifact(directory: Path) -> BlockSizes:
-    """Block sizes read from a compiled artifact's manifest (no weights are read)."""
-    artifact = Artifact.open(Path(directory))
+    """Block sizes read from a compiled artifact's manifest (no weights are read; loading it,
+    `Artifact.open` checks them)."""
+    directory = Path(directory)
+    manifest = read_manifest(directory)
+    blocks = _stored_blocks(directory, manifest)
     nbytes, params, aliases = {}, {}, {}
-    for name, block in artifact.blocks.items():
+    for name, block in blocks.items():
         nbytes[name] = block.nbytes
         params[name] = sum(_matmul_elements(t) for t in block.tensors.values())
         if block.borrowed_from is not None:
             aliases[name] = block.borrowed_from
     for name, target in aliases.items():
         params[name] = params[target]
-    embed = artifact.blocks[EMBED].tensors["embed"]
+    embed = blocks[EMBED].tensors["embed"]
     row_bytes = sum(part.nbytes // part.shape[0] for part in embed.parts.values())
-    quant = str(artifact.manifest.get("quant", "unknown"))
+    quant = str(manifest.get("quant", "unknown"))
     modes = {}
     if quant.startswith("mixed"):
-        modes = {f"{name}/{tensor}": codec.record_mode(record) for name, block in artifact.blocks.items()
+        modes = {f"{name}/{tensor}": record_mode(record) for name, block in blocks.items()
                  for tensor, record in block.tensors.items() if record.encoding != "plain"}  # fmt: skip
-    return BlockSizes(quant, nbytes, params, aliases, row_bytes, str(artifact.directory), modes)
+    return BlockSizes(quant, nbytes, params, aliases, row_bytes, str(directory), modes)
+
+
+def _stored_blocks(directory: Path, manifest: Mapping) -> dict[str, BlockRecord]:
+    """The block records of the artifact in `directory` with `manifest`, checked by
+    cache/manifest.py; a variant artifact's are its base's (it stores only its changed tensors,
+    each where the base's lies: cache/artifact.py VariantArtifact)."""
+    if "base" in manifest:
+        directory = base_directory(directory, manifest)
+        manifest = read_manifest(directory)
+    try:
+        return parse_manifest(manifest)
+    except Malformed as err:
+        raise unusable(directory, f"manifest: {err}") from None
 
 
 def cached_artifact(model_dir: Path, quant: str) -> Path | None:
     """The newest complete artifact in the cache built from `model_dir` in `quant` without
     adapters (its manifest's sizes are exact), or `model_dir` itself if it is an artifact."""
-    from tierlm.cache.artifact import MANIFEST_NAME
-    from tierlm.cache.convert import artifacts_root
-
     model_dir = Path(model_dir)
     if (model_dir / MANIFEST_NAME).is_file():
         return model_dir
     found = []
     for candidate in artifacts_root().glob(f"{model_dir.name}-{quant}-*"):
         try:
-            manifest = Artifact.open(candidate).manifest
+            manifest = read_manifest(candidate)
+            parse_manifest(manifest, variant="base" in manifest)
         except Exception:  # noqa: BLE001 - unfinished or damaged entries are skipped
             continue
+        weights = candidate / WEIGHTS_NAME
+        if not weights.is_file() or weights.stat().st_size != manifest["weights_bytes"]:
+            continue  # unfinished
         same_source = manifest.get("source") == str(model_dir.resolve())
         if same_source and manifest.get("quant") == quant and not manifest.get("adapters"):
             found.append((candidate.stat().st_mtime, candidate))
@@ -187,8 +229,6 @@ def sizes_from_config(
     writes); a tied head stores none of its own and is an alias of the embedding.
     tests/test_planner.py and tests/test_families.py check it against converted artifacts.
     """
-    from tierlm.models import family_class  # the family is looked up, never named here
-
     mode = resolve_quant(quant, accelerator)
     vocab, hidden = config.vocab_size, config.hidden_size
     blocks = family_class(config).block_shapes(config)
@@ -196,13 +236,13 @@ def sizes_from_config(
         blocks[HEAD] = {}
     modes = predicted_modes(config, blocks, mode, model_dir)
     nbytes = {name: _block_bytes([p for tensor, shape in tensors.items()
-                                  for p in codec.part_bytes(shape, modes.get(f"{name}/{tensor}", mode), tensor)])
+                                  for p in part_bytes(shape, modes.get(f"{name}/{tensor}", mode), tensor)])
               for name, tensors in blocks.items()}  # fmt: skip
     params = {name: sum(s[0] * s[1] for s in tensors.values() if len(s) == 2) for name, tensors in blocks.items()}
     aliases = {HEAD: EMBED} if config.tie_word_embeddings else {}
     if aliases:
         params[HEAD] = params[EMBED]
-    row_bytes = sum(part // vocab for part in codec.part_bytes((vocab, hidden), modes.get(f"{EMBED}/embed", mode)))
+    row_bytes = sum(part // vocab for part in part_bytes((vocab, hidden), modes.get(f"{EMBED}/embed", mode)))
     chosen = {key: m.name for key, m in modes.items()}
     return BlockSizes(mode.name, nbytes, params, aliases, row_bytes, "config", chosen)
 
@@ -214,21 +254,15 @@ def predicted_modes(config: ModelConfig, blocks, mode: QuantMode, model_dir: Pat
         return {}
     if mode.target_bytes is None:  # mixed:source
         keys = [f"{b}/{t}" for b, tensors in blocks.items() for t, shape in tensors.items()
-                if not codec.keeps_float(t, shape)]  # fmt: skip
+                if not keeps_float(t, shape)]  # fmt: skip
         return {key: parse_quant_mode(name) for key, name in _source_modes(config, model_dir, keys).items()}
-    from tierlm.cache.sensitivity import estimated_modes
-
-    chosen = estimated_modes(blocks, mode, lambda shape, m, name: _block_bytes(codec.part_bytes(shape, m, name)), BLOCK_ALIGN)
+    chosen = estimated_modes(blocks, mode, lambda shape, m, name: _block_bytes(part_bytes(shape, m, name)), BLOCK_ALIGN)
     return {key: parse_quant_mode(name) for key, name in chosen.items()}
 
 
 def _source_modes(config: ModelConfig, model_dir: Path | None, keys: list[str]) -> dict[str, str]:
     """mixed:source's prediction from an import's recorded tensor types (every weight on the
     int8 grid where none were recorded)."""
-    from tierlm.models import family_class
-    from tierlm.quant.modes import source_grid_mode
-    from tierlm.weights.gguf_import import source_types_by_name
-
     by_name = source_types_by_name(model_dir) if model_dir is not None else {}
     layout = family_class(config).checkpoint_layout(config)
     out = {}
@@ -248,8 +282,37 @@ def _block_bytes(parts: list[int]) -> int:
 
 
 def _matmul_elements(record) -> int:
-    shape = codec.logical_shape(record)
+    shape = logical_shape(record)
     return shape[0] * shape[1] if len(shape) == 2 else 0
+
+
+# -- mixed:SIZE bounds ----------------------------------------------------------------------
+
+
+def largest_mixed_size(config: ModelConfig, works, accelerator: bool) -> int | None:
+    """The largest mixed:SIZE in whole MiB, between every weight at int4-g128 and twice int8,
+    for which works(size) holds (it must hold for every smaller size); None where none does."""
+    smallest = sizes_from_config(config, "int4-g128", accelerator=accelerator)
+    low = (smallest.total + BLOCK_ALIGN * len(smallest.names)) // MiB + 1
+    high = 2 * sizes_from_config(config, "int8", accelerator=accelerator).total // MiB
+
+    def holds(size_mib: int) -> bool:
+        try:
+            return works(size_mib * MiB)
+        except TierlmError:  # a size the allocation cannot reach
+            return False
+
+    if not holds(low):
+        return None
+    while high - low > 1:  # holds(low)
+        mid = (low + high) // 2
+        low, high = (mid, high) if holds(mid) else (low, mid)
+    return low * MiB
+
+
+def mixed_size_text(nbytes: int) -> str:
+    """A mixed:SIZE as a person writes it, rounded down so it stays within `nbytes`: 4.10GiB."""
+    return f"{math.floor(nbytes / GiB * 100) / 100:.2f}GiB" if nbytes >= GiB else f"{nbytes // MiB}MiB"
 
 
 # -- charges that are not weights -----------------------------------------------------------
@@ -342,8 +405,6 @@ def expected_routing(config: ModelConfig, sizes: BlockSizes):
     """The routing counts saved beside the artifact `sizes` were read from (offload/
     routing_counts.py), which the planner places experts by; None for a dense model. Sizes
     predicted from config.json have no artifact: empty counts, i.e. uniform expectations."""
-    from tierlm.offload.routing_counts import COUNTS_NAME, RoutingCounts
-
     moe = getattr(config, "moe", None)
     if moe is None:
         return None

@@ -1,10 +1,11 @@
 """The planner across pipeline stages: which contiguous layers each rank runs (issue 16).
 
-A pure function, like offload/planner.py, which it calls once per candidate stage: stage r of a
-split, layers [first, end), is planned as the rank that runs it would plan its own load
-(`plan(sizes.only(span.blocks), layers=span.layers)` under that rank's profile and bandwidths),
-so a stage may keep host or disk tiers of its own. A stage's time is its plan's predicted decode
-step at its profile's batch size; a stage that does not fit costs infinity.
+A pure function, like the planner (offload/planner/search.py `plan`), which it calls once per
+candidate stage: stage r of a split, layers [first, end), is planned as the rank that runs it
+would plan its own load (`plan(sizes.only(span.blocks), layers=span.layers)` under that rank's
+profile and bandwidths), so a stage may keep host or disk tiers of its own. A stage's time is
+its plan's predicted decode step at its profile's batch size; a stage that does not fit costs
+infinity.
 
 The split minimizes the slowest stage's time (the pipeline's bottleneck once micro-batches keep
 every stage busy). Stage time only grows with its layers, so for a bound T the stages reachable
@@ -41,8 +42,10 @@ from typing import Sequence
 from tierlm.config import ModelConfig
 from tierlm.stages import StageSpan, even_split
 from tierlm.errors import TierlmError
-from tierlm.offload.placement import Placement
 from tierlm.offload.bandwidths import Bandwidths
+from tierlm.offload.placement import Placement, placement_to_dict
+from tierlm.offload.planner.cost import decode_terms, step_seconds
+from tierlm.offload.planner.search import plan
 from tierlm.offload.sizes import BlockSizes, compute_bytes
 from tierlm.profile import Profile
 
@@ -119,8 +122,6 @@ class StagePlan:
 
     def stage_seconds(self, rows: int) -> list[float]:
         """Each stage's predicted decode step of `rows` sequences (its plan's cost model)."""
-        from tierlm.offload.planner import decode_terms, step_seconds
-
         return [step_seconds(decode_terms(self.config, s.sizes, s.profile, s.bandwidths, s.placement,
                                           accelerator=self.accelerator, batch=rows, layers=s.span.layers),
                              s.profile.prefetch_depth)[0]
@@ -145,8 +146,6 @@ class StagePlan:
         return split if self.decode_seconds(batch, split) < self.decode_seconds(batch, 1) else 1
 
     def to_dict(self) -> dict:
-        from tierlm.offload.placement import placement_to_dict
-
         handover, back = self.transfer_seconds()
         batch, world = self.batch, len(self.stages)
         return {
@@ -244,8 +243,6 @@ class _Search:
         """Rank `rank`'s plan for layers [first, end), or the refusal its planner gives."""
         key = (self.group[rank], first, end)
         if key not in self.planned:
-            from tierlm.offload.planner import plan
-
             span = self.span(rank, first, end)
             try:
                 self.planned[key] = plan(self.config, self.stage_sizes(span), self.profiles[rank], self.bandwidths[rank],

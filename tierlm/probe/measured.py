@@ -4,11 +4,15 @@ The probe runs once per machine; taken while the machine was busy it predicts a 
 real speed for every later plan. A measured decode (`tierlm bench`, chat's `/stats`) is compared
 with the prediction for the same placement at batch 1, made with the cached figures as they are
 now. Beyond CORRECTION_RATIO either way, the figures become those that would have predicted the
-measurement (`planner.implied_bandwidths`); the probe's record keeps when, from what run, and the
-figures it replaced. Within it, the run is recorded only (`tierlm plan` shows how far it was off).
+measurement (offload/planner/cost.py `implied_bandwidths`); the probe's record keeps when, from
+what run, and the figures it replaced. Within it, the run is recorded only (`tierlm plan` shows
+how far it was off).
 """
 
 from __future__ import annotations
+
+from tierlm.offload.planner.cost import decode_terms, implied_bandwidths, step_seconds
+from tierlm.probe.record import record_measured_run
 
 # Run-to-run spread of a decode measurement on a shared machine stays well inside 1.5x; a probe
 # taken on a busy machine was off by 15x.
@@ -21,8 +25,6 @@ def note_measured_decode(loaded, profile, tokens_per_s: float, steps: int, sourc
     cache, correcting the cached figures when the prediction was off by more than
     CORRECTION_RATIO. Returns the recorded run (with "corrected"), or None when there is nothing
     to compare: no plan, too few steps, or no cached probe."""
-    from tierlm.probe.record import record_measured_run
-
     if loaded.placement is None or loaded.sizes is None or steps < MIN_DECODE_STEPS or tokens_per_s <= 0:
         return None
     record = record_measured_run(loaded.device, lambda figures: assess(loaded, profile, figures, tokens_per_s, source))
@@ -31,8 +33,6 @@ def note_measured_decode(loaded, profile, tokens_per_s: float, steps: int, sourc
 
 def assess(loaded, profile, bandwidths, tokens_per_s: float, source: str):
     """(the run as the probe records it, corrected figures or None) for a measured speed."""
-    from tierlm.offload.planner import decode_terms, implied_bandwidths, step_seconds
-
     accelerator = loaded.device.type != "cpu"
     terms = decode_terms(loaded.config, loaded.sizes, profile, bandwidths, loaded.placement, accelerator=accelerator)
     predicted_s, limit = step_seconds(terms, profile.prefetch_depth)
