@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from tierlm.config import RopeConfig
-from tierlm.weights.store import Weight
+from tierlm.quant.kernel_api import Weight
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor | Weight, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -1,4 +1,5 @@
-"""What every INT8 matmul kernel offers, and the one error a kernel that cannot load raises.
+"""What a stored weight offers the model (`Weight`), what every INT8 matmul kernel offers, and the
+one error a kernel that cannot load raises.
 
 A kernel computes y = x @ (q * s).T on plain tensors, so the weight object, the calibration
 and each implementation (native C++, numba, torch) stay independent of one another.
@@ -10,6 +11,20 @@ from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
     import torch
+
+
+class Weight(Protocol):
+    """A stored 2-D weight that is not a plain tensor (quant/int8.py Int8Weight, quant/int4.py
+    Int4Weight, store/variants.py RowSwitched, store/calibration.py's recorder): the model asks it
+    for products and embedding rows (models/base.py `linear`, `embed`) and never for its bytes."""
+
+    shape: torch.Size
+
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """x [..., in] @ weight[out, in].T (+ bias) -> [..., out]."""
+
+    def rows(self, ids: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The rows `ids` of an embedding [V, H] -> [..., H]."""
 
 
 class KernelUnavailable(RuntimeError):

@@ -9,26 +9,13 @@ implements the same two calls by fetching blocks from host RAM or disk, so model
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import Iterator, Mapping, Protocol, Sequence, Union
+from typing import Iterator, Mapping, Sequence, Union
 
 import torch
 
 from tierlm.blocks import expert_block
+from tierlm.quant.kernel_api import Weight
 from tierlm.weights.ledger import Ledger
-
-
-class Weight(Protocol):
-    """A stored 2-D weight that is not a plain tensor (quant/int8.py Int8Weight, quant/int4.py
-    Int4Weight, store/variants.py RowSwitched, store/calibration.py's recorder): the model asks it
-    for products and embedding rows (models/base.py `linear`, `embed`) and never for its bytes."""
-
-    shape: torch.Size
-
-    def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        """x [..., in] @ weight[out, in].T (+ bias) -> [..., out]."""
-
-    def rows(self, ids: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
-        """The rows `ids` of an embedding [V, H] -> [..., H]."""
 
 
 # What a block holds under each tensor name.
