@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from tierlm.errors import TierlmError
-from tierlm.weights import embedded
+from tierlm.weights import embedded, gguf_import
 from tierlm.weights.embedded import (
     EMBEDDED_NAME,
     embedded_gguf_path,
@@ -251,6 +251,7 @@ def load_safetensors(model_dir: Path) -> dict[str, np.ndarray]:
 # ----------------------------------------------------------------------------- 1. embedded model parity
 
 
+@pytest.mark.slow
 def test_embedded_logits_match_transformers_gguf_loader(smollm_dir, reference_gguf_model):
     from transformers import LlamaForCausalLM
 
@@ -269,6 +270,7 @@ def test_embedded_logits_match_transformers_gguf_loader(smollm_dir, reference_gg
     assert generation["eos_token_id"] == 2
 
 
+@pytest.mark.slow
 def test_embedded_auto_artifact_keeps_q4_at_4_bits_and_matches_transformers(smollm_cache, reference_gguf_model):
     """`auto` on the 4-bit embedded GGUF: mixed:source carries every Q4_1 tensor as int4-g32-asym
     and the Q8_0 embedding as int8-g32-asym, bit for bit, so its logits are transformers' GGUF
@@ -299,6 +301,7 @@ def test_embedded_auto_artifact_keeps_q4_at_4_bits_and_matches_transformers(smol
 # ----------------------------------------------------------------------------- 2. embedded tokenizer
 
 
+@pytest.mark.slow
 def test_embedded_tokenizer_matches_transformers_gguf_tokenizer(smollm_dir, reference_gguf_tokenizer):
     from tokenizers import Tokenizer, pre_tokenizers
 
@@ -321,6 +324,7 @@ def test_embedded_tokenizer_matches_transformers_gguf_tokenizer(smollm_dir, refe
     assert ours.encode("x  1").ids == [ours.token_to_id("x"), ours.token_to_id("ĠĠ"), ours.token_to_id("1")]
 
 
+@pytest.mark.slow
 def test_embedded_tokenizer_config_loads_in_transformers(smollm_dir, reference_gguf_tokenizer):
     from transformers import AutoTokenizer
 
@@ -473,6 +477,7 @@ KILLED_IMPORT = textwrap.dedent(
 )
 
 
+@pytest.mark.e2e
 def test_killed_import_leaves_no_model_dir(tmp_path, monkeypatch):
     cache = tmp_path / "cache"
     monkeypatch.setenv("TIERLM_CACHE", str(cache))
@@ -554,6 +559,7 @@ def test_embedded_package_missing_names_the_install_command(monkeypatch):
 # ----------------------------------------------------------------------------- 6. reuse
 
 
+@pytest.mark.slow
 def test_ensure_embedded_model_reuses_the_import(smollm_cache, monkeypatch):
     cache, first, first_seconds = smollm_cache
     monkeypatch.setenv("TIERLM_CACHE", str(cache))
@@ -564,7 +570,7 @@ def test_ensure_embedded_model_reuses_the_import(smollm_cache, monkeypatch):
     def no_reimport(*args, **kwargs):
         raise AssertionError("ensure_embedded_model re-imported an existing model")
 
-    monkeypatch.setattr(embedded, "import_gguf", no_reimport)
+    monkeypatch.setattr(gguf_import, "import_gguf", no_reimport)
     started = time.perf_counter()
     again = ensure_embedded_model()
     assert again == first

@@ -3,6 +3,8 @@
 
 Each test gets a private cache holding imports of a tiny GGUF (written once per module); the
 one test of the embedded model itself uses the session's shared cache, where it is imported once.
+The CLI runs in this process (tests/cli_runner.py) but where a terminal or a fresh interpreter
+is the point.
 """
 
 from __future__ import annotations
@@ -18,20 +20,19 @@ from pathlib import Path
 
 import pytest
 
+from tests.cli_runner import run_tierlm
 from tests.test_gguf_import import byte_level_vocab, tiny_hf_model, write_tiny_gguf
 from tierlm.cache import catalog
 from tierlm.cache.artifact import FORMAT_VERSION
 from tierlm.errors import TierlmError
 from tierlm.runtime.session import resolve_model_dir
-from tierlm.weights import embedded
+from tierlm.weights import embedded, gguf_import
 
 TINY = "tiny-chat.q8_0"  # the name Tiny-Chat.Q8_0.gguf answers to
 
 
 def tierlm(*args: str, stdin: str = "", cwd: Path | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "tierlm", *args], input=stdin, capture_output=True, text=True, timeout=300, cwd=cwd
-    )
+    return run_tierlm(*args, stdin=stdin, cwd=cwd)
 
 
 @pytest.fixture(scope="module")
@@ -55,18 +56,12 @@ def ggufs(tmp_path_factory) -> dict[str, Path]:
     }
 
 
-@pytest.fixture(scope="module")
-def shared_kernels(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("kernels")
-
-
 @pytest.fixture
-def cache(tmp_path, monkeypatch, shared_kernels) -> Path:
-    """A private cache for this test and the processes it starts, empty but for the compiled
-    INT8 kernels, which belong to the machine and are shared so each is compiled once."""
+def cache(tmp_path, monkeypatch) -> Path:
+    """A private, empty cache for this test and the processes it starts (the compiled kernels
+    live in $TIERLM_KERNELS, which tests/conftest.py shares across every test and run)."""
     root = tmp_path / "cache"
     root.mkdir()
-    (root / "kernels").symlink_to(shared_kernels, target_is_directory=True)
     monkeypatch.setenv("TIERLM_CACHE", str(root))
     return root
 
@@ -126,7 +121,7 @@ def test_imports_under_older_directory_names_are_reused(cache, ggufs, monkeypatc
     def no_reimport(*args, **kwargs):
         raise AssertionError("an existing import of the same content was imported again")
 
-    monkeypatch.setattr(embedded, "import_gguf", no_reimport)
+    monkeypatch.setattr(gguf_import, "import_gguf", no_reimport)
     assert embedded.import_gguf_to_cache(ggufs["copy"]) == legacy
     assert catalog.resolve_model(TINY) == legacy and catalog.model_name(legacy) == TINY
     # Two copies left by an older tierlm: one name, resolved to the copy imports reuse, and noted.
@@ -291,6 +286,7 @@ def locks_and_leftovers(cache: Path) -> list[str]:
     return sorted(str(p.relative_to(cache)) for p in cache.rglob(".*"))
 
 
+@pytest.mark.e2e
 def test_cache_rm_all_asks_first_and_leaves_no_locks(cache, ggufs):
     model_dir = embedded.import_gguf_to_cache(ggufs["tiny"])
     build_int8(model_dir)
@@ -349,6 +345,7 @@ def test_cache_rm_by_name_and_a_build_in_progress(cache, ggufs):
     assert unknown.returncode == 1 and "no cache entry named 'nope'" in unknown.stderr
 
 
+@pytest.mark.e2e
 def test_naming_modules_do_not_import_torch():
     code = "import sys, tierlm.cli.app, tierlm.cache.catalog, tierlm.cli.models; assert 'torch' not in sys.modules"
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0

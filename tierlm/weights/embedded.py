@@ -22,7 +22,6 @@ from tierlm.atomic import directory_lock, make_dirs
 from tierlm.errors import TierlmError
 from tierlm.paths import cache_root
 from tierlm.progress import Progress
-from tierlm.weights.gguf_import import import_gguf
 from tierlm.weights.import_record import IMPORT_FORMAT_VERSION, gguf_content_key, read_import_record
 
 EMBEDDED_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -140,4 +139,6 @@ def _import_cached(gguf_path: Path, progress: Progress | None) -> Path:
         found = find_import(key)
         if found is not None:
             return found
-        return import_gguf(gguf_path, _new_import_dir(gguf_path, key), progress)
+        from tierlm.weights import gguf_import  # numpy and gguf: only a real import loads them, `tierlm list` never
+
+        return gguf_import.import_gguf(gguf_path, _new_import_dir(gguf_path, key), progress)
