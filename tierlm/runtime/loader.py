@@ -121,32 +121,17 @@ class Planned:
     placement: Placement
 
 
-def load_model(
-    model_dir: Path,
-    *,
-    device=None,
-    dtype=None,
-    context_length: int | None = None,
-    quant: str | None = None,
-    adapters: tuple[tuple[Path, float], ...] = (),
-    profile=None,
-    bandwidths=None,
-    read_delay_s: float = 0.0,
-    progress: Progress | None = None,
-    convert_progress: Progress | None = None,
-    stage=None,
-) -> LoadedModel:
-    """Load a model for `device` in `dtype` (defaults: the device's compute dtype).
+def load_model(model_dir: Path, *, device=None, quant: str | None = None, adapters: tuple[tuple[Path, float], ...] = (),
+               profile=None, **load_options) -> LoadedModel:  # fmt: skip
+    """Load a model for `device` (a name, a torch.device, or None: the best available).
 
     `model_dir` is a Hugging Face checkpoint or a compiled artifact directory; its weight source
     is resolved (`quant`, else the profile's, with LoRA `adapters` as (path, weight) pairs) and
-    loaded by `load_source`, whose steps and other arguments are documented there.
+    loaded by `load_source`, which documents `load_options` (dtype, context_length, bandwidths, ...).
     """
     device = device if isinstance(device, torch.device) else resolve_device(device)
     source = resolve_source(model_dir, requested_quant(quant, profile), adapters, accelerator=device.type != "cpu")
-    return load_source(source, device=device, dtype=dtype, context_length=context_length, profile=profile,
-                       bandwidths=bandwidths, read_delay_s=read_delay_s, progress=progress,
-                       convert_progress=convert_progress, stage=stage)  # fmt: skip
+    return load_source(source, device=device, profile=profile, **load_options)
 
 
 def load_source(
@@ -162,8 +147,9 @@ def load_source(
     convert_progress: Progress | None = None,
     stage=None,
 ) -> LoadedModel:
-    """Load the resolved `source`: plan it under the `profile` when one is given, convert to the
-    artifact the source needs on first use, open the store. The context is the profile's (or
+    """Load the resolved `source` in `dtype` (default: the device's compute dtype): plan it under
+    the `profile` when one is given, convert to the artifact the source needs on first use, open
+    the store. The context is the profile's (or
     `context_length`), capped by max_position_embeddings. `stage` (tierlm/stages.py StageSpan;
     None: the whole model) loads one pipeline stage: only its blocks are planned and opened, and
     its caches hold only its layers.
