@@ -1,9 +1,10 @@
-# Two entry points: `make chat` (set up, then chat with the embedded model) and `make test`.
+# Two entry points: `make chat` (set up, then chat with the embedded model) and `make test`
+# (the whole suite, what CI runs); `make test-fast` is the one-minute tier to run while working.
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTHON ?= python3
 
-.PHONY: setup chat test bench clean
+.PHONY: setup chat test test-fast bench clean
 
 setup: $(VENV)/.installed
 
@@ -24,8 +25,12 @@ chat: setup
 test: setup
 	$(PY) -m pytest -q
 
+# Every test but those that load the embedded model (slow) or need a real separate process (e2e).
+test-fast: setup
+	$(PY) -m pytest -q -m "not slow and not e2e"
+
 bench: setup
 	$(PY) benchmarks/bench_core.py
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) build *.egg-info .tierlm-cache

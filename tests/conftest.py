@@ -1,13 +1,19 @@
-"""Test-wide settings: offline transformers, and a private tierlm cache for the whole run."""
+"""Test-wide settings: offline transformers, a private tierlm cache for the whole run, and one
+persistent directory of compiled kernels for every run."""
 
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# The native kernels take tens of seconds of CPU to compile. Their file names are keyed on
+# sources, flags, compiler and CPU, so one directory outside the per-run (and per-test) caches
+# serves every test, every CLI child and later runs: each build happens once per machine.
+KERNELS = Path(os.environ.setdefault("TIERLM_KERNELS", str(Path(__file__).resolve().parents[1] / ".tierlm-cache" / "kernels")))
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -37,3 +43,26 @@ def decode_checkpoint(tmp_path_factory):
         return made[case]
 
     return get
+
+
+@pytest.fixture(scope="session")
+def avx512_library() -> Path:
+    """The native library compiled for `-march=x86-64-v4` (AVX-512), in the kernels directory
+    under its build key: built once, never loaded (this CPU may lack AVX-512). Skips without a
+    C++ compiler."""
+    import platform
+
+    from tierlm.quant.kernel_api import KernelUnavailable
+    from tierlm.quant.native import FLAGS, _build, _build_key, _compiler
+
+    if platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("x86 -march flags")
+    try:
+        compiler = _compiler()
+    except KernelUnavailable as err:
+        pytest.skip(str(err))
+    flags = tuple("-march=x86-64-v4" if f == "-march=native" else f for f in FLAGS)
+    library = KERNELS / f"tierlm_cpu-{_build_key(compiler, flags)}.so"
+    if not library.exists():
+        _build(compiler, flags, library)
+    return library

@@ -2,8 +2,9 @@
 
 The corpus (tests/corpus_bad_inputs.py) damages copies of good files one way at a time: model
 safetensors, artifact manifests, LoRA adapters. Most cases run in process; a few go through the
-CLI to prove the user sees exit status 1 and one line. Artifact blocks carry checksums: damaged
-bytes in a block are caught on the first read, wherever the block is placed, and by `cache verify`.
+CLI (its `main`, in this process too) to prove the user sees exit status 1 and one line. Artifact
+blocks carry checksums: damaged bytes in a block are caught on the first read, wherever the block
+is placed, and by `cache verify`.
 """
 
 from __future__ import annotations
@@ -12,7 +13,6 @@ import os
 import shutil
 import struct
 import subprocess
-import sys
 import zlib
 from pathlib import Path
 
@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from tests import corpus_bad_inputs as corpus
+from tests.cli_runner import run_tierlm
 from tests.tiny import make_model
 from tierlm.cache.artifact import Artifact
 from tierlm.cache.convert import ConversionRequest, artifacts_root, ensure_artifact
@@ -30,7 +31,7 @@ HIDDEN, VOCAB = 64, 320
 
 
 def tierlm(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "tierlm", *args], capture_output=True, text=True, timeout=300)
+    return run_tierlm(*args)
 
 
 def assert_one_line_failure(result: subprocess.CompletedProcess, *needles: str) -> str:

@@ -197,6 +197,7 @@ def record_growth(driver) -> None:
         }).observe(document.getElementById('messages'), {childList: true, subtree: true, characterData: true});""")
 
 
+@pytest.mark.e2e
 def test_typed_message_gets_a_streamed_reply_equal_to_the_api_one(browser, server):
     url, client = server
     open_page(browser, url)
@@ -224,6 +225,7 @@ def test_typed_message_gets_a_streamed_reply_equal_to_the_api_one(browser, serve
          .startswith(f"{tokens} tokens"), "the reply's token count")
 
 
+@pytest.mark.e2e
 def test_stats_are_shown_and_refreshed(browser, server):
     url, client = server
     open_page(browser, url)
@@ -240,6 +242,7 @@ def test_stats_are_shown_and_refreshed(browser, server):
     wait(browser, lambda d: js(d, read)[0] != first, "/stats to be read again")
 
 
+@pytest.mark.e2e
 def test_stop_regenerate_and_reset(browser, server):
     url, client = server
     open_page(browser, url)
@@ -271,6 +274,7 @@ def test_stop_regenerate_and_reset(browser, server):
     assert js(browser, "return document.querySelectorAll('#messages b').length") == 0
 
 
+@pytest.mark.e2e
 def test_server_with_a_key_refuses_until_the_key_is_entered(browser, session):
     with serving(session, api_key=KEY) as (url, client):
         open_page(browser, url)

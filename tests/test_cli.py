@@ -1,25 +1,35 @@
-"""The CLI as users call it: instant help, profiles, piping generate, import-gguf."""
+"""The CLI as users call it: instant help, profiles, piping generate, import-gguf, bench.
+
+Help's imports and bench's peak RSS belong to a process of their own; the rest runs the CLI's
+`main` in this process (tests/cli_runner.py)."""
 
 from __future__ import annotations
 
 import subprocess
 import sys
 
+import pytest
 import torch
 
+from tests.cli_runner import run_tierlm
 from tests.tiny import make_model
 
 
-def tierlm(*args: str, stdin: str = "") -> subprocess.CompletedProcess:
+def process(*args: str, stdin: str = "") -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "tierlm", *args], input=stdin, capture_output=True, text=True, timeout=300
     )
 
 
+def tierlm(*args: str, stdin: str = "") -> subprocess.CompletedProcess:
+    return run_tierlm(*args, stdin=stdin)
+
+
+@pytest.mark.e2e
 def test_help_does_not_import_torch():
     code = "import sys, tierlm.cli.app; assert 'torch' not in sys.modules and 'transformers' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
-    result = tierlm("--help")
+    result = process("--help")
     assert result.returncode == 0 and "chat" in result.stdout and "generate" in result.stdout
 
 
@@ -52,6 +62,7 @@ def test_generate_stdout_is_exactly_the_greedy_reply(tmp_path):
     assert raw.stdout == engine.generate(tokenizer.encode("the quick", add_special_tokens=True), SamplingParams(temperature=0, max_new_tokens=5)).text() + "\n"
 
 
+@pytest.mark.slow
 def test_import_gguf_prints_a_reusable_model_dir():
     from tierlm.weights.embedded import embedded_gguf_path
 
@@ -64,11 +75,12 @@ def test_import_gguf_prints_a_reusable_model_dir():
     assert reply.returncode == 0 and reply.stdout.strip()
 
 
+@pytest.mark.e2e
 def test_bench_reports_speed_memory_and_the_plan(tmp_path):
     import json
 
     make_model(tmp_path)
-    result = tierlm("bench", "--model", str(tmp_path), "--prompt-tokens", "20", "--tokens", "9", "--runs", "2", "--json")
+    result = process("bench", "--model", str(tmp_path), "--prompt-tokens", "20", "--tokens", "9", "--runs", "2", "--json")
     assert result.returncode == 0, result.stderr
     figures = json.loads(result.stdout)
     assert figures["profile"] == "24gb" and figures["runs"] == 2
@@ -77,7 +89,7 @@ def test_bench_reports_speed_memory_and_the_plan(tmp_path):
     assert abs(figures["decode_vs_predicted"] * figures["predicted_decode_tokens_per_s"] - figures["decode_tokens_per_s"]) < 1e-6 * figures["decode_tokens_per_s"]
     assert set(figures["placement_bytes"]) == {"device"}  # a tiny model is resident under 24gb
     assert 0 < figures["peak_rss_bytes"] <= figures["budget_bytes"]
-    text = tierlm("bench", "--model", str(tmp_path), "--prompt-tokens", "20", "--tokens", "9", "--runs", "1")
+    text = process("bench", "--model", str(tmp_path), "--prompt-tokens", "20", "--tokens", "9", "--runs", "1")
     assert "decode" in text.stdout and "within the profile's" in text.stdout
-    too_long = tierlm("bench", "--model", str(tmp_path), "--prompt-tokens", "5000", "--tokens", "9")
+    too_long = process("bench", "--model", str(tmp_path), "--prompt-tokens", "5000", "--tokens", "9")
     assert too_long.returncode != 0 and "context" in too_long.stderr and "Traceback" not in too_long.stderr

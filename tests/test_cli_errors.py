@@ -1,15 +1,16 @@
-"""Bad input through the real CLI: non-zero exit and one clear line on stderr, no traceback."""
+"""Bad input through the CLI (its `main`, in this process): non-zero exit and one clear line on
+stderr, no traceback."""
 
 from __future__ import annotations
 
 import json
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from tests.cli_runner import run_tierlm
 from tests.tiny import make_model
 
 PROFILE = """description = "test"
@@ -26,10 +27,7 @@ prefetch_depth = 1
 
 
 def tierlm(*args: str, stdin: str = "") -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "tierlm", *args],
-        input=stdin, capture_output=True, text=True, timeout=300,
-    )
+    return run_tierlm(*args, stdin=stdin)
 
 
 PHASE_LINE = re.compile(r"[^:]+: done in \d+\.\d s")

@@ -113,6 +113,7 @@ def test_sampler_with_min_p_never_draws_below_the_threshold():
 def test_cli_leaves_sampling_to_the_model_unless_told(tmp_path):
     """The CLI's unset flags resolve against the model's file: do_sample false there is greedy
     without -t 0, and -t 0 stays greedy whatever the file says."""
+    from tests.cli_runner import run_tierlm
     from tests.tiny import make_model
     from tierlm.runtime.engine import Engine
     from tierlm.runtime.loader import load_model
@@ -122,15 +123,15 @@ def test_cli_leaves_sampling_to_the_model_unless_told(tmp_path):
     model = tmp_path / "greedy-model"
     make_model(model)
     write_generation_config(model, do_sample=False, temperature=1.5, eos_token_id=2)
-    run = [sys.executable, "-m", "tierlm", "generate", "hello", "--model", str(model), "-n", "10", "--quant", "fp32"]
-    unset = subprocess.run(run, capture_output=True, text=True, timeout=300)
+    run = ["generate", "hello", "--model", str(model), "-n", "10", "--quant", "fp32"]
+    unset = run_tierlm(*run)
     assert unset.returncode == 0, unset.stderr
     tokenizer = Tokenizer.from_dir(model)
     engine = Engine(load_model(model, device="cpu", dtype=torch.float32, quant="fp32"), tokenizer)
     ids = tokenizer.encode_chat([{"role": "user", "content": "hello"}])
     assert unset.stdout == engine.generate(ids, SamplingParams(temperature=0, max_new_tokens=10)).text() + "\n"
     write_generation_config(model, temperature=5.0, top_k=0, top_p=1.0)  # wild sampling by default
-    forced = subprocess.run([*run, "-t", "0"], capture_output=True, text=True, timeout=300)
+    forced = run_tierlm(*run, "-t", "0")
     assert forced.stdout == unset.stdout
 
 
@@ -196,6 +197,7 @@ def test_profiles_take_auto_and_every_mode_modes_py_accepts():
         profile_from_dict("p", {**base, "quant": "auto", "quant_resolved": "int8"})  # not a file key
 
 
+@pytest.mark.slow
 def test_embedded_model_default_greedy_equals_its_fp32_weights():
     """The quick start's default (the 24gb profile's quant auto) must not change what the model
     says: greedy token ids equal those of the same weights in fp32."""
@@ -223,6 +225,7 @@ def test_embedded_model_default_greedy_equals_its_fp32_weights():
 
 def test_session_and_plan_name_the_resolved_mode(tmp_path):
     """`auto` is shown with what it resolved to: /stats (the session's profile summary), plan."""
+    from tests.cli_runner import run_tierlm
     from tests.tiny import make_model
     from tierlm.profile import profile_from_dict
     from tierlm.runtime.session import open_session
@@ -234,8 +237,7 @@ def test_session_and_plan_name_the_resolved_mode(tmp_path):
     session = open_session(str(tmp_path / "m"), profile, device="cpu")
     assert session.profile.quant_label == "auto → int8" and "quant auto → int8" in session.profile.summary()
     session.engine.loaded.close()
-    plan = [sys.executable, "-m", "tierlm", "plan", "--model", str(tmp_path / "m"), "--profile", "24gb", "--threads", "1"]
-    planned = subprocess.run(plan, capture_output=True, text=True, timeout=300)
+    planned = run_tierlm("plan", "--model", str(tmp_path / "m"), "--profile", "24gb", "--threads", "1")
     assert planned.returncode == 0, planned.stderr
     assert "auto → int8 (the profile's)" in planned.stdout
 
@@ -271,6 +273,7 @@ def test_usable_cpus_reads_affinity_and_cgroup_quota(tmp_path, files, proc, affi
     assert usable_cpus(tmp_path, proc_file, affinity=affinity) == expected
 
 
+@pytest.mark.e2e
 def test_threads_flag_reaches_torch(tmp_path):
     """`--threads 1` is what torch runs with (the INT8 kernel choice is keyed on it); unset, the
     usable CPUs."""

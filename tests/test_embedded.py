@@ -20,6 +20,7 @@ def embedded_dir() -> Path:
     return ensure_embedded_model()
 
 
+@pytest.mark.slow
 def test_logits_match_transformers_reading_the_same_gguf(embedded_dir):
     from transformers import AutoModelForCausalLM
 
@@ -41,6 +42,8 @@ def run_script() -> str:
     return str(script) if script.exists() else shutil.which("run")
 
 
+@pytest.mark.e2e
+@pytest.mark.slow
 def test_run_chat_two_turns_on_stdin_keeps_history(embedded_dir):
     from tierlm.runtime.tokenizer import Tokenizer
 

@@ -19,9 +19,9 @@ import torch
 from tests.tiny import DECODE_CASES, decode_steps, scattered_slot_prompts
 from tierlm.kv.cache import SlotKVCache
 from tierlm.models import fused_decode
+from tierlm.paths import kernels_root
 from tierlm.quant.int8 import Int8Weight
-from tierlm.quant.kernel_api import KernelUnavailable
-from tierlm.quant.native import FLAGS, _build, _compiler, load_native
+from tierlm.quant.native import FLAGS, load_native
 from tierlm.runtime.loader import load_model
 
 ATOL = 1e-4
@@ -123,13 +123,13 @@ def _cpu_has(flag: str) -> bool:
 
 @pytest.fixture(scope="module", params=[("x86-64-v3", 256, "avx2"), ("x86-64-v2", 0, None)],
                 ids=["avx2", "portable"])  # fmt: skip
-def build(request, tmp_path_factory):
+def build(request):
     march, isa, needs = request.param
     if not X86:
         pytest.skip("x86 -march flags")
     if needs and not _cpu_has(needs):
         pytest.skip(f"this CPU has no {needs}")
-    kernel = load_native(tmp_path_factory.mktemp("kernels"), _flags(march))
+    kernel = load_native(kernels_root(), _flags(march))
     assert kernel.isa == isa
     return kernel
 
@@ -161,18 +161,13 @@ def test_build_runs_the_fused_step_like_eager(build, decode_checkpoint, monkeypa
     torch.testing.assert_close(actual, expected, atol=ATOL, rtol=0)
 
 
-def test_avx512_build_compiles_and_exports_every_entry_point(tmp_path):
+def test_avx512_build_compiles_and_exports_every_entry_point(avx512_library):
     """AVX-512 (`-march=x86-64-v4`) is only COMPILED here: this CPU may lack AVX-512, so the
     library is never loaded or run; the test asserts it builds, reports ISA 512 in its code
     path, and exports the entry points native.py binds. Running it needs an AVX-512 machine."""
     if not X86:
         pytest.skip("x86 -march flags")
-    try:
-        compiler = _compiler()
-    except KernelUnavailable as err:
-        pytest.skip(str(err))
-    library = tmp_path / "avx512.so"
-    _build(compiler, _flags("x86-64-v4"), library)
+    library = avx512_library  # conftest: built with _flags("x86-64-v4"), once per machine
     symbols = _dynamic_symbols(library)
     for name in ("tierlm_i8_isa", "tierlm_i8_matmul", "tierlm_i8_dequant", "tierlm_decode_layer",
                  "tierlm_decode_args_size"):  # fmt: skip

@@ -3,14 +3,12 @@ modes, flags show no type placeholder, and the command list never cuts a sentenc
 
 from __future__ import annotations
 
-import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from tests.cli_runner import run_tierlm
 from tierlm.quant.modes import MODE_NAMES
 
 COMMANDS = ["chat", "generate", "convert", "list", "show", "import-gguf", "profiles", "plan", "bench", "serve",
@@ -20,9 +18,7 @@ README = Path(__file__).resolve().parents[1] / "README.md"
 
 
 def help_text(command: str, columns: int = 80) -> str:
-    env = {**os.environ, "COLUMNS": str(columns)}
-    done = subprocess.run([sys.executable, "-m", "tierlm", *command.split(), "--help"],
-                          capture_output=True, text=True, env=env, timeout=60)  # fmt: skip
+    done = run_tierlm(*command.split(), "--help", env={"COLUMNS": str(columns)})
     assert done.returncode == 0, done.stderr
     return done.stdout
 
@@ -41,8 +37,7 @@ def test_every_command_lists_the_same_quant_modes(helps):
 
 def test_the_readme_and_the_error_list_the_same_modes():
     readme = README.read_text()
-    error = subprocess.run([sys.executable, "-m", "tierlm", "plan", "--quant", "int7"], capture_output=True,
-                           text=True, timeout=120).stderr  # fmt: skip
+    error = run_tierlm("plan", "--quant", "int7").stderr
     for mode in MODE_NAMES:
         assert f"`{mode}`" in readme, f"README does not document quant mode {mode}"
         assert re.search(rf"(?<![\w-]){re.escape(mode)}(?![\w-])", error), f"the error omits {mode}"

@@ -28,9 +28,10 @@ import torch.nn.functional as F
 
 from tests.tiny import decode_steps
 from tierlm.models import fused_decode
+from tierlm.paths import kernels_root
 from tierlm.quant.int4 import Int4Weight, dequantize4, quantize_int4
 from tierlm.quant.kernel_api import KernelUnavailable
-from tierlm.quant.native import FLAGS, _build, _compiler, load_native
+from tierlm.quant.native import FLAGS, load_native
 from tierlm.runtime.loader import load_model
 
 X86 = platform.machine() in ("x86_64", "AMD64")
@@ -57,7 +58,7 @@ def _cpu_has(flag: str) -> bool:
 
 @pytest.fixture(scope="module", params=[("x86-64-v3", 256, ("avx2", "f16c")), ("x86-64-v2", 0, ())],
                 ids=["avx2", "portable"])  # fmt: skip
-def build(request, tmp_path_factory):
+def build(request):
     march, isa, needs = request.param
     if not X86:
         pytest.skip("x86 -march flags")
@@ -65,7 +66,7 @@ def build(request, tmp_path_factory):
         if not _cpu_has(flag):
             pytest.skip(f"this CPU has no {flag}")
     try:
-        kernel = load_native(tmp_path_factory.mktemp("kernels"), _flags(march))
+        kernel = load_native(kernels_root(), _flags(march))
     except KernelUnavailable as err:
         pytest.skip(str(err))
     assert kernel.isa == isa
@@ -275,18 +276,13 @@ def test_weight_words_describe_int4_and_refuse_what_the_native_code_cannot_read(
 # -- AVX-512: compiled only ----------------------------------------------------------------------
 
 
-def test_avx512_build_compiles_and_exports_the_int4_entry_points(tmp_path):
+def test_avx512_build_compiles_and_exports_the_int4_entry_points(avx512_library):
     """`-march=x86-64-v4` is only COMPILED here: the library must build, export the int4 entry
     points beside the int8 ones, and use zmm registers with fp16 conversions (vcvtph2ps).
     Running it needs an AVX-512 machine."""
     if not X86:
         pytest.skip("x86 -march flags")
-    try:
-        compiler = _compiler()
-    except KernelUnavailable as err:
-        pytest.skip(str(err))
-    library = tmp_path / "avx512.so"
-    _build(compiler, _flags("x86-64-v4"), library)
+    library = avx512_library  # conftest: built with _flags("x86-64-v4"), once per machine
     data = library.read_bytes()
     names = {name.decode() for name in re.findall(rb"tierlm_[a-z0-9_]+", data)}
     for name in ("tierlm_i4_matmul", "tierlm_i4_dequant", "tierlm_i8_matmul", "tierlm_decode_layer"):

@@ -137,8 +137,7 @@ def test_a_mixed_size_too_small_is_refused_before_anything_is_cached(tiny):
 def test_plan_shows_the_mixed_choice_and_suggests_a_size_that_fits(tmp_path):
     """`tierlm plan` for a config.json alone: a mixed size plans within it, and a profile the
     int8 weights overflow is answered with a mixed size that fits."""
-    import subprocess
-    import sys
+    from tests.cli_runner import run_tierlm
 
     config = {"model_type": "llama", "hidden_size": 4096, "intermediate_size": 11008, "num_hidden_layers": 32,
               "num_attention_heads": 32, "num_key_value_heads": 32, "vocab_size": 32000,
@@ -146,8 +145,7 @@ def test_plan_shows_the_mixed_choice_and_suggests_a_size_that_fits(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(config))
 
     def plan(*args):
-        return subprocess.run([sys.executable, "-m", "tierlm", "plan", "--model", str(tmp_path), "--device", "cpu",
-                               *args], capture_output=True, text=True, timeout=300)  # fmt: skip
+        return run_tierlm("plan", "--model", str(tmp_path), "--device", "cpu", *args)
 
     done = plan("--quant", "mixed:4.5GiB", "--profile", "8gb", "--json")
     assert done.returncode == 0, done.stderr

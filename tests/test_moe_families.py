@@ -8,14 +8,13 @@ logits, cached, greedy and batched decode against transformers are in tests/test
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from collections import Counter
 from pathlib import Path
 
 import pytest
 import torch
 
+from tests.cli_runner import run_tierlm
 from tests.tiny import MOE_CASES, greedy, make_case, make_model, prompt, scattered_slot_prompts
 from tierlm.blocks import expert_of
 from tierlm.kv.cache import SlotKVCache
@@ -280,9 +279,8 @@ def test_generate_runs_a_moe_model_end_to_end(tmp_path):
     tokenizer = Tokenizer.from_dir(tmp_path)
     ids = tokenizer.encode("the quick", add_special_tokens=True)
     for quant in ("none", "int8"):
-        result = subprocess.run([sys.executable, "-m", "tierlm", "generate", "the quick", "--raw", "--model",
-                                 str(tmp_path), "-t", "0", "-n", "6", "-q", quant],
-                                capture_output=True, text=True, timeout=300)  # fmt: skip
+        result = run_tierlm("generate", "the quick", "--raw", "--model", str(tmp_path), "-t", "0", "-n", "6",
+                            "-q", quant)  # fmt: skip
         assert result.returncode == 0, result.stderr
         engine = Engine(load_model(tmp_path, device="cpu", dtype=torch.float32, quant=quant), tokenizer)
         expected = engine.generate(ids, SamplingParams(temperature=0, max_new_tokens=6)).text()

@@ -318,6 +318,7 @@ SYNTHETIC_MOE = {
     "decoder_sparse_step": 1, "mlp_only_layers": [],
 }  # fmt: skip
 
+@pytest.mark.e2e
 
 def test_offloaded_experts_inside_a_cgroup_capped_at_the_budget(tmp_path):
     """About half the experts resident, the rest read from disk, in a child whose cgroup v1 memory

@@ -9,15 +9,13 @@ is reproducible. Expected hit rates and bytes are recomputed from the routing sh
 from __future__ import annotations
 
 import json
-import os
 import random
-import subprocess
-import sys
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
+from tests.cli_runner import run_tierlm
 from tierlm.blocks import expert_block, expert_of, is_expert
 from tierlm.config import ModelConfig
 from tierlm.errors import TierlmError
@@ -274,9 +272,7 @@ def test_plan_cli_shows_experts_per_layer_range(config):
     from tierlm.probe.record import save_bandwidths
 
     save_bandwidths(CPU, "cpu")
-    run = subprocess.run([sys.executable, "-m", "tierlm", "plan", "--model", str(QWEN3_30B), "--profile", "16gb",
-                          "--device", "cpu", "--json"], capture_output=True, text=True, timeout=300,
-                         env=os.environ.copy())  # fmt: skip
+    run = run_tierlm("plan", "--model", str(QWEN3_30B), "--profile", "16gb", "--device", "cpu", "--json")
     assert run.returncode == 0, run.stderr
     shown = json.loads(run.stdout)
     expected = plan(config, sizes_from_config(config, "int8"), load_profile("16gb"), CPU, accelerator=False,

@@ -269,6 +269,7 @@ def test_requests_are_counted_in_metrics_and_logged(client, server, session, cap
     assert line in logged and '"POST /api/chat" 400 prompt=- completion=- ' in logged
 
 
+@pytest.mark.e2e
 @pytest.mark.slow
 def test_tierlm_serve_found_through_ollama_host(monkeypatch):
     """`tierlm serve` on the embedded model, found the way Ollama's tools find a server: OLLAMA_HOST

@@ -25,6 +25,8 @@ from tierlm.distributed.launch import start_group
 from tierlm.distributed.pipeline import load_pipeline, stage_loads
 from tierlm.runtime.loader import load_model
 
+pytestmark = pytest.mark.e2e  # stages are processes
+
 ATOL = 1e-4
 STEPS = 4
 CONTEXT = 64
@@ -124,6 +126,7 @@ def test_stages_match_one_process(group, checkpoint, case):
         reference.close()
 
 
+@pytest.mark.slow
 def test_embedded_model_text_and_logits(group):
     from tierlm.runtime.engine import Engine
     from tierlm.runtime.sampling import SamplingParams

@@ -21,6 +21,8 @@ import pytest
 from tests.test_real_limits import memory_cgroup, needs_cgroup, own_memory_cgroup
 from tests.tiny import make_model
 
+pytestmark = pytest.mark.e2e  # ranks are processes in cgroups
+
 MiB = 2**20
 BUDGET = 512 * MiB  # each rank's profile budget and its cgroup's cap
 CONTEXT = 64

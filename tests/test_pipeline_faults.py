@@ -97,6 +97,7 @@ def monitored():
         health.close()
 
 
+@pytest.mark.e2e
 def test_a_beating_worker_is_healthy_and_a_killed_one_is_named(monitored):
     health, worker = monitored
     time.sleep(2 * TIMEOUT)  # longer than the timeout: only its beats keep it healthy
@@ -112,6 +113,7 @@ def test_a_beating_worker_is_healthy_and_a_killed_one_is_named(monitored):
         health.check()
 
 
+@pytest.mark.e2e
 def test_a_stopped_worker_is_noticed_within_the_timeout(monitored):
     health, worker = monitored
     os.kill(worker.pid, signal.SIGSTOP)
@@ -123,6 +125,7 @@ def test_a_stopped_worker_is_noticed_within_the_timeout(monitored):
     assert failure.rank == 1 and "sent no heartbeat" in failure.reason and "stopped or hung" in failure.reason
 
 
+@pytest.mark.e2e
 def test_failure_runs_the_abort_hooks_and_ends_other_workers(monitored):
     health, worker = monitored
     killed = []
@@ -137,6 +140,7 @@ def test_failure_runs_the_abort_hooks_and_ends_other_workers(monitored):
     assert late == [f"pipeline stage 1 (pid {worker.pid}) broke the link: test"]
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("how", [signal.SIGKILL, signal.SIGSTOP])
 def test_a_worker_exits_when_rank_0_goes_away(how):
     rank0 = spawn(RANK0, TIMEOUT)
@@ -159,6 +163,7 @@ def test_a_worker_exits_when_rank_0_goes_away(how):
         end(*(p for p in (worker, rank0) if p is not None))
 
 
+@pytest.mark.e2e
 def test_a_wait_on_a_stopped_stage_is_aborted():
     """A gloo receive from a stage that stops answering ends with StageFailed within the timeout,
     and the abort hook (killing the stage) also ends the blocked helper wait."""
@@ -268,6 +273,7 @@ def greedy_text(http) -> str:
     return reply.json()["choices"][0]["text"]
 
 
+@pytest.mark.e2e
 def test_serve_answers_503_while_a_killed_stage_restarts_then_serves_the_same_text(tmp_path):
     import httpx
     import psutil

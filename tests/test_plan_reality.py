@@ -90,6 +90,8 @@ def fixed_probe(child_probe_path) -> Path:
 # -- plan == load ---------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
+@pytest.mark.e2e
 def test_plan_places_the_blocks_the_load_places(model_dir, fixed_probe, tmp_path):
     """For budgets exactly at, one byte below, and between split points, the plan's placement and
     charges equal the real load's, each in a fresh process."""
@@ -159,6 +161,8 @@ def test_the_baseline_charge_is_steady_across_processes(tmp_path):
 # -- measured runs correct the probe -------------------------------------------------------------
 
 
+@pytest.mark.slow
+@pytest.mark.e2e
 def test_a_measured_run_corrects_a_poisoned_probe(model_dir, fixed_probe, tmp_path):
     """A probe ~1000x too slow predicts a fraction of a token per second; one bench run corrects
     it, `plan` then predicts what was measured, and says how old the probe is."""
@@ -185,6 +189,8 @@ def test_a_measured_run_corrects_a_poisoned_probe(model_dir, fixed_probe, tmp_pa
     assert "corrected" in after and "last measured run: " in after and "x the prediction" in after
 
 
+@pytest.mark.slow
+@pytest.mark.e2e
 def test_chat_stats_corrects_a_poisoned_probe(model_dir, fixed_probe, tmp_path):
     """Chat's /stats is a measured run too: after a reply, it corrects a probe far off."""
     path = save_bandwidths(POISONED, "cpu", probed_at=time.time() - DAY)
@@ -200,6 +206,8 @@ def test_chat_stats_corrects_a_poisoned_probe(model_dir, fixed_probe, tmp_path):
     assert "chat" in record.corrections[-1]["source"]
 
 
+@pytest.mark.slow
+@pytest.mark.e2e
 def test_doctor_probe_measures_afresh(fixed_probe):
     path = save_bandwidths(POISONED, "cpu", probed_at=1.0)
     shown = tierlm("doctor").stdout

@@ -4,13 +4,12 @@ totals with them, equal to what `serve --lora NAME=PATH` charges (plan = load)."
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
+from tests.cli_runner import run_tierlm
 from tests.test_lora_merge import save_adapter
 from tests.tiny import make_model, write_profile
 from tierlm.cli.plan_view import plan_for, render_plan
@@ -98,9 +97,8 @@ def test_plain_lora_still_merges_into_the_base(model, profile, adapters):
 
 
 def test_plan_cli_takes_lora_variants(model, profile, adapters):
-    command = [str(Path(sys.executable).parent / "tierlm"), "plan", "--model", str(model), "--profile", str(model.parent / "plan.toml"),
-               "--device", "cpu", "--json", "--lora", specs(adapters)[0]]  # fmt: skip
-    done = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    done = run_tierlm("plan", "--model", str(model), "--profile", str(model.parent / "plan.toml"), "--device", "cpu",
+                      "--json", "--lora", specs(adapters)[0])  # fmt: skip
     assert done.returncode == 0, done.stderr[-2000:]
     shown = json.loads(done.stdout)
     assert [(v["name"], v["mode"], v["tier"]) for v in shown["variants"]] == [("dora", "merged", DEVICE)]

@@ -192,6 +192,7 @@ def test_a_busy_sibling_does_not_corrupt_the_pool(pool):
     assert stats["helper_chunks"] + stats["reduced"] > 0, stats  # the parallel path ran
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize(
     ("given", "expected"),
     [({}, "1000"), ({"GOMP_SPINCOUNT": "5"}, "5"), ({"OMP_WAIT_POLICY": "ACTIVE"}, None)],

@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import re
-import subprocess
-import sys
 import time
 
+from tests.cli_runner import run_tierlm
 from tests.tiny import make_model
 
 
@@ -31,9 +30,6 @@ def test_piped_phases_print_one_timed_line_each(capsys):
 
 def test_convert_reports_its_phase_on_a_piped_stderr(tmp_path):
     make_model(tmp_path)
-    result = subprocess.run(
-        [sys.executable, "-m", "tierlm", "convert", "--model", str(tmp_path), "--quant", "int8"],
-        capture_output=True, text=True, timeout=300,
-    )
+    result = run_tierlm("convert", "--model", str(tmp_path), "--quant", "int8")  # stderr is a pipe, no tty
     assert result.returncode == 0, result.stderr
     assert re.search(r"^converting: done in \d+\.\d s$", result.stderr, re.M), result.stderr

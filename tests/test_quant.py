@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from tierlm.errors import TierlmError
+from tierlm.paths import kernels_root
 from tierlm.quant.dispatch import KernelChoice, calibrate
 from tierlm.quant.int8 import Int8Weight, quantize_int8
 from tierlm.quant.kernel_api import KernelUnavailable
@@ -127,13 +128,14 @@ def test_rows_equal_dequantized_rows():
 
 @pytest.fixture(scope="module")
 def kernels(tmp_path_factory):
-    """Every kernel that can load here, by name; the torch ones always can."""
+    """Every kernel that can load here, by name; the torch ones always can. The native builds
+    live in the machine's kernels directory (keyed per flags, built once); numba's in this run."""
     kernels = {
         "blas-torch": BlasKernel(),
         "blas-small-blocks": BlasKernel(block_bytes=1 << 14),  # many blocks, a ragged last one
         "torch": TorchKernel(),
     }
-    build = tmp_path_factory.getbasetemp() / "kernels"
+    build = kernels_root()
     try:
         native = load_native(build)
         kernels["native"] = native
@@ -151,7 +153,7 @@ def kernels(tmp_path_factory):
     try:
         from tierlm.quant.numba_kernel import load_numba
 
-        kernels["numba"] = load_numba(build)
+        kernels["numba"] = load_numba(tmp_path_factory.getbasetemp() / "kernels")
     except KernelUnavailable:
         pass
     return kernels
@@ -170,6 +172,7 @@ def test_every_kernel_matches_dequantize_then_matmul(kernels, rows, group_size):
             _assert_matches(y, _reference(x, qw, b))
 
 
+@pytest.mark.e2e
 def test_native_kernel_builds_once_and_is_reused(tmp_path):
     try:
         first = load_native(tmp_path)

@@ -114,6 +114,7 @@ def test_auto_profile_is_sized_under_the_cgroup_limit_not_the_hosts_free_ram():
     assert roomy.device_memory == int(18 * GiB * 0.85) and "cgroup" not in roomy.description
 
 
+@pytest.mark.e2e
 def test_profiles_auto_under_a_real_rlimit_as_is_sized_below_it():
     limit = 3 * GiB  # room for the interpreter's own address space; no torch is imported
 
@@ -306,6 +307,8 @@ def warm_cache():
     assert done.returncode == 0, done.stderr[-2000:]
 
 
+@pytest.mark.slow
+@pytest.mark.e2e
 @needs_cgroup
 def test_plan_inside_a_cgroup_shows_the_capped_budget(warm_cache):
     with memory_cgroup(640 * MiB) as group:
@@ -316,6 +319,8 @@ def test_plan_inside_a_cgroup_shows_the_capped_budget(warm_cache):
     assert "RAM budget capped at the cgroup memory limit 640 MiB (profile '4gb' allows 3.25 GiB)" in done.stdout
 
 
+@pytest.mark.slow
+@pytest.mark.e2e
 @needs_cgroup
 def test_plan_in_a_cgroup_too_small_for_the_model_is_refused_in_one_line(warm_cache):
     # 330 MiB: room for `plan` itself (torch, tokenizer, kernel calibration: ~260 MiB peak; at 250 MiB
@@ -330,6 +335,8 @@ def test_plan_in_a_cgroup_too_small_for_the_model_is_refused_in_one_line(warm_ca
     assert "needs at least" in lines[0] and "raise the cgroup memory limit to at least" in lines[0]
 
 
+@pytest.mark.slow
+@pytest.mark.e2e
 @needs_cgroup
 def test_generate_in_a_small_cgroup_streams_within_it_or_is_refused_never_killed(warm_cache):
     limit = 350 * MiB
@@ -344,6 +351,7 @@ def test_generate_in_a_small_cgroup_streams_within_it_or_is_refused_never_killed
         assert "this process is limited to 350 MiB (cgroup memory limit)" in lines[0]
 
 
+@pytest.mark.e2e
 @needs_cgroup
 def test_profiles_auto_inside_a_1gib_cgroup_sizes_itself_under_the_limit_doctor_reports():
     with memory_cgroup(GiB) as group:

@@ -255,6 +255,7 @@ def stats_after(term: Terminal) -> str:
     return term.expect(r"/stats\n(.*?)>>> ").group(1)
 
 
+@pytest.mark.e2e
 @pytest.mark.slow
 def test_ctrl_c_stops_a_reply_and_an_overlong_message_is_refused_and_the_chat_goes_on(terminal):
     term = terminal("-n", "200")
@@ -284,6 +285,7 @@ def test_ctrl_c_stops_a_reply_and_an_overlong_message_is_refused_and_the_chat_go
     assert "Traceback" not in term.transcript
 
 
+@pytest.mark.e2e
 @pytest.mark.slow
 def test_unknown_commands_are_not_sent_and_a_block_is_one_message(terminal):
     from tierlm.weights.embedded import ensure_embedded_model
@@ -317,6 +319,7 @@ def test_unknown_commands_are_not_sent_and_a_block_is_one_message(terminal):
     assert "Traceback" not in term.transcript
 
 
+@pytest.mark.e2e
 @pytest.mark.slow
 def test_ctrl_c_at_an_empty_prompt_quits_and_input_history_persists(terminal, tierlm_cache):
     history = tierlm_cache / "chat_history"
@@ -337,6 +340,7 @@ def test_ctrl_c_at_an_empty_prompt_quits_and_input_history_persists(terminal, ti
     assert history.read_text().splitlines() == ["an earlier message", "/help"]
 
 
+@pytest.mark.e2e
 @pytest.mark.slow
 def test_piped_chat_refuses_an_overlong_line_and_answers_the_next():
     result = subprocess.run(

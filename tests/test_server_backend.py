@@ -40,6 +40,7 @@ def openai_client(url: str) -> openai.OpenAI:
     return openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=30)
 
 
+@pytest.mark.e2e
 def test_access_log_has_one_line_per_request_with_tokens_and_duration(session):
     with serve_tiny(session, "--model-name", "tiny-served", "--alias", "gpt-4o-mini") as (url, lines):
         client = openai_client(url)
@@ -72,6 +73,7 @@ def test_access_log_has_one_line_per_request_with_tokens_and_duration(session):
     assert not any('HTTP/1.1"' in line for line in lines)  # uvicorn's own access log stays off
 
 
+@pytest.mark.e2e
 def test_quiet_turns_the_access_log_off(session):
     with serve_tiny(session, "--quiet") as (url, lines):
         name = ServerOptions().served_name(session.model_dir)

@@ -399,6 +399,7 @@ def wait_for_exit(pid: int, timeout: float):
     raise AssertionError(f"the server did not exit within {timeout} s")
 
 
+@pytest.mark.e2e
 def test_sigterm_answers_requests_in_flight_then_exits(session):
     results: dict = {}
     long = body(LONG_RUNNER, max_tokens=200, **GREEDY)  # 200 steps of 50 ms: far past the shutdown

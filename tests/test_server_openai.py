@@ -19,7 +19,8 @@ from tierlm.runtime.session import open_session
 from tierlm.server.options import ServerOptions
 from tierlm.weights.embedded import ensure_embedded_model
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.e2e]  # tierlm serve as a process
+
 KEY = "test-key"
 ALIAS = "gpt-4o-mini"  # what desktop clients tend to send by default
 MESSAGES = [

@@ -318,6 +318,7 @@ print(json.dumps({"base": base, "after": after, "weights": session.loaded.store.
 MEMORY_MARGIN = 12 << 20  # allocator slack and lazily created buffers, well under one model copy
 
 
+@pytest.mark.e2e
 def test_two_attention_variants_cost_their_own_bytes_not_model_copies(root):
     import json
     import subprocess

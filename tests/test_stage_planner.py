@@ -260,6 +260,7 @@ def test_a_batch_in_micro_batches_is_priced_round_the_ring(llama70b):
 # -- the link probe and `tierlm plan --stages` ----------------------------------------------------
 
 
+@pytest.mark.e2e
 def test_the_link_probe_measures_two_gloo_processes_caches_and_reprobes(monkeypatch, tmp_path):
     from tierlm.probe.link import gbps_link, link_path, load_link
 
@@ -286,6 +287,7 @@ def tierlm(*args: str):
                           env=os.environ.copy())  # fmt: skip
 
 
+@pytest.mark.e2e
 def test_plan_stages_cli_shows_each_stage_as_its_rank_would_plan_it(tmp_path):
     import subprocess
     import sys

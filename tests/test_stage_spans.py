@@ -189,6 +189,7 @@ def test_device_graphs_capture_a_partial_span(checkpoint, monkeypatch):
         assert sum(step.graph.replays for step in loaded.model.graphs.steps.values()) == len(DECODE_TOKENS)
 
 
+@pytest.mark.slow
 def test_the_embedded_model_split_in_two_and_three(tmp_path_factory):
     from tierlm.weights.embedded import ensure_embedded_model
 

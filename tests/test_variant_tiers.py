@@ -239,6 +239,7 @@ print(json.dumps({"base": base, "added": added, "used": used, "sizes": [[o.nbyte
 MEMORY_MARGIN = 12 << 20  # allocator slack and lazily created buffers, as in test_server_variants
 
 
+@pytest.mark.e2e
 def test_rss_grows_by_the_held_variant_not_both(served):
     model, profile, adapters = served
     child = subprocess.run([sys.executable, "-c", MEMORY_CHILD, str(model), str(profile), *map(str, adapters)],
