@@ -69,18 +69,58 @@ def test_unset_options_take_the_model_defaults_and_set_ones_win():
 
 
 def test_server_requests_omitting_fields_get_the_model_defaults():
-    from tierlm.server.app import _sampling
+    from tierlm.server.admission import sampling_params
     from tierlm.server.schemas import ApiError, parse_chat, parse_completion
 
     defaults = GenerationDefaults(temperature=0.3, top_p=0.5, top_k=7, min_p=0.2, repetition_penalty=1.2)
     message = [{"role": "user", "content": "hi"}]
-    omitted = _sampling(parse_chat({"messages": message}, max_messages=8), 9, defaults)
+    omitted = sampling_params(parse_chat({"messages": message}, max_messages=8).sampling, 9, defaults)
     assert (omitted.temperature, omitted.top_p, omitted.top_k, omitted.min_p, omitted.repetition_penalty) == (
         0.3, 0.5, 7, 0.2, 1.2)  # fmt: skip
-    sent = _sampling(parse_completion({"prompt": "x", "temperature": 0, "min_p": 0.05, "top_k": 0}), 9, defaults)
+    sent = parse_completion({"prompt": "x", "temperature": 0, "min_p": 0.05, "top_k": 0}).sampling
+    sent = sampling_params(sent, 9, defaults)
     assert sent.greedy and sent.min_p == 0.05 and sent.top_k == 0 and sent.top_p == 0.5
     with pytest.raises(ApiError, match="min_p"):
         parse_chat({"messages": message, "min_p": 1.5}, max_messages=8)
+
+
+def test_both_apis_map_their_sampling_fields_onto_the_same_settings():
+    """One mapping serves both dialects: Ollama's options (repeat_penalty, seed -1 = random) and
+    OpenAI's fields that mean the same give the same SamplingParams; omitted ones the model's."""
+    from tierlm.server import ollama_schemas
+    from tierlm.server.admission import sampling_params
+    from tierlm.server.schemas import parse_chat
+
+    defaults = GenerationDefaults(temperature=0.3, top_p=0.5, top_k=7, min_p=0.2, repetition_penalty=1.2)
+    message = [{"role": "user", "content": "hi"}]
+    openai = parse_chat({"messages": message, "temperature": 0.8, "top_p": 0.9, "top_k": 5, "min_p": 0.05,
+                         "repetition_penalty": 1.1, "seed": 7, "stop": ["\n\n"]}, max_messages=8)
+    ollama = ollama_schemas.parse_chat({"model": "m", "messages": message, "options": {
+        "temperature": 0.8, "top_p": 0.9, "top_k": 5, "min_p": 0.05, "repeat_penalty": 1.1, "seed": 7,
+        "stop": ["\n\n"]}}, max_messages=8)
+    assert sampling_params(openai.sampling, 9, defaults) == sampling_params(ollama.options.sampling, 9, defaults)
+    random = ollama_schemas.parse_chat({"model": "m", "messages": message, "options": {"seed": -1}}, max_messages=8)
+    plain = parse_chat({"messages": message}, max_messages=8)
+    assert sampling_params(random.options.sampling, 9, defaults) == sampling_params(plain.sampling, 9, defaults)
+    assert sampling_params(plain.sampling, 9, defaults).seed is None
+
+
+def test_cli_sampling_flags_are_one_object_for_chat_and_serve():
+    """chat/generate turn SamplingFlags into a reply's settings, serve into the model defaults
+    requests fall back on: the same flags give the same sampler either way (--top-p 0: off)."""
+    from tierlm.cli.app import SamplingFlags
+
+    defaults = GenerationDefaults(temperature=0.3, top_p=0.5, top_k=7, min_p=0.2, repetition_penalty=1.2)
+    command = dict(max_new_tokens=9, temperature=0.0, top_p=0.0, top_k=None, min_p=None, repetition_penalty=1.1,
+                   seed=5, stop=["\n"], system="unrelated")  # a command's parameters, as typer passes them
+    flags = SamplingFlags.of(command)
+    assert (flags.top_p, flags.stop) == (1.0, ("\n",))
+    params = flags.params(defaults)
+    assert (params.max_new_tokens, params.greedy, params.top_p, params.top_k, params.repetition_penalty,
+            params.seed, params.stop) == (9, True, 1.0, 7, 1.1, 5, ("\n",))  # fmt: skip
+    served = flags.over(defaults)
+    assert resolve_sampling(served, max_new_tokens=9, seed=5, stop=("\n",)) == params
+    assert SamplingFlags.of({}).over(defaults) == defaults  # serve without sampling flags: the model's
 
 
 # -- min_p ---------------------------------------------------------------------------------

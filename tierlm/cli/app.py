@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import sys
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import typer
 
 from tierlm.config import GenerationDefaults  # light: json and dataclasses only
 from tierlm.errors import TierlmError
 from tierlm.quant.modes import mode_choices  # light: no torch
+
+if TYPE_CHECKING:
+    from tierlm.runtime.sampling import SamplingParams  # torch: imported where a command needs it
 
 app = typer.Typer(
     help="Run large language models inside a fixed memory budget.",
@@ -36,7 +40,8 @@ StagesOpt = typer.Option(
     help="Run the model as a pipeline of N stages, each its own process with a range of layers (N-1 local "
     "workers are started; under torchrun: its WORLD_SIZE ranks)",
 )
-MaxNewOpt = typer.Option(256, "--max-new-tokens", "-n", min=1, help="Most tokens to generate per reply")
+MAX_NEW_TOKENS = 256
+MaxNewOpt = typer.Option(MAX_NEW_TOKENS, "--max-new-tokens", "-n", min=1, help="Most tokens to generate per reply")
 # Sampling options default to None: the model's generation_config.json decides, else the fallback.
 _FALLBACK = GenerationDefaults()
 
@@ -71,31 +76,91 @@ QuantOpt = typer.Option(None, "--quant", "-q", help=f"Weight format: {mode_choic
 LoraOpt = typer.Option(None, "--lora", help="PEFT LoRA adapter directory, optionally :weight (repeatable)")
 
 
-def _params(session, max_new_tokens, temperature, top_p, top_k, min_p, repetition_penalty, seed, stop):
-    """SamplingParams from the flags; those left unset take the model's defaults."""
-    from tierlm.runtime.sampling import resolve_sampling
+class _Flags:
+    """Options several commands share, gathered into one object (typer needs each command to
+    declare them itself, under these fields' names)."""
 
-    return resolve_sampling(
-        session.generation_defaults,
-        temperature=temperature,
-        top_p=top_p if top_p != 0 else 1.0,  # --top-p 0 has always meant off
-        top_k=top_k,
-        min_p=min_p,
-        repetition_penalty=repetition_penalty,
-        max_new_tokens=max_new_tokens,
-        seed=seed,
-        stop=tuple(stop or ()),
-    )
+    @classmethod
+    def of(cls, options: dict):
+        """From a command's parameters (`locals()` at its top); a field it does not declare keeps its default."""
+        return cls(**{f.name: options[f.name] for f in fields(cls) if f.name in options})
 
 
-def _open(model, profile_name, device, dtype, quant, lora, threads=None, stages=None):
+@dataclass(frozen=True)
+class SamplingFlags(_Flags):
+    """--max-new-tokens, --temperature, --top-p, --top-k, --min-p, --repetition-penalty, --seed,
+    --stop (chat, generate; serve takes the five with model defaults). None: unset, the model's
+    generation_config.json decides."""
+
+    max_new_tokens: int = MAX_NEW_TOKENS
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+
+    def __post_init__(self):
+        object.__setattr__(self, "stop", tuple(self.stop or ()))  # typer: a list, or None when not given
+        if self.top_p == 0:  # --top-p 0 has always meant off
+            object.__setattr__(self, "top_p", 1.0)
+
+    def params(self, defaults: GenerationDefaults) -> SamplingParams:
+        """SamplingParams for one reply: the flags set, the model's `defaults` for the rest."""
+        from tierlm.runtime.sampling import resolve_sampling
+
+        return resolve_sampling(defaults, **self._model_fields(), max_new_tokens=self.max_new_tokens, seed=self.seed,
+                                stop=self.stop)  # fmt: skip
+
+    def over(self, defaults: GenerationDefaults) -> GenerationDefaults:
+        """`defaults` with the flags set in their place (serve: what requests that omit a field get)."""
+        return replace(defaults, **self._model_fields())
+
+    def _model_fields(self) -> dict:
+        """The flags set among those the model has defaults for."""
+        given = dict(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
+                     repetition_penalty=self.repetition_penalty)  # fmt: skip
+        return {key: value for key, value in given.items() if value is not None}
+
+
+@dataclass(frozen=True)
+class RunFlags(_Flags):
+    """--profile, --device, --dtype, --quant, --lora, --threads, --stages: how chat, generate, bench
+    and serve run the model (memory budget, device, compute dtype, weight format, adapters, CPU
+    threads, pipeline stages)."""
+
+    profile: str
+    device: str | None = None
+    dtype: str | None = None
+    quant: str | None = None
+    lora: tuple[str, ...] = ()
+    threads: int | None = None
+    stages: int | None = None
+
+    def __post_init__(self):
+        object.__setattr__(self, "lora", tuple(self.lora or ()))  # typer: a list, or None when not given
+
+
+def _open(model, run: RunFlags, *, variants: bool = False, batch_size=None, stage_timeout=None):
+    """The session `run` asks for: one process, or a pipeline of stages (one per profile).
+    `variants` (serve): `--lora NAME=DIR` specs become variants served beside the base, the rest
+    are merged into it. `batch_size`: the sequences the planner reserves KV memory for, on every stage."""
     from tierlm.cli.progress import progress_factory
+    from tierlm.lora.spec import split_variant_specs
     from tierlm.runtime.session import open_session
 
-    profiles = _stage_profiles(profile_name, stages)
+    profiles = _stage_profiles(run.profile, run.stages)
+    if batch_size is not None:
+        profiles = [replace(p, batch_size=batch_size) for p in profiles]
+    merged, named = split_variant_specs(run.lora) if variants else (run.lora, {})
+    if named and len(profiles) > 1:
+        raise TierlmError("LoRA variants are not served over pipeline stages",
+                          "merge the adapter into the base with --lora DIR, or drop --stages")  # fmt: skip
+    where = dict(device=run.device, quant=run.quant, threads=run.threads)
     return open_session(
-        model, profiles[0], device=device, dtype=dtype, quant=quant, loras=tuple(lora or ()), threads=threads,
-        progress=progress_factory(), **_stage_load(profiles, device=device, quant=quant, threads=threads),
+        model, profiles[0], dtype=run.dtype, loras=merged, variants=named, progress=progress_factory(), **where,
+        **_stage_load(profiles, stage_timeout=stage_timeout, **where),
     )
 
 
@@ -167,12 +232,11 @@ def chat(
     from tierlm.cli.models import pick_model
     from tierlm.cli.repl import run_chat
 
-    if _pipeline_worker(device):
+    sampling, run = SamplingFlags.of(locals()), RunFlags.of(locals())
+    if _pipeline_worker(run.device):
         return
-    model = pick_model(model_arg, model)
-    with _open(model, profile, device, dtype, quant, lora, threads, stages) as session:
-        params = _params(session, max_new_tokens, temperature, top_p, top_k, min_p, repetition_penalty, seed, stop)
-        run_chat(session, params, system)
+    with _open(pick_model(model_arg, model), run) as session:
+        run_chat(session, sampling.params(session.generation_defaults), system)
 
 
 @app.command(short_help="Generate one reply to a prompt; only the text goes to stdout.")
@@ -198,12 +262,13 @@ def generate(
     stages: Optional[int] = StagesOpt,
 ):
     """Generate one reply. Only the generated text goes to stdout, so it can be piped."""
-    if _pipeline_worker(device):
+    sampling, run = SamplingFlags.of(locals()), RunFlags.of(locals())
+    if _pipeline_worker(run.device):
         return
     if prompt == "-":
         prompt = sys.stdin.read()
-    with _open(model, profile, device, dtype, quant, lora, threads, stages) as session:
-        params = _params(session, max_new_tokens, temperature, top_p, top_k, min_p, repetition_penalty, seed, stop)
+    with _open(model, run) as session:
+        params = sampling.params(session.generation_defaults)
         tokenizer = session.engine.tokenizer
         if raw:
             # A raw prompt gets what the tokenizer's post-processor adds (BOS for Llama-style models).
@@ -434,9 +499,10 @@ def bench(
     from tierlm.cli.bench import format_bench, run_bench
     from tierlm.cli.models import pick_model
 
-    if _pipeline_worker(device):
+    run = RunFlags.of(locals())
+    if _pipeline_worker(run.device):
         return
-    with _open(pick_model(model_arg, model), profile, device, dtype, quant, lora, threads, stages) as session:
+    with _open(pick_model(model_arg, model), run) as session:
         result = run_bench(session, prompt_tokens, tokens, runs)
     print(json.dumps(result, indent=1) if as_json else format_bench(result))
 
@@ -487,35 +553,19 @@ def serve(
     repetition_penalty: Optional[float] = RepOpt,
 ):
     """Serve the model over an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions)."""
-    import dataclasses
     import os
 
     from tierlm.cli.models import pick_model
-    from tierlm.cli.progress import progress_factory
-    from tierlm.lora.spec import split_variant_specs
-    from tierlm.runtime.session import open_session
     from tierlm.server.options import ServerOptions
     from tierlm.server.run import serve as run_server
 
-    if _pipeline_worker(device):
+    sampling, run = SamplingFlags.of(locals()), RunFlags.of(locals())
+    if _pipeline_worker(run.device):
         return
-    chosen = _stage_profiles(profile, stages)
-    if batch_size is not None:  # the planner then reserves KV memory for this many sequences (on every stage)
-        chosen = [dataclasses.replace(p, batch_size=batch_size) for p in chosen]
-    merged, variants = split_variant_specs(lora or ())
-    if variants and len(chosen) > 1:
-        raise TierlmError("LoRA variants are not served over pipeline stages",
-                          "merge the adapter into the base with --lora DIR, or drop --stages")  # fmt: skip
-    with open_session(
-        pick_model(model_arg, model), chosen[0], device=device, dtype=dtype, quant=quant, loras=merged,
-        variants=variants, threads=threads, progress=progress_factory(),
-        **_stage_load(chosen, stage_timeout=stage_timeout, device=device, quant=quant, threads=threads),
-    ) as session:
+    with _open(pick_model(model_arg, model), run, variants=True, batch_size=batch_size,
+               stage_timeout=stage_timeout) as session:
         # Sampling flags become the server's defaults for requests that omit the field.
-        given = dict(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, repetition_penalty=repetition_penalty)
-        session.generation_defaults = dataclasses.replace(
-            session.generation_defaults, **{k: v for k, v in given.items() if v is not None}
-        )
+        session.generation_defaults = sampling.over(session.generation_defaults)
         options = ServerOptions(
             model_id=model_name,
             aliases=tuple(alias or ()),

@@ -6,6 +6,8 @@ placement, as JSON: stats.py), GET / (the chat page, static/chat.html: never beh
 calls it makes are), GET /health (never behind the API key), and
 POST /debug/worker when test hooks are enabled. The Ollama API (/api/chat, /api/generate, /api/tags,
 /api/show, /api/ps, /api/version, with Ollama's bodies and errors) is ollama.py's, on the same worker.
+Both take one request path (admission.py: submit_job); this module keeps OpenAI's own: its schema
+(schemas.py), the wording of its refusals, its response bodies and server-sent events.
 Errors are OpenAI-style bodies: 400 invalid or unsupported input (any JSON shape, depth or
 invalid Unicode included), 401 API key, 404 unknown route, 413 body too large, 429 queue full
 (with Retry-After), 500 this request's generation failed (the batch it shared goes on), 503 the
@@ -45,9 +47,10 @@ the server runs with `access_log` off (`serve --quiet`).
 
 from __future__ import annotations
 
-import asyncio
 import time
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from importlib import resources
 from pathlib import Path
 
 from fastapi import APIRouter, Depends, FastAPI, Request
@@ -57,9 +60,10 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
-from tierlm.errors import TierlmError
-from tierlm.server.access import AccessLog, entry
-from tierlm.server.admission import CLIENT_GONE, collect_text, encode_chat, job_error, read_json, refusal, require_key
+from tierlm.distributed.supervisor import RestartPolicy, supervise
+from tierlm.server.access import AccessLog
+from tierlm.server.admission import (CLIENT_GONE, Budget, Fit, job_error, prompt_ids, read_json, require_key,
+                                     submit_job, whole_reply)
 from tierlm.server.adapters import Variants
 from tierlm.server.jobs import DONE, ERROR, TEXT, Job
 from tierlm.server.metrics import Metrics, process_memory, store_metrics
@@ -128,8 +132,6 @@ async def _lifespan(app: FastAPI):
 def _pipeline_supervisor(session, options: ServerOptions):
     """The restarter of a pipeline of stages (None for one process), backing off from the
     server's --restart-backoff."""
-    from tierlm.distributed.supervisor import RestartPolicy, supervise
-
     return supervise(session.loaded, RestartPolicy(backoff_s=options.restart_backoff))
 
 
@@ -176,8 +178,6 @@ async def health(request: Request):
 
 @_public.api_route("/", methods=["GET", "HEAD"])  # HEAD: the liveness check Ollama's own CLI makes
 async def chat_page():
-    from importlib import resources
-
     page = resources.files("tierlm.server").joinpath("static").joinpath("chat.html").read_bytes()
     return Response(page, media_type="text/html; charset=utf-8", headers=CHAT_PAGE_HEADERS)
 
@@ -237,7 +237,7 @@ async def chat_completions(request: Request):
     options = state.options
     req = parse_chat(await read_json(request, options.max_body_bytes), max_messages=options.max_messages)
     variant = state.variants.resolve(req.model)
-    ids = await run_in_threadpool(encode_chat, state.session.tokenizer, req.messages)
+    ids = await prompt_ids(state.session.tokenizer, messages=req.messages)
     return await _generate(request, req, ids, chat=True, variant=variant)
 
 
@@ -247,7 +247,7 @@ async def completions(request: Request):
     req = parse_completion(await read_json(request, state.options.max_body_bytes))
     variant = state.variants.resolve(req.model)
     if isinstance(req.prompt, str):
-        ids = await run_in_threadpool(state.session.tokenizer.encode, req.prompt, add_special_tokens=True)
+        ids = await prompt_ids(state.session.tokenizer, text=req.prompt)
     else:
         ids = _in_vocabulary(req.prompt, state.session.loaded.config.vocab_size)
     return await _generate(request, req, ids, chat=False, variant=variant)
@@ -266,27 +266,35 @@ async def debug_worker(request: Request):
 
 async def _generate(request: Request, req: GenerationRequest, ids: list[int], *, chat: bool,
                     variant: str | None = None):
-    state = request.app.state
-    session, context, worker = state.session, state.context, state.worker
-    log = entry(request.scope)
-    log.prompt_tokens = len(ids)
-    if not ids:
-        raise ApiError(400, "the prompt is empty", param="prompt", code="invalid_value")
-    if len(ids) >= context:
-        raise ApiError(400, f"the prompt is {len(ids)} tokens but the context holds {context} "
-                            f"(profile {session.profile.name!r}); shorten it", param="messages" if chat else "prompt",
-                       code="context_length_exceeded")
-    budget = _token_budget(req, len(ids), context)
-    params = _sampling(req, budget, session.generation_defaults)  # omitted fields: the model's
-    job = Job(ids, params, deadline=_deadline(req, state.options), loop=asyncio.get_running_loop(),
-              on_end=state.metrics.ended, variant=variant)
-    log.job = job
-    if not worker.submit(job):
-        raise refusal(worker)
-    shape = Shape(chat, variant or state.model_id, req.include_usage)
+    job = submit_job(request, ids, req.sampling, Budget(req.max_tokens, default=req.default_max_tokens),
+                     _Refusals(req.max_tokens_param, chat), timeout=req.timeout, variant=variant)
+    shape = Shape(chat, variant or request.app.state.model_id, req.include_usage)
     if req.stream:
-        return EventStream(_stream(job, shape, req), on_disconnect=job.cancel)
-    return await _collect(request, job, shape)
+        return EventStream(_stream(job, shape), on_disconnect=job.cancel)
+    return await whole_reply(request, job, lambda text: shape.whole(text, job.finish_reason, _usage(job)))
+
+
+@dataclass(frozen=True)
+class _Refusals:
+    """How the OpenAI routes word what submit_job refuses: as vLLM, `context_length_exceeded` with
+    the numbers, naming the parameter the client sent."""
+
+    max_tokens_param: str  # max_tokens or max_completion_tokens
+    chat: bool
+
+    def empty_prompt(self) -> ApiError:
+        return ApiError(400, "the prompt is empty", param="prompt", code="invalid_value")
+
+    def prompt_too_long(self, fit: Fit) -> ApiError:
+        return ApiError(400, f"the prompt is {fit.prompt_tokens} tokens but the context holds {fit.context} "
+                             f"(profile {fit.profile!r}); shorten it", param="messages" if self.chat else "prompt",
+                        code="context_length_exceeded")
+
+    def budget_too_large(self, fit: Fit) -> ApiError:
+        name = self.max_tokens_param
+        return ApiError(400, f"{name} is too large: {fit.max_tokens}. The context holds {fit.context} tokens and "
+                             f"the prompt takes {fit.prompt_tokens}, so at most {fit.room} can be generated; "
+                             f"lower {name} or omit it", param=name, code="context_length_exceeded")
 
 
 def _model_card(model_id: str, created: int, parent: str | None = None) -> dict:
@@ -309,46 +317,7 @@ def _in_vocabulary(ids: tuple[int, ...], vocab: int) -> list[int]:
     return list(ids)
 
 
-def _token_budget(req: GenerationRequest, prompt_tokens: int, context: int) -> int:
-    """max_new_tokens for a request whose prompt fits: the room left when max_tokens is omitted
-    (or the endpoint's default, if less); a larger max_tokens than the room is a 400, as vLLM does."""
-    room = context - prompt_tokens
-    if req.max_tokens is None:
-        return room if req.default_max_tokens is None else min(req.default_max_tokens, room)
-    if req.max_tokens > room:
-        raise ApiError(400, f"{req.max_tokens_param} is too large: {req.max_tokens}. The context holds {context} "
-                            f"tokens and the prompt takes {prompt_tokens}, so at most {room} can be generated; "
-                            f"lower {req.max_tokens_param} or omit it", param=req.max_tokens_param,
-                       code="context_length_exceeded")
-    return req.max_tokens
-
-
-def _sampling(req: GenerationRequest, max_new_tokens: int, defaults):
-    """The request's sampling settings; fields it omits take `defaults` (GenerationDefaults)."""
-    from tierlm.runtime.sampling import resolve_sampling
-
-    try:
-        return resolve_sampling(
-            defaults,
-            temperature=req.temperature,
-            top_p=req.top_p,
-            top_k=req.top_k,
-            min_p=req.min_p,
-            repetition_penalty=req.repetition_penalty,
-            max_new_tokens=max_new_tokens,  # _token_budget: fits the context
-            seed=req.seed,
-            stop=req.stop,
-        )
-    except TierlmError as err:
-        raise ApiError(400, str(err), code="invalid_value") from None
-
-
-def _deadline(req: GenerationRequest, options: ServerOptions) -> float | None:
-    timeout = req.timeout if req.timeout is not None else options.default_timeout
-    return None if timeout is None else time.monotonic() + timeout
-
-
-async def _stream(job: Job, shape: Shape, req: GenerationRequest):
+async def _stream(job: Job, shape: Shape):
     if shape.chat:
         yield sse(shape.chunk(None, first=True))
     async for event in job.events():
@@ -358,18 +327,15 @@ async def _stream(job: Job, shape: Shape, req: GenerationRequest):
             if event.value == "cancelled":
                 return  # the client is gone
             yield sse(shape.chunk(None, event.value))
-            if req.include_usage:
-                yield sse(shape.usage_chunk(usage(len(job.prompt_ids), job.completion_tokens)))
+            if shape.include_usage:
+                yield sse(shape.usage_chunk(_usage(job)))
             yield sse("[DONE]")
         elif event.kind == ERROR:
             yield sse(job_error(event).body())
 
 
-async def _collect(request: Request, job: Job, shape: Shape):
-    text = await collect_text(request, job)
-    if text is None:
-        return Response(status_code=CLIENT_GONE)
-    return JSONResponse(shape.whole(text, job.finish_reason, usage(len(job.prompt_ids), job.completion_tokens)))
+def _usage(job: Job) -> dict:
+    return usage(len(job.prompt_ids), job.completion_tokens)
 
 
 def _install_error_handlers(app: FastAPI, metrics: Metrics) -> None:

@@ -9,6 +9,10 @@ from __future__ import annotations
 import re
 from typing import Callable, Iterator
 
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from tierlm.device.proc import resident_bytes
 from tierlm.server.batch import StepReport
 from tierlm.server.jobs import Job
 
@@ -22,8 +26,6 @@ class Metrics:
 
     def __init__(self, live: Callable[[], dict[str, float]]):
         """`live` returns {metric name: value} for the gauges read at scrape time."""
-        from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self.requests = Counter("tierlm_requests", "Requests by outcome (finish reason, or why refused)",
@@ -68,8 +70,6 @@ class Metrics:
             self.prefill_rate.set(report.prefill_tokens / report.prefill_s)
 
     def render(self) -> tuple[bytes, str]:
-        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
 
 
@@ -84,8 +84,6 @@ class _LiveCollector:
         return []  # values appear and disappear with the store's figures
 
     def collect(self) -> Iterator:
-        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
-
         families: dict = {}
         for key, value in self.live().items():
             name, labels = _split_labels(key)
@@ -132,8 +130,6 @@ def _split_labels(key: str) -> tuple[str, dict[str, str]]:
 
 def process_memory() -> dict[str, float]:
     """VmRSS and VmHWM of this process in bytes (the peak is left out where /proc is absent)."""
-    from tierlm.device.proc import resident_bytes
-
     rss, peak = resident_bytes()
     peak_field = {} if peak is None else {"tierlm_process_peak_resident_bytes": peak}
     return {"tierlm_process_resident_bytes": rss, **peak_field}

@@ -2,13 +2,14 @@
 /api/tags, /api/ps, /api/version, for Ollama's own clients (its CLI with OLLAMA_HOST, its Python
 and JS libraries, Open WebUI, Enchanted, Continue, ...).
 
-Requests go to the same worker as the OpenAI routes (one batched engine), under the same API key
-(`Authorization: Bearer KEY`), body, queue and context limits, metrics and access log. Replies
-are Ollama's: NDJSON streams (one JSON object a line, the last with `done: true`, the finish
-reason and the counts and durations in nanoseconds) unless `stream` is false, and errors as
-`{"error": "..."}`, also as a stream's last line when a reply that has begun fails. `done_reason` is
-Ollama's "stop" or "length", or "timeout" when the server's deadline (`serve --timeout`) ended
-the reply (its text so far is kept).
+Requests take the OpenAI routes' path (admission.py: one submit_job, one sampling mapping) to the
+same worker (one batched engine), under the same API key (`Authorization: Bearer KEY`), body,
+queue and context limits, metrics and access log; Ollama's own are the schema (ollama_schemas.py),
+the wording of refusals, and the replies: NDJSON streams (one JSON object a line, the last with
+`done: true`, the finish reason and the counts and durations in nanoseconds) unless `stream` is
+false, and errors as `{"error": "..."}`, also as a stream's last line when a reply that has begun
+fails. `done_reason` is Ollama's "stop" or "length", or "timeout" when the server's deadline
+(`serve --timeout`) ended the reply (its text so far is kept).
 
 Models: the base under its served name and each ready LoRA variant under its own, each as
 NAME:latest unless the name has a tag already; a request may name them with or without the tag
@@ -20,11 +21,11 @@ Ollama reports a negative keep_alive); a request that only asks to unload the mo
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import json
 import re
 import time
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -34,9 +35,9 @@ from fastapi.routing import APIRoute
 from starlette.concurrency import run_in_threadpool
 
 from tierlm import __version__
-from tierlm.errors import TierlmError
-from tierlm.server.access import entry
-from tierlm.server.admission import CLIENT_GONE, collect_text, encode_chat, read_json, refusal, require_key
+from tierlm.cache.artifact import Artifact
+from tierlm.cache.fingerprint import checkpoint_digest
+from tierlm.server.admission import Budget, Fit, prompt_ids, read_json, require_key, submit_job, whole_reply
 from tierlm.server.jobs import DONE, ERROR, TEXT, Job
 from tierlm.server.ollama_schemas import OllamaOptions, OllamaRequest, parse_chat, parse_generate, parse_model_name
 from tierlm.server.responses import EventStream
@@ -214,26 +215,15 @@ async def _generate(request: Request, req: OllamaRequest, *, chat: bool):
     reply = _Reply(req.model, chat)
     if req.messages is None and req.prompt is None:
         return _load_only(req, reply)
-    tokenizer = state.session.tokenizer
-    if req.prompt is not None:  # raw: as sent, tokenized as /v1/completions tokenizes a prompt
-        ids = await run_in_threadpool(tokenizer.encode, req.prompt, add_special_tokens=True)
-    else:
-        ids = await run_in_threadpool(encode_chat, tokenizer, req.messages)
-    log = entry(request.scope)
-    log.prompt_tokens = len(ids)
-    if not ids:
-        raise ApiError(400, "the prompt is empty once tokenized", param="prompt")
-    budget = _token_budget(req.options, len(ids), state.context, state.session.profile.name)
-    params = _sampling(req.options, budget, state.session.generation_defaults)
-    timeout = state.options.default_timeout
-    job = Job(ids, params, deadline=None if timeout is None else time.monotonic() + timeout,
-              loop=asyncio.get_running_loop(), on_end=state.metrics.ended, variant=variant)
-    log.job = job
-    if not state.worker.submit(job):
-        raise refusal(state.worker)
+    options = req.options
+    _check_num_ctx(options, state.context, state.session.profile.name)
+    # A raw prompt is tokenized as /v1/completions tokenizes one; else the messages take the chat template.
+    ids = await prompt_ids(state.session.tokenizer, messages=req.messages, text=req.prompt)
+    job = submit_job(request, ids, options.sampling, Budget(options.num_predict, context=options.num_ctx),
+                     _Refusals(options.num_ctx), variant=variant)  # the deadline: the server's (`serve --timeout`)
     if req.stream:
         return _NdjsonStream(_stream(job, reply), on_disconnect=job.cancel)
-    return await _collect(request, job, reply)
+    return await whole_reply(request, job, lambda text: reply.last(job, text))
 
 
 def _load_only(req: OllamaRequest, reply: _Reply) -> JSONResponse:
@@ -244,38 +234,35 @@ def _load_only(req: OllamaRequest, reply: _Reply) -> JSONResponse:
     return JSONResponse({**reply.part(""), "done": True, "done_reason": "load"})
 
 
-def _token_budget(options: OllamaOptions, prompt_tokens: int, served: int, profile: str) -> int:
-    """The reply's max_new_tokens: num_predict, else the room num_ctx (at most the served context) leaves."""
+def _check_num_ctx(options: OllamaOptions, served: int, profile: str) -> None:
+    """num_ctx may lower the context a request is held to, never raise it past the served one."""
     if options.num_ctx is not None and options.num_ctx > served:
         raise ApiError(400, f"num_ctx {options.num_ctx} exceeds the context this server serves, {served} tokens "
                             f"(profile {profile!r}); send num_ctx {served} or less, or serve a profile with a "
                             "longer context", param="options.num_ctx")
-    context = options.num_ctx or served
-    where = f"num_ctx {context}" if options.num_ctx else f"the context of {context} tokens"
-    if prompt_tokens >= context:
-        raise ApiError(400, f"the prompt is {prompt_tokens} tokens, which leaves no room in {where}; shorten it"
-                            + ("" if context == served else f" or raise num_ctx (up to {served})"),
-                       param="messages")
-    room = context - prompt_tokens
-    if options.num_predict is None:
-        return room
-    if options.num_predict > room:
-        raise ApiError(400, f"num_predict {options.num_predict} does not fit: the prompt takes {prompt_tokens} of "
-                            f"{where}, so at most {room} tokens can be generated; lower num_predict (-1: up to "
-                            "the context) or shorten the prompt", param="options.num_predict")
-    return options.num_predict
 
 
-def _sampling(options: OllamaOptions, max_new_tokens: int, defaults):
-    """SamplingParams from the options; those not set take `defaults` (GenerationDefaults)."""
-    from tierlm.runtime.sampling import resolve_sampling
+@dataclass(frozen=True)
+class _Refusals:
+    """How the Ollama routes word what submit_job refuses, in Ollama's terms (num_ctx, num_predict)."""
 
-    try:
-        return resolve_sampling(defaults, temperature=options.temperature, top_p=options.top_p, top_k=options.top_k,
-                                min_p=options.min_p, repetition_penalty=options.repeat_penalty,
-                                max_new_tokens=max_new_tokens, seed=options.seed, stop=options.stop)
-    except TierlmError as err:
-        raise ApiError(400, str(err), param="options") from None
+    num_ctx: int | None  # the request's own context, if it set one
+
+    def empty_prompt(self) -> ApiError:
+        return ApiError(400, "the prompt is empty once tokenized", param="prompt")
+
+    def prompt_too_long(self, fit: Fit) -> ApiError:
+        more = "" if fit.context == fit.served else f" or raise num_ctx (up to {fit.served})"
+        return ApiError(400, f"the prompt is {fit.prompt_tokens} tokens, which leaves no room in {self._where(fit)}; "
+                             f"shorten it{more}", param="messages")
+
+    def budget_too_large(self, fit: Fit) -> ApiError:
+        return ApiError(400, f"num_predict {fit.max_tokens} does not fit: the prompt takes {fit.prompt_tokens} of "
+                             f"{self._where(fit)}, so at most {fit.room} tokens can be generated; lower num_predict "
+                             "(-1: up to the context) or shorten the prompt", param="options.num_predict")
+
+    def _where(self, fit: Fit) -> str:
+        return f"num_ctx {fit.context}" if self.num_ctx else f"the context of {fit.context} tokens"
 
 
 async def _stream(job: Job, reply: _Reply):
@@ -287,13 +274,6 @@ async def _stream(job: Job, reply: _Reply):
                 yield _line(reply.last(job))
         elif event.kind == ERROR:
             yield _line({"error": event.value})
-
-
-async def _collect(request: Request, job: Job, reply: _Reply):
-    text = await collect_text(request, job)
-    if text is None:
-        return Response(status_code=CLIENT_GONE)
-    return JSONResponse(reply.last(job, text))
 
 
 def _line(body: dict) -> str:
@@ -359,8 +339,6 @@ def _variant_card(base: dict, variant) -> dict:
 def _digest(loaded, model_dir: Path) -> str:
     """The artifact's content key (sha256 of weights, adapters and quant), else the checkpoint's digest."""
     if loaded.artifact_dir is not None:
-        from tierlm.cache.artifact import Artifact
-
         artifact = Artifact.open(Path(loaded.artifact_dir))
         try:
             key = artifact.manifest.get("key")
@@ -368,8 +346,6 @@ def _digest(loaded, model_dir: Path) -> str:
             artifact.close()
         if isinstance(key, str):
             return key
-    from tierlm.cache.fingerprint import checkpoint_digest
-
     return checkpoint_digest(Path(model_dir))
 
 

@@ -27,7 +27,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from tierlm.server.schemas import SEED_RANGE, ApiError
+from tierlm.server.schemas import SEED_RANGE, ApiError, Sampling
 
 STOP_STRINGS_MAX = 16  # Ollama sets no limit; a model's own stops rarely number more than a few
 RANDOM_SEED = -1  # Ollama's default seed: a new random seed per request
@@ -96,15 +96,9 @@ _ROLES = ("system", "user", "assistant")
 class OllamaOptions:
     """The `options` a request sets, validated; None = not set (the model's default)."""
 
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    min_p: float | None = None
-    repeat_penalty: float | None = None
-    seed: int | None = None  # None: random
+    sampling: Sampling = Sampling()  # temperature, top_p, top_k, min_p, repeat_penalty, seed, stop
     num_predict: int | None = None  # None: up to the context (also for -1 and -2)
     num_ctx: int | None = None
-    stop: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -289,17 +283,13 @@ def _options(options: Any) -> OllamaOptions:
         raise ApiError(400, "option num_predict must be at least 1 (or -1: up to the context)",
                        param="options.num_predict")
     seed = _integer(options, "seed", SEED_RANGE[0], SEED_RANGE[1])
-    return OllamaOptions(
-        temperature=_number(options, "temperature", 0.0, math.inf),
-        top_p=top_p,
-        top_k=_integer(options, "top_k", 0),
-        min_p=_number(options, "min_p", 0.0, 1.0),
-        repeat_penalty=penalty,
-        seed=None if seed == RANDOM_SEED else seed,
-        num_predict=None if predict in UNLIMITED_PREDICT else predict,
-        num_ctx=_integer(options, "num_ctx", 1),
-        stop=_stop(options.get("stop")),
-    )
+    temperature = _number(options, "temperature", 0.0, math.inf)
+    top_k = _integer(options, "top_k", 0)
+    min_p = _number(options, "min_p", 0.0, 1.0)
+    num_ctx = _integer(options, "num_ctx", 1)
+    sampling = Sampling(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, repetition_penalty=penalty,
+                        seed=None if seed == RANDOM_SEED else seed, stop=_stop(options.get("stop")))
+    return OllamaOptions(sampling, num_predict=None if predict in UNLIMITED_PREDICT else predict, num_ctx=num_ctx)
 
 
 def _is_number(value: Any) -> bool:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from tierlm.cache.catalog import model_name
 from tierlm.errors import TierlmError
 
 
@@ -45,10 +46,4 @@ class ServerOptions:
 
     def served_name(self, model_dir: Path) -> str:
         """The model's name on the API: --model-name, else its catalogue name (`smollm2`)."""
-        if self.model_id is not None:
-            return self.model_id
-        try:
-            from tierlm.cache.catalog import model_name
-        except ImportError:  # a tree without the catalogue: the directory names the model
-            return model_dir.name
-        return model_name(model_dir)
+        return self.model_id if self.model_id is not None else model_name(model_dir)

@@ -18,7 +18,10 @@ import sys
 import threading
 import time
 
+import uvicorn
+
 from tierlm.errors import TierlmError
+from tierlm.server.app import create_app
 from tierlm.server.options import ServerOptions
 
 
@@ -43,8 +46,6 @@ def url_of(sock: socket.socket) -> str:
 
 
 def _uvicorn_server(app, log_level: str):
-    import uvicorn
-
     class Server(uvicorn.Server):
         """uvicorn's server, told when shutdown begins, and holding back the signal that caused it."""
 
@@ -83,8 +84,6 @@ def _uvicorn_server(app, log_level: str):
 def serve(session, options: ServerOptions, host: str = "127.0.0.1", port: int = 8000,
           log_level: str = "warning") -> None:
     """Serve until interrupted; prints one line with the address to stderr once listening."""
-    from tierlm.server.app import create_app
-
     app = create_app(session, options)
     sock = bind(host, port)
     slots = options.batch_size or session.profile.batch_size
@@ -106,8 +105,6 @@ class BackgroundServer:
     """The server on a daemon thread of this process (tests, embedding); a context manager."""
 
     def __init__(self, session, options: ServerOptions, host: str = "127.0.0.1", port: int = 0):
-        from tierlm.server.app import create_app
-
         self.app = create_app(session, options)
         self._sock = bind(host, port)
         self.url = url_of(self._sock)

@@ -12,6 +12,9 @@ refused as unrecognized, as OpenAI does. Extensions: `timeout` (seconds, the req
 deadline), `top_k`, `min_p` (as vLLM and llama-server take it), `repetition_penalty`.
 Sampling fields a request omits are None here and take the model's defaults (the server's
 GenerationDefaults: generation_config.json, else tierlm's fallback).
+
+`Sampling` is a request's sampling fields in generic terms: the Ollama parser
+(ollama_schemas.py) makes one too, and admission.sampling_params maps either onto the sampler.
 """
 
 from __future__ import annotations
@@ -21,6 +24,8 @@ import math
 import re
 from dataclasses import dataclass
 from typing import Any, Mapping
+
+from tierlm.lora.spec import NAME_RULE, VARIANT_NAME
 
 STOP_STRINGS_MAX = 4  # as OpenAI allows
 SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.Generator.manual_seed accepts
@@ -55,6 +60,21 @@ class ApiError(Exception):
 
 
 @dataclass(frozen=True)
+class Sampling:
+    """The sampling fields a request sent, whichever API it came in by (its parser maps its own
+    names and special values onto these, SamplingParams' names); None = not sent: the model's
+    default."""
+
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    seed: int | None = None  # None: a random seed
+    stop: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
 class GenerationRequest:
     """What a chat or completion request asks for, validated; `messages` xor `prompt` is set."""
 
@@ -66,13 +86,7 @@ class GenerationRequest:
     max_tokens: int | None  # None: not sent
     max_tokens_param: str  # the name it was sent under (errors name it)
     default_max_tokens: int | None  # what an omitted max_tokens means; None: up to the context
-    temperature: float | None  # the sampling fields: None = not sent (the model's default)
-    top_p: float | None
-    top_k: int | None
-    min_p: float | None
-    repetition_penalty: float | None
-    seed: int | None
-    stop: tuple[str, ...]
+    sampling: Sampling
     timeout: float | None
 
 
@@ -245,21 +259,21 @@ def _generation(body: dict, *, messages, prompt, max_tokens, max_tokens_param, d
         max_tokens=max_tokens,
         max_tokens_param=max_tokens_param,
         default_max_tokens=default_max_tokens,
-        temperature=temperature,
-        top_p=top_p,
-        top_k=_opt_int(body, "top_k", 0),
-        min_p=_opt_number(body, "min_p", 0.0, 1.0),
-        repetition_penalty=repetition,
-        seed=_opt_int(body, "seed", SEED_RANGE[0], SEED_RANGE[1]),
-        stop=_stop(body.get("stop")),
+        sampling=Sampling(
+            temperature=temperature,
+            top_p=top_p,
+            top_k=_opt_int(body, "top_k", 0),
+            min_p=_opt_number(body, "min_p", 0.0, 1.0),
+            repetition_penalty=repetition,
+            seed=_opt_int(body, "seed", SEED_RANGE[0], SEED_RANGE[1]),
+            stop=_stop(body.get("stop")),
+        ),
         timeout=timeout,
     )
 
 
 def parse_adapter(body: Any) -> tuple[str, str, float]:
     """Validate a POST /v1/adapters body: {"name", "path", "weight"?} -> (name, path, weight)."""
-    from tierlm.lora.spec import NAME_RULE, VARIANT_NAME
-
     body = _object(body)
     unknown = sorted(set(body) - {"name", "path", "weight"})
     if unknown:

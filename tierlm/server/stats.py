@@ -7,11 +7,11 @@ requests in flight. Read when asked; nothing is kept between requests.
 
 from __future__ import annotations
 
+from tierlm.device.memory import read_memory
+
 
 def server_stats(state) -> dict:
     """The figures for one server (`app.state` of create_app)."""
-    from tierlm.device.memory import read_memory
-
     session, worker = state.session, state.worker
     loaded, profile = session.loaded, session.profile
     placement = loaded.placement
