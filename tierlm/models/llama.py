@@ -1,29 +1,28 @@
 """The Llama family: Llama 2/3 (incl. llama3 RoPE scaling), SmolLM2, Mistral (sliding window).
 
 Other families subclass `LlamaModel` and change code, not flags (qwen2.py, qwen3.py, glm.py,
-chatglm.py): the checkpoint layout, the rotary table, what happens to q/k before attention.
+chatglm.py): the rotary table, what happens to q/k before attention; what a family's config.json
+means and its checkpoint layout are its torch-free description's (models/families.py), which
+each model class inherits.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal, Mapping
+from typing import Literal
 
 import torch
 
-from tierlm.blocks import EMBED, HEAD, NORM, BlockLayout, CheckpointLayout, layer_block
+from tierlm.blocks import EMBED, HEAD, NORM, layer_block
 from tierlm.config import ModelConfig
 from tierlm.stages import StageSpan, whole_model
 from tierlm.errors import TierlmError
 from tierlm.models import base, fused_decode, graph_decode
+from tierlm.models.families import LlamaFamily
 
 
-class LlamaModel:
-    """A decoder whose forward pass borrows every block's tensors from a weight store.
-
-    Block tensors use tierlm's canonical names: per layer `attn_norm`, `wqkv` [(Hq+2Hkv)*D, H]
-    (`bqkv`), `wo` (`bo`), `mlp_norm`, `w13` [2I, H] (`b13`), `w2` (`b2`), and Qwen3's
-    `q_norm`, `k_norm` [D]; `embed`, `norm`, `head` for the other blocks.
-    """
+class LlamaModel(LlamaFamily):
+    """A decoder whose forward pass borrows every block's tensors from a weight store, under the
+    canonical names its description (models/families.py LlamaFamily) lays out."""
 
     def __init__(self, config: ModelConfig, store, max_len: int, device, dtype: torch.dtype,
                  span: StageSpan | None = None):  # fmt: skip
@@ -45,104 +44,6 @@ class LlamaModel:
     def rotary_table(config: ModelConfig, max_len: int, device, dtype) -> base.RotaryTable:
         """RoPE over all of each head, pairs (i, i + D/2)."""
         return base.RotaryTable(config.rope, config.head_dim, max_len, device, dtype)
-
-    @classmethod
-    def checkpoint_layout(cls, config: ModelConfig) -> CheckpointLayout:
-        """Map each block's canonical tensors to the checkpoint tensors they are built from.
-
-        A tuple of several names is concatenated along the output dimension (fused q/k/v,
-        fused gate/up), so one matmul replaces two or three.
-        """
-        layout: CheckpointLayout = {EMBED: {"embed": ("model.embed_tokens.weight",)}}
-        for i in range(config.num_hidden_layers):
-            layout[layer_block(i)] = cls.layer_layout(config, i)
-        layout[NORM] = {"norm": ("model.norm.weight",)}
-        head = "model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"
-        layout[HEAD] = {"head": (head,)}
-        return layout
-
-    @classmethod
-    def layer_layout(cls, config: ModelConfig, i: int) -> BlockLayout:
-        """Layer `i`'s canonical tensors and their checkpoint sources (HF Llama names)."""
-        attn = f"model.layers.{i}.self_attn."
-        mlp = f"model.layers.{i}.mlp."
-        block = {
-            "attn_norm": (f"model.layers.{i}.input_layernorm.weight",),
-            "wqkv": tuple(f"{attn}{p}_proj.weight" for p in "qkv"),
-            "wo": (f"{attn}o_proj.weight",),
-            "mlp_norm": (f"model.layers.{i}.post_attention_layernorm.weight",),
-            "w13": (f"{mlp}gate_proj.weight", f"{mlp}up_proj.weight"),
-            "w2": (f"{mlp}down_proj.weight",),
-        }
-        block.update(cls.bias_layout(config, attn, mlp))
-        return block
-
-    @staticmethod
-    def canonical_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
-        """The shape of every canonical block tensor this family may use."""
-        hidden, inter, qkv = config.hidden_size, config.intermediate_size, config.q_size + 2 * config.kv_size
-        return {
-            "embed": (config.vocab_size, hidden),
-            "head": (config.vocab_size, hidden),
-            "norm": (hidden,),
-            "attn_norm": (hidden,),
-            "mlp_norm": (hidden,),
-            "wqkv": (qkv, hidden),
-            "bqkv": (qkv,),
-            "wo": (hidden, config.q_size),
-            "bo": (hidden,),
-            "w13": (2 * inter, hidden),
-            "b13": (2 * inter,),
-            "w2": (hidden, inter),
-            "b2": (hidden,),
-        }
-
-    @staticmethod
-    def bias_layout(config: ModelConfig, attn: str, mlp: str) -> BlockLayout:
-        biases: BlockLayout = {}
-        if config.attention_bias:
-            biases["bqkv"] = tuple(f"{attn}{p}_proj.bias" for p in "qkv")
-            biases["bo"] = (f"{attn}o_proj.bias",)
-        if config.mlp_bias:
-            biases["b13"] = (f"{mlp}gate_proj.bias", f"{mlp}up_proj.bias")
-            biases["b2"] = (f"{mlp}down_proj.bias",)
-        return biases
-
-    @classmethod
-    def block_shapes(cls, config: ModelConfig) -> dict[str, dict[str, tuple[int, ...]]]:
-        """Each block's canonical tensors and their shapes, in the order conversion stores them
-        (offload/sizes.py predicts an artifact's block sizes from this; no tensor is made)."""
-        shapes = cls.canonical_shapes(config)
-        return {block: {name: shapes[name] for name in tensors} for block, tensors in cls.checkpoint_layout(config).items()}
-
-    # -- what this family's config.json means: config.py asks while it parses -------------------
-
-    partial_rotary_default = 1.0  # share of each head's channels RoPE rotates unless config.json says
-
-    @staticmethod
-    def translate_config(fields) -> Mapping[str, Any]:
-        """config.json under the keys ModelConfig reads (`fields`: config.py's checked reads of it)."""
-        return fields.raw
-
-    @staticmethod
-    def sliding_window_in_force(fields) -> bool:
-        """Whether a sliding_window that config.json sets applies (else attention is full)."""
-        return True
-
-    @staticmethod
-    def default_layer_types(fields, layers: int) -> list[str] | None:
-        """Each layer's attention kind when config.json has no layer_types; None: every layer slides."""
-        return None
-
-    @staticmethod
-    def rotated_channels(config: ModelConfig) -> int:
-        """How many of each head's channels RoPE rotates: all of them."""
-        return config.head_dim
-
-    @staticmethod
-    def moe_config(fields, layers: int):
-        """The mixture-of-experts routing config.json sets (config.MoeConfig); None: a dense model."""
-        return None
 
     @torch.inference_mode()
     def forward(

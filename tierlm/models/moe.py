@@ -1,5 +1,5 @@
 """The mixture-of-experts MLP shared by Mixtral, Qwen2-MoE and Qwen3-MoE (mixtral.py, qwen2_moe.py,
-qwen3_moe.py put `MoeLayers` before their dense family's class).
+qwen3_moe.py put `MoeLayers` before their description and their dense family's class).
 
 A sparse layer's block `layers.{i}` holds the attention, the norms, the `router` [E, H] and (Qwen2-MoE)
 the shared expert; each routed expert is its own block `experts.{i}.{e}` (`ew13` [2Ie, H] gate rows then
@@ -13,61 +13,19 @@ from __future__ import annotations
 
 import torch
 
-from tierlm.blocks import BlockLayout, CheckpointLayout, expert_block, layer_block, layer_index
+from tierlm.blocks import layer_block
 from tierlm.config import ModelConfig
 from tierlm.models import base
 
 
 class MoeLayers:
-    """Mixin over a dense family: the sparse layers' layout and MLP (families change code, not flags)."""
+    """Mixin over a dense family's model: the sparse layers' MLP (their layout is MoeFamily's, in
+    models/families.py; families change code, not flags)."""
 
     def __init__(self, config: ModelConfig, *args, **kwargs):
         # Per layer once, so the forward asks a list rather than the config's tuple.
         self.sparse = [config.moe.is_sparse(i) for i in range(config.num_hidden_layers)]
         super().__init__(config, *args, **kwargs)
-
-    @classmethod
-    def checkpoint_layout(cls, config: ModelConfig) -> CheckpointLayout:
-        """The dense family's blocks, each sparse layer followed by its experts' blocks."""
-        layout: CheckpointLayout = {}
-        for block, tensors in super().checkpoint_layout(config).items():
-            layout[block] = tensors
-            layer = layer_index(block)
-            if layer is not None and config.moe.is_sparse(layer):
-                for e in range(config.moe.experts):
-                    layout[expert_block(layer, e)] = cls.expert_layout(config, layer, e)
-        return layout
-
-    @classmethod
-    def layer_layout(cls, config: ModelConfig, i: int) -> BlockLayout:
-        block = super().layer_layout(config, i)
-        if config.moe.is_sparse(i):
-            for name in ("w13", "w2", "b13", "b2"):
-                block.pop(name, None)
-            block.update(cls.router_layout(config, i))
-        return block
-
-    @staticmethod
-    def router_layout(config: ModelConfig, i: int) -> BlockLayout:
-        """A sparse layer's router (and shared expert) sources; Qwen-MoE names."""
-        return {"router": (f"model.layers.{i}.mlp.gate.weight",)}
-
-    @staticmethod
-    def expert_layout(config: ModelConfig, i: int, e: int) -> BlockLayout:
-        """Expert `e` of layer `i`: its sources (Qwen-MoE names)."""
-        expert = f"model.layers.{i}.mlp.experts.{e}."
-        return {"ew13": (f"{expert}gate_proj.weight", f"{expert}up_proj.weight"), "ew2": (f"{expert}down_proj.weight",)}
-
-    @classmethod
-    def canonical_shapes(cls, config: ModelConfig) -> dict[str, tuple[int, ...]]:
-        moe, hidden = config.moe, config.hidden_size
-        shapes = super().canonical_shapes(config)
-        shapes.update(router=(moe.experts, hidden), ew13=(2 * moe.expert_intermediate, hidden),
-                      ew2=(hidden, moe.expert_intermediate))  # fmt: skip
-        if moe.shared_intermediate:
-            shapes.update(shared_w13=(2 * moe.shared_intermediate, hidden), shared_w2=(hidden, moe.shared_intermediate),
-                          shared_gate=(1, hidden))  # fmt: skip
-        return shapes
 
     def mlp(self, w, h: torch.Tensor, index: int) -> torch.Tensor:
         if not self.sparse[index]:
