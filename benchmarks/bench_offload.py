@@ -142,7 +142,7 @@ def run_baseline() -> dict:
 def budget_for_resident_share(artifact: Path, folder: Path, share: float) -> int:
     """The smallest device budget whose plan keeps `share` of the weights resident: the rest of
     the budget is what the planner charges besides weights (baseline, KV, workspace, ring)."""
-    from tierlm.config import ModelConfig
+    from tierlm.models import read_config
     from tierlm.errors import TierlmError
     from tierlm.offload.planner.search import plan
     from tierlm.probe.machine import load_bandwidths
@@ -150,7 +150,7 @@ def budget_for_resident_share(artifact: Path, folder: Path, share: float) -> int
     from tierlm.profile import load_profile
 
     baseline = child_baseline() + (16 << 20)  # margin for run-to-run drift
-    config, sizes = ModelConfig.from_dir(artifact), sizes_from_artifact(artifact)
+    config, sizes = read_config(artifact), sizes_from_artifact(artifact)
     bandwidths = load_bandwidths("cpu")
     low, high = baseline, baseline + 2 * sizes.total
     while high - low > (1 << 20):

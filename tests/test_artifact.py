@@ -72,13 +72,12 @@ def test_same_inputs_same_key_and_adapter_byte_changes_key(base_dir, tmp_path):
 
 @pytest.mark.parametrize("quant", ["int8", "int8-g32", "int8-g32-asym", "fp16"])
 def test_block_ranges_read_back_exactly_their_tensors(base_dir, quant):
-    from tierlm.config import ModelConfig
-    from tierlm.models import family_class
+    from tierlm.models import family_class, read_config
     from tierlm.weights.checkpoint import Checkpoint
 
     directory = ensure_artifact(ConversionRequest(base_dir, (), quant))
     artifact = Artifact.open(directory)
-    config = ModelConfig.from_dir(base_dir)
+    config = read_config(base_dir)
     layout = family_class(config).checkpoint_layout(config)
     checkpoint = Checkpoint(base_dir)
     mode = codec.parse_mode(quant)

@@ -10,7 +10,7 @@ from tierlm.cache.artifact import Artifact, split_alias
 from tierlm.cache.convert import ConversionRequest, ensure_artifact
 from tierlm.kv.cache import KVCache
 from tierlm.store.resident import load_resident_artifact
-from tierlm.config import ModelConfig
+from tierlm.models import read_config
 from tierlm.models.llama import LlamaModel
 from tierlm.weights.ledger import Ledger
 from tierlm.offload.placement import DEVICE, DISK, HOST, BlockPlacement, Placement
@@ -22,7 +22,7 @@ from tierlm.server.metrics import store_metrics
 def tied(tmp_path_factory):
     model_dir = tmp_path_factory.mktemp("artifact-api")
     make_model(model_dir, layers=2, tied=True, with_tokenizer=False)
-    return ModelConfig.from_dir(model_dir), Artifact.open(ensure_artifact(ConversionRequest(model_dir, (), "int8")))
+    return read_config(model_dir), Artifact.open(ensure_artifact(ConversionRequest(model_dir, (), "int8")))
 
 
 def placement(art: Artifact, tiers: dict[str, str], hot_rows: int = 0) -> Placement:

@@ -260,10 +260,10 @@ def tiered(artifact_dir: Path, tiers: dict[str, str]):
 
 def forward(artifact_dir: Path, store) -> None:
     from tierlm.kv.cache import KVCache
-    from tierlm.config import ModelConfig
+    from tierlm.models import read_config
     from tierlm.models.llama import LlamaModel
 
-    config = ModelConfig.from_dir(artifact_dir)
+    config = read_config(artifact_dir)
     model = LlamaModel(config, store, 32, "cpu", torch.float32)
     model.forward(torch.tensor([[5, 6, 7]]), KVCache.for_model(config, 32))
 

@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 import torch
 
-from tierlm.config import LIMITS, ModelConfig
+from tierlm.config import LIMITS
+from tierlm.models import config_from_dict, read_config
 from tierlm.errors import TierlmError
 from tierlm.runtime.sampling import Sampler, SamplingParams
 
@@ -133,30 +134,30 @@ def assert_one_line(err: pytest.ExceptionInfo, *needles: str) -> None:
 @pytest.mark.parametrize("overrides, needle", [c[1:] for c in BAD_CONFIGS], ids=[c[0] for c in BAD_CONFIGS])
 def test_bad_config_value_is_one_clear_error(overrides, needle):
     with pytest.raises(TierlmError) as err:
-        ModelConfig.from_dict(with_overrides(LLAMA, overrides), "config.json")
+        config_from_dict(with_overrides(LLAMA, overrides), "config.json")
     assert_one_line(err, needle)
 
 
 @pytest.mark.parametrize("overrides, needle", [c[1:] for c in BAD_CHATGLM], ids=[c[0] for c in BAD_CHATGLM])
 def test_bad_chatglm_value_names_chatglms_key(overrides, needle):
     with pytest.raises(TierlmError) as err:
-        ModelConfig.from_dict(with_overrides(CHATGLM, overrides))
+        config_from_dict(with_overrides(CHATGLM, overrides))
     assert_one_line(err, needle)
 
 
 def test_baselines_and_tolerated_forms_are_accepted():
-    assert ModelConfig.from_dict(LLAMA).head_dim == 16
-    assert ModelConfig.from_dict(CHATGLM).head_dim == 16
+    assert config_from_dict(LLAMA).head_dim == 16
+    assert config_from_dict(CHATGLM).head_dim == 16
     # null means "not given"; integral floats are integers; the ceilings themselves are allowed.
     loose = {**LLAMA, "num_key_value_heads": None, "head_dim": None, "max_position_embeddings": 2048.0,
              "num_hidden_layers": LIMITS["num_hidden_layers"], "eos_token_id": [2, 3], "rope_scaling": None}
-    config = ModelConfig.from_dict(loose)
+    config = config_from_dict(loose)
     assert (config.num_key_value_heads, config.head_dim, config.max_position_embeddings) == (4, 16, 2048)
     assert config.num_hidden_layers == 1024 and config.eos_token_ids == (2, 3)
     llama31 = {**LLAMA, "rope_parameters": {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
                                             "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                                             "original_max_position_embeddings": 8192}}
-    assert ModelConfig.from_dict(llama31).rope.theta == 500000.0
+    assert config_from_dict(llama31).rope.theta == 500000.0
 
 
 def test_plan_sizes_the_largest_accepted_config_quickly():
@@ -166,7 +167,7 @@ def test_plan_sizes_the_largest_accepted_config_quickly():
     largest = {**LLAMA, **{k: LIMITS[k] for k in ("vocab_size", "hidden_size", "intermediate_size",
                                                   "num_hidden_layers", "max_position_embeddings")},
                "num_attention_heads": 1024, "num_key_value_heads": 1024}
-    sizes = sizes_from_config(ModelConfig.from_dict(largest), "int8")
+    sizes = sizes_from_config(config_from_dict(largest), "int8")
     assert len(sizes.names) == LIMITS["num_hidden_layers"] + 3 and sizes.total > 0
 
 
@@ -191,7 +192,7 @@ def test_bad_config_file_is_one_clear_error(tmp_path, text, needle):
     path = tmp_path / "config.json"
     path.write_bytes(text if isinstance(text, bytes) else text.encode())
     with pytest.raises(TierlmError) as err:
-        ModelConfig.from_dir(tmp_path)
+        read_config(tmp_path)
     assert_one_line(err, needle)
     assert str(path) in str(err.value)  # the error names the file
 
@@ -202,7 +203,7 @@ def test_oversized_config_file_is_not_read(tmp_path, monkeypatch):
     monkeypatch.setattr(tierlm.config, "MAX_CONFIG_BYTES", 1024)
     (tmp_path / "config.json").write_text(json.dumps({**LLAMA, "padding": "x" * 2048}))
     with pytest.raises(TierlmError) as err:
-        ModelConfig.from_dir(tmp_path)
+        read_config(tmp_path)
     assert_one_line(err, "a config.json is a few KiB")
 
 

@@ -17,7 +17,7 @@ from tests.tiny import make_model
 from tierlm.cache.artifact import Artifact
 from tierlm.cache.convert import ConversionRequest, ensure_artifact
 from tierlm.store.resident import load_resident_artifact
-from tierlm.config import ModelConfig
+from tierlm.models import read_config
 from tierlm.device.backend import DeviceBackend, DeviceMemory
 from tierlm.store.tiered import TieredStore
 
@@ -121,7 +121,7 @@ class FakeBackend:
 def artifact(tmp_path_factory):
     model_dir = tmp_path_factory.mktemp("copy-stream")
     make_model(model_dir, layers=4, with_tokenizer=False)
-    return ModelConfig.from_dir(model_dir), Artifact.open(ensure_artifact(ConversionRequest(model_dir, (), "int8")))
+    return read_config(model_dir), Artifact.open(ensure_artifact(ConversionRequest(model_dir, (), "int8")))
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,7 @@ from dataclasses import replace
 
 import pytest
 
-from tierlm.config import ModelConfig
+from tierlm.models import read_config
 from tierlm.runtime import measure_machine
 from tierlm.offload.planner import decode_terms, implied_bandwidths, plan, step_seconds
 from tierlm.offload.bandwidths import MATRIX, Bandwidths
@@ -32,7 +32,7 @@ FIGURES = Bandwidths(device_bytes_per_s=10e9, host_bytes_per_s=10e9, link_bytes_
 
 def smollm2_plan(tmp_path, figures: Bandwidths):
     (tmp_path / "config.json").write_text(json.dumps(SMOLLM2))
-    config = ModelConfig.from_dir(tmp_path)
+    config = read_config(tmp_path)
     sizes = sizes_from_config(config, "int8")
     profile = load_profile("24gb")
     placed = plan(config, sizes, profile, figures, accelerator=False, baseline_bytes=300 * MiB)

@@ -12,7 +12,7 @@ import torch
 
 from tests.test_model_parity import CASES
 from tests.tiny import chatglm_config, greedy, make_case, prompt
-from tierlm.config import ModelConfig
+from tierlm.models import config_from_dict, read_config
 from tierlm.errors import TierlmError
 from tierlm.runtime.loader import load_model
 
@@ -23,12 +23,12 @@ from tierlm.runtime.loader import load_model
 def test_glm_rotates_half_of_each_head_unless_told():
     raw = {"model_type": "glm", "vocab_size": 320, "hidden_size": 64, "intermediate_size": 96,
            "num_hidden_layers": 2, "num_attention_heads": 4, "head_dim": 16}  # fmt: skip
-    assert ModelConfig.from_dict(raw).rope.partial_rotary_factor == 0.5
-    assert ModelConfig.from_dict({**raw, "partial_rotary_factor": 0.25}).rope.partial_rotary_factor == 0.25
+    assert config_from_dict(raw).rope.partial_rotary_factor == 0.5
+    assert config_from_dict({**raw, "partial_rotary_factor": 0.25}).rope.partial_rotary_factor == 0.25
 
 
 def test_chatglm_keys_map_to_glm_shapes():
-    config = ModelConfig.from_dict(chatglm_config(rope_ratio=50, seq_length=32768))
+    config = config_from_dict(chatglm_config(rope_ratio=50, seq_length=32768))
     assert (config.model_type, config.vocab_size, config.intermediate_size, config.num_hidden_layers) == (
         "chatglm", 320, 96, 2)
     assert (config.num_key_value_heads, config.head_dim, config.max_position_embeddings) == (2, 16, 32768)
@@ -49,7 +49,7 @@ def test_chatglm_keys_map_to_glm_shapes():
 )
 def test_unsupported_chatglm_variants_are_refused_by_name(override, match):
     with pytest.raises(TierlmError, match=match) as err:
-        ModelConfig.from_dict(chatglm_config(**override))
+        config_from_dict(chatglm_config(**override))
     assert err.value.hint
 
 
@@ -57,18 +57,18 @@ def test_chatglm_missing_key_names_chatglms_key():
     raw = chatglm_config()
     del raw["ffn_hidden_size"]
     with pytest.raises(TierlmError, match="ffn_hidden_size"):
-        ModelConfig.from_dict(raw)
+        config_from_dict(raw)
 
 
 def test_qwen_sliding_window_applies_only_when_every_layer_slides():
     raw = {"model_type": "qwen3", "vocab_size": 320, "hidden_size": 64, "intermediate_size": 96,
            "num_hidden_layers": 4, "num_attention_heads": 4, "sliding_window": 8}  # fmt: skip
-    assert ModelConfig.from_dict(raw).sliding_window is None  # use_sliding_window unset
+    assert config_from_dict(raw).sliding_window is None  # use_sliding_window unset
     on = {**raw, "use_sliding_window": True}
-    assert ModelConfig.from_dict({**on, "max_window_layers": 0}).sliding_window == 8
-    assert ModelConfig.from_dict({**on, "max_window_layers": 4}).sliding_window is None
+    assert config_from_dict({**on, "max_window_layers": 0}).sliding_window == 8
+    assert config_from_dict({**on, "max_window_layers": 4}).sliding_window is None
     with pytest.raises(TierlmError, match="2 of 4 layers"):
-        ModelConfig.from_dict({**on, "max_window_layers": 2})
+        config_from_dict({**on, "max_window_layers": 2})
 
 
 def test_chatglm_tokenizer_that_is_only_python_code_is_refused_naming_tokenizer_json(tmp_path):
@@ -106,7 +106,7 @@ def gpu_bandwidths():
 def test_chatglm3_6b_sizes_from_its_config_json():
     from tierlm.offload.sizes import sizes_from_config
 
-    config = ModelConfig.from_dict(CHATGLM3_6B)
+    config = config_from_dict(CHATGLM3_6B)
     assert (config.q_size, config.kv_size, config.max_position_embeddings) == (4096, 256, 8192)
     sizes = sizes_from_config(config, "int8")
     layer = (4096 + 2 * 256) * 4096 + 4096 * 4096 + 2 * 13696 * 4096 + 13696 * 4096
@@ -123,7 +123,7 @@ def test_chatglm3_6b_fits_a_24gb_card_fully_resident(quant):
     from tierlm.offload.sizes import sizes_from_config
     from tierlm.profile import load_profile
 
-    config = ModelConfig.from_dict(CHATGLM3_6B)
+    config = config_from_dict(CHATGLM3_6B)
     sizes = sizes_from_config(config, quant, accelerator=True)
     placement = plan(config, sizes, load_profile("24gb"), gpu_bandwidths(), accelerator=True,
                      baseline_bytes=400 * 2**20)  # fmt: skip
@@ -145,7 +145,7 @@ def test_sizes_from_config_match_the_converted_artifact(tmp_path, case, quant):
     make_case(tmp_path, CASES[case])
     artifact_dir = ensure_artifact(ConversionRequest(tmp_path, (), quant))
     measured = sizes_from_artifact(artifact_dir)
-    predicted = sizes_from_config(ModelConfig.from_dir(tmp_path), quant)
+    predicted = sizes_from_config(read_config(tmp_path), quant)
     assert predicted.names == measured.names
     blocks = Artifact.open(artifact_dir).blocks
     for name in measured.names:

@@ -184,12 +184,12 @@ def test_moe_gguf_imports_to_the_source_model(tmp_path, case):
     torch.testing.assert_close(logits(reloaded, ids), logits(model, ids), rtol=0, atol=1e-5)
 
     # tierlm's own loader reads the same directory as the same MoE model.
-    from tierlm.config import ModelConfig
+    from tierlm.models import read_config
     from tierlm.runtime.loader import load_model
 
-    moe = ModelConfig.from_dir(out).moe
+    moe = read_config(out).moe
     assert moe.experts == (getattr(ref, "num_local_experts", None) or ref.num_experts)
-    assert moe.sparse_layers == ModelConfig.from_dir(tmp_path / "hf").moe.sparse_layers
+    assert moe.sparse_layers == read_config(tmp_path / "hf").moe.sparse_layers
     loaded = load_model(out, device="cpu", dtype=torch.float32)
     ours = loaded.model.forward(ids[:1], loaded.new_cache(), logits="all")
     torch.testing.assert_close(ours.reshape(-1, VOCAB), logits(model, ids[:1])[0], rtol=0, atol=1e-4)

@@ -280,7 +280,7 @@ def test_sizes_from_config_predict_a_mixed_source_import(tmp_path):
 
     from tests.tiny import make_model
     from tierlm.cache.convert import ConversionRequest, ensure_artifact
-    from tierlm.config import ModelConfig
+    from tierlm.models import read_config
     from tierlm.offload.sizes import sizes_from_artifact, sizes_from_config
 
     make_model(tmp_path, "llama", with_tokenizer=False)
@@ -290,7 +290,7 @@ def test_sizes_from_config_predict_a_mixed_source_import(tmp_path):
     with safe_open(tmp_path / "model.safetensors", "pt") as f:
         types = {name: ("Q4_1" if f.get_slice(name).get_shape().__len__() == 2 else "F32") for name in f.keys()}
     (tmp_path / "tierlm-import.json").write_text(json.dumps({"tensor_types": {"Q4_1": 1}, "tensor_type_of": types}))
-    predicted = sizes_from_config(ModelConfig.from_dir(tmp_path), "mixed-source", model_dir=tmp_path)
+    predicted = sizes_from_config(read_config(tmp_path), "mixed-source", model_dir=tmp_path)
     measured = sizes_from_artifact(ensure_artifact(ConversionRequest(tmp_path, (), "mixed-source")))
     assert predicted.quant == measured.quant == "mixed-source"
     for name in measured.names:

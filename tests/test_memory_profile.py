@@ -105,7 +105,7 @@ def synthetic(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def budget(synthetic, tmp_path_factory) -> int:
     """A device_memory whose plan keeps about a third of the weights resident."""
-    from tierlm.config import ModelConfig
+    from tierlm.models import read_config
     from tierlm.offload.planner.search import plan
     from tierlm.offload.bandwidths import Bandwidths
     from tierlm.offload.sizes import sizes_from_artifact
@@ -113,7 +113,7 @@ def budget(synthetic, tmp_path_factory) -> int:
 
     probe = run_child(synthetic, write_profile(tmp_path_factory.mktemp("p") / "x.toml", 2**30), steps=0)
     baseline = json.loads(probe.stdout)["baseline"] + (16 << 20)  # margin for run-to-run drift
-    config, sizes = ModelConfig.from_dir(synthetic), sizes_from_artifact(synthetic)
+    config, sizes = read_config(synthetic), sizes_from_artifact(synthetic)
     weights = sizes.total
     folder = tmp_path_factory.mktemp("profiles")
     low, high = baseline, baseline + 2 * weights

@@ -94,7 +94,7 @@ def test_mixed_conversion_fits_its_size_and_beats_all_int4_at_the_same_bytes(tin
     from tierlm.cache.artifact import Artifact
     from tierlm.cache.convert import ConversionRequest, ensure_artifact
     from tierlm.store.calibration import activation_stats
-    from tierlm.config import ModelConfig
+    from tierlm.models import read_config
     from tierlm.offload.sizes import sizes_from_config
     from tierlm.runtime.loader import load_model
 
@@ -107,7 +107,7 @@ def test_mixed_conversion_fits_its_size_and_beats_all_int4_at_the_same_bytes(tin
     assert manifest["quant"] == f"mixed-{target}" and manifest["mixed"]["sensitivity"].startswith("activations")
     encodings = {t.encoding for b in Artifact.open(mixed).blocks.values() for t in b.tensors.values()}
     assert {"int4", "int8"} <= encodings
-    predicted = sizes_from_config(ModelConfig.from_dir(tiny), f"mixed:{target}")
+    predicted = sizes_from_config(read_config(tiny), f"mixed:{target}")
     assert predicted.total <= target
 
     ids = torch.tensor([[5, 17, 99, 3, 250, 41, 8, 77, 120, 6]])
@@ -167,10 +167,10 @@ def test_chatglm3_6b_plans_within_5_2_gib_of_mixed_weights():
     of weights, int8 where the estimate says it matters most and int4 elsewhere."""
     from pathlib import Path
 
-    from tierlm.config import ModelConfig
+    from tierlm.models import read_config
     from tierlm.offload.sizes import sizes_from_config
 
-    config = ModelConfig.from_dir(Path(__file__).parent / "data" / "chatglm3-6b")
+    config = read_config(Path(__file__).parent / "data" / "chatglm3-6b")
     sizes = sizes_from_config(config, "mixed:5.2GiB")
     assert sizes.total <= 5.2 * 2**30
     modes = set(sizes.tensor_modes.values())

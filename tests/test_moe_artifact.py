@@ -24,11 +24,10 @@ from tierlm.blocks import expert_of, layer_index
 from tierlm.cache import codec
 from tierlm.cache.artifact import BLOCK_ALIGN, Artifact
 from tierlm.cache.convert import ConversionRequest, artifacts_root, ensure_artifact
-from tierlm.config import ModelConfig
 from tierlm.errors import TierlmError
 from tierlm.lora.adapter import LoraAdapter
 from tierlm.lora.merge import LoraMerger
-from tierlm.models import family_class
+from tierlm.models import family_class, read_config
 from tierlm.runtime.loader import load_model
 from tierlm.weights.checkpoint import Checkpoint
 
@@ -144,7 +143,7 @@ def tierlm_merged(folder: Path, adapter: Path) -> tuple[dict[str, torch.Tensor],
 def test_each_expert_is_its_own_aligned_int8_block(checkpoints, case):
     folder, _ = checkpoints(case)
     artifact = Artifact.open(ensure_artifact(ConversionRequest(folder, (), "int8")))
-    config = ModelConfig.from_dir(folder)
+    config = read_config(folder)
     layout = family_class(config).checkpoint_layout(config)
     assert list(artifact.blocks) == list(layout)
     checkpoint = Checkpoint(folder)
@@ -244,7 +243,7 @@ def test_expert_lora_merges_like_peft(checkpoints, tmp_path, case, style):
     experts_changed = {n for n in changed if ".experts." in n}
     assert len(experts_changed) == sum(1 for n in base if ".experts." in n)  # every expert projection
     if style == "parameters":  # Mixtral's router is saved as block_sparse_moe.gate, adapted as mlp.gate
-        assert sum(n.endswith(".gate.weight") for n in changed) == len(ModelConfig.from_dir(folder).moe.sparse_layers)
+        assert sum(n.endswith(".gate.weight") for n in changed) == len(read_config(folder).moe.sparse_layers)
     assert merger.touched_names() == changed
 
 

@@ -18,9 +18,8 @@ from tests.cli_runner import run_tierlm
 from tests.tiny import MOE_CASES, greedy, make_case, make_model, prompt, scattered_slot_prompts
 from tierlm.blocks import expert_of
 from tierlm.kv.cache import SlotKVCache
-from tierlm.config import ModelConfig
 from tierlm.errors import TierlmError
-from tierlm.models import family_class
+from tierlm.models import config_from_dict, family_class
 from tierlm.runtime.loader import load_model
 from tierlm.weights.store import WeightStore
 
@@ -45,7 +44,7 @@ def checkpoints(tmp_path_factory):
 
 
 def test_qwen3_30b_a3b_config_and_its_expert_blocks():
-    config = ModelConfig.from_dict(json.loads(QWEN3_30B_A3B.read_text()))
+    config = config_from_dict(json.loads(QWEN3_30B_A3B.read_text()))
     moe = config.moe
     assert (moe.experts, moe.top_k, moe.expert_intermediate, moe.shared_intermediate) == (128, 8, 768, 0)
     assert moe.norm_topk_prob and moe.sparse_layers == tuple(range(48))
@@ -63,10 +62,10 @@ def test_dense_and_sparse_layers_follow_step_and_mlp_only_layers(checkpoints):
     folder, _ = checkpoints("qwen3-moe-dense-and-sparse")
     raw = json.loads((folder / "config.json").read_text())
     assert "num_local_experts" in raw and "num_experts" not in raw  # what transformers 5 writes
-    config = ModelConfig.from_dict(raw)
+    config = config_from_dict(raw)
     assert config.moe.sparse_layers == (1, 5) and config.moe.experts == 8 and config.moe.norm_topk_prob
     hub_style = {k: v for k, v in raw.items() if k != "num_local_experts"} | {"num_experts": 8}
-    assert ModelConfig.from_dict(hub_style).moe == config.moe
+    assert config_from_dict(hub_style).moe == config.moe
     layout = family_class(config).checkpoint_layout(config)
     assert "w13" in layout["layers.0"] and "router" not in layout["layers.0"]
     assert "router" in layout["layers.1"] and "w13" not in layout["layers.1"]
@@ -76,18 +75,18 @@ def test_dense_and_sparse_layers_follow_step_and_mlp_only_layers(checkpoints):
 def test_qwen2_moe_shared_expert_and_mixtral_names():
     base = {"vocab_size": 320, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
             "num_attention_heads": 4, "num_experts_per_tok": 2}  # fmt: skip
-    qwen2 = ModelConfig.from_dict({**base, "model_type": "qwen2_moe", "num_experts": 4,
+    qwen2 = config_from_dict({**base, "model_type": "qwen2_moe", "num_experts": 4,
                                    "moe_intermediate_size": 32, "shared_expert_intermediate_size": 48})
     assert qwen2.moe.shared_intermediate == 48 and not qwen2.moe.norm_topk_prob and qwen2.attention_bias
     layer = family_class(qwen2).checkpoint_layout(qwen2)["layers.0"]
     assert layer["shared_gate"] == ("model.layers.0.mlp.shared_expert_gate.weight",) and "bqkv" in layer
     assert family_class(qwen2).block_shapes(qwen2)["layers.0"]["shared_w13"] == (96, 64)
-    mixtral = ModelConfig.from_dict({**base, "model_type": "mixtral", "num_local_experts": 4,
+    mixtral = config_from_dict({**base, "model_type": "mixtral", "num_local_experts": 4,
                                      "norm_topk_prob": False})  # fmt: skip
     assert mixtral.moe.norm_topk_prob and mixtral.moe.expert_intermediate == 96  # Mixtral always renormalizes
     expert = family_class(mixtral).checkpoint_layout(mixtral)["experts.1.3"]
     assert expert["ew13"] == tuple(f"model.layers.1.block_sparse_moe.experts.3.{w}.weight" for w in ("w1", "w3"))
-    assert ModelConfig.from_dict({**base, "model_type": "qwen3"}).moe is None
+    assert config_from_dict({**base, "model_type": "qwen3"}).moe is None
 
 
 QWEN3_MOE = {"model_type": "qwen3_moe", "vocab_size": 320, "hidden_size": 64, "intermediate_size": 96,
@@ -111,7 +110,7 @@ QWEN3_MOE = {"model_type": "qwen3_moe", "vocab_size": 320, "hidden_size": 64, "i
 def test_bad_moe_settings_are_refused_by_name(override, match):
     raw = {k: v for k, v in {**QWEN3_MOE, **override}.items() if v is not None}
     with pytest.raises(TierlmError, match=match):
-        ModelConfig.from_dict(raw)
+        config_from_dict(raw)
 
 
 # -- each chosen expert borrowed once ----------------------------------------------------------
@@ -330,9 +329,9 @@ def test_decode_graphs_refuse_a_moe_model(monkeypatch):
     from tierlm.models import graph_decode
 
     monkeypatch.delenv("TIERLM_GRAPHS", raising=False)
-    config = ModelConfig.from_dict(json.loads(QWEN3_30B_A3B.read_text()))
+    config = config_from_dict(json.loads(QWEN3_30B_A3B.read_text()))
     model = SimpleNamespace(device=torch.device("cuda"), config=config, store=object())
     assert "mixture-of-experts" in graph_decode.refusal(model)
-    dense = SimpleNamespace(device=torch.device("cuda"), config=ModelConfig.from_dict({**QWEN3_MOE, "model_type": "qwen3"}),
+    dense = SimpleNamespace(device=torch.device("cuda"), config=config_from_dict({**QWEN3_MOE, "model_type": "qwen3"}),
                             store=object())  # fmt: skip
     assert graph_decode.refusal(dense) is None

@@ -14,8 +14,7 @@ from tierlm.cache.artifact import Artifact
 from tierlm.cache.convert import ConversionRequest, ensure_artifact
 from tierlm.kv.cache import KVCache
 from tierlm.store.resident import load_resident_artifact
-from tierlm.config import ModelConfig
-from tierlm.models import family_class
+from tierlm.models import family_class, read_config
 from tierlm.offload.placement import DEVICE, DISK, HOST, BlockPlacement, Placement
 from tierlm.offload.routing_counts import COUNTS_NAME, RoutingCounts
 from tierlm.store.tiered import TieredStore
@@ -30,7 +29,7 @@ def moe(tmp_path_factory):
     model_dir = tmp_path_factory.mktemp("moe-offload")
     make_model(model_dir, "qwen3_moe", layers=LAYERS, heads=4, kv_heads=2, num_experts=EXPERTS,
                num_experts_per_tok=TOP_K, moe_intermediate_size=32, norm_topk_prob=True, with_tokenizer=False)  # fmt: skip
-    config = ModelConfig.from_dir(model_dir)
+    config = read_config(model_dir)
     assert config.moe.sparse_layers == tuple(range(LAYERS))
     art = Artifact.open(ensure_artifact(ConversionRequest(model_dir, (), "int8")))
     resident = load_resident_artifact(art.directory)
@@ -337,7 +336,7 @@ def test_offloaded_experts_inside_a_cgroup_capped_at_the_budget(tmp_path):
     if root is None:
         pytest.skip("no writable cgroup v1 memory controller on this machine")
     artifact = write_synthetic_artifact(SYNTHETIC_MOE, tmp_path / "qwen3-moe-synthetic-int8")
-    config, sizes = ModelConfig.from_dir(artifact), sizes_from_artifact(artifact)
+    config, sizes = read_config(artifact), sizes_from_artifact(artifact)
     experts = sum(1 for name in Artifact.open(artifact).blocks if is_expert(name))
     probe = run_child(artifact, write_profile(tmp_path / "p.toml", 2**30), steps=0)
     baseline = json.loads(probe.stdout)["baseline"] + (16 << 20)  # margin for run-to-run drift

@@ -18,6 +18,7 @@ import pytest
 from tests.cli_runner import run_tierlm
 from tierlm.blocks import expert_block, expert_of, is_expert
 from tierlm.config import ModelConfig
+from tierlm.models import config_from_dict, read_config
 from tierlm.errors import TierlmError
 from tierlm.offload.placement import DEVICE, DISK, HOST, placement_to_dict
 from tierlm.offload.planner import decode_terms, host_computes_expert, plan, step_seconds
@@ -39,7 +40,7 @@ MODES = [pytest.param(False, id="cpu-only"), pytest.param(True, id="accelerator"
 
 @pytest.fixture(scope="module")
 def config() -> ModelConfig:
-    return ModelConfig.from_dir(QWEN3_30B)
+    return read_config(QWEN3_30B)
 
 
 def make_plan(config, profile, accelerator, routing=None, bandwidths=None):
@@ -239,7 +240,7 @@ def test_without_disk_offload_the_experts_must_fit_or_the_plan_is_refused(config
 def test_all_experts_resident_needs_no_stream_slots_and_a_tiny_budget_keeps_none():
     """A small MoE-shaped BlockSizes: everything resident when it fits; with room for the dense
     part only, every expert streams and the device still holds its stream slots."""
-    config = ModelConfig.from_dir(QWEN3_30B)
+    config = read_config(QWEN3_30B)
     config = replace(config, num_hidden_layers=2, vocab_size=1024, moe=replace(config.moe, sparse_layers=(0, 1)))
     sizes = sizes_from_config(config, "int8")
     assert sum(1 for n in sizes.names if is_expert(n)) == 256
@@ -257,7 +258,7 @@ def test_all_experts_resident_needs_no_stream_slots_and_a_tiny_budget_keeps_none
 def test_dense_models_have_no_expert_charges(tmp_path):
     raw = {"model_type": "llama", "hidden_size": 512, "intermediate_size": 1024, "num_hidden_layers": 4,
            "num_attention_heads": 8, "num_key_value_heads": 8, "vocab_size": 1000, "rms_norm_eps": 1e-5}  # fmt: skip
-    config = ModelConfig.from_dict(raw)
+    config = config_from_dict(raw)
     sizes = sizes_from_config(config, "int8")
     placement = plan(config, sizes, load_profile("4gb"), CPU, accelerator=False, baseline_bytes=BASELINE)
     assert config.moe is None and placement.expert_layers == () and placement.expert_slots == 0

@@ -157,8 +157,7 @@ def moe_session(tmp_path_factory):
     from tierlm.blocks import expert_of
     from tierlm.cache.artifact import Artifact
     from tierlm.cache.convert import ConversionRequest, ensure_artifact
-    from tierlm.config import ModelConfig
-    from tierlm.models import family_class
+    from tierlm.models import family_class, read_config
     from tierlm.offload.placement import DEVICE, DISK, BlockPlacement, Placement
     from tierlm.store.tiered import TieredStore
     from tierlm.profile import load_profile
@@ -177,7 +176,7 @@ def moe_session(tmp_path_factory):
     experts = [b.nbytes for b in blocks if expert_of(b.name)]
     place = Placement(blocks, {}, charges, ring_slots=2, expert_slots=3 * len(RESIDENT), expert_stream_slots=2,
                       expert_slot_bytes=max(experts))  # fmt: skip
-    config, store = ModelConfig.from_dir(model_dir), TieredStore(art, place)
+    config, store = read_config(model_dir), TieredStore(art, place)
     model = family_class(config)(config, store, 128, torch.device("cpu"), torch.float32)
     loaded = LoadedModel(config, model, store, 128, torch.device("cpu"), torch.float32, place, None, "fp16")
     profile = load_profile(str(write_profile(root / "serve.toml", context_length=128, batch_size=2)))

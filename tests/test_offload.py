@@ -12,7 +12,7 @@ from tierlm.cache.artifact import Artifact
 from tierlm.cache.convert import ConversionRequest, ensure_artifact
 from tierlm.kv.cache import KVCache
 from tierlm.store.resident import load_resident_artifact
-from tierlm.config import ModelConfig
+from tierlm.models import read_config
 from tierlm.errors import TierlmError
 from tierlm.models.llama import LlamaModel
 from tierlm.offload.placement import DEVICE, DISK, HOST, BlockPlacement, Placement
@@ -23,7 +23,7 @@ from tierlm.store.tiered import TieredStore
 def artifact(request, tmp_path_factory):
     model_dir = tmp_path_factory.mktemp(f"offload-{request.param}")
     make_model(model_dir, layers=4, tied=request.param == "tied", with_tokenizer=False)
-    return ModelConfig.from_dir(model_dir), Artifact.open(ensure_artifact(ConversionRequest(model_dir, (), "int8")))
+    return read_config(model_dir), Artifact.open(ensure_artifact(ConversionRequest(model_dir, (), "int8")))
 
 
 def placement(art: Artifact, tiers: dict[str, str], *, slots: int = 3, hot_rows: int = 16) -> Placement:
@@ -110,7 +110,7 @@ def test_read_error_mid_generation_is_a_clear_error_not_a_hang(tmp_path):
         art = Artifact.open(ensure_artifact(ConversionRequest(model_dir, (), "int8")))
     finally:
         os.environ["TIERLM_CACHE"] = saved
-    config = ModelConfig.from_dir(model_dir)
+    config = read_config(model_dir)
     store = TieredStore(art, placement(art, {"layers.2": DISK, "layers.3": DISK}, slots=2))
     model = LlamaModel(config, store, 64, "cpu", torch.float32)
     cache = KVCache.for_model(config, 64)

@@ -20,7 +20,7 @@ import torch
 
 from tests.tiny import DECODE_CASES, MOE_CASES, make_case, make_model, scattered_slot_prompts, write_profile
 from tierlm.kv.cache import SlotKVCache
-from tierlm.config import ModelConfig
+from tierlm.models import read_config
 from tierlm.distributed.launch import start_group
 from tierlm.distributed.pipeline import load_pipeline, stage_loads
 from tierlm.runtime.loader import load_model
@@ -61,7 +61,7 @@ def open_both(model_dir, group, quant):
     """(the single-process model, the pipeline over `group`) of `model_dir`, both fp32 compute."""
     common = dict(device="cpu", dtype=torch.float32, quant=quant)
     reference = load_model(model_dir, context_length=CONTEXT, **common)
-    loads = stage_loads(model_dir, ModelConfig.from_dir(model_dir), [None] * group.world, context_length=CONTEXT,
+    loads = stage_loads(model_dir, read_config(model_dir), [None] * group.world, context_length=CONTEXT,
                         threads=1, **common)  # fmt: skip
     return reference, load_pipeline(group, loads, owns_group=False)
 

@@ -19,7 +19,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from tierlm.config import ModelConfig
+from tierlm.models import read_config
 from tierlm.offload.planner import decode_terms, implied_bandwidths, plan, step_seconds
 from tierlm.offload.bandwidths import Bandwidths
 from tierlm.probe.record import ProbeRecord, bandwidths_path, read_probe, record_measured_run, save_bandwidths
@@ -100,7 +100,7 @@ def test_plan_places_the_blocks_the_load_places(model_dir, fixed_probe, tmp_path
     roomy = bench(write_profile(tmp_path / "roomy.toml", 2 * GiB))  # also builds the int8 artifact
     assert {t for _, t, _ in tiers(roomy["placement"])} == {"device"}
     baseline = roomy["charges"]["device"]["baseline"]
-    config = ModelConfig.from_dir(model_dir)
+    config = read_config(model_dir)
     sizes = sizes_from_artifact(cached_artifact(model_dir, "int8"))
     layer = sizes.nbytes["layers.0"]
 
@@ -220,7 +220,7 @@ def test_doctor_probe_measures_afresh(fixed_probe):
 
 def test_implied_bandwidths_reproduce_the_measured_step(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(LLAMA_7B))
-    config = ModelConfig.from_dir(tmp_path)
+    config = read_config(tmp_path)
     sizes = sizes_from_config(config, "int8")
     for name, accelerator, bandwidths in [("24gb", False, FIXED), ("8gb", False, FIXED), ("8gb", True, GPU)]:
         profile = load_profile(name)
@@ -250,7 +250,7 @@ def test_a_run_within_noise_is_recorded_but_corrects_nothing(tmp_path, monkeypat
 
     monkeypatch.setenv("TIERLM_CACHE", str(tmp_path))
     (tmp_path / "config.json").write_text(json.dumps(LLAMA_7B))
-    config = ModelConfig.from_dir(tmp_path)
+    config = read_config(tmp_path)
     sizes = sizes_from_config(config, "int8")
     profile = load_profile("24gb")
     placed = plan(config, sizes, profile, FIXED, accelerator=False, baseline_bytes=300 * MiB)

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tierlm.config import ModelConfig
+from tierlm.models import read_config
 from tierlm.errors import TierlmError
 from tierlm.offload.placement import DEVICE, DISK, HOST
 from tierlm.offload.placement import placement_to_dict
@@ -72,7 +72,7 @@ def model_dirs(tmp_path_factory) -> dict[str, Path]:
 
 
 def make_plan(model_dirs, model: str, profile, accelerator: bool, quant: str = "int8"):
-    config = ModelConfig.from_dir(model_dirs[model])
+    config = read_config(model_dirs[model])
     profile = load_profile(profile) if isinstance(profile, str) else profile
     sizes = sizes_from_config(config, quant, accelerator=accelerator)
     return plan(config, sizes, profile, GPU if accelerator else CPU, accelerator=accelerator, baseline_bytes=BASELINE,
@@ -93,7 +93,7 @@ def resident_layers(placement) -> int:
 @pytest.mark.parametrize("accelerator", MODES)
 @pytest.mark.parametrize("model", list(MODELS))
 def test_every_shipped_profile_stays_within_budget_and_spills_in_order(model_dirs, model, accelerator):
-    config = ModelConfig.from_dir(model_dirs[model])
+    config = read_config(model_dirs[model])
     weights = sizes_from_config(config, "int8", accelerator=accelerator).total
     resident_before = config.num_hidden_layers
     for name in PROFILES:
@@ -184,7 +184,7 @@ def test_disk_streaming_on_cpu_is_bound_by_the_disk(model_dirs):
 def test_accelerator_splits_host_layers_between_cpu_compute_and_streaming(model_dirs):
     """At batch 1 the CPU computes most host layers; a batch makes CPU compute costlier, so more stream."""
     slow_cpu = replace(GPU, host_flops=200e9)
-    config = ModelConfig.from_dir(model_dirs["llama-2-7b"])
+    config = read_config(model_dirs["llama-2-7b"])
     sizes = sizes_from_config(config, "int8", accelerator=True)
     on_cpu = {}
     for batch, context in ((1, 2048), (8, 256)):  # the same KV cache bytes
@@ -197,7 +197,7 @@ def test_accelerator_splits_host_layers_between_cpu_compute_and_streaming(model_
 
 
 def test_tied_head_is_placed_with_the_embedding(model_dirs):
-    config = ModelConfig.from_dir(model_dirs["qwen2.5-3b"])
+    config = read_config(model_dirs["qwen2.5-3b"])
     sizes = sizes_from_config(config, "int8")
     assert sizes.aliases == {"head": "embed"} and sizes.nbytes["head"] == 0
     # Room for the embedding (= the head, read whole every token) and a few layers only.
@@ -277,7 +277,7 @@ def test_sizes_from_config_match_the_converted_artifact(tmp_path, family, tied, 
     make_model(tmp_path, family, tied=tied, with_tokenizer=False, **extra)
     artifact_dir = ensure_artifact(ConversionRequest(tmp_path, (), quant))
     measured = sizes_from_artifact(artifact_dir)
-    predicted = sizes_from_config(ModelConfig.from_dir(tmp_path), quant)
+    predicted = sizes_from_config(read_config(tmp_path), quant)
     assert predicted.names == measured.names and predicted.quant == measured.quant == quant
     blocks = Artifact.open(artifact_dir).blocks
     for name in measured.names:
@@ -312,7 +312,7 @@ def test_plan_cli_json_for_a_config_only_directory_matches_the_function(model_di
     shown = json.loads(result.stdout)
     baseline = shown["charges"]["device"]["baseline"]  # the child's RSS after importing torch
     assert 50 * MiB < baseline < 2 * GiB
-    config = ModelConfig.from_dir(model_dirs["llama-2-7b"])
+    config = read_config(model_dirs["llama-2-7b"])
     expected = plan(config, sizes_from_config(config, "int8"), load_profile("8gb"), CPU, accelerator=False, baseline_bytes=baseline)
     # The CLI adds the mixed:SIZE that would keep every block on the device: the function's figure.
     from tierlm.offload.planner.search import resident_mixed_size

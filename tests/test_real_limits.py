@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from tierlm.config import ModelConfig
+from tierlm.models import read_config
 from tierlm.device.memory import MemoryLimits, address_space_room, cgroup_memory_limit, process_limits
 from tierlm.errors import TierlmError
 from tierlm.offload.placement import DEVICE, DISK
@@ -135,7 +135,7 @@ def test_profiles_auto_under_a_real_rlimit_as_is_sized_below_it():
 def llama(tmp_path_factory):
     folder = tmp_path_factory.mktemp("llama-2-7b")
     (folder / "config.json").write_text(json.dumps(LLAMA_2_7B))
-    return ModelConfig.from_dir(folder)
+    return read_config(folder)
 
 
 def plan_under(config, profile_name: str, limits: MemoryLimits | None, *, accelerator: bool = False, **changes):

@@ -181,13 +181,13 @@ def test_batched_decode_over_a_tiered_store_shares_each_streamed_block(tmp_path)
     from tierlm.cache.artifact import Artifact
     from tierlm.cache.convert import ConversionRequest, ensure_artifact
     from tierlm.store.resident import load_resident_artifact
-    from tierlm.config import ModelConfig
+    from tierlm.models import read_config
     from tierlm.models.llama import LlamaModel
     from tierlm.offload.placement import DEVICE, DISK, HOST, BlockPlacement, Placement
     from tierlm.store.tiered import TieredStore
 
     make_model(tmp_path, layers=4, with_tokenizer=False)
-    config = ModelConfig.from_dir(tmp_path)
+    config = read_config(tmp_path)
     art = Artifact.open(ensure_artifact(ConversionRequest(tmp_path, (), "int8")))
     tiers = {"embed": HOST, "layers.0": HOST, "layers.1": DISK, "layers.3": DISK, "head": DISK}
     width = art.blocks["embed"].tensors["embed"].parts["qweight"].shape[1]

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tierlm.config import ModelConfig
+from tierlm.models import read_config
 from tierlm.stages import StageSpan, even_split
 from tierlm.errors import TierlmError
 from tierlm.offload.placement import DEVICE, DISK, placement_to_dict
@@ -39,7 +39,7 @@ TIED_3B = {"model_type": "qwen2", "torch_dtype": "bfloat16", "rms_norm_eps": 1e-
 
 @pytest.fixture(scope="module")
 def llama70b():
-    config = ModelConfig.from_dir(LLAMA_70B)
+    config = read_config(LLAMA_70B)
     return config, sizes_from_config(config, "int8", accelerator=True)
 
 
@@ -47,7 +47,7 @@ def llama70b():
 def tied3b(tmp_path_factory):
     folder = tmp_path_factory.mktemp("tied")
     (folder / "config.json").write_text(json.dumps(TIED_3B))
-    config = ModelConfig.from_dir(folder)
+    config = read_config(folder)
     return config, sizes_from_config(config, "int8")
 
 
@@ -134,7 +134,7 @@ SMALL = {**json.loads((LLAMA_70B / "config.json").read_text()), "num_hidden_laye
 def small(tmp_path_factory):
     folder = tmp_path_factory.mktemp("small")
     (folder / "config.json").write_text(json.dumps(SMALL))
-    config = ModelConfig.from_dir(folder)
+    config = read_config(folder)
     return config, sizes_from_config(config, "int8", accelerator=True)
 
 
@@ -305,7 +305,7 @@ def test_plan_stages_cli_shows_each_stage_as_its_rank_would_plan_it(tmp_path):
     shown = json.loads(tierlm(*args, "--stages", "4", "--json").stdout)
     assert [(s["first"], s["end"]) for s in shown["stages"]] == [(0, 20), (20, 40), (40, 60), (60, 80)]
     assert shown["link"]["bytes_per_s"] == 1.25e9 and shown["handover_bytes"] == 8192 * 4  # fp32 on CPUs
-    config = ModelConfig.from_dir(LLAMA_70B)
+    config = read_config(LLAMA_70B)
     sizes = sizes_from_config(config, "int8")
     for stage, span in zip(shown["stages"], even_split(80, 4)):
         baseline = stage["placement"]["charges"]["device"]["baseline"]  # the child's RSS, as a load charges it
@@ -330,7 +330,7 @@ def test_plan_stages_cli_shows_each_stage_as_its_rank_would_plan_it(tmp_path):
 def test_a_mixture_of_experts_stage_places_its_own_layers_experts():
     from tierlm.blocks import expert_of
 
-    config = ModelConfig.from_dir(DATA / "qwen3-30b-a3b")
+    config = read_config(DATA / "qwen3-30b-a3b")
     sizes = sizes_from_config(config, "int8")
     planned = split(config, sizes, ["16gb", "8gb"], CPU, accelerator=False)
     placed = [b.name for stage in planned.stages for b in stage.placement.blocks]

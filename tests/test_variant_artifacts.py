@@ -196,14 +196,14 @@ def test_streamed_variant_gives_the_full_lora_artifacts_logits(base_dir, adapter
     from tests.test_offload import LAYOUTS, placement
     from tierlm.kv.cache import KVCache
     from tierlm.store.resident import load_resident_artifact
-    from tierlm.config import ModelConfig
+    from tierlm.models import read_config
     from tierlm.models.llama import LlamaModel
     from tierlm.store.tiered import TieredStore
 
     pairs = ((adapters["embed"], 1.0), (adapters["layer1"], 1.0))  # the embedding's rows come from the variant
     variant = Artifact.open(ensure_variant_artifact(ConversionRequest(base_dir, (), "int8"), pairs))
     full = ensure_artifact(ConversionRequest(base_dir, pairs, "int8"))
-    config, ids = ModelConfig.from_dir(base_dir), torch.tensor([[5, 17, 99, 3, 250, 41, 8]])
+    config, ids = read_config(base_dir), torch.tensor([[5, 17, 99, 3, 250, 41, 8]])
 
     def logits(store):
         model = LlamaModel(config, store, 32, "cpu", torch.float32)

@@ -19,7 +19,7 @@ import pytest
 from tests.test_lora_merge import save_adapter
 from tests.test_planner import BASELINE, CPU, GPU, MODELS
 from tests.tiny import make_model
-from tierlm.config import ModelConfig
+from tierlm.models import read_config
 from tierlm.errors import TierlmError
 from tierlm.offload.placement import DEVICE, DISK, HOST
 from tierlm.offload.planner import VariantCharge, plan
@@ -34,7 +34,7 @@ TOKENS = 12
 def llama7b(tmp_path_factory):
     directory = tmp_path_factory.mktemp("llama-2-7b")
     (directory / "config.json").write_text(json.dumps(MODELS["llama-2-7b"]))
-    return ModelConfig.from_dir(directory)
+    return read_config(directory)
 
 
 def plan_7b(config, profile, variants=(), accelerator=False):

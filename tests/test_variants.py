@@ -304,8 +304,7 @@ def test_a_variant_store_over_streamed_experts_gives_the_resident_logits(tmp_pat
     from tierlm.cache.artifact import Artifact
     from tierlm.kv.cache import KVCache
     from tierlm.store.resident import load_resident_artifact
-    from tierlm.config import ModelConfig
-    from tierlm.models import family_class
+    from tierlm.models import family_class, read_config
     from tierlm.offload.placement import DEVICE, DISK, BlockPlacement, Placement
     from tierlm.store.tiered import TieredStore
 
@@ -313,7 +312,7 @@ def test_a_variant_store_over_streamed_experts_gives_the_resident_logits(tmp_pat
     folder = tmp_path / "moe"
     make_model(folder, "qwen3_moe", layers=2, heads=4, kv_heads=2, num_experts=8, num_experts_per_tok=2,
                moe_intermediate_size=32, with_tokenizer=False)  # fmt: skip
-    config = ModelConfig.from_dir(folder)
+    config = read_config(folder)
     artifact = Artifact.open(ensure_artifact(ConversionRequest(folder, (), "int8")))
     # Expert 0 of each layer resident, the other seven read from disk through two stream slots.
     blocks = tuple(BlockPlacement(n, DISK if (expert_of(n) or (0, 0))[1] else DEVICE, r.nbytes)

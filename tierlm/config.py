@@ -1,6 +1,10 @@
 """ModelConfig: a checkpoint's settings, read from its config.json and nothing else; and
 GenerationDefaults: the sampling settings its generation_config.json recommends.
 
+`parse_model_config` is handed the family descriptions, which say what a family's keys mean; the
+registry that holds them sits above this module, so callers read a config through it
+(`tierlm.models.read_config`, `config_from_dict`).
+
 Every value is checked for type and range before anything is sized from it: a config.json is
 untrusted input, and one that claims 10^9 layers or 0 heads must be refused in one line, not
 met later as an exhausted memory or a ZeroDivisionError. The ceilings (`LIMITS`) are several
@@ -9,7 +13,6 @@ times the largest released checkpoints, so no real model is refused by them.
 
 from __future__ import annotations
 
-import importlib
 import json
 import math
 import reprlib
@@ -19,21 +22,6 @@ from types import MappingProxyType
 from typing import Any, Mapping
 
 from tierlm.errors import TierlmError
-
-# model_type -> module that implements the family; imported lazily by `family_class`.
-FAMILIES: Mapping[str, str] = MappingProxyType(
-    {
-        "llama": "tierlm.models.llama",
-        "mistral": "tierlm.models.llama",
-        "qwen2": "tierlm.models.qwen2",
-        "qwen3": "tierlm.models.qwen3",
-        "glm": "tierlm.models.glm",
-        "chatglm": "tierlm.models.chatglm",
-        "mixtral": "tierlm.models.mixtral",
-        "qwen2_moe": "tierlm.models.qwen2_moe",
-        "qwen3_moe": "tierlm.models.qwen3_moe",
-    }
-)
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
@@ -121,67 +109,64 @@ class ModelConfig:
     def kv_size(self) -> int:
         return self.num_key_value_heads * self.head_dim
 
-    @classmethod
-    def from_dict(cls, raw: Any, source: str = "config.json") -> "ModelConfig":
-        """Build from a parsed config.json; unknown keys are ignored, missing ones are errors.
 
-        Every value read is checked (type, range, heads against hidden size) first; a bad
-        one is a TierlmError naming `source`, the key, the value and what is expected.
-        """
-        if not isinstance(raw, Mapping):
-            raise TierlmError(f"{source} must hold a JSON object, not {_json_kind(raw)}",
-                              "is this a Hugging Face config.json?")
-        model_type = raw.get("model_type")
-        if not isinstance(model_type, str) or model_type not in FAMILIES:
-            raise TierlmError(
-                f"unsupported model_type {shown_value(model_type)} in {source}",
-                f"tierlm supports: {', '.join(sorted(FAMILIES))}",
-            )
-        family = family_class(model_type)
-        fields = _Fields(family.translate_config(_Fields(raw, source)), source)
-        hidden = fields.integer("hidden_size")
-        heads = fields.integer("num_attention_heads")
-        layers = fields.integer("num_hidden_layers")
-        vocab = fields.integer("vocab_size")
-        config = cls(
-            model_type=model_type,
-            vocab_size=vocab,
-            hidden_size=hidden,
-            intermediate_size=fields.integer("intermediate_size"),
-            num_hidden_layers=layers,
-            num_attention_heads=heads,
-            num_key_value_heads=fields.integer("num_key_value_heads", heads),
-            head_dim=_head_dim(fields, hidden, heads),
-            rms_norm_eps=fields.number("rms_norm_eps", 1e-6, low=0.0, high=1.0, open_low=True),
-            max_position_embeddings=fields.integer("max_position_embeddings", 2048),
-            tie_word_embeddings=fields.flag("tie_word_embeddings", False),
-            attention_bias=fields.flag("attention_bias", False),
-            mlp_bias=fields.flag("mlp_bias", False),
-            rope=_rope_config(fields, family),
-            bos_token_id=fields.integer("bos_token_id", None, low=0, limit="token_id"),
-            eos_token_ids=fields.token_ids("eos_token_id"),
-            torch_dtype=fields.text("torch_dtype", None) or fields.text("dtype", None) or "float32",
-            sliding_window=_sliding_window(fields, family, layers),
-            moe=family.moe_config(fields, layers),
+def parse_model_config(raw: Any, source: str, families: Mapping[str, Any]) -> ModelConfig:
+    """Build from a parsed config.json; unknown keys are ignored, missing ones are errors.
+
+    `families` maps each supported model_type to its family's description, which says what its
+    config.json means (the registry in tierlm/models/ hands it in: `tierlm.models.read_config`).
+    Every value read is checked (type, range, heads against hidden size) first; a bad one is a
+    TierlmError naming `source`, the key, the value and what is expected.
+    """
+    if not isinstance(raw, Mapping):
+        raise TierlmError(f"{source} must hold a JSON object, not {_json_kind(raw)}",
+                          "is this a Hugging Face config.json?")
+    model_type = raw.get("model_type")
+    if not isinstance(model_type, str) or model_type not in families:
+        raise TierlmError(
+            f"unsupported model_type {shown_value(model_type)} in {source}",
+            f"tierlm supports: {', '.join(sorted(families))}",
         )
-        _check_shapes(config, family, source)
-        return config
+    family = families[model_type]
+    fields = _Fields(family.translate_config(_Fields(raw, source)), source)
+    hidden = fields.integer("hidden_size")
+    heads = fields.integer("num_attention_heads")
+    layers = fields.integer("num_hidden_layers")
+    vocab = fields.integer("vocab_size")
+    config = ModelConfig(
+        model_type=model_type,
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=fields.integer("intermediate_size"),
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=fields.integer("num_key_value_heads", heads),
+        head_dim=_head_dim(fields, hidden, heads),
+        rms_norm_eps=fields.number("rms_norm_eps", 1e-6, low=0.0, high=1.0, open_low=True),
+        max_position_embeddings=fields.integer("max_position_embeddings", 2048),
+        tie_word_embeddings=fields.flag("tie_word_embeddings", False),
+        attention_bias=fields.flag("attention_bias", False),
+        mlp_bias=fields.flag("mlp_bias", False),
+        rope=_rope_config(fields, family),
+        bos_token_id=fields.integer("bos_token_id", None, low=0, limit="token_id"),
+        eos_token_ids=fields.token_ids("eos_token_id"),
+        torch_dtype=fields.text("torch_dtype", None) or fields.text("dtype", None) or "float32",
+        sliding_window=_sliding_window(fields, family, layers),
+        moe=family.moe_config(fields, layers),
+    )
+    _check_shapes(config, family, source)
+    return config
 
-    @classmethod
-    def from_dir(cls, model_dir: Path) -> "ModelConfig":
-        path = Path(model_dir) / "config.json"
-        if not path.is_file():
-            raise TierlmError(
-                f"no config.json in {model_dir}",
-                "pass --model a Hugging Face model directory, or import a GGUF with `tierlm import-gguf`",
-            )
-        return cls.from_dict(read_config_json(path), str(path))
 
-
-def family_class(model_type: str):
-    """The class implementing `model_type` (FAMILIES), which also knows what its config.json
-    means; its module, and torch with it, is imported on first use, not with this one."""
-    return importlib.import_module(FAMILIES[model_type]).Model
+def config_json_path(model_dir: Path) -> Path:
+    """`model_dir`/config.json, which must exist (else a TierlmError that says what to pass)."""
+    path = Path(model_dir) / "config.json"
+    if not path.is_file():
+        raise TierlmError(
+            f"no config.json in {model_dir}",
+            "pass --model a Hugging Face model directory, or import a GGUF with `tierlm import-gguf`",
+        )
+    return path
 
 
 def read_config_json(path: Path) -> Any:

@@ -60,9 +60,8 @@ from tierlm.cache.manifest import (  # noqa: F401
     split_alias,
     unusable,
 )
-from tierlm.config import ModelConfig
 from tierlm.errors import TierlmError
-from tierlm.models import family_class
+from tierlm.models import family_description, read_config
 
 
 class ArtifactWriter:
@@ -354,8 +353,8 @@ class Artifact:
 
     def _check_layout(self) -> None:
         """The blocks and tensors config.json's family expects, in its shapes, and nothing else."""
-        config = ModelConfig.from_dir(self.directory)
-        family = family_class(config)
+        config = read_config(self.directory)
+        family = family_description(config)
         layout, shapes = family.checkpoint_layout(config), family.canonical_shapes(config)
         if set(layout) != set(self.blocks):
             missing, extra = sorted(set(layout) - set(self.blocks)), sorted(set(self.blocks) - set(layout))

@@ -33,7 +33,7 @@ from tierlm.config import ModelConfig
 from tierlm.errors import TierlmError
 from tierlm.lora.adapter import LoraAdapter
 from tierlm.lora.merge import LoraMerger
-from tierlm.models import family_class
+from tierlm.models import family_description, read_config
 from tierlm.progress import Progress
 from tierlm.quant.mixed import ALLOCATOR_VERSION, OPTIONS
 from tierlm.weights.checkpoint import Checkpoint, check_finite
@@ -76,7 +76,7 @@ def artifact_key(request: ConversionRequest, merger=None, calibrated: bool = Fal
 def ensure_artifact(request: ConversionRequest, progress: Progress | None = None, calibrate: Calibrate | None = None) -> Path:
     """The artifact directory for `request`, converting first if no finished one exists;
     `calibrate`: mixed:SIZE's calibration forward (tierlm/store/calibration.py), else weights alone."""
-    ModelConfig.from_dir(request.model_dir)  # a bad config.json fails now, not after hashing the weights
+    read_config(request.model_dir)  # a bad config.json fails now, not after hashing the weights
     merger = _merger(request.adapters)
     key = artifact_key(request, merger, calibrated=calibrate is not None)
     mode = codec.parse_mode(request.quant)
@@ -94,7 +94,7 @@ def convert(request: ConversionRequest, out_dir: Path, key: str, merger=None, pr
             calibrate: Calibrate | None = None) -> None:
     """Write the artifact for `request` into `out_dir` (which the caller renames into place)."""
     model_dir = Path(request.model_dir)
-    config = ModelConfig.from_dir(model_dir)
+    config = read_config(model_dir)
     mode = codec.parse_mode(request.quant)
     layout, tensor_for = _sources(model_dir, config, merger)
     header = _header(key, config, model_dir, mode, request.adapters)
@@ -116,7 +116,7 @@ def convert(request: ConversionRequest, out_dir: Path, key: str, merger=None, pr
 def _sources(model_dir: Path, config: ModelConfig, merger):
     """(the family's block layout, tensor_for(block, name, sources) -> merged fp32 tensor); the
     adapters are validated against the checkpoint first."""
-    family = family_class(config)
+    family = family_description(config)
     layout, shapes = family.checkpoint_layout(config), family.canonical_shapes(config)
     checkpoint = Checkpoint(model_dir)
     if merger is not None:
@@ -180,7 +180,7 @@ def ensure_variant_artifact(
     """
     if base.adapters:
         raise ValueError("a variant's base request carries no adapters; pass them as `adapters`")
-    config = ModelConfig.from_dir(base.model_dir)
+    config = read_config(base.model_dir)
     merger = _merger(adapters)
     if merger is None:
         raise TierlmError("a variant needs at least one LoRA adapter")

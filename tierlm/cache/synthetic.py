@@ -50,8 +50,7 @@ from tierlm.cache.artifact import BLOCK_ALIGN, MANIFEST_NAME, ArtifactWriter
 from tierlm.cache.convert import aligned_bytes, write_layout
 from tierlm.cache.encodings import keeps_float
 from tierlm.cache.mixed_estimate import estimated_modes
-from tierlm.config import ModelConfig
-from tierlm.models import family_class
+from tierlm.models import config_from_dict, family_description
 from tierlm.progress import Progress
 from tierlm.quant.mixed import ALLOCATOR_VERSION
 
@@ -79,7 +78,7 @@ def write_synthetic_artifact(
     """
     target = Path(target)
     target.parent.mkdir(parents=True, exist_ok=True)
-    config = ModelConfig.from_dict(raw_config)
+    config = config_from_dict(raw_config)
     moe = getattr(config, "moe", None)
     if router_skew is not None and moe is None:
         raise ValueError(f"router_skew needs a mixture-of-experts config, not {config.model_type}")
@@ -92,7 +91,7 @@ def write_synthetic_artifact(
     with directory_lock(target):
         if (target / MANIFEST_NAME).is_file() and json.loads((target / MANIFEST_NAME).read_text()).get("key") == key:
             return target
-        family = family_class(config)
+        family = family_description(config)
         layout, shapes = family.checkpoint_layout(config), family.canonical_shapes(config)
         mode = codec.parse_mode(quant)
         with atomic_directory(target) as tmp:

@@ -16,8 +16,8 @@ from typing import Callable, Iterator
 
 from tierlm.cache.artifact import FORMAT_VERSION, MANIFEST_NAME, Artifact
 from tierlm.cache.entries import CacheEntry, cache_entries
-from tierlm.config import ModelConfig
 from tierlm.errors import TierlmError
+from tierlm.models import read_config
 from tierlm.weights.safetensors_index import checkpoint_entries
 
 
@@ -93,5 +93,5 @@ def _verify_artifact(entry: CacheEntry) -> None:
 
 
 def _verify_model(entry: CacheEntry) -> None:
-    ModelConfig.from_dir(entry.path)
+    read_config(entry.path)
     checkpoint_entries(entry.path)

@@ -197,11 +197,11 @@ def import_gguf_command(path: Path, progress) -> tuple[Path, str, bool]:
 def render_show(spec: str, profile_name: str, device: str | None) -> str:
     """`tierlm show NAME`: config summary, chat template, artifacts, and the plan under a profile."""
     from tierlm.cache import catalog
-    from tierlm.config import ModelConfig
+    from tierlm.models import read_config
     from tierlm.profile import format_size
 
     model_dir = catalog.resolve_model(spec)
-    config = ModelConfig.from_dir(model_dir)
+    config = read_config(model_dir)
     entries = catalog.catalog()
     here = model_dir.resolve()
     this = next((e for e in entries if e.path.resolve() == here), None)

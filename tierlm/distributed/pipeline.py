@@ -17,13 +17,13 @@ from pathlib import Path
 
 import torch
 
-from tierlm.config import ModelConfig
 from tierlm.device.resolve import resolve_device
 from tierlm.distributed.launch import start_group
 from tierlm.distributed.stage_load import StageLoad, load_stage
 from tierlm.distributed.wire import CONTIGUOUS, LOAD, RELEASE, SLOT_BATCH, SLOT_VIEW, StepHeader, control
 from tierlm.errors import TierlmError
 from tierlm.kv.cache import SlotBatch, SlotView
+from tierlm.models import read_config
 from tierlm.runtime.loader import context_for
 from tierlm.stages import StageSpan, even_split
 
@@ -213,7 +213,7 @@ def open_pipeline(model_dir: Path, profiles: list, *, progress=None, stage_timeo
     it; returns rank 0's LoadedModel (its model a PipelineModel that owns the group).
     `stage_timeout`: seconds a stage may go without a heartbeat (distributed/health.py)."""
     device = resolve_device(common.get("device"))
-    config = ModelConfig.from_dir(Path(model_dir))
+    config = read_config(Path(model_dir))
     loads = stage_loads(model_dir, config, profiles, **common)
     group = start_group(len(profiles), device, stage_timeout=stage_timeout)
     try:

@@ -58,7 +58,7 @@ from tierlm.cache.manifest import (
 from tierlm.cache.mixed_estimate import estimated_modes
 from tierlm.config import ModelConfig
 from tierlm.errors import TierlmError
-from tierlm.models import family_class  # the family is looked up, never named here
+from tierlm.models import family_description  # torch-free; the family is looked up, never named here
 from tierlm.offload.routing_counts import COUNTS_NAME, RoutingCounts
 from tierlm.quant.modes import (
     AUTO,
@@ -225,13 +225,13 @@ def sizes_from_config(
     same size).
 
     The blocks and their tensors, in stored order and canonical shapes, are the family's own
-    (`block_shapes` of the class `tierlm.models.family_class` gives, the layout conversion
-    writes); a tied head stores none of its own and is an alias of the embedding.
+    (`block_shapes` of its torch-free description, `tierlm.models.family_description`, the layout
+    conversion writes); a tied head stores none of its own and is an alias of the embedding.
     tests/test_planner.py and tests/test_families.py check it against converted artifacts.
     """
     mode = resolve_quant(quant, accelerator)
     vocab, hidden = config.vocab_size, config.hidden_size
-    blocks = family_class(config).block_shapes(config)
+    blocks = family_description(config).block_shapes(config)
     if config.tie_word_embeddings:
         blocks[HEAD] = {}
     modes = predicted_modes(config, blocks, mode, model_dir)
@@ -264,7 +264,7 @@ def _source_modes(config: ModelConfig, model_dir: Path | None, keys: list[str]) 
     """mixed:source's prediction from an import's recorded tensor types (every weight on the
     int8 grid where none were recorded)."""
     by_name = source_types_by_name(model_dir) if model_dir is not None else {}
-    layout = family_class(config).checkpoint_layout(config)
+    layout = family_description(config).checkpoint_layout(config)
     out = {}
     for key in keys:
         block, tensor = key.split("/", 1)

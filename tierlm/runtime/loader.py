@@ -21,7 +21,7 @@ from tierlm.device.resolve import compute_dtype, resolve_device
 from tierlm.device.memory import MemoryLimits, process_limits
 from tierlm.errors import TierlmError
 from tierlm.kv.cache import KVCache, SlotKVCache
-from tierlm.models import family_class
+from tierlm.models import family_class, read_config
 from tierlm.models.llama import LlamaModel
 from tierlm.offload.placement import Placement
 from tierlm.offload.planner.search import check_fits, plan
@@ -209,7 +209,7 @@ def resolve_source(model_dir: Path, quant: str, adapters=(), *, accelerator: boo
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
         raise TierlmError(f"model directory {model_dir} does not exist")
-    config = ModelConfig.from_dir(model_dir)
+    config = read_config(model_dir)
     family = family_class(config)
     resolved = resolve_auto(quant, model_dir, accelerator)  # before anything is keyed on the mode
     compiled = is_artifact(model_dir)

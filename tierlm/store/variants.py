@@ -32,11 +32,10 @@ from tierlm.blocks import EMBED, expert_block, is_expert
 from tierlm.cache import codec
 from tierlm.cache.artifact import Artifact
 from tierlm.cache.convert import ConversionRequest, ensure_variant_artifact
-from tierlm.config import ModelConfig
 from tierlm.errors import TierlmError
 from tierlm.lora.adapter import LoraAdapter
 from tierlm.lora.merge import LoraMerger
-from tierlm.models import family_class
+from tierlm.models import family_description, read_config
 from tierlm.models.base import embed, linear
 from tierlm.store.calibration import activation_stats
 from tierlm.weights.checkpoint import Checkpoint
@@ -514,8 +513,8 @@ def overlay_for(
         base.close()
     model_dir = Path(manifest["source"])
     base_adapters = tuple((Path(p), float(w)) for p, w in manifest.get("adapters") or ())
-    config = ModelConfig.from_dir(model_dir)
-    layout = family_class(config).checkpoint_layout(config)
+    config = read_config(model_dir)
+    layout = family_description(config).checkpoint_layout(config)
     merger = LoraMerger([(LoraAdapter.load(Path(p)), w) for p, w in adapters])
     checkpoint = Checkpoint(model_dir)
     merger.validate(checkpoint, tied=config.tie_word_embeddings)

@@ -36,8 +36,9 @@ from gguf.quants import dequantize
 from safetensors.numpy import save_file
 
 from tierlm.atomic import atomic_directory, directory_lock, fsync_file, make_dirs, write_json
-from tierlm.config import LIMITS, MAX_ROPE_THETA, ModelConfig, shown_value
+from tierlm.config import LIMITS, MAX_ROPE_THETA, shown_value
 from tierlm.errors import TierlmError
+from tierlm.models import config_from_dict
 from tierlm.progress import Progress
 from tierlm.weights.gguf_reader import GgufMetadata, open_gguf
 # SUPPORTED_TOKENIZERS is re-exported: it is part of this module's public API.
@@ -275,7 +276,7 @@ def _build_config(meta: GgufMetadata, family: _Family, tensors: dict) -> dict[st
         if token_id is not None:
             config[f"{name}_token_id"] = token_id
     # Every check config.json gets (ranges, heads against kv heads, RoPE), before any weight is written.
-    ModelConfig.from_dict(config, f"{meta.path} (as config.json)")
+    config_from_dict(config, f"{meta.path} (as config.json)")
     return config
 
 
