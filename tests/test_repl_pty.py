@@ -39,11 +39,14 @@ ESCAPES = re.compile(r"\x1b(\[[0-9;?]*[A-Za-z]|[=>])|\r")
 class Terminal:
     """A `tierlm chat` child on a pseudo-terminal: type into it, wait for what it prints."""
 
-    def __init__(self, *args: str):
+    def __init__(self, *args: str, sigint: signal.Handlers = signal.SIG_DFL):
+        """`sigint`: the SIGINT disposition the child inherits (SIG_IGN, as from nohup or a
+        background shell); the default one whatever this test process was started with."""
         self.master, slave = os.openpty()
         self.proc = subprocess.Popen(
             [sys.executable, "-c", ACQUIRE_TTY, "-m", "tierlm", "chat", "--profile", "4gb", "-t", "0", *args],
             stdin=slave, stdout=slave, stderr=slave, start_new_session=True, env=os.environ.copy(),
+            preexec_fn=lambda: signal.signal(signal.SIGINT, sigint),
         )
         os.close(slave)
         self.raw = b""
@@ -100,8 +103,8 @@ class Terminal:
 def terminal():
     started: list[Terminal] = []
 
-    def start(*args: str) -> Terminal:
-        started.append(Terminal(*args))
+    def start(*args: str, **options) -> Terminal:
+        started.append(Terminal(*args, **options))
         return started[-1]
 
     yield start
@@ -338,6 +341,21 @@ def test_ctrl_c_at_an_empty_prompt_quits_and_input_history_persists(terminal, ti
     term.type("\x03")  # at an empty prompt: quit
     assert term.exit_status() == 0
     assert history.read_text().splitlines() == ["an earlier message", "/help"]
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
+def test_ctrl_c_works_when_the_chat_inherits_sigint_ignored(terminal):
+    """Started from nohup or a background shell (SIGINT ignored), Ctrl-C still stops the chat."""
+    term = terminal("-n", "4", sigint=signal.SIG_IGN)
+    term.expect(">>> ", STARTUP_S)
+    term.type("some words")
+    term.expect("some words")  # read by the line editor (a Ctrl-C flushes unread typing)
+    term.type("\x03")  # clears the line
+    term.expect(r">>> ")
+    assert term.proc.poll() is None
+    term.type("\x03")  # at an empty prompt: quit
+    assert term.exit_status() == 0
 
 
 @pytest.mark.e2e

@@ -27,6 +27,7 @@ HISTORY_LENGTH = 1000  # lines of input kept in the history file across sessions
 
 def run_chat(session, params, system: str | None) -> None:
     """Read user lines (from a terminal or piped stdin) and stream each reply to stdout."""
+    _own_ctrl_c()
     interactive = sys.stdin.isatty()
     history_file = _start_line_editing() if interactive else None
     try:
@@ -34,6 +35,13 @@ def run_chat(session, params, system: str | None) -> None:
     finally:
         if history_file is not None:
             _save_line_history(history_file)
+
+
+def _own_ctrl_c() -> None:
+    """Ctrl-C raises KeyboardInterrupt whatever this process inherited: started with SIGINT ignored
+    (nohup, a background shell, some launchers), Python installs no handler and Ctrl-C would do nothing."""
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def _loop(session, params, system: str | None, interactive: bool) -> None:
