@@ -228,6 +228,7 @@ def test_bad_adapter_requests(session, body, status, param):
         assert (response.status_code, response.json()["error"]["param"]) == (status, param), response.text
 
 
+@pytest.mark.slow
 def test_add_serve_and_remove_an_adapter_while_serving(session, adapters, expected):
     with running(session) as client:
         response = client.post("/v1/adapters", json={"name": "late", "path": str(adapters["late"])})
@@ -258,7 +259,7 @@ def test_add_serve_and_remove_an_adapter_while_serving(session, adapters, expect
 
 
 def plan_with(session, variants, profile=None):
-    from tierlm.offload.planner import plan
+    from tierlm.offload.planner.search import plan
     from tierlm.probe.machine import load_bandwidths
 
     loaded = session.loaded
@@ -282,7 +283,7 @@ def test_the_plan_charges_the_base_once_and_each_variant_its_own_bytes(session):
 def test_a_variant_that_does_not_fit_is_refused_by_the_plan(session):
     from dataclasses import replace
 
-    from tierlm.offload.planner import VariantCharge
+    from tierlm.offload.planner.context import VariantCharge
 
     tight = replace(session.profile, device_memory=sum(session.loaded.placement.charges["device"].values()))
     plan_with(session, (), tight)  # the base alone fits

@@ -22,7 +22,8 @@ from tests.tiny import make_model
 from tierlm.models import read_config
 from tierlm.errors import TierlmError
 from tierlm.offload.placement import DEVICE, DISK, HOST
-from tierlm.offload.planner import VariantCharge, plan
+from tierlm.offload.planner.search import plan
+from tierlm.offload.planner.context import VariantCharge
 from tierlm.offload.sizes import sizes_from_config
 from tierlm.profile import load_profile
 
@@ -165,6 +166,7 @@ def generate_lora_text(model, profile_path, adapter, content: str) -> str:
         return engine.tokenizer.decode(token_ids, skip_special_tokens=True)
 
 
+@pytest.mark.slow
 def test_a_variant_beyond_the_budget_is_read_from_disk_and_gives_its_lora_text(served):
     from tests.test_server_variants import chat, reply, running
 
@@ -191,6 +193,7 @@ def test_a_variant_beyond_the_budget_is_read_from_disk_and_gives_its_lora_text(s
         assert [(v.name, v.tier) for v in session.loaded.placement.variants] == [("v1", DEVICE)]
 
 
+@pytest.mark.slow
 def test_a_variant_that_cannot_even_stream_is_refused_and_not_served(served):
     model, profile, adapters = served
     session, sized = tight_session(model, profile, adapters)

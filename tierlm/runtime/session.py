@@ -24,7 +24,7 @@ from tierlm.lora.merge import LoraMerger
 from tierlm.lora.spec import parse_lora_spec
 from tierlm.offload.placement import DEVICE, HOST
 from tierlm.offload.planner.search import plan
-from tierlm.offload.planner.variants import VariantCharge
+from tierlm.offload.planner.context import VariantCharge
 from tierlm.offload.sizes import expected_routing
 from tierlm.probe.machine import load_bandwidths
 from tierlm.profile import Profile

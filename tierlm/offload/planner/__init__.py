@@ -18,7 +18,7 @@ One module per job, the cost model apart from the policy that uses it:
                  (`implied_bandwidths`)
     experts.py   a mixture-of-experts model's routed experts: resident, host RAM or disk, and
                  where cold ones compute (`host_computes_expert`)
-    variants.py  LoRA variants beside the base (`VariantCharge`)
+    variants.py  LoRA variants beside the base (their `VariantCharge` is an input, in context.py)
     limits.py    the profile's budgets capped at the process's real limits (`cap_profile`)
     refusal.py   the "does not fit" messages: the shortfall, and what would fit
     context.py   one planning problem (`_Context`) and the routed experts' order and split,
@@ -32,7 +32,7 @@ from tierlm.offload.planner.cost import decode_terms, implied_bandwidths, step_s
 from tierlm.offload.planner.experts import host_computes_expert
 from tierlm.offload.planner.limits import cap_profile
 from tierlm.offload.planner.search import check_fits, plan, resident_mixed_size
-from tierlm.offload.planner.variants import VariantCharge
+from tierlm.offload.planner.context import VariantCharge
 from tierlm.offload.sizes import mixed_size_text
 
 __all__ = [

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import TYPE_CHECKING, Mapping
+from typing import Mapping
 
 from tierlm.blocks import expert_of, is_expert
 from tierlm.config import ModelConfig
@@ -19,8 +19,28 @@ from tierlm.offload.placement import DEVICE, DISK, HOST
 from tierlm.offload.sizes import BlockSizes
 from tierlm.profile import Profile
 
-if TYPE_CHECKING:  # variants.py places them (and imports this module)
-    from tierlm.offload.planner.variants import VariantCharge
+
+
+@dataclass(frozen=True)
+class VariantCharge:
+    """A LoRA variant served beside the base: its mode (merged or unmerged), the bytes it adds when
+    held, `largest`: the bytes of its largest block, read per use into one slot when it is not held
+    (0: `nbytes`), and `uses`: requests that named it (hotter variants are placed first)."""
+
+    name: str
+    mode: str
+    nbytes: int
+    largest: int = 0
+    uses: int = 0
+
+    @property
+    def slot_bytes(self) -> int:
+        return self.largest or self.nbytes
+
+    @property
+    def streams(self) -> bool:
+        """Whether it can be read from disk per use: a merged variant has its artifact there."""
+        return self.mode == "merged"
 
 
 @dataclass(frozen=True)

@@ -10,20 +10,18 @@ nowhere beside the base.
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import TYPE_CHECKING, Sequence
+from typing import Sequence
 
 from tierlm.device.memory import MemoryLimits
 from tierlm.errors import TierlmError
 from tierlm.offload.placement import DEVICE, DISK, HOST
 from tierlm.offload.planner.charges import _all_streamed, _budgets, _charges, _owns
-from tierlm.offload.planner.context import _Context, _Split, _Unit
+from tierlm.offload.planner.context import VariantCharge, _Context, _Split, _Unit
 from tierlm.offload.planner.limits import GiB, RAM, Cap, _size, cap_profile
 from tierlm.offload.planner.tiers import _choose_compute, _fitting_tiers, _least_resident
 from tierlm.offload.sizes import largest_mixed_size, mixed_size_text, sizes_from_config
 from tierlm.profile import Profile
 
-if TYPE_CHECKING:  # variants.py places them (and imports this module)
-    from tierlm.offload.planner.variants import VariantCharge
 
 
 def _shortfall(ctx: _Context, units: list[_Unit]) -> str:

@@ -36,7 +36,8 @@ from tierlm.offload.planner.experts import _expert_layers, _expert_note, _host_c
 from tierlm.offload.planner.limits import _cap_notes, cap_profile
 from tierlm.offload.planner.refusal import _limit_refusal, _refusal, _shortfall
 from tierlm.offload.planner.tiers import _choose_compute, _fitting_tiers, _units
-from tierlm.offload.planner.variants import VariantCharge, _place_variants
+from tierlm.offload.planner.context import VariantCharge
+from tierlm.offload.planner.variants import _place_variants
 from tierlm.offload.sizes import PREFILL_CHUNK, BlockSizes, context_tokens, largest_mixed_size, sizes_from_config
 from tierlm.profile import Profile
 from tierlm.quant.mixed import mode_counts

@@ -8,35 +8,12 @@ and "variant_stream".
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Mapping
 
 from tierlm.offload.placement import DEVICE, DISK, HOST, VariantPlacement
 from tierlm.offload.planner.charges import _fits
-from tierlm.offload.planner.context import _Context
+from tierlm.offload.planner.context import VariantCharge, _Context
 from tierlm.offload.planner.refusal import _variant_refusal
-
-
-@dataclass(frozen=True)
-class VariantCharge:
-    """A LoRA variant served beside the base: its mode (merged or unmerged), the bytes it adds when
-    held, `largest`: the bytes of its largest block, read per use into one slot when it is not held
-    (0: `nbytes`), and `uses`: requests that named it (hotter variants are placed first)."""
-
-    name: str
-    mode: str
-    nbytes: int
-    largest: int = 0
-    uses: int = 0
-
-    @property
-    def slot_bytes(self) -> int:
-        return self.largest or self.nbytes
-
-    @property
-    def streams(self) -> bool:
-        """Whether it can be read from disk per use: a merged variant has its artifact there."""
-        return self.mode == "merged"
 
 
 def _place_variants(ctx: _Context, charges) -> tuple[tuple[VariantPlacement, ...], dict]:
