@@ -3,6 +3,9 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTHON ?= python3
+# Tests cache compiled bytecode even where PYTHONDONTWRITEBYTECODE is set: pytest then reuses its
+# rewritten test modules and every CLI child its tierlm modules (collection ~9 s -> ~5 s here).
+PYTEST := PYTHONDONTWRITEBYTECODE= $(PY) -m pytest
 
 .PHONY: setup chat test test-fast bench clean
 
@@ -23,11 +26,11 @@ chat: setup
 	$(VENV)/bin/run chat --profile 24gb
 
 test: setup
-	$(PY) -m pytest -q
+	$(PYTEST) -q
 
 # Every test but those that load the embedded model (slow) or need a real separate process (e2e).
 test-fast: setup
-	$(PY) -m pytest -q -m "not slow and not e2e"
+	$(PYTEST) -q -m "not slow and not e2e"
 
 bench: setup
 	$(PY) benchmarks/bench_core.py

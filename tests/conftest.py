@@ -18,10 +18,18 @@ KERNELS = Path(os.environ.setdefault("TIERLM_KERNELS", str(Path(__file__).resolv
 
 @pytest.fixture(scope="session", autouse=True)
 def tierlm_cache(tmp_path_factory):
-    """Every test (and subprocess it starts) shares one cache, so the embedded model imports once."""
+    """Every test (and subprocess it starts) shares one cache, so the embedded model imports once.
+
+    The machine's bandwidth probe in it is pinned to tests.test_planner.CPU for every thread count
+    from the start, as several tests pin it anyway: a run plans with the same figures whatever
+    ran before it and however busy the machine is, and no test pays for a probe child. Tests of
+    the probe itself use caches of their own (or pin their own figures)."""
     path = tmp_path_factory.mktemp("tierlm-cache")
     previous = os.environ.get("TIERLM_CACHE")
     os.environ["TIERLM_CACHE"] = str(path)
+    from tests.test_models_by_name import pin_bandwidths
+
+    pin_bandwidths()
     yield path
     if previous is None:
         os.environ.pop("TIERLM_CACHE", None)

@@ -126,8 +126,8 @@ def test_lora_int8_artifact_matches_quantized_peft_merge(base_dir, tmp_path):
     prompt = [7, 99, 140, 3, 61, 200, 18, 5]
     assert greedy(ours, prompt) == greedy(reference, prompt)
 
-@pytest.mark.e2e
 
+@pytest.mark.e2e
 def test_killed_conversion_leaves_no_usable_entry(base_dir, tmp_path):
     cache = tmp_path / "cache"
     script = textwrap.dedent(
@@ -155,8 +155,8 @@ def test_killed_conversion_leaves_no_usable_entry(base_dir, tmp_path):
     assert Artifact.open(directory).manifest["quant"] == "int8"
     assert sorted(p.name for p in root.iterdir() if not p.name.endswith(".lock")) == [directory.name]
 
-@pytest.mark.e2e
 
+@pytest.mark.e2e
 def test_conversion_memory_is_bounded_by_the_largest_tensor(tmp_path):
     """Peak RSS while converting stays within baseline + a few times the largest fused tensor."""
     model_dir = tmp_path / "wide"

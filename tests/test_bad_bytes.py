@@ -211,6 +211,7 @@ def flip_byte(artifact_dir: Path, block: str, at: int = 100) -> None:
         handle.write(bytes([value ^ 0x10]))
 
 
+@pytest.mark.slow
 def test_corrupt_block_fails_generate_and_cache_verify_then_rm_fixes_it(good_model, tmp_path, monkeypatch):
     monkeypatch.setenv("TIERLM_CACHE", str(tmp_path / "cache"))
     victim = copy_dir(good_model, tmp_path / "victim")

@@ -169,6 +169,7 @@ def qwen_pair(tmp_path_factory):
     return Tokenizer.from_dir(root), _hf_tokenizer(root)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("add_generation_prompt", [True, False])
 @pytest.mark.parametrize("name", sorted(CONVERSATIONS))
 def test_smollm2_template_matches_transformers(smollm2_pair, name, add_generation_prompt):
@@ -178,6 +179,7 @@ def test_smollm2_template_matches_transformers(smollm2_pair, name, add_generatio
     assert ours.render_chat(messages, add_generation_prompt=add_generation_prompt) == expected
 
 
+@pytest.mark.slow
 def test_smollm2_default_system_prompt(smollm2_pair):
     ours, _ = smollm2_pair
     text = ours.render_chat([USER1])
@@ -213,6 +215,7 @@ def test_qwen25_tools_and_tool_calls_match_transformers(qwen_pair):
     assert "<Zürich> &" in got  # tojson neither HTML-escapes nor ASCII-escapes
 
 
+@pytest.mark.slow
 def test_encode_chat_matches_transformers_ids(qwen_pair, smollm2_pair):
     for ours, hf in (qwen_pair, smollm2_pair):
         messages = CONVERSATIONS["system_multi_turn"]

@@ -263,13 +263,16 @@ def test_embedded_model_default_greedy_equals_its_fp32_weights():
         default.reset(), fp32.reset()
 
 
-def test_session_and_plan_name_the_resolved_mode(tmp_path):
+def test_session_and_plan_name_the_resolved_mode(tmp_path, monkeypatch):
     """`auto` is shown with what it resolved to: /stats (the session's profile summary), plan."""
     from tests.cli_runner import run_tierlm
+    from tests.test_models_by_name import pin_bandwidths
     from tests.tiny import make_model
     from tierlm.profile import profile_from_dict
     from tierlm.runtime.session import open_session
 
+    monkeypatch.setenv("TIERLM_CACHE", str(tmp_path / "cache"))
+    pin_bandwidths()  # in this test's cache: no machine probe for `--threads 1` (nor the default)
     make_model(tmp_path / "m")
     profile = profile_from_dict("p", dict(description="d", device_memory="2GiB", host_memory="2GiB",
                                           disk_offload=False, headroom="64MiB", quant="auto", kv_dtype="auto",

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from tests.test_copy_stream import FakeBackend
+from tests.tiers import quick
 from tierlm.blocks import expert_block, expert_of
 from tierlm.device.backend import DeviceBackend
 from tierlm.store.expert_cache import ExpertCache
@@ -132,7 +133,7 @@ def zipf_trace(steps: int, seed: int = 0, top_k: int = 2):
 
 
 @pytest.mark.parametrize("backend", sorted(BACKENDS))
-@pytest.mark.parametrize("policy", ["lfu", "lru", "stream"])
+@pytest.mark.parametrize("policy", quick(["lfu", "lru", "stream"], fast=["lfu"]))
 def test_every_lookup_gets_its_own_expert_bytes(policy, backend):
     cache, ledger, disk = make_cache(policy=policy, backend=BACKENDS[backend](), delay_s=0.001)
     try:

@@ -16,6 +16,7 @@ import subprocess
 import pytest
 import torch
 
+from tests.tiers import quick
 from tests.tiny import DECODE_CASES, decode_steps, scattered_slot_prompts
 from tierlm.kv.cache import SlotKVCache
 from tierlm.models import fused_decode
@@ -33,10 +34,13 @@ PAIRS = [(case, "int8") for case in DECODE_CASES] + [
     for quant in ("fp32", "int8-g32-asym")
     for case in ("llama-mqa-bias-head-dim-32", "qwen3-qk-norm", "glm-quarter-rotary", "mistral-window-3")
 ]
+# `make test-fast`: int8 on every family but the window case, fp32 and grouped asymmetric on one each.
+QUICK = [(case, "int8") for case in DECODE_CASES if case != "mistral-window-3"] + [
+    ("qwen3-qk-norm", "fp32"), ("glm-quarter-rotary", "int8-g32-asym")]
 
 
 
-@pytest.fixture(params=PAIRS, ids=[f"{c}-{q}" for c, q in PAIRS])
+@pytest.fixture(params=quick(PAIRS, fast=QUICK, ids="-".join, unpack=False))
 def loaded(request, decode_checkpoint):
     case, quant = request.param
     if fused_decode.native_library() is None:

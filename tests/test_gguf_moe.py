@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from tests.test_gguf_import import byte_level_vocab, gguf_writer, llama_cpp_permute, load_safetensors
+from tests.tiers import quick
 from tests.tiny import MOE_CASES, make_model
 from tierlm.errors import TierlmError
 from tierlm.weights import gguf_import
@@ -151,7 +152,8 @@ def logits(model, ids) -> torch.Tensor:
 # ----------------------------------------------------------------------------- 1. exact round trip
 
 
-@pytest.mark.parametrize("case", ["mixtral", "qwen2-moe-shared", "qwen3-moe-dense-and-sparse"])
+@pytest.mark.parametrize("case", quick(["mixtral", "qwen2-moe-shared", "qwen3-moe-dense-and-sparse"],
+                                      fast=["qwen3-moe-dense-and-sparse"]))
 def test_moe_gguf_imports_to_the_source_model(tmp_path, case):
     """fp32 GGUF: per-expert tensors equal the source bit for bit (Mixtral's Q/K un-permuted),
     config.json loads in transformers as the source's class, and the logits equal the source's."""
@@ -271,6 +273,7 @@ def test_quantized_expert_tensors(tmp_path, case, quant):
 # ----------------------------------------------------------------------------- 3. bounded memory
 
 
+@pytest.mark.slow
 def test_experts_are_dequantized_one_at_a_time(tmp_path, monkeypatch):
     """Peak Python-heap memory of an import stays near one expert's fp32 slice, far below the
     merged tensor, when the shard size is small: slices are dequantized one by one and flushed."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.tiers import quick
 from tests.tiny import DECODE_CASES, decode_steps, scattered_slot_prompts, make_model
 from tierlm.kv.cache import SlotKVCache
 from tierlm.device.graphs import GraphUnavailable, RecordedGraph, graph_kind
@@ -25,6 +26,7 @@ STEPS = 12
 MIN_SPAN = 8  # small, so a dozen steps cross spans 16 and 32 (one graph each)
 
 PAIRS = [(case, "fp32") for case in DECODE_CASES] + [("llama-gqa", "int8"), ("mistral-window-3", "int8-g32-asym")]
+QUICK = [("llama-gqa", "fp32"), ("llama-gqa", "int8"), ("glm-quarter-rotary", "fp32"), ("chatglm", "fp32")]
 
 
 @pytest.fixture(autouse=True)
@@ -36,7 +38,7 @@ def eager_reference(monkeypatch):
 
 
 
-@pytest.fixture(params=PAIRS, ids=[f"{c}-{q}" for c, q in PAIRS])
+@pytest.fixture(params=quick(PAIRS, fast=QUICK, ids="-".join, unpack=False))
 def loaded(request, decode_checkpoint):
     case, quant = request.param
     model = load_model(decode_checkpoint(case), device="cpu", dtype=torch.float32, context_length=64, quant=quant)

@@ -35,6 +35,7 @@ def test_every_command_lists_the_same_quant_modes(helps):
             assert re.search(rf"(?<![\w-]){re.escape(mode)}(?![\w-])", flat), f"{command} --help lacks {mode}"
 
 
+@pytest.mark.slow
 def test_the_readme_and_the_error_list_the_same_modes():
     readme = README.read_text()
     error = run_tierlm("plan", "--quant", "int7").stderr

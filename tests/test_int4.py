@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.tiers import quick
 from tierlm.quant.int4 import (
     Int4Weight,
     dequantize4,
@@ -223,8 +224,9 @@ def _on_q4_grid(model_dir, kind: str = "Q4_1"):
     save_file(tensors, path, metadata={"format": "pt"})
 
 
-@pytest.mark.parametrize("family, kind, quant", [("llama", "Q4_1", "int4-g32-asym"), ("qwen2", "Q4_0", "int4-g32"),
-                                                 ("qwen3", "Q4_1", "mixed:source")])  # fmt: skip
+@pytest.mark.parametrize("family, kind, quant", quick([("llama", "Q4_1", "int4-g32-asym"), ("qwen2", "Q4_0", "int4-g32"),
+                                                       ("qwen3", "Q4_1", "mixed:source")],
+                                                      fast=[("llama", "Q4_1", "int4-g32-asym")]))  # fmt: skip
 def test_an_int4_artifact_of_a_q4_checkpoint_computes_what_transformers_computes(tmp_path, family, kind, quant):
     import transformers
 

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.tiers import quick
 from tests.tiny import make_model
 from tierlm.errors import TierlmError
 from tierlm.lora.adapter import LoraAdapter
@@ -73,6 +74,8 @@ CASES = {
         lora(target_modules=["q_proj"], modules_to_save=["lm_head"], ensure_weight_tying=True),
     ),
 }
+# `make test-fast`: plain, DoRA, patterns, biases, an embedding and a tied pair; `make test`: all.
+QUICK_CASES = ["plain", "dora", "patterns", "lora-bias", "embedding", "tied-embed-and-head"]
 
 
 @pytest.fixture(scope="module")
@@ -169,7 +172,7 @@ def assert_same(ours: dict[str, torch.Tensor], oracle: dict[str, torch.Tensor]) 
         assert diff <= TOL, f"{name}: max abs diff {diff}"
 
 
-@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("case", quick(sorted(CASES), fast=QUICK_CASES))
 def test_merge_matches_peft(case, base_dir, adapter_dir):
     base, adapter = base_dir(CASES[case][0]), adapter_dir(case)
     if case == "fan-in-fan-out":

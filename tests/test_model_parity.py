@@ -12,6 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.tiers import quick
 from tests.tiny import MOE_CASES, greedy, make_case, make_model, prompt
 from tierlm.kv.cache import SlotKVCache
 from tierlm.runtime.loader import load_model
@@ -52,12 +53,36 @@ CASES = {
 }  # fmt: skip
 
 
-@pytest.fixture(scope="module", params=sorted(CASES))
-def pair(request, tmp_path_factory):
-    """(transformers model, tierlm LoadedModel) over the same saved checkpoint."""
-    model_dir = tmp_path_factory.mktemp(request.param)
-    reference = make_case(model_dir, CASES[request.param])
-    return reference, load_model(model_dir, device="cpu", dtype=torch.float32, context_length=128)
+# `make test-fast` runs each check on these cases; `make test` (-m slow too) on every case.
+QUICK = {
+    # All but the slowest window case (mistral-window-6 keeps the sliding window here).
+    "logits": set(CASES) - {"mistral-window-3-mqa"},
+    # transformers' generate takes seconds per case (sliding windows most): two cheap families.
+    "greedy": {"llama-mha-tied", "qwen2-gqa-tied"},
+    "batched": {"llama-gqa-untied", "llama-mha-tied", "qwen2-gqa-tied", "qwen3-gqa-head-dim-32",
+                "glm-mqa-quarter-rotary", "chatglm-mqa-rope-ratio", "mixtral"},
+}
+
+
+def cases(check: str) -> list:
+    """Every case, those beyond QUICK[check] marked slow."""
+    return quick(sorted(CASES), fast=QUICK[check], ids=str)
+
+
+@pytest.fixture(scope="module")
+def pairs(tmp_path_factory):
+    """case -> (transformers model, tierlm LoadedModel) over the same saved checkpoint, built once
+    per module."""
+    made = {}
+
+    def get(case: str):
+        if case not in made:
+            model_dir = tmp_path_factory.mktemp(case)
+            reference = make_case(model_dir, CASES[case])
+            made[case] = reference, load_model(model_dir, device="cpu", dtype=torch.float32, context_length=128)
+        return made[case]
+
+    return get
 
 
 def assert_logits_match(reference, loaded) -> None:
@@ -69,13 +94,15 @@ def assert_logits_match(reference, loaded) -> None:
     torch.testing.assert_close(actual, expected, atol=1e-4, rtol=0)
 
 
-def test_logits_match_transformers(pair):
-    assert_logits_match(*pair)
+@pytest.mark.parametrize("case", cases("logits"))
+def test_logits_match_transformers(pairs, case):
+    assert_logits_match(*pairs(case))
 
 
-def test_cached_decode_matches_full_forward(pair):
+@pytest.mark.parametrize("case", cases("logits"))
+def test_cached_decode_matches_full_forward(pairs, case):
     """A prefill, a multi-token chunk starting past any window, then one token at a time."""
-    _, loaded = pair
+    _, loaded = pairs(case)
     ids = prompt(loaded.config.vocab_size, 24, seed=2)
     full = loaded.model.forward(ids, loaded.new_cache(), logits="all")
     cache = loaded.new_cache()
@@ -85,8 +112,9 @@ def test_cached_decode_matches_full_forward(pair):
     torch.testing.assert_close(torch.cat(steps, dim=1), full, atol=1e-5, rtol=0)
 
 
-def test_greedy_tokens_match_transformers_with_and_without_cache(pair):
-    reference, loaded = pair
+@pytest.mark.parametrize("case", cases("greedy"))
+def test_greedy_tokens_match_transformers_with_and_without_cache(pairs, case):
+    reference, loaded = pairs(case)
     ids = prompt(loaded.config.vocab_size, length=8, seed=3)
     with torch.no_grad():
         # An explicit all-ones mask: otherwise transformers masks prompt ids equal to its pad id.
@@ -98,9 +126,10 @@ def test_greedy_tokens_match_transformers_with_and_without_cache(pair):
     assert greedy(loaded, ids, 32, use_cache=False) == expected
 
 
-def test_batched_decode_matches_each_sequence_alone(pair):
+@pytest.mark.parametrize("case", cases("batched"))
+def test_batched_decode_matches_each_sequence_alone(pairs, case):
     """forward_batch over scattered KV slots of different lengths (past any window)."""
-    _, loaded = pair
+    _, loaded = pairs(case)
     vocab, steps = loaded.config.vocab_size, 6
     gen = torch.Generator().manual_seed(4)
     prompts = [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in (11, 3, 7)]

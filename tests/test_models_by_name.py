@@ -70,6 +70,11 @@ def cache(tmp_path, monkeypatch) -> Path:
 def pinned_bandwidths(cache):
     """Fixed bandwidths wherever a CLI child may look for its probe (the path is keyed on the
     thread count), so no test measures the machine."""
+    pin_bandwidths()
+
+
+def pin_bandwidths() -> None:
+    """Fixed bandwidths in the current cache for every thread count a run may use."""
     import torch
 
     from tests.test_planner import CPU

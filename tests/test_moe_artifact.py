@@ -19,6 +19,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from tests.tiers import quick
 from tests.tiny import MOE_CASES, make_case, prompt
 from tierlm.blocks import expert_of, layer_index
 from tierlm.cache import codec
@@ -217,7 +218,7 @@ def peft_gaps(case: str, names) -> set[str]:
 
 
 @pytest.mark.parametrize("style", ["parameters", "per-expert-modules"])
-@pytest.mark.parametrize("case", sorted(MOE_CASES))
+@pytest.mark.parametrize("case", quick(sorted(MOE_CASES), fast=["mixtral"]))
 def test_expert_lora_merges_like_peft(checkpoints, tmp_path, case, style):
     folder, _ = checkpoints(case)
     if style == "parameters":

@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.tiers import quick
 from tests.tiny import make_model
 from tierlm.blocks import expert_block, expert_of, is_expert
 from tierlm.cache.artifact import Artifact
@@ -81,7 +82,7 @@ def open_store(art, place, **options) -> TieredStore:
 
 
 @pytest.mark.parametrize("speculate", [True, False], ids=["speculate", "no-speculation"])
-@pytest.mark.parametrize("policy", ["lfu", "lru", "stream"])
+@pytest.mark.parametrize("policy", quick(["lfu", "lru", "stream"], fast=["lfu"]))
 def test_offloaded_experts_give_the_resident_tokens(moe, policy, speculate):
     config, art, expected, _ = moe
     store = open_store(art, placement(art), expert_policy=policy, speculate=speculate)
@@ -151,7 +152,7 @@ def test_cached_experts_compute_before_the_model_waits_for_a_read(moe):
         store.close()
 
 
-@pytest.mark.parametrize("policy", ["lfu", "lru", "stream"])
+@pytest.mark.parametrize("policy", quick(["lfu", "lru", "stream"], fast=["lru"]))
 def test_batch_decode_gives_the_resident_tokens(moe, policy):
     """Three rows choose up to six experts a layer, more than the three stream slots: reads come in
     waves as the model runs the experts, each once for all its rows."""
@@ -196,7 +197,7 @@ def test_host_computed_experts_give_the_resident_tokens(moe):
         store.close()
 
 
-@pytest.mark.parametrize("cold", [HOST, DISK])
+@pytest.mark.parametrize("cold", quick([HOST, DISK], fast=[DISK]))
 def test_accelerator_copies_ordered_by_events(moe, cold):
     """The recording backend defers copies until an event forces them: cold experts from the host
     tier or from disk (through pinned staging) reach the device slots before compute reads them."""
@@ -317,8 +318,8 @@ SYNTHETIC_MOE = {
     "decoder_sparse_step": 1, "mlp_only_layers": [],
 }  # fmt: skip
 
-@pytest.mark.e2e
 
+@pytest.mark.e2e
 def test_offloaded_experts_inside_a_cgroup_capped_at_the_budget(tmp_path):
     """About half the experts resident, the rest read from disk, in a child whose cgroup v1 memory
     (and swap) limit equals the profile's budget: the resident run's tokens, peak RSS within it."""

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from tests.cli_runner import run_tierlm
+from tests.tiers import quick
 from tierlm.blocks import expert_block, expert_of, is_expert
 from tierlm.config import ModelConfig
 from tierlm.models import config_from_dict, read_config
@@ -71,7 +72,7 @@ def expert_tiers(placement) -> dict[tuple[int, int], str]:
 # -- the three profiles --------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("accelerator", MODES)
+@pytest.mark.parametrize("accelerator", quick([False, True], fast=[False], ids=["cpu-only", "accelerator"]))
 def test_qwen3_30b_a3b_plans_under_24_16_and_8_gb_within_every_budget(config, accelerator):
     moe = config.moe
     sizes = sizes_from_config(config, "int8", accelerator=accelerator)
@@ -114,6 +115,7 @@ def test_qwen3_30b_a3b_plans_under_24_16_and_8_gb_within_every_budget(config, ac
     assert before[0] < 128 * 48  # 28.5 GiB of INT8 weights: even 24gb streams some experts
 
 
+@pytest.mark.slow
 def test_cpu_prediction_is_the_disk_reading_the_missed_experts(config):
     """On the CPU box with everything dense resident, a token reads top_k x (1 - hit) x expert
     bytes per layer from disk, which binds: tok/s = disk bandwidth / those bytes."""
@@ -129,6 +131,7 @@ def test_cpu_prediction_is_the_disk_reading_the_missed_experts(config):
 # -- routing counts --------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("accelerator", MODES)
 def test_skewed_counts_make_the_hottest_experts_resident_and_raise_hit_rate_and_speed(config, accelerator):
     counts = skewed_counts(config)
@@ -156,6 +159,7 @@ def test_skewed_counts_make_the_hottest_experts_resident_and_raise_hit_rate_and_
                 assert skewed.total(tier) <= budget
 
 
+@pytest.mark.slow
 def test_decode_terms_reproduce_the_planned_step_without_the_counts(config):
     """A measured run is compared with decode_terms of the placement; without the counts it uses
     each layer's planned hit rate, and gives the plan's own prediction."""
@@ -184,6 +188,7 @@ def test_counts_are_read_beside_the_artifact(tmp_path, config):
 # -- host compute beside an accelerator -------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_cold_host_experts_compute_on_the_cpu_when_a_host_matmul_beats_the_link(config):
     sizes = sizes_from_config(config, "int8", accelerator=True)
     block = expert_block(0, 0)
@@ -227,6 +232,7 @@ def test_emulated_host_tier_copies_host_experts_into_the_device_tier(config):
 # -- budgets, refusals, dense models ---------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_without_disk_offload_the_experts_must_fit_or_the_plan_is_refused(config):
     fits = replace(load_profile("24gb"), device_memory=40 * GiB, disk_offload=False)
     placement = make_plan(config, fits, False)

@@ -69,6 +69,7 @@ def test_offloaded_tokens_equal_resident(artifact, layout, slots):
         store.close()
 
 
+@pytest.mark.slow
 def test_read_delay_changes_nothing_but_is_reported_as_stall(artifact):
     config, art = artifact
     expected = greedy(config, load_resident_artifact(art.directory))

@@ -188,6 +188,7 @@ def test_stop_ends_the_reply_before_the_stop_string(client, session):
     assert reply.done_reason == "stop"
 
 
+@pytest.mark.slow
 def test_a_variant_is_chosen_by_model(client, server):
     body = {"messages": user("hello world, how are"), "temperature": 0, "max_tokens": 12}
     with httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {KEY}"}, timeout=60) as http:
@@ -250,6 +251,7 @@ def test_the_api_key_is_required(server, client):
     assert client.list().models  # the same server, with the key
 
 
+@pytest.mark.slow
 def test_requests_are_counted_in_metrics_and_logged(client, server, session, capsys):
     def requests(outcome: str) -> float:
         text = httpx.get(server.url + "/metrics", headers={"Authorization": f"Bearer {KEY}"}).text

@@ -74,6 +74,7 @@ def test_plan_shows_each_variant_as_serve_charges_it(model, profile, adapters):
                                                            "nbytes": overlays["dora"].nbytes, "tier": DEVICE}  # fmt: skip
 
 
+@pytest.mark.slow
 def test_plan_streams_the_variant_serve_streams(model, profile, adapters):
     _, overlays = served_placement(model, profile, adapters)
     dora, low = overlays["dora"], overlays["low"]

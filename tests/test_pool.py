@@ -14,6 +14,7 @@ import random
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -76,18 +77,36 @@ def _stats(lib: ctypes.CDLL) -> dict[str, float]:
     return dict(zip(STATS, out))
 
 
+def build_pool_test_library(compiler: str, folder: Path) -> Path:
+    """The test kernel and pool.cpp compiled into `folder` under a name keyed on the sources, the
+    flags and the compiler (as the kernels' library is), built once: write, then rename."""
+    import hashlib
+
+    flags = ["-O2", "-std=c++17", "-shared", "-fPIC", "-pthread", f"-I{CSRC}"]
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
+    sources = [KERNEL] + [(CSRC / name).read_text() for name in sorted(os.listdir(CSRC)) if name.endswith((".cpp", ".h"))]
+    key = hashlib.sha256("\0".join([*sources, " ".join(flags), compiler, version]).encode()).hexdigest()[:16]
+    library = folder / f"pooltest-{key}.so"
+    if not library.exists():
+        folder.mkdir(parents=True, exist_ok=True)
+        build = Path(tempfile.mkdtemp(dir=folder, prefix=".build-"))
+        try:
+            (build / "kernel.cpp").write_text(KERNEL)
+            subprocess.run([compiler, *flags, str(CSRC / "pool.cpp"), str(build / "kernel.cpp"), "-o",
+                            str(build / library.name)], check=True, capture_output=True, timeout=600)  # fmt: skip
+            os.replace(build / library.name, library)
+        finally:
+            shutil.rmtree(build, ignore_errors=True)
+    return library
+
+
 @pytest.fixture(scope="module")
-def pool(tmp_path_factory) -> ctypes.CDLL:
+def pool() -> ctypes.CDLL:
+    from tierlm.paths import kernels_root
+
     compiler = next(filter(None, (shutil.which(c) for c in (os.environ.get("CXX") or "c++", "g++"))), None)
     assert compiler, "the pool's tests need a C++ compiler (as the native kernels do)"
-    build = tmp_path_factory.mktemp("pool")
-    (build / "kernel.cpp").write_text(KERNEL)
-    library = build / "libpooltest.so"
-    subprocess.run(
-        [compiler, "-O2", "-std=c++17", "-shared", "-fPIC", "-pthread", f"-I{CSRC}",
-         str(CSRC / "pool.cpp"), str(build / "kernel.cpp"), "-o", str(library)],
-        check=True, capture_output=True, timeout=600,
-    )  # fmt: skip
+    library = build_pool_test_library(compiler, kernels_root())
     # Backoff 0.2-0.8 s (the pool reads these once, when first used): long enough that "the
     # next call" is inside the backoff even on a loaded machine.
     os.environ.update(TIERLM_POOL_BACKOFF_MIN_US="200000", TIERLM_POOL_BACKOFF_MAX_US="800000")
@@ -127,23 +146,27 @@ def test_a_capped_pool_runs_on_the_caller_alone(pool):
     pool.tierlm_pool_configure(0, 1)
 
 
-def _late(pool: ctypes.CDLL, helper_us: int) -> None:
-    out = np.zeros(200, np.int32)
-    pool.pool_test_late(200, 2, 100, helper_us, out.ctypes.data)  # the caller needs ~20 ms
+def _late(pool: ctypes.CDLL, helper_us: int, chunks: int = 200) -> None:
+    """A call whose helper holds each chunk `helper_us`; the caller needs ~chunks / 10 ms. Calls
+    meant to find the helper late give it 2000 chunks: the ~200 ms it has to wake and take one
+    holds on a loaded machine too, where 20 ms could pass before the helper ran at all."""
+    out = np.zeros(chunks, np.int32)
+    pool.pool_test_late(chunks, 2, 100, helper_us, out.ctypes.data)
     assert (out == 1).all()
 
 
+@pytest.mark.slow
 def test_a_late_helper_starts_a_backoff_that_doubles_and_recovers(pool):
     pool.tierlm_pool_configure(0, 1)
-    _late(pool, helper_us=30_000)  # the helper holds its chunk 30 ms: the caller waits for it
+    _late(pool, helper_us=30_000, chunks=2000)  # the helper holds its chunk 30 ms: the caller waits for it
     first = _stats(pool)
     assert first["late"] == 1 and first["backoff_s"] == pytest.approx(0.2) and first["helper_chunks"] >= 1
     assert pool.tierlm_pool_threads() == 1
-    _late(pool, helper_us=30_000)  # inside the backoff: the caller runs every chunk itself
+    _late(pool, helper_us=30_000, chunks=2000)  # inside the backoff: the caller runs every chunk itself
     second = _stats(pool)
     assert second["reduced"] == 1 and second["late"] == 1 and second["helper_chunks"] == first["helper_chunks"]
     time.sleep(0.25)
-    _late(pool, helper_us=30_000)  # the probe after the backoff finds the helper late again
+    _late(pool, helper_us=30_000, chunks=2000)  # the probe after the backoff finds the helper late again
     third = _stats(pool)
     assert third["late"] == 2 and third["backoff_s"] == pytest.approx(0.4)
     time.sleep(0.45)
@@ -152,10 +175,11 @@ def test_a_late_helper_starts_a_backoff_that_doubles_and_recovers(pool):
     assert _stats(pool)["backoff_s"] == pytest.approx(0.2) and pool.tierlm_pool_threads() == 2
 
 
+@pytest.mark.slow
 def test_without_adaptive_mode_a_late_helper_changes_nothing(pool):
     pool.tierlm_pool_configure(0, 0)
-    _late(pool, helper_us=30_000)
-    _late(pool, helper_us=30_000)
+    _late(pool, helper_us=30_000, chunks=2000)
+    _late(pool, helper_us=30_000, chunks=2000)
     stats = _stats(pool)
     assert stats["late"] == 2 and stats["reduced"] == 0 and stats["helper_chunks"] >= 2
     pool.tierlm_pool_configure(0, 1)
@@ -167,6 +191,7 @@ def _busy_sibling(cpu: int) -> subprocess.Popen:
     return sibling
 
 
+@pytest.mark.e2e
 def test_a_busy_sibling_does_not_corrupt_the_pool(pool):
     """2-thread GEMVs for 2 s with a busy-looping process on one of this process's CPUs all give
     numpy's results. (Speed under contention is measured by benchmarks, not asserted here.)"""
@@ -207,6 +232,7 @@ def test_importing_tierlm_bounds_openmp_spinning_unless_the_user_chose(given, ex
     assert done.stdout.split() == [str(expected), "False"]
 
 
+@pytest.mark.e2e
 def test_fused_decode_with_a_busy_sibling_gives_the_eager_reference_tokens(tmp_path, monkeypatch):
     """A tiny llama (big enough that every GEMV splits into many chunks) decodes 16 greedy steps
     on 2 threads through the fused native step while a busy-looping process holds one of this

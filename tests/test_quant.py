@@ -8,6 +8,7 @@ import platform
 import pytest
 import torch
 
+from tests.tiers import quick
 from tierlm.errors import TierlmError
 from tierlm.paths import kernels_root
 from tierlm.quant.dispatch import KernelChoice, calibrate
@@ -127,9 +128,10 @@ def test_rows_equal_dequantized_rows():
 
 
 @pytest.fixture(scope="module")
-def kernels(tmp_path_factory):
-    """Every kernel that can load here, by name; the torch ones always can. The native builds
-    live in the machine's kernels directory (keyed per flags, built once); numba's in this run."""
+def kernels():
+    """Every kernel that can load here, by name; the torch ones always can. Their builds live in
+    the machine's kernels directory (the native ones keyed per flags, numba's per version), so
+    each is compiled once."""
     kernels = {
         "blas-torch": BlasKernel(),
         "blas-small-blocks": BlasKernel(block_bytes=1 << 14),  # many blocks, a ragged last one
@@ -153,13 +155,13 @@ def kernels(tmp_path_factory):
     try:
         from tierlm.quant.numba_kernel import load_numba
 
-        kernels["numba"] = load_numba(tmp_path_factory.getbasetemp() / "kernels")
+        kernels["numba"] = load_numba(build)
     except KernelUnavailable:
         pass
     return kernels
 
 
-@pytest.mark.parametrize("rows", [1, 3, 8, 37])
+@pytest.mark.parametrize("rows", quick([1, 3, 8, 37], fast=[1, 3]))
 @pytest.mark.parametrize("group_size", [None, 128, 100])
 def test_every_kernel_matches_dequantize_then_matmul(kernels, rows, group_size):
     qw = quantize_int8(_weight(*ODD, seed=rows), group_size)
@@ -379,7 +381,7 @@ def test_asymmetric_groups_reproduce_a_4bit_affine_grid_exactly():
 
 
 @pytest.mark.parametrize("group_size", [None, 64, 100])
-@pytest.mark.parametrize("rows", [1, 3, 40])
+@pytest.mark.parametrize("rows", quick([1, 3, 40], fast=[1, 3]))
 def test_asymmetric_linear_matches_dequantize_then_matmul(group_size, rows):
     qw = quantize_int8(_weight(*ODD) + 0.02, group_size, asymmetric=True)
     x = torch.randn(rows, ODD[1], generator=torch.Generator().manual_seed(rows))
@@ -414,7 +416,7 @@ def test_parse_asymmetric_modes():
         parse_quant_mode("int8-g100-asym")
 
 
-@pytest.mark.parametrize("rows", [1, 3, 37])
+@pytest.mark.parametrize("rows", quick([1, 3, 37], fast=[1, 3]))
 @pytest.mark.parametrize("group_size", [None, 64, 100])
 def test_every_kernel_adds_asymmetric_offsets(kernels, rows, group_size):
     qw = quantize_int8(_weight(*ODD, seed=rows) - 0.02, group_size, asymmetric=True)

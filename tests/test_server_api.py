@@ -148,6 +148,7 @@ def test_concurrent_streams_are_batched_and_each_gets_its_solo_output(session):
 LONG_RUNNER = "the quick brown fox"  # greedy on the tiny model: no EOS for well over 60 tokens
 
 
+@pytest.mark.slow
 def test_deadline_ends_with_partial_text_and_timeout_reason(session):
     prompt = chat_ids(session, LONG_RUNNER)
     ids, _, _ = solo(session, prompt, SamplingParams(temperature=0, max_new_tokens=80))
@@ -182,6 +183,7 @@ def test_deadline_ends_with_partial_text_and_timeout_reason(session):
         assert reply.json()["choices"][0]["finish_reason"] == "timeout"
 
 
+@pytest.mark.slow
 def test_full_queue_gets_429_with_retry_after(session):
     with running(session, batch_size=1, max_queue=2) as (url, client):
         debug(client, "pause")
@@ -204,6 +206,7 @@ def test_full_queue_gets_429_with_retry_after(session):
         assert metric(client, 'tierlm_requests_total{outcome="rejected"}') == 1
 
 
+@pytest.mark.slow
 def test_client_disconnect_frees_its_slot_at_once(session):
     with running(session, batch_size=1) as (url, client):
         debug(client, "delay", 0.02)
@@ -257,6 +260,7 @@ ERRORS = [
 ]
 
 
+@pytest.mark.slow
 def test_bad_requests_get_4xx_with_openai_error_bodies(session):
     with running(session, max_body_bytes=8192, max_messages=4) as (url, client):
         for payload, status, param, code in ERRORS:
@@ -276,6 +280,7 @@ def test_bad_requests_get_4xx_with_openai_error_bodies(session):
         assert client.get("/health").json()["status"] == "ok"  # nothing above reached the worker
 
 
+@pytest.mark.slow
 def test_api_key_guards_every_route_but_health(session):
     with running(session, api_key="s3cret") as (url, client):
         for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cret"}):
@@ -319,6 +324,7 @@ def test_completions_plain_and_streamed_and_metrics(session):
     assert re.search(r'^tierlm_requests_total\{outcome="length"\} [1-9]', text_metrics, re.M)
 
 
+@pytest.mark.slow
 def test_worker_fault_injection_restarts_and_fails_in_flight_requests(session):
     with running(session, stall_timeout=0.6, restart_backoff=0.5) as (url, client):
         for fault, seconds, words in [("kill", 0, "died"), ("stall", 3.0, "stalled")]:

@@ -118,6 +118,7 @@ def test_omitted_max_tokens_runs_to_the_context_and_ends_with_length(session):
     assert asked.status_code == 400 and asked.json()["error"]["param"] == "max_tokens"
 
 
+@pytest.mark.slow
 def test_model_names_served_aliased_absent_and_unknown(session):
     with running(session, model_id="tiny-served", aliases=("tiny", "gpt-4o-mini")) as (url, http):
         client = openai_client(url)

@@ -34,6 +34,7 @@ from tests.test_server_api import (  # noqa: F401 (session: a fixture)
     wait_for,
 )
 from tests.test_server_backend import access_lines, serve_tiny
+from tests.tiers import quick
 from tierlm.runtime.sampling import Sampler, SamplingParams
 from tierlm.runtime.stopping import StopMatcher
 from tierlm.server import batch as batch_module
@@ -119,6 +120,7 @@ def streamed_error(result: dict) -> dict:
     return last["error"]
 
 
+@pytest.mark.slow
 def test_a_failing_sequence_ends_alone_and_its_batch_goes_on(session, monkeypatch):
     healthy = {  # name: (content, sampling fields, streamed)
         "long-1": (LONG_RUNNER, GREEDY, True),
@@ -175,6 +177,7 @@ def test_a_failing_sequence_ends_alone_and_its_batch_goes_on(session, monkeypatc
         assert f"injected fault: {name.replace('-', ' ')}" in error["message"], (name, error)
 
 
+@pytest.mark.slow
 def test_a_failed_shared_forward_fails_the_batch_not_the_server(session, monkeypatch):
     model = session.engine.loaded.model
     real, calls = model.forward_batch, []
@@ -367,8 +370,16 @@ def send(url: str, path: str, payload) -> httpx.Response:
     return httpx.post(url + path, content=content, headers={"content-type": "application/json"}, timeout=60)
 
 
+# `make test-fast` sends one of each kind (a request each, ~0.1 s); `make test` sends them all.
+QUICK_BAD = {"nested-100000-deep", "nan-literal", "invalid-utf8", "body-8MiB-chunked", "surrogate-as-utf8-bytes",
+             "messages-empty", "role-unknown", "content-nested-parts", "stop-five", "logit-bias",
+             "max-tokens-10e30", "seed-2-to-the-64", "prompt-ids-past-vocabulary", "completion-best-of",
+             "debug-negative-seconds"}  # fmt: skip
+
+
 @pytest.mark.parametrize("path, payload, status, param, code, words",
-                         [pytest.param(*case[1:], id=case[0]) for case in BAD_REQUESTS])
+                         quick([case[1:] for case in BAD_REQUESTS], ids=[case[0] for case in BAD_REQUESTS],
+                               fast=[case[1:] for case in BAD_REQUESTS if case[0] in QUICK_BAD]))  # fmt: skip
 def test_bad_requests_get_a_clear_4xx(served, path, payload, status, param, code, words):
     url, client = served
     reply = send(url, path, payload)
@@ -454,6 +465,7 @@ def drop_mid_body(url: str) -> None:
         time.sleep(0.2)
 
 
+@pytest.mark.e2e
 def test_a_dropped_connection_costs_one_log_line_and_the_server_goes_on(session):
     with serve_tiny(session, "--alias", "tiny") as (url, lines):
         with httpx.Client(base_url=url, timeout=60) as client:

@@ -18,6 +18,7 @@ import httpx
 import pytest
 
 from tests.test_lora_merge import save_adapter
+from tests.tiers import quick
 from tests.tiny import make_model, write_profile
 from tierlm.errors import TierlmError
 from tierlm.lora.spec import parse_variant_spec, split_variant_specs
@@ -138,6 +139,7 @@ def wait_ready(client, name: str, timeout: float = 120.0) -> dict:
     raise AssertionError(f"{name} still converting")
 
 
+@pytest.mark.slow
 def test_models_lists_the_base_and_each_variant_with_its_parent(session):
     with running(session) as client:
         models = client.get("/v1/models").json()["data"]
@@ -158,6 +160,7 @@ def test_each_variant_gives_the_text_of_generate_with_its_lora(session, expected
             assert response.json()["model"] == (name or BASE)
 
 
+@pytest.mark.slow
 def test_mixed_concurrent_requests_each_get_their_solo_text(session, expected):
     order = [None, "attn", "dora", "attn"]
     with running(session) as client:
@@ -173,6 +176,7 @@ def test_mixed_concurrent_requests_each_get_their_solo_text(session, expected):
         assert client.get("/health").json()["peak_batch"] == len(order)  # one decode step held all four
 
 
+@pytest.mark.slow
 def test_unknown_variant_is_model_not_found(session):
     with running(session) as client:
         response = chat(client, "nope", "hi")
@@ -194,6 +198,7 @@ def test_adapters_need_the_api_key(session):
         assert "attn" in [m["id"] for m in client.get("/v1/models").json()["data"]]
 
 
+@pytest.mark.slow
 def test_adapter_of_another_base_is_400_and_writes_nothing(session, root):
     from peft import LoraConfig
 
@@ -210,17 +215,20 @@ def test_adapter_of_another_base_is_400_and_writes_nothing(session, root):
         assert "foreign" not in [c["id"] for c in client.get("/v1/adapters").json()["data"]]
 
 
+BAD_ADAPTERS = [
+    ({"name": "attn", "path": "."}, 409, "name"),  # a variant's name
+    ({"name": BASE, "path": "."}, 409, "name"),  # the base's
+    ({"name": "-bad", "path": "."}, 400, "name"),
+    ({"name": "ok"}, 400, "path"),
+    ({"name": "ok", "path": "/no/such/adapter"}, 400, "path"),
+    ({"name": "ok", "path": ".", "weight": "heavy"}, 400, "weight"),
+    ({"name": "ok", "path": ".", "rank": 4}, 400, "rank"),
+]
+
+
 @pytest.mark.parametrize(
     "body, status, param",
-    [
-        ({"name": "attn", "path": "."}, 409, "name"),  # a variant's name
-        ({"name": BASE, "path": "."}, 409, "name"),  # the base's
-        ({"name": "-bad", "path": "."}, 400, "name"),
-        ({"name": "ok"}, 400, "path"),
-        ({"name": "ok", "path": "/no/such/adapter"}, 400, "path"),
-        ({"name": "ok", "path": ".", "weight": "heavy"}, 400, "weight"),
-        ({"name": "ok", "path": ".", "rank": 4}, 400, "rank"),
-    ],
+    quick(BAD_ADAPTERS, fast=[BAD_ADAPTERS[0], BAD_ADAPTERS[4]]),
 )
 def test_bad_adapter_requests(session, body, status, param):
     with running(session) as client:

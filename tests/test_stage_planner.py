@@ -166,6 +166,7 @@ def brute_force_bottleneck(config, sizes, profiles, bandwidths) -> float:
     return best
 
 
+@pytest.mark.slow
 def test_llama_2_70b_int8_plans_over_four_24gb_stages(llama70b):
     config, sizes = llama70b
     planned = split(config, sizes, ["24gb"] * 4)
@@ -188,6 +189,7 @@ def test_llama_2_70b_int8_plans_over_four_24gb_stages(llama70b):
     assert planned.tokens_per_s() > 10 * alone.predicted_decode_tokens_per_s
 
 
+@pytest.mark.slow
 def test_a_model_one_card_cannot_hold_is_refused_with_the_stages_that_would(llama70b):
     config, sizes = llama70b
     in_memory = replace(load_profile("24gb"), disk_offload=False)  # weights in GPU + host memory only
@@ -214,6 +216,7 @@ def test_a_uniform_model_splits_evenly_and_the_bottleneck_is_the_least(small, ll
     assert counts(split(config, sizes, ["24gb"] * 5, UNIFORM)) == [16] * 5
 
 
+@pytest.mark.slow
 def test_uneven_profiles_get_uneven_splits(small, llama70b):
     config, sizes = small
     # A 4 GB card holds 3 of these layers resident beside its KV cache; a fourth would stream.
@@ -241,6 +244,7 @@ def test_each_stage_is_the_plan_its_rank_would_load(llama70b, tied3b):
             assert placement_to_dict(stage.placement) == placement_to_dict(alone)
 
 
+@pytest.mark.slow
 def test_a_batch_in_micro_batches_is_priced_round_the_ring(llama70b):
     config, sizes = llama70b
     planned = split(config, sizes, [replace(load_profile("24gb"), batch_size=4)] * 4)
@@ -327,6 +331,7 @@ def test_plan_stages_cli_shows_each_stage_as_its_rank_would_plan_it(tmp_path):
     assert wrong.returncode == 1 and "lists 2 profiles for 3 stages" in wrong.stderr
 
 
+@pytest.mark.slow
 def test_a_mixture_of_experts_stage_places_its_own_layers_experts():
     from tierlm.blocks import expert_of
 

@@ -37,6 +37,8 @@ CASES = {
 }
 # Weights as stored (fp32, resident checkpoint) for all; an INT8 artifact for a dense and an MoE one.
 PAIRS = [(case, "none") for case in CASES] + [("llama-tied", "int8"), ("qwen3-moe-dense-and-sparse", "int8")]
+# The mixture-of-experts cases take seconds each: `make test-fast` chains the dense ones.
+SLOW_CASES = {"mixtral", "qwen2-moe-shared", "qwen3-moe-dense-and-sparse"}
 
 
 @pytest.fixture(scope="module")
@@ -129,7 +131,8 @@ def assert_stage_blocks(stages: list, whole) -> None:
     assert len(held) == len(names) + (1 if tied and len(stages) > 1 else 0)
 
 
-@pytest.mark.parametrize(("case", "quant"), PAIRS, ids=[f"{c}-{q}" for c, q in PAIRS])
+@pytest.mark.parametrize(("case", "quant"), [
+    pytest.param(c, q, id=f"{c}-{q}", marks=pytest.mark.slow if c in SLOW_CASES else ()) for c, q in PAIRS])
 def test_chained_stages_give_the_whole_models_logits(case, quant, checkpoint, fused_layers):
     options = dict(device="cpu", dtype=torch.float32, context_length=CONTEXT, quant=quant)
     whole = load_model(checkpoint(case), **options)

@@ -70,6 +70,7 @@ def test_random_routers_choose_almost_uniformly(artifacts):
     assert (shares < 0.62).all(), shares  # sampling noise alone gives ~0.55 with 64 choices per expert
 
 
+@pytest.mark.slow
 def test_skewed_routers_favour_the_same_experts_in_every_layer(artifacts):
     shares = routed_shares(artifacts[0.5])
     assert (top_half_share(shares) > 0.75).all(), top_half_share(shares)

@@ -118,6 +118,7 @@ def _assert_streams_like_decode(tok: Tokenizer, text: str):
 # --- byte-level BPE against transformers ---------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("text", ENCODE_TEXTS)
 def test_encode_matches_transformers(smollm2, text):
     ours, hf = smollm2
@@ -125,12 +126,14 @@ def test_encode_matches_transformers(smollm2, text):
     assert ours.encode(text) == expected
 
 
+@pytest.mark.slow
 def test_special_token_strings_become_special_ids(smollm2):
     ours, hf = smollm2
     ids = ours.encode("<|im_start|>user")
     assert ids[0] == hf.convert_tokens_to_ids("<|im_start|>") == 1
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("skip", [False, True])
 def test_decode_matches_transformers(smollm2, skip):
     ours, hf = smollm2
@@ -140,6 +143,7 @@ def test_decode_matches_transformers(smollm2, skip):
     assert ours.decode(ours.encode(ENCODE_TEXTS[6])) == ENCODE_TEXTS[6]
 
 
+@pytest.mark.slow
 def test_special_ids_and_vocab_size_match_transformers(smollm2):
     ours, hf = smollm2
     assert ours.bos_token_id == hf.bos_token_id
@@ -147,11 +151,13 @@ def test_special_ids_and_vocab_size_match_transformers(smollm2):
     assert ours.vocab_size == len(hf)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("text", STREAM_TEXTS)
 def test_stream_decoder_byte_level(smollm2, text):
     _assert_streams_like_decode(smollm2[0], text)
 
 
+@pytest.mark.slow
 def test_stream_decoder_holds_a_split_character(smollm2):
     tok = smollm2[0]
     ids = tok.encode("😀")
@@ -166,6 +172,7 @@ def test_stream_decoder_holds_a_split_character(smollm2):
     assert decoder.flush() == tok.decode(ids[:1])
 
 
+@pytest.mark.slow
 def test_stream_decoder_special_tokens(smollm2):
     tok = smollm2[0]
     ids = tok.encode("<|im_start|>assistant\nSure, 中文!<|im_end|>")
@@ -176,6 +183,7 @@ def test_stream_decoder_special_tokens(smollm2):
     assert "<|im_end|>" not in "".join(chunks) + tail
 
 
+@pytest.mark.slow
 def test_stream_decoder_long_sequence_window_stays_small(smollm2):
     tok = smollm2[0]
     text = " ".join(STREAM_TEXTS * 20)

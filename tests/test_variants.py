@@ -262,6 +262,7 @@ def test_mixture_of_experts_variant_switches_whole_batches(tmp_path):
         model.forward(torch.cat([ids, ids]), loaded.new_cache(batch=2))
 
 
+@pytest.mark.slow
 def test_variants_come_and_go_while_forwards_run(base, adapter):
     """add/remove on another thread between and during forwards: the rows on a variant that stays
     keep their logits, and a forward never sees a half-changed set."""
