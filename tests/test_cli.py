@@ -33,6 +33,19 @@ def test_help_does_not_import_torch():
     assert result.returncode == 0 and "chat" in result.stdout and "generate" in result.stdout
 
 
+def test_python_dash_m_tierlm_is_the_cli(monkeypatch, capsys):
+    """tierlm/__main__.py, run as `python -m tierlm` runs it (here in this process)."""
+    import runpy
+
+    from tierlm import __version__
+
+    monkeypatch.setattr(sys, "argv", ["tierlm", "--version"])
+    monkeypatch.setattr("tierlm.cli.app._exit", sys.exit)  # not os._exit, should a pipeline have run here
+    with pytest.raises(SystemExit) as done:
+        runpy.run_module("tierlm", run_name="__main__")
+    assert done.value.code == 0 and capsys.readouterr().out == f"tierlm {__version__}\n"
+
+
 def test_profiles_lists_and_shows():
     listing = tierlm("profiles")
     assert listing.returncode == 0 and listing.stdout.startswith("24gb")

@@ -264,6 +264,23 @@ def test_a_batch_in_micro_batches_is_priced_round_the_ring(llama70b):
 # -- the link probe and `tierlm plan --stages` ----------------------------------------------------
 
 
+def test_a_given_link_is_taken_as_given_and_a_cached_one_is_read_back(tmp_path):
+    """The link's figures without measuring (the test below measures two gloo processes): given
+    by hand, and a record written and read back; a record of another version is not read."""
+    from tierlm.probe.link import LINK_VERSION, gbps_link, link_record, read_link, save_link
+
+    given = gbps_link(10, 0.2)
+    assert given.bytes_per_s == 1.25e9 and given.latency_s == pytest.approx(2e-4) and given.probed_at is None
+    with pytest.raises(TierlmError, match="--link-gbps"):
+        gbps_link(0, 0.1)
+    record = link_record(2.5e9, 3e-5)
+    path = save_link(record, tmp_path / "probe" / "link.json")
+    cached = read_link(path)
+    assert (cached.bytes_per_s, cached.latency_s, cached.probed_at) == (2.5e9, 3e-5, record["probed_at"])
+    path.write_text(json.dumps({**record, "version": LINK_VERSION + 1}))
+    assert read_link(path) is None and read_link(tmp_path / "missing.json") is None
+
+
 @pytest.mark.e2e
 def test_the_link_probe_measures_two_gloo_processes_caches_and_reprobes(monkeypatch, tmp_path):
     from tierlm.probe.link import gbps_link, link_path, load_link
