@@ -133,7 +133,7 @@ def run_baseline() -> dict:
     import torch
 
     from tierlm.profile import load_profile  # noqa: F401 - imported as run_tierlm does
-    from tierlm.probe.baseline import runtime_baseline
+    from tierlm.runtime.loader import runtime_baseline
 
     torch.set_num_threads(2)
     return {"rss": runtime_baseline(torch.device("cpu"), "int8").charged}

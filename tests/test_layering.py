@@ -1,6 +1,8 @@
 """What may load without torch: config parsing, the family registry and descriptions, profiles, the
-catalogue, the probe record, block sizes and the planner, so `tierlm list`, `show` and `plan` start
-without it; and each family's torch class is its description's subclass (one registry)."""
+catalogue, the probe record, the baseline's record, block sizes, the planner and the plan's own steps,
+so `tierlm list`, `show` and `plan` start without it (a plan whose baseline is recorded never loads
+it, and places what the measuring plan placed); and each family's torch class is its description's
+subclass (one registry)."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from tierlm.device.resolve import accelerator_possible
 from tierlm.models import FAMILIES, config_from_dict, family_class, family_description
 
 DATA = Path(__file__).parent / "data"
@@ -23,6 +26,8 @@ PURE = """
 import sys
 import tierlm.cache.catalog, tierlm.config, tierlm.models, tierlm.offload.planner, tierlm.offload.sizes
 import tierlm.probe.record, tierlm.profile
+import tierlm.cli.plan_view, tierlm.device.resolve, tierlm.probe.baseline, tierlm.probe.machine
+import tierlm.runtime.planning, tierlm.runtime.source
 from tierlm.models import read_config
 from tierlm.offload.sizes import sizes_from_config
 for folder in sys.argv[1:]:
@@ -31,6 +36,39 @@ for folder in sys.argv[1:]:
         assert sum(sizes_from_config(config, quant).nbytes.values()) > 0
 print("torch" in sys.modules)
 """
+
+
+# `tierlm plan --json` run in this process (typer's CliRunner): the placement, and whether torch
+# was imported on the way.
+PLAN_IN_PROCESS = """
+import json, sys
+from typer.testing import CliRunner
+from tierlm.cli.app import app
+result = CliRunner().invoke(app, ["plan", "--model", sys.argv[1], "--device", sys.argv[2], "--json"])
+assert result.exit_code == 0, result.output
+print(json.dumps({"placement": json.loads(result.stdout), "torch": "torch" in sys.modules}))
+"""
+
+
+def plan_in_a_fresh_process(model_dir: Path, device: str) -> dict:
+    result = subprocess.run([sys.executable, "-c", PLAN_IN_PROCESS, str(model_dir), device],
+                            capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout)
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("device", ["cpu", "auto"])
+def test_a_plan_charging_a_recorded_baseline_never_imports_torch(tmp_path, device):
+    """The first plan of a model measures its baseline as a load does (importing the runtime) and
+    records it; the next one charges the record without torch, and places the same blocks."""
+    if device == "auto" and accelerator_possible():
+        pytest.skip("auto-detection on a machine that may have an accelerator asks torch")
+    (tmp_path / "config.json").write_text(json.dumps(TINY_LLAMA))
+    measured = plan_in_a_fresh_process(tmp_path, device)
+    recorded = plan_in_a_fresh_process(tmp_path, device)
+    assert measured["torch"] and not recorded["torch"]
+    assert recorded["placement"] == measured["placement"]
 
 
 @pytest.mark.e2e

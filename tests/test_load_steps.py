@@ -16,7 +16,7 @@ from tierlm.offload.sizes import resolve_quant
 from tierlm.profile import load_profile
 from tierlm.quant.modes import concrete_mode
 from tierlm.probe.baseline import Baseline
-from tierlm.runtime.loader import Budget, plan_load, requested_quant, resolve_source
+from tierlm.runtime.source import Budget, plan_load, requested_quant, resolve_source
 
 GiB = 2**30
 LLAMA_2_7B = {"model_type": "llama", "torch_dtype": "bfloat16", "rms_norm_eps": 1e-5, "tie_word_embeddings": False,

@@ -432,19 +432,19 @@ def plan(
 
     from tierlm.cli.models import pick_model
     from tierlm.cli.plan_view import plan_for, render_plan
+    from tierlm.device.cpu import resolve_threads
     from tierlm.errors import TierlmError
     from tierlm.offload.placement import placement_to_dict
     from tierlm.profile import load_profile
-    from tierlm.runtime.session import resolve_model_dir
-
-    from tierlm.device.cpu import apply_threads
+    from tierlm.runtime.source import resolve_model_dir
 
     if stages is not None or "," in profile:
         _plan_stages(pick_model(model_arg, model), profile, stages, quant, device, threads, as_json,
                      link_gbps, link_latency_ms, reprobe_link)  # fmt: skip
         return
     chosen = load_profile(profile)
-    chosen = replace(chosen, threads=apply_threads(threads or chosen.threads))  # the probe is keyed on it
+    # The probe and the baseline are keyed on the threads; torch is set to them if the plan loads it.
+    chosen = replace(chosen, threads=resolve_threads(threads or chosen.threads))
     model_dir = resolve_model_dir(pick_model(model_arg, model))
     try:
         placement, header = plan_for(model_dir, chosen, quant, device, tuple(lora or ()))
@@ -465,12 +465,12 @@ def _plan_stages(model, profile, stages, quant, device, threads, as_json, link_g
     from dataclasses import replace
 
     from tierlm.cli.plan_view import render_stage_plan, stage_plan_for, stage_profiles
-    from tierlm.device.cpu import apply_threads
+    from tierlm.device.cpu import resolve_threads
     from tierlm.probe.link import gbps_link, load_link
-    from tierlm.runtime.session import resolve_model_dir
+    from tierlm.runtime.source import resolve_model_dir
 
     profiles = stage_profiles(profile, stages)
-    used = apply_threads(threads or profiles[0].threads)  # the probe is keyed on it
+    used = resolve_threads(threads or profiles[0].threads)  # the probe and the baseline are keyed on it
     profiles = [replace(p, threads=used) for p in profiles]
     link = gbps_link(link_gbps, link_latency_ms) if link_gbps is not None else load_link(refresh=reprobe_link)
     planned, header = stage_plan_for(resolve_model_dir(model), profiles, link, quant, device)

@@ -249,10 +249,10 @@ def plan_text(model_dir: Path, profile_name: str, device: str | None) -> str:
     from dataclasses import replace
 
     from tierlm.cli.plan_view import plan_for, render_plan
-    from tierlm.device.cpu import apply_threads
+    from tierlm.device.cpu import resolve_threads
     from tierlm.profile import load_profile
 
     profile = load_profile(profile_name)
-    # As `tierlm plan`: the thread count keys the probe and the kernels' calibration.
-    profile = replace(profile, threads=apply_threads(profile.threads))
+    # As `tierlm plan`: the thread count keys the probe, the baseline and the kernels' calibration.
+    profile = replace(profile, threads=resolve_threads(profile.threads))
     return render_plan(*plan_for(model_dir, profile, None, device))

@@ -1,7 +1,8 @@
 """`tierlm plan`: the placement a load would make, drawn.
 
-What the plan is comes from runtime/planning.py, which runs the loader's own steps; this module
-only draws it.
+What the plan is comes from runtime/planning.py, which runs the loader's own steps without torch;
+this module only draws it. Variants (`--lora NAME=DIR`) are placed by runtime/plan_variants.py,
+imported only when asked for: it loads torch.
 """
 
 from __future__ import annotations
@@ -11,11 +12,12 @@ from pathlib import Path
 
 from tierlm.blocks import EMBED, HEAD, is_expert, is_layer, layer_index
 from tierlm.errors import TierlmError
+from tierlm.lora.spec import split_variant_specs
 from tierlm.offload.placement import DEVICE, DISK
 from tierlm.offload.sizes import mixed_size_text
-from tierlm.probe.record import bandwidths_path
 from tierlm.profile import format_size, load_profile
 from tierlm.runtime.planning import plan_model, plan_stages
+from tierlm.runtime.source import is_artifact
 
 MiB = 2**20
 
@@ -23,7 +25,8 @@ MiB = 2**20
 def plan_for(model_dir: Path, profile, quant: str | None = None, device: str | None = None, loras=()):
     """(Placement, header lines) for `model_dir` under `profile`, as `tierlm plan` prints them:
     runtime/planning.py `plan_model` plans (it says what `loras` may be), this draws."""
-    plan = plan_model(model_dir, profile, quant, device, loras)
+    _check_artifact(model_dir)
+    plan = plan_model(model_dir, profile, quant, device, loras, _variant_placer(loras, profile))
     config, baseline, budget = plan.source.config, plan.budget.baseline, plan.budget
     header = [
         f"model    {model_dir} ({config.model_type}, {config.num_hidden_layers} layers{_moe_text(config)})",
@@ -32,11 +35,33 @@ def plan_for(model_dir: Path, profile, quant: str | None = None, device: str | N
         f"device   {budget.device}; baseline {_mib(baseline.charged)} charged ({_mib(baseline.measured)} RSS with the "
         f"runtime loaded: torch, tokenizer, kernels)",
         limits_line(budget.limits),
-        *probe_lines(plan.probe, bandwidths_path(budget.device).stem),
+        *probe_lines(plan.probe, plan.probe_path.stem),
         *(f"lora     {path}{'' if weight == 1.0 else f' x{weight:g}'} merged into the base" for path, weight in plan.source.adapters),
         *(f"variant  {name}: {why}" for name, why in plan.variant_whys.items()),
     ]
     return plan.placement, header
+
+
+def _variant_placer(loras, profile):
+    """runtime/plan_variants.py `place_variants` when `loras` name variants (NAME=DIR), else None:
+    it loads torch, which runs at the profile's threads (a command's), as `serve` runs with them."""
+    if not split_variant_specs(loras)[1]:
+        return None
+    from tierlm.device.cpu import apply_threads
+    from tierlm.runtime.plan_variants import place_variants
+
+    if profile.threads:
+        apply_threads(profile.threads)
+    return place_variants
+
+
+def _check_artifact(model_dir: Path) -> None:
+    """An artifact directory opened as a load opens it (its weights file and layout checked), so a
+    damaged one is refused as loading it would be; this loads torch, as artifacts' stores do."""
+    if is_artifact(model_dir):
+        from tierlm.runtime.loader import checked_quant
+
+        checked_quant(model_dir)
 
 
 def _moe_text(config) -> str:
@@ -254,6 +279,7 @@ def stage_profiles(names: str, stages: int | None) -> list:
 def stage_plan_for(model_dir: Path, profiles: list, link, quant: str | None = None, device: str | None = None):
     """(StagePlan, header lines) for `model_dir` split over one stage per profile: runtime/planning.py
     `plan_stages` plans, this draws. `link`: offload/stage_planner.Link."""
+    _check_artifact(model_dir)
     plan = plan_stages(model_dir, profiles, link, quant, device)
     config, budget, planned = plan.source.config, plan.budget, plan.planned
     names = ",".join(dict.fromkeys(p.name for p in profiles))
@@ -262,7 +288,7 @@ def stage_plan_for(model_dir: Path, profiles: list, link, quant: str | None = No
         f"stages   {len(profiles)}, profile {names}; quant {planned.stages[0].sizes.quant}",
         f"device   {budget.device} on every rank; baseline {_mib(budget.baseline.charged)} charged per rank",
         limits_line(budget.limits),
-        *probe_lines(plan.probe, bandwidths_path(budget.device).stem),
+        *probe_lines(plan.probe, plan.probe_path.stem),
         f"link     {link_text(planned.link)}",
     ]
     return planned, header

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import platform
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -114,6 +115,20 @@ def _quota(folder: Path) -> float | None:
 def resolve_threads(requested: int | None = None) -> int:
     """Threads for compute: `requested` when positive, else `usable_cpus()`."""
     return requested if requested and requested > 0 else usable_cpus()
+
+
+def torch_threads() -> int:
+    """torch's intra-op thread count: its own once torch is loaded, else the count `apply_threads()`
+    sets by default, which every command sets before it computes. Records keyed on the thread
+    count (the probe's, the baseline's) are named through this without loading torch."""
+    torch = sys.modules.get("torch")
+    return torch.get_num_threads() if torch is not None else resolve_threads()
+
+
+def fused_decode_enabled() -> bool:
+    """Whether a CPU decode step may run fused (models/fused_decode.py); TIERLM_FUSED=0 runs it
+    eagerly. Read here, without torch, because the probe's record is keyed on it."""
+    return os.environ.get("TIERLM_FUSED", "1") != "0"
 
 
 def apply_threads(requested: int | None = None) -> int:

@@ -3,23 +3,27 @@
 torch_npu is imported only when an NPU is asked for or looked for, never by `import torch`:
 tierlm sets TORCH_DEVICE_BACKEND_AUTOLOAD=0 (tierlm/__init__.py) so a broken torch_npu
 cannot break CPU users, which means nothing else loads it for us.
+
+torch itself is imported by the functions that ask it, not with this module: `plan_device`
+names the CPU without it (`tierlm plan` and `show` on a machine without an accelerator).
 """
 
 from __future__ import annotations
 
+import glob
 import importlib
 import importlib.util
 import sys
 import warnings
 from dataclasses import dataclass
 
-import torch
-
 from tierlm.errors import TierlmError
 
 KINDS = ("cuda", "npu", "mps", "cpu")  # auto-detection order
 NPU_HINT = ("install torch_npu, which needs Ascend CANN: `pip install torch_npu` matching your torch, "
             "with CANN's set_env.sh sourced")
+# Device files without which torch sees no accelerator: NVIDIA's (and Jetson's), WSL's GPU, ROCm's.
+ACCELERATOR_FILES = ("/dev/nvidia*", "/dev/nvhost-*", "/dev/dxg", "/dev/kfd")
 
 
 @dataclass(frozen=True)
@@ -35,9 +39,38 @@ class DeviceStatus:
         return self.count > 0
 
 
+@dataclass(frozen=True)
+class CpuDevice:
+    """The CPU named without torch: what a plan reads of a torch.device (its `type`, its name)."""
+
+    type: str = "cpu"
+
+    def __str__(self) -> str:
+        return self.type
+
+
+def plan_device(name=None):
+    """The device a plan is made for: `name` as `resolve_device` resolves it (a torch.device is
+    returned as it is), except that the CPU is a CpuDevice, named without loading torch, when it
+    is asked for by name or when auto-detection can find nothing else (`accelerator_possible`)."""
+    if not isinstance(name, (str, type(None))):
+        return name  # a torch.device already
+    if name == "cpu" or (name in (None, "auto") and not accelerator_possible()):
+        return CpuDevice()
+    return resolve_device(name)
+
+
+def accelerator_possible() -> bool:
+    """Whether auto-detection might find more than the CPU: an accelerator's device file, an
+    installed torch_npu, or macOS (MPS). False means torch would find the CPU alone."""
+    return any(glob.glob(pattern) for pattern in ACCELERATOR_FILES) or npu_installed() or sys.platform == "darwin"
+
+
 def resolve_device(name: str | None = None):
     """`cuda[:i]`, `npu[:i]`, `mps` or `cpu` -> torch.device; `None`/`auto`: the first available
     in KINDS order. An unavailable kind asked for by name is a TierlmError that says why."""
+    import torch
+
     if name in (None, "auto"):
         for kind in KINDS:
             status = device_status(kind, quiet=False)
@@ -64,6 +97,8 @@ def compute_dtype(device):
     CPUs stay fp32 even with native bf16: on an AVX512-BF16 Xeon, batch-1 decode of
     SmolLM2 measured 26.5 tok/s in bf16 against 30.9 tok/s in fp32 (torch 2.13).
     """
+    import torch
+
     if device.type in ("cuda", "npu"):
         supported = getattr(getattr(torch, device.type, None), "is_bf16_supported", None)
         return torch.bfloat16 if supported is not None and supported() else torch.float16
@@ -78,6 +113,8 @@ def device_status(kind: str, *, quiet: bool = True) -> DeviceStatus:
     `quiet=False` warns when an installed torch_npu fails to import, so auto-detection on an
     NPU machine does not fall back to the CPU silently.
     """
+    import torch
+
     if kind == "cpu":
         return DeviceStatus("cpu", 1)
     if kind == "cuda":

@@ -19,10 +19,10 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import os
 
 import torch
 
+from tierlm.device.cpu import fused_decode_enabled
 from tierlm.quant.kernel_api import KernelUnavailable
 from tierlm.quant.native import load_native
 
@@ -56,10 +56,6 @@ class LayerArgs(ctypes.Structure):
                 ("threads", _c_i32), ("reserved", _c_i32)]  # fmt: skip
 
 
-def enabled() -> bool:
-    return os.environ.get("TIERLM_FUSED", "1") != "0"
-
-
 @functools.lru_cache(maxsize=None)
 def native_library():
     """The native library's ctypes handle, or None where it cannot load (the eager path runs)."""
@@ -77,7 +73,7 @@ def step_for(model, cache, x: torch.Tensor) -> FusedStep | None:
     states [B, 1, H]), or None when the eager path must run."""
     if x.shape[1] != 1 or model.device.type != "cpu" or model.dtype != torch.float32:
         return None
-    if not enabled():
+    if not fused_decode_enabled():
         return None
     rows = cache.decode_rows() if hasattr(cache, "decode_rows") else None
     if rows is None:

@@ -12,7 +12,6 @@ import torch
 
 from tierlm.device.backend import DeviceBackend
 from tierlm.device.resolve import resolve_device
-from tierlm.models import fused_decode
 from tierlm.offload.bandwidths import MATRIX
 from tierlm.quant.int8 import Int8Weight, quantize_int8
 
@@ -126,18 +125,6 @@ def last_level_cache_bytes() -> int:
 
 def probe_device(device):
     return device if isinstance(device, torch.device) else resolve_device(device)
-
-
-def probe_key(device) -> tuple[str, int]:
-    """(the name `device`'s probe is filed under: its kind, the card's name or the CPU's decode
-    path; torch's current thread count), which key the cached record (probe/record.py)."""
-    device = probe_device(device)
-    name = device.type
-    if device.type != "cpu":
-        name += "-" + DeviceBackend(device).name()
-    if device.type == "cpu" and not fused_decode.enabled():
-        name += "-eager"  # the per-layer overhead is the decode path's: eager layers cost ~10x more
-    return name, torch.get_num_threads()
 
 
 def _best_seconds(run, device, reps: int) -> float:

@@ -10,8 +10,8 @@ is a `ProbeRecord`: the figures, when they were probed, the last measured run be
 prediction, and the corrections measured runs made (`record_measured_run`). `tierlm doctor
 --probe` probes afresh.
 
-No torch here: a record is read without it. Only naming a device's file asks torch (the device's
-name, its thread count: probe/bandwidth.py `probe_key`).
+No torch here: a record is read, and the CPU's named, without it. Only an accelerator's file asks
+torch, for the card's name.
 """
 
 from __future__ import annotations
@@ -24,6 +24,8 @@ from pathlib import Path
 from typing import Callable
 
 from tierlm.atomic import directory_lock, optional_write, replace_file
+from tierlm.device.cpu import fused_decode_enabled, torch_threads
+from tierlm.device.resolve import plan_device
 from tierlm.offload.bandwidths import Bandwidths
 from tierlm.paths import cache_root
 
@@ -34,15 +36,24 @@ PROBE_VERSION = 3
 KEPT_CORRECTIONS = 5  # the newest corrections kept in the record, for `doctor` and `plan`
 
 
-def bandwidths_path(device=None) -> Path:
-    """The cache file for `device` at torch's current thread count."""
-    # torch names the device and its threads: loaded here, where a device is named, so that
-    # reading a record does not load it.
-    from tierlm.probe.bandwidth import probe_key
-
-    name, threads = probe_key(device)
-    key = re.sub(r"[^A-Za-z0-9_.-]+", "_", f"{name}-{threads}t-v{PROBE_VERSION}")
+def bandwidths_path(device=None, threads: int | None = None) -> Path:
+    """The cache file for `device` (a torch.device, a name, None: the best available) at `threads`
+    compute threads (default: torch's count, device/cpu.py `torch_threads`)."""
+    device = plan_device(device)
+    threads = torch_threads() if threads is None else threads
+    key = re.sub(r"[^A-Za-z0-9_.-]+", "_", f"{probe_name(device)}-{threads}t-v{PROBE_VERSION}")
     return cache_root() / "probe" / f"{key}.json"
+
+
+def probe_name(device) -> str:
+    """The name `device`'s probe is filed under: its kind, and the card's name or the CPU's decode path."""
+    if device.type == "cpu":
+        # the per-layer overhead is the decode path's: eager layers cost ~10x more
+        return "cpu" if fused_decode_enabled() else "cpu-eager"
+    # The card's name needs torch, which a process that resolved an accelerator has loaded already.
+    from tierlm.device.backend import DeviceBackend
+
+    return f"{device.type}-{DeviceBackend(device).name()}"
 
 
 @dataclass(frozen=True)

@@ -1,39 +1,46 @@
 """What a load would do, without loading: `tierlm plan` and `show` read these, as the loader's
-own steps (runtime/loader.py) compute them.
+own steps (runtime/source.py, which runtime/loader.py runs too) compute them. No torch here.
 
-The baseline charged is the loader's (probe/baseline.py), from a process in the state a session
-is in when it loads: tokenizer loaded, the model's family imported, INT8 kernels calibrated. So
-under a tight profile the plan streams the blocks the real load streams.
+The baseline charged is the loader's (probe/baseline.py). A plan command's process, which has not
+loaded torch, is charged the figure recorded for this machine, model, weight format and threads,
+which a load charges while its measurement lies in the record's band. Without a record (or in a
+process that has loaded torch) the plan measures it as a load does, in the state a session is in
+when it loads: threads set, the runtime imported, tokenizer loaded, the model's family imported,
+INT8 kernels calibrated. So under a tight profile the plan streams the blocks the real load streams.
 """
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Callable
 
-
-from tierlm.device.resolve import compute_dtype, resolve_device
+from tierlm.device.cpu import apply_threads, torch_threads
+from tierlm.device.resolve import plan_device
 from tierlm.errors import TierlmError
 from tierlm.lora.spec import parse_lora_spec, split_variant_specs
 from tierlm.offload.placement import Placement
 from tierlm.offload.planner.search import resident_mixed_size
 from tierlm.offload.stage_planner import Link, StagePlan, least_stages, split_stages
+from tierlm.probe.baseline import recorded_baseline
 from tierlm.probe.machine import load_bandwidths, load_probe
-from tierlm.probe.record import ProbeRecord
-from tierlm.runtime.loader import (
+from tierlm.probe.record import ProbeRecord, bandwidths_path
+from tierlm.runtime.source import (
     Budget,
     Planned,
     WeightSource,
-    convert_source,
+    charged_budget,
     expected_sizes,
     plan_load,
-    read_budget,
     requested_quant,
     resolve_source,
 )
-from tierlm.runtime.session import plan_with_variants, variant_base_artifact
 from tierlm.runtime.tokenizer import Tokenizer
-from tierlm.store.variants import overlay_for
+
+# How `NAME=DIR` variants are placed beside a plan's base: (planned, budget, {name: adapters}) ->
+# (placement, {name: why}); runtime/plan_variants.py `place_variants`, which loads torch.
+PlaceVariants = Callable[[Planned, Budget, dict], tuple[Placement, dict[str, str]]]
 
 
 @dataclass(frozen=True)
@@ -46,6 +53,7 @@ class LoadPlan:
     placement: Placement  # planned.placement with the variants beside the base and the resident mixed size
     variant_whys: dict[str, str]  # variant name -> why it is held merged or unmerged
     probe: ProbeRecord | None  # the record the bandwidths came from, for its age
+    probe_path: Path  # its file, whose name says the device and thread count it was probed for
 
 
 @dataclass(frozen=True)
@@ -56,24 +64,28 @@ class StageLoadPlan:
     budget: Budget  # rank 0's (every rank is assumed alike this machine)
     planned: StagePlan
     probe: ProbeRecord | None
+    probe_path: Path
 
 
-def plan_model(model_dir: Path, profile, quant: str | None = None, device: str | None = None, loras=()) -> LoadPlan:
+def plan_model(model_dir: Path, profile, quant: str | None = None, device: str | None = None, loras=(),
+               place_variants: PlaceVariants | None = None) -> LoadPlan:  # fmt: skip
     """The plan for `model_dir` under `profile` (a Profile), from the loader's own steps (resolve
     the weight source, read the budget, plan). Reads no weights: block sizes come as the loader
     expects them, from an artifact's manifest or config.json. Raises TierlmError when it cannot fit.
     `loras`: `--lora` values as `serve` takes them: DIR[:WEIGHT] merges into the base, NAME=DIR[:WEIGHT]
-    is a variant beside it, placed as `serve` places it (see `_with_variants`)."""
-    target = resolve_device(device)
+    is a variant beside it, placed by `place_variants` as `serve` places it."""
+    target = plan_device(device)
     merged, variants = split_variant_specs(loras)
+    if variants and place_variants is None:
+        raise ValueError("variants are placed by runtime/plan_variants.py: pass its place_variants")
     adapters = tuple(parse_lora_spec(spec) for spec in merged)
     source = resolve_source(model_dir, requested_quant(quant, profile), adapters, accelerator=target.type != "cpu")
-    tokenizer = _tokenizer_as_a_session_holds_it(model_dir)  # noqa: F841 - held while measuring
-    budget = read_budget(source, profile, target)
+    budget = plan_budget(source, profile, target)
     planned = plan_load(source, budget)
-    placement, whys = _with_variants(planned, budget, variants) if variants else (planned.placement, {})
+    placement, whys = place_variants(planned, budget, variants) if variants else (planned.placement, {})
     placement = _with_resident_mixed(placement, planned, budget)
-    return LoadPlan(source, budget, planned, placement, whys, load_probe(target))
+    probe = load_probe(target, threads=budget.threads)
+    return LoadPlan(source, budget, planned, placement, whys, probe, bandwidths_path(target, budget.threads))
 
 
 def plan_stages(model_dir: Path, profiles: list, link: Link, quant: str | None = None,
@@ -81,12 +93,11 @@ def plan_stages(model_dir: Path, profiles: list, link: Link, quant: str | None =
     """`model_dir` split over one stage per profile, each stage planned as its rank's load plans
     it (block sizes, baseline and bandwidths as `plan_model` reads them; every rank assumed alike
     this machine)."""
-    target = resolve_device(device)
+    target = plan_device(device)
     accelerator = target.type != "cpu"
     source = resolve_source(model_dir, requested_quant(quant, profiles[0]), accelerator=accelerator)
-    tokenizer = _tokenizer_as_a_session_holds_it(model_dir)  # noqa: F841 - held while measuring
-    budget = read_budget(source, profiles[0], target)
-    probe = load_probe(target)
+    budget = plan_budget(source, profiles[0], target)
+    probe = load_probe(target, threads=budget.threads)
 
     def split(source):
         return split_stages(source.config, expected_sizes(source, accelerator), profiles, probe.bandwidths, link,
@@ -95,37 +106,43 @@ def plan_stages(model_dir: Path, profiles: list, link: Link, quant: str | None =
     planned = split(source)
     if source.as_stored and not all(s.placement.fully_resident for s in planned.stages):
         planned = split(replace(source, as_stored=False))  # as the loader does: streamed weights are converted
-    return StageLoadPlan(source, budget, planned, probe)
+    return StageLoadPlan(source, budget, planned, probe, bandwidths_path(target, budget.threads))
 
 
 def least_stages_for(model_dir: Path, profile, quant: str | None = None, device: str | None = None) -> int | None:
     """The fewest stages of `profile` that hold a model one process of it cannot (for a refusal's hint)."""
-    target = resolve_device(device)
+    target = plan_device(device)
     accelerator = target.type != "cpu"
     source = resolve_source(model_dir, requested_quant(quant, profile), accelerator=accelerator)
-    budget = read_budget(source, profile, target)
-    return least_stages(source.config, expected_sizes(source, accelerator), [profile], load_bandwidths(target),
-                        accelerator=accelerator, baseline_bytes=budget.baseline.charged, limits=budget.limits)  # fmt: skip
+    budget = plan_budget(source, profile, target)
+    return least_stages(source.config, expected_sizes(source, accelerator), [profile],
+                        load_bandwidths(target, threads=budget.threads), accelerator=accelerator,
+                        baseline_bytes=budget.baseline.charged, limits=budget.limits)  # fmt: skip
 
 
-def _with_variants(planned: Planned, budget: Budget, variants) -> tuple[Placement, dict[str, str]]:
-    """(the placement with `variants` {name: ((path, weight), ...)} placed beside the base, each
-    variant's mode and why), computed as `serve` does: the base's artifact (the load converts to
-    it first, once) and each variant's (built once, cached) are read to size them."""
-    device = budget.device
-    source = planned.source
-    if not (source.as_stored or source.compiled):  # as the load does: convert, then plan the exact sizes
-        planned = plan_load(convert_source(source, device.type != "cpu", None), budget)
-    artifact_dir = planned.source.directory if planned.source.compiled else None
-    base = variant_base_artifact(source.directory, artifact_dir, source.adapters, device)
-    overlays = {name: overlay_for(base, adapters, device=device, dtype=compute_dtype(device), hold=False)
-                for name, adapters in variants.items()}  # fmt: skip
-    try:
-        placement = plan_with_variants(source.config, planned.sizes, device, budget.profile, planned.placement, overlays)
-    finally:
-        for overlay in overlays.values():
-            overlay.close()
-    return placement, {name: overlay.why for name, overlay in overlays.items()}
+def plan_budget(source: WeightSource, profile, device) -> Budget:
+    """The budget a load of `source` under `profile` would read. A process without torch (a plan
+    command's) is in the state the record was measured in, and is charged the baseline recorded
+    for this key, the figure such a load is charged. Without a record, or in a process that has
+    loaded torch (it may hold more: models, tensors), the baseline is measured as the load
+    measures it (`_measured_baseline`), which records it."""
+    threads = profile.threads or torch_threads()  # a command resolves its threads into the profile
+    baseline = None if "torch" in sys.modules else recorded_baseline(device, source.quant, source.directory, threads)
+    if baseline is None:
+        baseline = _measured_baseline(source, profile, device, threads)
+    return charged_budget(source, profile, device, baseline, threads=threads)
+
+
+def _measured_baseline(source: WeightSource, profile, device, threads: int):
+    """The baseline of a load of `source`, measured and recorded in the state a session is in
+    when its load measures: torch at `threads`, the runtime imported, the tokenizer held."""
+    apply_threads(threads)  # before the kernels are calibrated: their choice is keyed on it
+    # The runtime loads torch, so it is imported only here, where the baseline must be measured:
+    # the session too, as a session process holds it (its modules are part of the RSS measured).
+    from tierlm.runtime import loader, session  # noqa: F401
+
+    tokenizer = _tokenizer_as_a_session_holds_it(source.directory)  # noqa: F841 - held while measuring
+    return loader.read_budget(source, profile, device).baseline
 
 
 def _with_resident_mixed(placement: Placement, planned: Planned, budget: Budget) -> Placement:
@@ -133,9 +150,9 @@ def _with_resident_mixed(placement: Placement, planned: Planned, budget: Budget)
     some block is not there and the weights are not 4-bit already."""
     if placement.fully_resident or planned.sizes.quant.startswith(("int4", "mixed")):
         return placement
-    size = resident_mixed_size(planned.source.config, budget.profile, budget.bandwidths or load_bandwidths(budget.device),
-                               accelerator=budget.device.type != "cpu", baseline_bytes=budget.baseline.charged,
-                               limits=budget.limits)  # fmt: skip
+    bandwidths = budget.bandwidths or load_bandwidths(budget.device, threads=budget.threads)
+    size = resident_mixed_size(planned.source.config, budget.profile, bandwidths, accelerator=budget.device.type != "cpu",
+                               baseline_bytes=budget.baseline.charged, limits=budget.limits)  # fmt: skip
     return replace(placement, resident_mixed_bytes=size or 0)
 
 

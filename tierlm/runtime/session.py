@@ -11,7 +11,6 @@ from typing import Callable
 
 import torch
 
-from tierlm.cache import catalog
 from tierlm.cache.artifact import Artifact
 from tierlm.cache.convert import ConversionRequest, ensure_artifact
 from tierlm.config import GenerationDefaults
@@ -31,7 +30,8 @@ from tierlm.profile import Profile
 from tierlm.progress import ProgressFactory
 from tierlm.quant.modes import AS_STORED, concrete_mode
 from tierlm.runtime.engine import Engine
-from tierlm.runtime.loader import LoadedModel, is_artifact, load_source, requested_quant, resolve_source
+from tierlm.runtime.loader import LoadedModel, load_source
+from tierlm.runtime.source import is_artifact, requested_quant, resolve_model_dir, resolve_source
 from tierlm.runtime.tokenizer import Tokenizer
 from tierlm.store.calibration import activation_stats
 from tierlm.store.variants import VariantStore, overlay_for
@@ -183,14 +183,6 @@ class Session:
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-
-def resolve_model_dir(model: str | None, progress: ProgressFactory | None = None) -> Path:
-    """A model directory from `--model`: None -> the embedded default, a name from `tierlm list`,
-    a directory, or a .gguf (imported once). Records the use for `tierlm list`'s LAST USED."""
-    model_dir = catalog.resolve_model(model, progress)
-    catalog.mark_used(model_dir)
-    return model_dir
 
 
 def open_session(
