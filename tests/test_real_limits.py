@@ -30,7 +30,7 @@ from tierlm.offload.planner import cap_profile, check_fits, plan
 from tierlm.offload.bandwidths import Bandwidths
 from tierlm.offload.sizes import sizes_from_config
 from tierlm.profile import auto_profile, load_profile
-from tierlm.runtime.loader import shipped_fallbacks
+from tierlm.runtime.source import shipped_fallbacks
 
 MiB, GiB = 2**20, 2**30
 UNLIMITED_V1 = "9223372036854771712"  # what cgroup v1 writes for "no limit"

@@ -221,6 +221,7 @@ def test_a_streaming_stage_plans_and_opens_only_its_blocks(checkpoint, tmp_path)
     placement (BlockSizes.only + the planner's `layers`) streams some of its own blocks from disk and
     places nothing else, its TieredStore opens those, and the chained logits equal the whole model's."""
     from tierlm.offload.planner import plan
+    from tierlm.models import family_class
     from tierlm.offload.bandwidths import Bandwidths
     from tierlm.offload.sizes import sizes_from_artifact
     from tierlm.profile import load_profile
@@ -265,7 +266,7 @@ def test_a_streaming_stage_plans_and_opens_only_its_blocks(checkpoint, tmp_path)
         assert any(b.tier == "disk" for b in placement.blocks), "the stage must stream some of its blocks"
         store = open_store(source, placement, torch.device("cpu"), torch.float32, span=span)
         assert store.block_names() == names
-        model = source.family(whole.config, store, CONTEXT, torch.device("cpu"), torch.float32, span=span)
+        model = family_class(whole.config)(whole.config, store, CONTEXT, torch.device("cpu"), torch.float32, span=span)
         stages.append(type(whole)(whole.config, model, store, CONTEXT, torch.device("cpu"), torch.float32,
                                   placement, span=span))  # fmt: skip
     assert_equal_runs(prefill_and_decode(stages, ids), expected)
