@@ -14,7 +14,8 @@ import pytest
 
 from tierlm.models import read_config
 from tierlm.runtime import measure_machine
-from tierlm.offload.planner import decode_terms, implied_bandwidths, plan, step_seconds
+from tierlm.offload.planner.cost import decode_terms, implied_bandwidths, step_seconds
+from tierlm.offload.planner.search import plan
 from tierlm.offload.bandwidths import MATRIX, Bandwidths
 from tierlm.probe.bandwidth import SHORT_ROW, row_seconds
 from tierlm.offload.sizes import sizes_from_config

@@ -119,7 +119,7 @@ def test_chatglm3_6b_sizes_from_its_config_json():
 @pytest.mark.parametrize("quant", ["int8", "fp16"])
 def test_chatglm3_6b_fits_a_24gb_card_fully_resident(quant):
     from tierlm.offload.placement import DEVICE
-    from tierlm.offload.planner import plan
+    from tierlm.offload.planner.search import plan
     from tierlm.offload.sizes import sizes_from_config
     from tierlm.profile import load_profile
 

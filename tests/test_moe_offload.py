@@ -232,7 +232,7 @@ def test_a_planned_placement_splits_the_experts_and_keeps_the_tokens(moe, tmp_pa
     """The planner's own placement (expert slots, stream slots, slot size) at a budget that keeps
     some of the experts resident: the store obeys it and the tokens stay the resident run's."""
     from tests.test_memory_profile import FIXED_BANDWIDTHS, write_profile
-    from tierlm.offload.planner import plan
+    from tierlm.offload.planner.search import plan
     from tierlm.offload.bandwidths import Bandwidths
     from tierlm.offload.sizes import sizes_from_artifact
     from tierlm.profile import load_profile
@@ -328,7 +328,7 @@ def test_offloaded_experts_inside_a_cgroup_capped_at_the_budget(tmp_path):
 
     from tests.test_memory_profile import FIXED_BANDWIDTHS, _cgroup_root, run_child, write_profile
     from tierlm.cache.synthetic import write_synthetic_artifact
-    from tierlm.offload.planner import plan
+    from tierlm.offload.planner.search import plan
     from tierlm.offload.bandwidths import Bandwidths
     from tierlm.offload.sizes import sizes_from_artifact
     from tierlm.profile import load_profile

@@ -22,7 +22,9 @@ from tierlm.config import ModelConfig
 from tierlm.models import config_from_dict, read_config
 from tierlm.errors import TierlmError
 from tierlm.offload.placement import DEVICE, DISK, HOST, placement_to_dict
-from tierlm.offload.planner import decode_terms, host_computes_expert, plan, step_seconds
+from tierlm.offload.planner.cost import decode_terms, step_seconds
+from tierlm.offload.planner.experts import host_computes_expert
+from tierlm.offload.planner.search import plan
 from tierlm.offload.bandwidths import Bandwidths
 from tierlm.offload.routing_counts import COUNTS_NAME, RoutingCounts
 from tierlm.offload.sizes import BlockSizes, expected_routing, sizes_from_config

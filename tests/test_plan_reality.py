@@ -20,7 +20,8 @@ from types import SimpleNamespace
 import pytest
 
 from tierlm.models import read_config
-from tierlm.offload.planner import decode_terms, implied_bandwidths, plan, step_seconds
+from tierlm.offload.planner.cost import decode_terms, implied_bandwidths, step_seconds
+from tierlm.offload.planner.search import plan
 from tierlm.offload.bandwidths import Bandwidths
 from tierlm.probe.record import ProbeRecord, bandwidths_path, read_probe, record_measured_run, save_bandwidths
 from tierlm.offload.sizes import sizes_from_config

@@ -26,7 +26,8 @@ from tierlm.models import read_config
 from tierlm.device.memory import MemoryLimits, address_space_room, cgroup_memory_limit, process_limits
 from tierlm.errors import TierlmError
 from tierlm.offload.placement import DEVICE, DISK
-from tierlm.offload.planner import cap_profile, check_fits, plan
+from tierlm.offload.planner.limits import cap_profile
+from tierlm.offload.planner.search import check_fits, plan
 from tierlm.offload.bandwidths import Bandwidths
 from tierlm.offload.sizes import sizes_from_config
 from tierlm.profile import auto_profile, load_profile

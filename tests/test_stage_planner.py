@@ -15,7 +15,7 @@ from tierlm.models import read_config
 from tierlm.stages import StageSpan, even_split
 from tierlm.errors import TierlmError
 from tierlm.offload.placement import DEVICE, DISK, placement_to_dict
-from tierlm.offload.planner import plan
+from tierlm.offload.planner.search import plan
 from tierlm.offload.bandwidths import Bandwidths
 from tierlm.offload.sizes import kv_cache_bytes, sizes_from_config, workspace_bytes
 from tierlm.offload.stage_planner import Link, split_stages

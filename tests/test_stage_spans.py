@@ -220,7 +220,7 @@ def test_a_streaming_stage_plans_and_opens_only_its_blocks(checkpoint, tmp_path)
     """Stages of an INT8 artifact planned under a profile too small for their blocks: each stage's
     placement (BlockSizes.only + the planner's `layers`) streams some of its own blocks from disk and
     places nothing else, its TieredStore opens those, and the chained logits equal the whole model's."""
-    from tierlm.offload.planner import plan
+    from tierlm.offload.planner.search import plan
     from tierlm.models import family_class
     from tierlm.offload.bandwidths import Bandwidths
     from tierlm.offload.sizes import sizes_from_artifact
