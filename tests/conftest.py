@@ -8,6 +8,12 @@ from pathlib import Path
 
 import pytest
 
+# Before any test module imports torch: importing tierlm bounds OpenMP's spinning (libgomp reads
+# GOMP_SPINCOUNT once, when torch loads it), so code run in this process (the CLI's `main`
+# included) has the setting a `tierlm` process has; libgomp's default spinning makes compute on a
+# busy machine many times slower (tierlm/device/threads.py).
+import tierlm  # noqa: E402,F401
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # The native kernels take tens of seconds of CPU to compile. Their file names are keyed on
