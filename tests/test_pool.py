@@ -146,10 +146,15 @@ def test_a_capped_pool_runs_on_the_caller_alone(pool):
     pool.tierlm_pool_configure(0, 1)
 
 
+LATE_US = 300_000
+
+
 def _late(pool: ctypes.CDLL, helper_us: int, chunks: int = 200) -> None:
     """A call whose helper holds each chunk `helper_us`; the caller needs ~chunks / 10 ms. Calls
-    meant to find the helper late give it 2000 chunks: the ~200 ms it has to wake and take one
-    holds on a loaded machine too, where 20 ms could pass before the helper ran at all."""
+    meant to find the helper late give it 2000 chunks and hold the helper's chunk LATE_US, longer
+    than the caller's whole ~200 ms: the helper has ~200 ms to wake and take a chunk (a loaded
+    machine may not run it within 20 ms), and the caller then always waits for it (with shorter
+    holds the helper takes several chunks and the last may end just as the caller does)."""
     out = np.zeros(chunks, np.int32)
     pool.pool_test_late(chunks, 2, 100, helper_us, out.ctypes.data)
     assert (out == 1).all()
@@ -157,16 +162,17 @@ def _late(pool: ctypes.CDLL, helper_us: int, chunks: int = 200) -> None:
 
 @pytest.mark.slow
 def test_a_late_helper_starts_a_backoff_that_doubles_and_recovers(pool):
+    _late(pool, helper_us=0, chunks=2000)  # helpers started and awake, as after any earlier call
     pool.tierlm_pool_configure(0, 1)
-    _late(pool, helper_us=30_000, chunks=2000)  # the helper holds its chunk 30 ms: the caller waits for it
+    _late(pool, helper_us=LATE_US, chunks=2000)  # the helper holds its chunk: the caller waits for it
     first = _stats(pool)
     assert first["late"] == 1 and first["backoff_s"] == pytest.approx(0.2) and first["helper_chunks"] >= 1
     assert pool.tierlm_pool_threads() == 1
-    _late(pool, helper_us=30_000, chunks=2000)  # inside the backoff: the caller runs every chunk itself
+    _late(pool, helper_us=LATE_US, chunks=2000)  # inside the backoff: the caller runs every chunk itself
     second = _stats(pool)
     assert second["reduced"] == 1 and second["late"] == 1 and second["helper_chunks"] == first["helper_chunks"]
     time.sleep(0.25)
-    _late(pool, helper_us=30_000, chunks=2000)  # the probe after the backoff finds the helper late again
+    _late(pool, helper_us=LATE_US, chunks=2000)  # the probe after the backoff finds the helper late again
     third = _stats(pool)
     assert third["late"] == 2 and third["backoff_s"] == pytest.approx(0.4)
     time.sleep(0.45)
@@ -177,9 +183,10 @@ def test_a_late_helper_starts_a_backoff_that_doubles_and_recovers(pool):
 
 @pytest.mark.slow
 def test_without_adaptive_mode_a_late_helper_changes_nothing(pool):
+    _late(pool, helper_us=0, chunks=2000)  # helpers started and awake, as after any earlier call
     pool.tierlm_pool_configure(0, 0)
-    _late(pool, helper_us=30_000, chunks=2000)
-    _late(pool, helper_us=30_000, chunks=2000)
+    _late(pool, helper_us=LATE_US, chunks=2000)
+    _late(pool, helper_us=LATE_US, chunks=2000)
     stats = _stats(pool)
     assert stats["late"] == 2 and stats["reduced"] == 0 and stats["helper_chunks"] >= 2
     pool.tierlm_pool_configure(0, 1)
