@@ -12,8 +12,10 @@ the matmul row counts), greedy tokens equal.
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -21,7 +23,7 @@ import torch
 from tests.tiny import DECODE_CASES, MOE_CASES, make_case, make_model, scattered_slot_prompts, write_profile
 from tierlm.kv.cache import SlotKVCache
 from tierlm.models import read_config
-from tierlm.distributed.launch import start_group
+from tierlm.distributed.launch import GroupSettings, start_group
 from tierlm.distributed.pipeline import load_pipeline, stage_loads
 from tierlm.runtime.loader import load_model
 
@@ -37,7 +39,7 @@ CASES = {name: dict(case, layers=max(case.get("layers", 2), 4)) for name, case i
 @pytest.fixture(scope="module", params=[2, 3], ids=["2-stages", "3-stages"])
 def group(request):
     """Workers for a pipeline of 2, then 3 stages, shared by the module's cases."""
-    group = start_group(request.param, "cpu", timeout=120)
+    group = start_group(GroupSettings.of(request.param, "cpu", timeout=120))
     yield group
     workers = list(group.workers)
     group.close()
@@ -161,3 +163,27 @@ def test_generate_with_two_stages_prints_the_one_process_text(tmp_path):
                          text=True, timeout=120, env=env)  # fmt: skip
     assert two.returncode == 0, two.stderr
     assert two.stdout == one.stdout and one.stdout.strip()
+
+
+def test_stages_run_from_a_folder_that_holds_another_tierlm_package(tmp_path):
+    """A spawned stage does not import from the working directory: `tierlm generate --stages 2`
+    started where a `tierlm/` folder lies (a checkout; here a decoy that fails on import) runs its
+    stages on the installed package."""
+    model_dir = tmp_path / "model"
+    make_model(model_dir, "llama", layers=3)
+    profile = write_profile(tmp_path / "tiny.toml", context_length=CONTEXT, batch_size=1)
+    checkout = tmp_path / "checkout"
+    (checkout / "tierlm").mkdir(parents=True)
+    (checkout / "tierlm" / "__init__.py").write_text('raise ImportError("the decoy tierlm/ of the working directory")\n')
+    naive = subprocess.run([sys.executable, "-m", "tierlm.distributed.worker"], cwd=checkout, capture_output=True,
+                           text=True, timeout=60)  # fmt: skip
+    assert "the decoy tierlm/" in naive.stderr  # what `python -m` there imports
+    # The console script, as a user runs it: its own sys.path starts with its folder, not the working directory.
+    script = Path(sys.executable).with_name("tierlm")
+    command = [str(script) if script.exists() else shutil.which("tierlm"), "generate", "hello world", "--model",
+               str(model_dir), "--profile", f"{profile},{profile}", "--stages", "2", "--temperature", "0", "-n", "8",
+               "--threads", "1"]  # fmt: skip
+    run = subprocess.run(command, cwd=checkout, capture_output=True, text=True, timeout=120,
+                         env=dict(os.environ, TIERLM_PIPELINE_TIMEOUT="60"))  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip() and "decoy" not in run.stderr

@@ -18,7 +18,8 @@ from pathlib import Path
 import pytest
 
 from tests.tiny import make_model, write_profile
-from tierlm.distributed.health import ORPHANED, PipelineHealth, StageFailed, beat_interval
+from tierlm.distributed.health import (DEFAULT_STAGE_TIMEOUT_S, ORPHANED, STAGE_TIMEOUT_ENV, PipelineHealth, StageFailed,
+                                      beat_interval)
 
 TIMEOUT = 1.5  # the stage timeout these tests run with
 MARGIN = 2.0  # on top of it: a loaded 2-core machine's scheduling, process exit and reaping
@@ -324,4 +325,48 @@ def test_serve_answers_503_while_a_killed_stage_restarts_then_serves_the_same_te
         assert report["pipeline"]["restarts"] == 1 and report["pipeline"]["heartbeats"]["stages"][0]["pid"] != old_pid
         assert re.search(r"^tierlm_pipeline_restarts_total 1\.0$", http.get("/metrics").text, re.M)
         assert not psutil.pid_exists(old_pid) or psutil.Process(old_pid).status() == psutil.STATUS_ZOMBIE
+    assert "Traceback" not in "".join(lines), "".join(lines)
+
+
+def serving(http, restarts: int, lines) -> dict:
+    """/health's pipeline report once it serves again after `restarts` restarts."""
+    deadline = time.monotonic() + 60
+    while True:
+        reply = http.get("/health")
+        if reply.status_code == 200 and reply.json()["pipeline"]["restarts"] == restarts:
+            return reply.json()["pipeline"]
+        assert time.monotonic() < deadline, f"no restart {restarts}: {reply.text}\n" + "".join(lines)
+        time.sleep(0.2)
+
+
+@pytest.mark.e2e
+def test_stage_timeout_holds_after_a_restart_and_a_stage_stalled_then_is_noticed(tmp_path, monkeypatch):
+    """`serve --stage-timeout` outlives a restart: the new stage and rank 0's monitor of it run
+    under the flag's timeout, not the default, and a stage stopped after the restart is declared
+    silent by that monitor and restarted in turn."""
+    import httpx
+    import psutil
+
+    monkeypatch.delenv(STAGE_TIMEOUT_ENV, raising=False)  # only the flag sets it
+    assert SERVE_TIMEOUT != DEFAULT_STAGE_TIMEOUT_S  # so a default taken instead is told apart
+
+    def stage(pipeline: dict) -> int:
+        """The pid of stage 1, checked to run under SERVE_TIMEOUT at both ends of its heartbeat."""
+        heartbeats = pipeline["heartbeats"]
+        assert heartbeats["stage_timeout_s"] == SERVE_TIMEOUT, heartbeats
+        (worker,) = heartbeats["stages"]
+        assert float(psutil.Process(worker["pid"]).environ()[STAGE_TIMEOUT_ENV]) == SERVE_TIMEOUT
+        return worker["pid"]
+
+    with serve_pipeline(tmp_path) as (url, lines), httpx.Client(base_url=url, timeout=60) as http:
+        first = stage(serving(http, 0, lines))
+        os.kill(first, signal.SIGKILL)
+        second = stage(serving(http, 1, lines))
+        assert second != first
+        os.kill(second, signal.SIGSTOP)  # the stall: alive, its sockets open, silent
+        after = serving(http, 2, lines)
+        assert after["last_failure"].startswith(f"pipeline stage 1 (pid {second}) sent no heartbeat for"), after
+        assert "stopped or hung" in after["last_failure"]
+        assert stage(after) not in (first, second)
+        assert greedy_text(http)
     assert "Traceback" not in "".join(lines), "".join(lines)

@@ -17,16 +17,40 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from tierlm.distributed.health import Heartbeat, PipelineHealth, stage_timeout_s
+from tierlm.distributed.health import Heartbeat, PipelineHealth, check_timeout, stage_timeout_s
 from tierlm.distributed.ranks import BACKEND_ENV, PARENT_ENV, TIMEOUT_ENV, RankEnv, backend_for, rank_env, timeout_s
 from tierlm.distributed.wire import SHUTDOWN, Link, control
 from tierlm.errors import TierlmError
+
+# A spawned worker's program. `python -m` (and -c) put the working directory first on sys.path,
+# where a `tierlm/` folder (a checkout) would shadow the installed package; the worker drops that
+# entry before importing tierlm. (3.11's -P does the same; tierlm also runs on 3.10.)
+WORKER_PROGRAM = "import sys\nif sys.path[:1] == ['']: del sys.path[0]\nfrom tierlm.distributed.worker import main\nmain()"
+
+
+@dataclass(frozen=True)
+class GroupSettings:
+    """Everything a pipeline's group starts under, kept on the group: a restart (supervisor.py)
+    starts its successor from this same object, so no setting falls back to a default."""
+
+    stages: int
+    device: object  # the compute device (torch.device)
+    timeout: float  # seconds a rank waits in a collective (ranks.timeout_s)
+    stage_timeout: float  # seconds a stage may send no heartbeat (health.py)
+
+    @classmethod
+    def of(cls, stages: int, device, *, timeout: float | None = None, stage_timeout: float | None = None):
+        """Settings with each timeout not given taken from the environment, else its default."""
+        stage_timeout = check_timeout(stage_timeout) if stage_timeout is not None else stage_timeout_s()
+        return cls(stages, torch.device(device), timeout or timeout_s(), stage_timeout)
+
 
 @dataclass
 class PipelineGroup:
     """Rank 0's handle on a process group of `world` ranks; `workers` are the processes it spawned
     (none under torchrun, which owns them). `close()` ends the workers and the group."""
 
+    settings: GroupSettings  # what it was started under
     world: int
     device: object  # torch.device the link's tensors live on
     workers: list = field(default_factory=list)  # subprocess.Popen, rank order from 1
@@ -74,12 +98,12 @@ def end_processes(processes, grace_s: float) -> None:
             proc.wait()
 
 
-def start_group(stages: int, device, *, timeout: float | None = None, stage_timeout: float | None = None) -> PipelineGroup:
-    """Rank 0 of a pipeline of `stages` ranks: under torchrun (RANK/WORLD_SIZE set) the group its
-    processes form, else `stages - 1` local worker processes spawned here (127.0.0.1, a free port)."""
-    device = torch.device(device)
+def start_group(settings: GroupSettings) -> PipelineGroup:
+    """Rank 0 of a pipeline of `settings.stages` ranks: under torchrun (RANK/WORLD_SIZE set) the
+    group its processes form, else the other ranks as local worker processes spawned here
+    (127.0.0.1, a free port)."""
+    stages, device = settings.stages, settings.device
     comm_device = device if backend_for(device.type) != "gloo" else torch.device("cpu")
-    timeout = timeout or timeout_s()
     env = rank_env()
     if env is not None:
         if env.rank != 0:
@@ -87,29 +111,31 @@ def start_group(stages: int, device, *, timeout: float | None = None, stage_time
         if stages not in (1, env.world):
             raise TierlmError(f"--stages {stages} under torchrun with WORLD_SIZE={env.world}",
                               f"drop --stages, or launch {stages} processes")  # fmt: skip
-        join_group(env, backend_for(device.type), timeout)
-        return PipelineGroup(env.world, comm_device, health=announce_health(env.world, stage_timeout, comm_device))
+        join_group(env, backend_for(device.type), settings.timeout)
+        health = announce_health(env.world, settings.stage_timeout, comm_device)
+        return PipelineGroup(settings, env.world, comm_device, health=health)
     if stages < 2:
         raise TierlmError(f"a pipeline needs at least 2 stages, not {stages}")
-    return spawn_group(stages, device, comm_device, timeout, stage_timeout)
+    return spawn_group(settings, comm_device)
 
 
-def spawn_group(stages: int, device, comm_device, timeout: float, stage_timeout: float | None = None) -> PipelineGroup:
-    """Spawn ranks 1..stages-1 as `python -m tierlm.distributed.worker` and form the group; a
-    heartbeat (health.py) watches them: a worker silent for `stage_timeout` s (default: the
-    environment's TIERLM_STAGE_TIMEOUT, else 5) or exited fails the pipeline and is killed."""
+def spawn_group(settings: GroupSettings, comm_device) -> PipelineGroup:
+    """Spawn ranks 1..stages-1 (WORKER_PROGRAM: tierlm/distributed/worker.py) and form the group;
+    a heartbeat (health.py) watches them: a worker silent for `settings.stage_timeout` s or exited
+    fails the pipeline and is killed."""
     if dist.is_initialized():
         raise TierlmError("this process already belongs to a torch.distributed group",
                           "close the other pipeline first")  # fmt: skip
+    stages, device, timeout = settings.stages, settings.device, settings.timeout
     # A store on port 0 picks a free port without a race; the workers are told which it got.
     store = dist.TCPStore("127.0.0.1", 0, stages, True, timedelta(seconds=timeout), wait_for_workers=False)
-    health = PipelineHealth(stages, stage_timeout or stage_timeout_s())
+    health = PipelineHealth(stages, settings.stage_timeout)
     env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(store.port), WORLD_SIZE=str(stages),
                **{PARENT_ENV: str(os.getpid()), TIMEOUT_ENV: str(timeout), BACKEND_ENV: backend_for(device.type)},
                **health.worker_env())  # fmt: skip
-    group = PipelineGroup(stages, comm_device, health=health)
+    group = PipelineGroup(settings, stages, comm_device, health=health)
     for rank in range(1, stages):
-        group.workers.append(subprocess.Popen([sys.executable, "-m", "tierlm.distributed.worker"],
+        group.workers.append(subprocess.Popen([sys.executable, "-c", WORKER_PROGRAM],
                                               env=dict(env, RANK=str(rank)), stdin=subprocess.DEVNULL))  # fmt: skip
         health.watch_process(rank, group.workers[-1])
     # A failed stage's peers are killed at once: that also ends any gloo wait still pending on them.
@@ -150,10 +176,10 @@ def join_group(env: RankEnv, backend: str, timeout: float) -> None:
                             timeout=timedelta(seconds=timeout))  # fmt: skip
 
 
-def announce_health(world: int, timeout: float | None, device) -> PipelineHealth:
+def announce_health(world: int, timeout: float, device) -> PipelineHealth:
     """Rank 0 of a torchrun group: a PipelineHealth listening on every interface, whose port and
     timeout every rank learns from one broadcast (matched by `join_health` on each worker)."""
-    health = PipelineHealth(world, timeout or stage_timeout_s(), host="0.0.0.0")
+    health = PipelineHealth(world, timeout, host="0.0.0.0")
     dist.broadcast_object_list([health.port, health.timeout], src=0, device=device)
     return health
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from tierlm.device.resolve import resolve_device
-from tierlm.distributed.launch import start_group
+from tierlm.distributed.launch import GroupSettings, start_group
 from tierlm.distributed.stage_load import StageLoad, load_stage
 from tierlm.distributed.wire import CONTIGUOUS, LOAD, RELEASE, SLOT_BATCH, SLOT_VIEW, StepHeader, control
 from tierlm.errors import TierlmError
@@ -215,7 +215,7 @@ def open_pipeline(model_dir: Path, profiles: list, *, progress=None, stage_timeo
     device = resolve_device(common.get("device"))
     config = read_config(Path(model_dir))
     loads = stage_loads(model_dir, config, profiles, **common)
-    group = start_group(len(profiles), device, stage_timeout=stage_timeout)
+    group = start_group(GroupSettings.of(len(profiles), device, stage_timeout=stage_timeout))
     try:
         loaded = load_pipeline(group, loads, owns_group=True, progress=progress)
     except BaseException:

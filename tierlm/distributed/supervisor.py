@@ -136,11 +136,12 @@ def supervise(loaded, policy: RestartPolicy | None = None) -> PipelineSupervisor
 
 def restart_workers(model) -> None:
     """Fresh workers for `model` (a PipelineModel whose workers failed): close the failed group,
-    start a new one (new port, same world) and load every worker's stage again, as before.
+    start a new one under the failed one's settings (new port; same world, device and timeouts)
+    and load every worker's stage again, as before.
     Rank 0's stage stays loaded; the new workers make their cache twins on first use, so
     only sequences started after the restart run on it (the server's fresh batch runner)."""
     model.group.close(grace_s=0.0)  # its processes are dead or are killed now
-    group = start_group(model.world, model.device)
+    group = start_group(model.group.settings)
     try:
         link = group.link()
         link.send(control(LOAD, link.device), 1)

@@ -1,7 +1,7 @@
 """A pipeline worker: rank r > 0 runs its stage for rank 0 until told to stop.
 
-`python -m tierlm.distributed.worker` (spawned by `--stages N`, rank and rendezvous in the
-environment), or a torchrun process whose rank is not 0 (the CLI calls `serve_stage`). The loop
+A process spawned by `--stages N` (launch.py's WORKER_PROGRAM runs `main`; rank and rendezvous in
+the environment), or a torchrun process whose rank is not 0 (the CLI calls `serve_stage`). The loop
 receives only from rank r - 1: LOAD (every rank's StageLoad: it passes them on, loads its own and
 reports to rank 0), STEP (set its twin cache's lengths from the header, run its layers, send the
 hidden states on, or the logits back to rank 0 from the last stage), RELEASE (drop the stage),
