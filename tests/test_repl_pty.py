@@ -302,6 +302,8 @@ def test_unknown_commands_are_not_sent_and_a_block_is_one_message(terminal):
     from tierlm.weights.embedded import ensure_embedded_model
 
     term = terminal("-n", "8")
+    # The banner names the model as `tierlm list` does, with its weights as --quant spells them.
+    term.expect(r"tierlm chat · smollm2 \((mixed:source|int8[\w-]*|int4[\w-]*)\) · profile 4gb", STARTUP_S)
     term.expect(">>> ", STARTUP_S)
     term.type("/frobnicate the model\r")
     term.expect(r"unknown command /frobnicate.*?/reset.*?/stats.*?/bye.*?\"\"\".*?>>> ")

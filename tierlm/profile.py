@@ -46,7 +46,7 @@ import psutil
 
 from tierlm.device.memory import process_limits
 from tierlm.errors import TierlmError
-from tierlm.quant.modes import check_mode_name, mode_choices
+from tierlm.quant.modes import check_mode_name, mode_choices, quant_text
 from tierlm.units import format_size, parse_size  # noqa: F401 - part of this module's API
 
 if sys.version_info >= (3, 11):
@@ -89,8 +89,8 @@ class Profile:
     def quant_label(self) -> str:
         """`quant`, with the mode it resolved to when that differs: "auto → int8-g32-asym"."""
         if self.quant_resolved and self.quant_resolved != self.quant:
-            return f"{self.quant} → {self.quant_resolved}"
-        return self.quant
+            return f"{quant_text(self.quant)} → {quant_text(self.quant_resolved)}"
+        return quant_text(self.quant)
 
 
 _SIZE_KEYS = ("device_memory", "host_memory", "headroom")

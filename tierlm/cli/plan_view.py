@@ -16,6 +16,7 @@ from tierlm.lora.spec import split_variant_specs
 from tierlm.offload.placement import DEVICE, DISK
 from tierlm.offload.sizes import mixed_size_text
 from tierlm.profile import format_size, load_profile
+from tierlm.quant.modes import quant_text
 from tierlm.runtime.planning import plan_model, plan_stages
 from tierlm.runtime.source import is_artifact
 
@@ -205,11 +206,24 @@ def describe(placement) -> str:
     lines.append(f"prefill  {placement.predicted_prefill_tokens_per_s:.1f} tokens/s (predicted)")
     lines.append(f"decode   {placement.predicted_decode_tokens_per_s:.2f} tokens/s (predicted), "
                  f"bound by {placement.binding_limit}")  # fmt: skip
+    lines += [f"{'from' if i == 0 else '':8} {text}" for i, text in enumerate(source_texts(placement.decode_sources))]
     if placement.resident_mixed_bytes:
 
         lines.append(f"fits     every block on the device with --quant mixed:{mixed_size_text(placement.resident_mixed_bytes)}")
     lines += [f"note     {note}" for note in placement.notes]
     return "\n".join(lines)
+
+
+def source_texts(sources) -> list[str]:
+    """Each figure behind a prediction with the measurement it comes from: "RAM 11.20 GB/s
+    measured by bench m, profile 4gb on 2026-12-01 14:02 (resident)", or "... probed (streamed)"."""
+    texts = []
+    for f in sources:
+        value = f"{f.value * 1e3:.3f} ms" if f.name.endswith("_s") and not f.name.endswith("per_s") else f"{f.value / 1e9:.2f} GB/s"
+        origin = (f"measured by {f.source} on {time.strftime('%Y-%m-%d %H:%M', time.localtime(f.at))}"
+                  if f.source else "probed")  # fmt: skip
+        texts.append(f"{f.label} {value} {origin} ({f.path})")
+    return texts
 
 
 def probe_lines(record, name: str, now: float | None = None) -> list[str]:
@@ -224,7 +238,8 @@ def probe_age_text(record, now: float | None = None) -> str:
     text = f"{format_age(now - record.probed_at)} old"
     if record.corrections:
         newest = record.corrections[-1]
-        text += f"; corrected {format_age(now - newest['at'])} ago from {newest['source']}"
+        path = f" ({newest['path']})" if newest.get("path") else ""
+        text += f"; corrected {format_age(now - newest['at'])} ago from {newest['source']}{path}"
     return text
 
 
@@ -250,7 +265,8 @@ def format_age(seconds: float) -> str:
 
 
 def _quant_line(chosen: str, asked: str | None, profiles: str) -> str:
-    requested = asked or profiles
+    chosen, profiles = quant_text(chosen), quant_text(profiles)
+    requested = quant_text(asked or profiles)
     shown = chosen if requested == chosen else f"{requested} → {chosen}"  # "auto → int8-g32-asym"
     if asked is None:
         return f"{shown} (the profile's)"
@@ -285,7 +301,7 @@ def stage_plan_for(model_dir: Path, profiles: list, link, quant: str | None = No
     names = ",".join(dict.fromkeys(p.name for p in profiles))
     header = [
         f"model    {model_dir} ({config.model_type}, {config.num_hidden_layers} layers{_moe_text(config)})",
-        f"stages   {len(profiles)}, profile {names}; quant {planned.stages[0].sizes.quant}",
+        f"stages   {len(profiles)}, profile {names}; quant {quant_text(planned.stages[0].sizes.quant)}",
         f"device   {budget.device} on every rank; baseline {_mib(budget.baseline.charged)} charged per rank",
         limits_line(budget.limits),
         *probe_lines(plan.probe, plan.probe_path.stem),

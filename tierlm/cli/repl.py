@@ -49,8 +49,9 @@ def _loop(session, params, system: str | None, interactive: bool) -> None:
 
     chat = ChatSession(session.engine, system=system)
     last = None
+    replied = False
     if interactive:
-        print(f"tierlm chat · {session.model_dir.name} · profile {session.profile.name} · "
+        print(f"tierlm chat · {_model_label(session)} · profile {session.profile.name} · "
               "/? lists commands, Ctrl-D quits", file=sys.stderr)
     while True:
         line = _prompt(interactive)
@@ -65,9 +66,21 @@ def _loop(session, params, system: str | None, interactive: bool) -> None:
             if text.startswith(BLOCK):
                 text = _read_block(text[len(BLOCK):], interactive)
             if text:
+                if replied and not interactive:  # piped: a blank line between replies, as ollama run prints
+                    sys.stdout.write("\n")
                 last = _reply(chat, text, params) or last
+                replied = True
         except KeyboardInterrupt:  # a Ctrl-C outside a reply's own handling (e.g. during /stats)
             print("\n(interrupted)", file=sys.stderr)
+
+
+def _model_label(session) -> str:
+    """The model as `tierlm list` names it, with how its weights are held: "smollm2 (mixed:source)"."""
+    from tierlm.cache.catalog import model_name
+    from tierlm.quant.modes import quant_text
+
+    held = session.engine.loaded.weight_format
+    return f"{model_name(session.model_dir)} ({quant_text(held)})" if held else model_name(session.model_dir)
 
 
 def _command(text: str, chat, session, last, interactive: bool) -> bool:
@@ -240,7 +253,7 @@ def _check_probe(session, stats) -> None:
 
     if stats is None or session.pipeline is not None:  # a pipeline's speed includes the other stages
         return
-    source = f"chat {session.model_dir.name}, profile {session.profile.name}"
+    source = f"chat {_model_label(session)}, profile {session.profile.name}"
     run = note_measured_decode(session.engine.loaded, session.profile, stats.decode_tokens_per_s, stats.new_tokens - 1, source)
     if run is not None and run.get("corrected"):
         print(f"(the cached bandwidth probe predicted {run['predicted_tok_s']:.1f} tok/s; corrected "
