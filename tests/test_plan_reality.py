@@ -177,8 +177,10 @@ def test_a_measured_run_corrects_a_poisoned_probe(model_dir, fixed_probe, tmp_pa
     check = measured["probe_check"]
     assert check["corrected"] and check["measured_tok_s"] == measured["decode_tokens_per_s"]
     record = read_probe(path)
-    assert record.bandwidths.device_bytes_per_s > 10 * POISONED.device_bytes_per_s
-    assert record.bandwidths.disk_bytes_per_s == POISONED.disk_bytes_per_s, "only the binding figures change"
+    corrected = record.bandwidths.for_path("resident")
+    assert corrected.device_bytes_per_s > 10 * POISONED.device_bytes_per_s
+    assert corrected.disk_bytes_per_s == POISONED.disk_bytes_per_s, "only the binding figures change"
+    assert record.bandwidths.for_path("streamed") == POISONED, "a resident run corrects resident plans only"
     assert record.corrections[-1]["before"] == POISONED.to_dict() and "bench" in record.corrections[-1]["source"]
     assert record.probed_at < time.time() - 3 * DAY, "a correction is not a new probe"
 
@@ -203,7 +205,7 @@ def test_chat_stats_corrects_a_poisoned_probe(model_dir, fixed_probe, tmp_path):
     assert "corrected from this run's" in done.stderr
     record = read_probe(path)
     # Raised, not by how much: a busy machine measures slowly too, only never as slowly as the poison.
-    assert record.bandwidths.device_bytes_per_s > POISONED.device_bytes_per_s
+    assert record.bandwidths.for_path("resident").device_bytes_per_s > POISONED.device_bytes_per_s
     assert "chat" in record.corrections[-1]["source"]
 
 
@@ -261,9 +263,10 @@ def test_a_run_within_noise_is_recorded_but_corrects_nothing(tmp_path, monkeypat
     run, corrected = assess(loaded, profile, FIXED, predicted * 0.9 * CORRECTION_RATIO, "test")
     assert corrected is None and run["predicted_tok_s"] == pytest.approx(predicted)
     run, corrected = assess(loaded, profile, FIXED, predicted * 1.1 * CORRECTION_RATIO, "test")
-    assert corrected is not None and corrected.device_bytes_per_s > FIXED.device_bytes_per_s
+    assert corrected is not None and corrected.for_path("resident").device_bytes_per_s > FIXED.device_bytes_per_s
+    assert run["path"] == "resident" and corrected.device_bytes_per_s == FIXED.device_bytes_per_s, "the probe's own stays"
     run, corrected = assess(loaded, profile, FIXED, predicted / (1.1 * CORRECTION_RATIO), "test")
-    assert corrected is not None and corrected.device_bytes_per_s < FIXED.device_bytes_per_s
+    assert corrected is not None and corrected.for_path("resident").device_bytes_per_s < FIXED.device_bytes_per_s
 
     save_bandwidths(FIXED, "cpu", probed_at=1000.0)
     noted = record_measured_run("cpu", lambda figures: ({"source": "a", "measured_tok_s": 2.0,

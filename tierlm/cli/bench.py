@@ -125,9 +125,10 @@ def format_bench(result: dict) -> str:
     lines += [f"stages    {line}" for line in result.get("stages") or ()]
     check = result.get("probe_check")
     if check:
-        verdict = ("the cached probe was corrected from this run" if check["corrected"]
+        path = check["path"]
+        verdict = (f"the cached probe's {path} figures were corrected from this run" if check["corrected"]
                    else "within noise of the probe's prediction")  # fmt: skip
-        lines.append(f"probe     at batch 1 it predicted {check['predicted_tok_s']:.2f} tok/s; measured "
+        lines.append(f"probe     at batch 1 it predicted {check['predicted_tok_s']:.2f} tok/s ({path}); measured "
                      f"{check['measured_tok_s'] / check['predicted_tok_s']:.2f}x that: {verdict}")  # fmt: skip
     ledger = result.get("ledger")
     if ledger:

@@ -54,6 +54,20 @@ class ExpertLayer:
 
 
 @dataclass(frozen=True)
+class FigureSource:
+    """One figure a decode prediction rests on and the measurement it comes from: `label` ("RAM",
+    "disk", ...), the probe figure's `name` and the `value` used for the step's `path`; `source`
+    and `at`: the measured run that corrected it for that path (None: the probe's own)."""
+
+    label: str
+    name: str
+    value: float
+    path: str
+    source: str | None = None
+    at: float | None = None
+
+
+@dataclass(frozen=True)
 class VariantPlacement:
     """A LoRA variant served beside the base (store/variants.py): its mode, the bytes it adds
     when held, and its tier. device: held where it computes; host: held in host RAM, copied to
@@ -99,6 +113,8 @@ class Placement:
     weight_modes: tuple[tuple[str, int], ...] = ()
     # The largest mixed:SIZE (bytes) that would hold every block on the device; 0: not asked.
     resident_mixed_bytes: int = 0
+    # The figures the decode prediction rests on, the binding limit's first, with their sources.
+    decode_sources: tuple[FigureSource, ...] = ()
 
     def block(self, name: str) -> BlockPlacement:
         return self._by_name[name]
@@ -159,4 +175,5 @@ def placement_to_dict(placement: Placement) -> dict:
         "weights_bytes": sum(b.nbytes for b in placement.blocks),
         "weight_modes": dict(placement.weight_modes),
         "resident_mixed_bytes": placement.resident_mixed_bytes,
+        "decode_sources": [vars(f) for f in placement.decode_sources],
     }

@@ -3,15 +3,19 @@
 The probe runs once per machine; taken while the machine was busy it predicts a fraction of the
 real speed for every later plan. A measured decode (`tierlm bench`, chat's `/stats`) is compared
 with the prediction for the same placement at batch 1, made with the cached figures as they are
-now. Beyond CORRECTION_RATIO either way, the figures become those that would have predicted the
-measurement (offload/planner/cost.py `implied_bandwidths`); the probe's record keeps when, from
-what run, and the figures it replaced. Within it, the run is recorded only (`tierlm plan` shows
-how far it was off).
+now for its path (resident, streamed, MoE: offload/bandwidths.py `decode_path`). Beyond
+CORRECTION_RATIO either way, that path's correction becomes the one that would have predicted the
+measurement (offload/planner/cost.py `implied_bandwidths`: a slow streamed run blames the tier it
+streamed from); other paths' predictions keep theirs. The probe's record keeps when, from what
+run, and the figures it replaced. Within it, the run is recorded only (`tierlm plan` shows how far
+it was off).
 """
 
 from __future__ import annotations
 
-from tierlm.offload.planner.cost import decode_terms, implied_bandwidths, step_seconds
+import time
+
+from tierlm.offload.planner.cost import decode_terms, implied_bandwidths, placement_path, step_seconds
 from tierlm.probe.record import record_measured_run
 
 # Run-to-run spread of a decode measurement on a shared machine stays well inside 1.5x; a probe
@@ -32,14 +36,17 @@ def note_measured_decode(loaded, profile, tokens_per_s: float, steps: int, sourc
 
 
 def assess(loaded, profile, bandwidths, tokens_per_s: float, source: str):
-    """(the run as the probe records it, corrected figures or None) for a measured speed."""
+    """(the run as the probe records it, `bandwidths` with its path's correction replaced or None)
+    for a measured speed."""
     accelerator = loaded.device.type != "cpu"
+    path = placement_path(loaded.placement)
     terms = decode_terms(loaded.config, loaded.sizes, profile, bandwidths, loaded.placement, accelerator=accelerator)
     predicted_s, limit = step_seconds(terms, profile.prefetch_depth)
     measured_s = 1.0 / tokens_per_s
-    run = {"source": source, "measured_tok_s": tokens_per_s, "predicted_tok_s": 1.0 / predicted_s, "limit": limit}
+    run = {"source": source, "measured_tok_s": tokens_per_s, "predicted_tok_s": 1.0 / predicted_s, "limit": limit,
+           "path": path}  # fmt: skip
     if 1 / CORRECTION_RATIO <= predicted_s / measured_s <= CORRECTION_RATIO:
         return run, None
-    corrected = implied_bandwidths(bandwidths, terms, measured_s, accelerator=accelerator,
-                                   prefetch_depth=profile.prefetch_depth)  # fmt: skip
-    return run, corrected
+    fitted = implied_bandwidths(bandwidths.for_path(path), terms, measured_s, accelerator=accelerator,
+                                prefetch_depth=profile.prefetch_depth)  # fmt: skip
+    return run, bandwidths.corrected(path, fitted, source, time.time())

@@ -7,8 +7,9 @@ file with `save_bandwidths`.
 
 A probe taken while the machine was busy would mislead every later prediction, so the cache file
 is a `ProbeRecord`: the figures, when they were probed, the last measured run beside its
-prediction, and the corrections measured runs made (`record_measured_run`). `tierlm doctor
---probe` probes afresh.
+prediction, and the corrections measured runs made (`record_measured_run`), one per decode path
+(offload/bandwidths.py `Correction`), kept beside the probe's own figures, which they never
+overwrite. `tierlm doctor --probe` probes afresh.
 
 No torch here: a record is read, and the CPU's named, without it. Only an accelerator's file asks
 torch, for the card's name.
@@ -60,11 +61,12 @@ def probe_name(device) -> str:
 class ProbeRecord:
     """A cached probe: the figures the planner uses and where they came from.
 
+    bandwidths   the probe's figures, with each path's current correction (`path_corrections`)
     probed_at    epoch seconds of the probe (None: a file older than this field)
     last_run     the newest measured run: {"at", "source", "measured_tok_s", "predicted_tok_s",
-                 "limit", "corrected"}; predicted with the figures as they were before it
+                 "limit", "path", "corrected"}; predicted with the figures as they were before it
     corrections  the newest KEPT_CORRECTIONS corrections, oldest first: a last_run entry plus
-                 "before" (the figures it replaced)
+                 "before" (the bandwidths and corrections it replaced)
     """
 
     bandwidths: Bandwidths
@@ -111,7 +113,7 @@ def record_measured_run(device, assess: Callable[[Bandwidths], tuple[dict, Bandw
     """Record a measured run in `device`'s probe, correcting its figures when `assess` says so.
 
     `assess(current figures)` returns (the run: "source", "measured_tok_s", "predicted_tok_s",
-    "limit"; the corrected figures, or None when the prediction held). It runs under the
+    "limit", "path"; the figures with the run's path corrected, or None when the prediction held). It runs under the
     record's lock on the figures as they are now, so concurrent runs do not undo each other.
     Returns the updated record; None (nothing written) when no probe is cached.
     """

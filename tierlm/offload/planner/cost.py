@@ -24,9 +24,11 @@ prefill computes the head for one token (last-position logits). KV-cache reads a
 the prediction is for the start of a conversation. A pipeline stage's per-layer dispatch is its
 own layers', and the per-token overhead is charged to the first stage.
 
-Measured runs check the model: `decode_terms` + `step_seconds` predict an existing placement's
-decode step, and `implied_bandwidths` gives the figures under which it would take what was
-measured (the probe's cache is corrected with them when the two disagree: probe/measured.py).
+Every step is predicted with the probe's figures corrected for its path only (offload/bandwidths.py
+`decode_path`: resident, streamed, MoE), and the placement names each figure's source
+(`figure_sources`). Measured runs check the model: `decode_terms` + `step_seconds` predict an
+existing placement's decode step, and `implied_bandwidths` gives the figures under which it would
+take what was measured (the probe's cache then corrects that path: probe/measured.py).
 """
 
 from __future__ import annotations
@@ -36,8 +38,8 @@ from typing import Mapping
 
 from tierlm.blocks import EMBED, HEAD, expert_of, is_expert, is_layer
 from tierlm.config import ModelConfig
-from tierlm.offload.bandwidths import MATRIX, Bandwidths
-from tierlm.offload.placement import DEVICE, DISK, HOST, Placement
+from tierlm.offload.bandwidths import MATRIX, MOE, Bandwidths, decode_path
+from tierlm.offload.placement import DEVICE, DISK, HOST, FigureSource, Placement
 from tierlm.offload.planner.context import _Context, _Split
 from tierlm.offload.sizes import PREFILL_CHUNK, BlockSizes, context_tokens
 from tierlm.profile import Profile
@@ -55,7 +57,7 @@ def _step_time(ctx: _Context, tiers, computes, split: "_Split", *, prefill: bool
 
 def _terms(ctx: _Context, tiers, computes, split: "_Split", tokens: int, prefill: bool) -> dict[str, float]:
     """Seconds each limit (LIMITS) costs one step of `tokens` tokens."""
-    bw, sizes = ctx.bandwidths, ctx.sizes
+    bw, sizes = _figures(ctx, tiers), ctx.sizes
     terms = dict.fromkeys(LIMITS, 0.0)
     if ctx.experts is not None:
         for limit, seconds in _expert_terms(ctx, split, tokens).items():
@@ -95,7 +97,7 @@ def _expert_terms(ctx: _Context, split: _Split, tokens: int) -> dict[str, float]
     key = (split, tokens)
     if key in ctx.memo:
         return ctx.memo[key]
-    bw, sizes, experts = ctx.bandwidths, ctx.sizes, ctx.experts
+    bw, sizes, experts = ctx.bandwidths.for_path(MOE), ctx.sizes, ctx.experts
     terms = dict.fromkeys(LIMITS, 0.0)
     for index, block in enumerate(experts.order):
         tier = split.tier(index)
@@ -117,6 +119,41 @@ def _expert_terms(ctx: _Context, split: _Split, tokens: int) -> dict[str, float]
             terms["link"] += read / _rate(bw.link_bytes_per_s)
     ctx.memo[key] = terms
     return terms
+
+
+def _figures(ctx: _Context, tiers: Mapping[str, str]) -> Bandwidths:
+    """The figures a step over dense blocks on `tiers` is predicted with: its path's."""
+    return ctx.bandwidths.for_path(decode_path(tiers.values(), ctx.experts is not None))
+
+
+def placement_path(placement: Placement) -> str:
+    """The decode path of an existing placement (offload/bandwidths.py `decode_path`)."""
+    dense = [b.tier for b in placement.blocks if not is_expert(b.name)]
+    return decode_path(dense, len(dense) < len(placement.blocks))
+
+
+# The figure each limit's time is chiefly made of, and what a person calls it.
+_MAIN_FIGURE = {"device bandwidth": "device_bytes_per_s", "host bandwidth": "host_bytes_per_s",
+                "dispatch overhead": "per_block_overhead_s", "link": "link_bytes_per_s", "disk": "disk_bytes_per_s"}  # fmt: skip
+
+
+def figure_sources(ctx: _Context, tiers: Mapping[str, str], terms: Mapping[str, float], limit: str) -> tuple[FigureSource, ...]:
+    """The figures a decode prediction rests on (those of the limits that take time in it, the
+    binding one first), each with the measurement it comes from: the probe's, or the measured
+    run that corrected it for this path."""
+    path = decode_path(tiers.values(), ctx.experts is not None)
+    figures, correction = ctx.bandwidths.for_path(path), ctx.bandwidths.correction(path)
+    # CPU-only, the host term is a cold embedding's rows, gathered where they lie.
+    names = {"device_bytes_per_s": "device" if ctx.accelerator else "RAM",
+             "host_bytes_per_s": "host RAM (CPU)" if ctx.accelerator else "embedding rows",
+             "per_block_overhead_s": "per layer", "link_bytes_per_s": "link", "disk_bytes_per_s": "disk"}  # fmt: skip
+    sources = []
+    for name in sorted((k for k in LIMITS if terms[k] > 0), key=lambda k: k != limit):
+        figure = _MAIN_FIGURE[name]
+        by = correction if correction is not None and correction.factor(figure) is not None else None
+        sources.append(FigureSource(names[figure], figure, getattr(figures, figure), path,
+                                    by.source if by else None, by.at if by else None))  # fmt: skip
+    return tuple(sources)
 
 
 def _row_seconds(ctx: _Context, block: str, bw: Bandwidths) -> float:
@@ -188,15 +225,23 @@ def implied_bandwidths(
 ) -> Bandwidths:
     """The bandwidths under which a step with these `terms` takes `measured_s`, as measured.
 
-    With prefetch the channels (compute, link, disk) overlap: each one predicted slower than the
-    measured step, and the binding one, is rescaled to take exactly the measured time; a
+    A step slower than predicted that read bytes from a colder tier (disk, over the link, or host
+    RAM computed by the CPU beside an accelerator) was slowed by that tier: the binding one of
+    them, else the one taking the largest share of the step, is fitted alone, and the figures of
+    the tier the resident blocks are read from are kept.
+
+    Otherwise, with prefetch the channels (compute, link, disk) overlap: each one predicted slower
+    than the measured step, and the binding one, is rescaled to take exactly the measured time; a
     transfer's rate becomes its bytes per step over that time. Within compute, a CPU-only
     machine's figures all scale alike (one processor, and a probe slowed by a busy machine is
     slowed throughout); on an accelerator the binding processor is fitted alone. Without
     prefetch the terms add up: the binding one is fitted, the others kept.
     """
     compute = LIMITS[:3]
-    _, limit = step_seconds(terms, prefetch_depth)
+    predicted, limit = step_seconds(terms, prefetch_depth)
+    cold = [k for k in ("disk", "link", *(("host bandwidth",) if accelerator else ())) if terms[k] > 0]
+    if measured_s > predicted and cold:
+        return _blamed(bandwidths, terms, limit if limit in cold else max(cold, key=terms.get), measured_s, prefetch_depth)
     if prefetch_depth < 1:
         return _fit(bandwidths, terms, (limit,), [k for k in LIMITS if k != limit], measured_s)
     fitted = bandwidths
@@ -209,6 +254,17 @@ def implied_bandwidths(
         else:
             fitted = _scaled(fitted, channel, seconds / measured_s)
     return fitted
+
+
+def _blamed(bandwidths: Bandwidths, terms, blamed: str, measured_s: float, prefetch_depth: int) -> Bandwidths:
+    """`blamed`'s figures slowed so that the step takes `measured_s` (longer than predicted), the
+    others kept: a transfer overlapped by prefetch takes the whole step; otherwise the blamed term
+    adds up with those it shares the step with (compute with prefetch, everything without)."""
+    if prefetch_depth >= 1 and blamed in ("link", "disk"):
+        return _scaled(bandwidths, (blamed,), terms[blamed] / measured_s)
+    shared = LIMITS[:3] if prefetch_depth >= 1 else LIMITS
+    left = measured_s - sum(terms[k] for k in shared if k != blamed)  # > terms[blamed]: the step was slower
+    return _scaled(bandwidths, (blamed,), terms[blamed] / left)
 
 
 def _fit(bandwidths: Bandwidths, terms, scaled, kept, measured_s: float) -> Bandwidths:

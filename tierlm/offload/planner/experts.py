@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Mapping
 
-from tierlm.offload.bandwidths import Bandwidths
+from tierlm.offload.bandwidths import MOE, Bandwidths
 from tierlm.offload.placement import DEVICE, DISK, HOST, ExpertLayer
 from tierlm.offload.planner.charges import _all_streamed, _budgets, _charges
 from tierlm.offload.planner.context import _Context, _Split
@@ -70,7 +70,7 @@ def _host_computes_experts(ctx: _Context, split: _Split) -> bool:
     if experts is None or not split.host or not ctx.accelerator or ctx.bandwidths is None:
         return False
     block = experts.order[split.device]
-    return host_computes_expert(ctx.bandwidths, ctx.sizes.bytes_used(block), ctx.sizes.params[block])
+    return host_computes_expert(ctx.bandwidths.for_path(MOE), ctx.sizes.bytes_used(block), ctx.sizes.params[block])
 
 
 def _expert_layers(ctx: _Context, split: _Split) -> tuple[ExpertLayer, ...]:

@@ -31,7 +31,7 @@ from tierlm.offload.bandwidths import Bandwidths
 from tierlm.offload.placement import DEVICE, HOST, BlockPlacement, Placement
 from tierlm.offload.planner.charges import _all_streamed, _budgets, _charges, _owns, _streamed
 from tierlm.offload.planner.context import _Context, _Split
-from tierlm.offload.planner.cost import _step_time
+from tierlm.offload.planner.cost import _step_time, _terms, figure_sources, step_seconds
 from tierlm.offload.planner.experts import _expert_layers, _expert_note, _host_computes_experts
 from tierlm.offload.planner.limits import _cap_notes, cap_profile
 from tierlm.offload.planner.refusal import _limit_refusal, _refusal, _shortfall
@@ -157,7 +157,8 @@ def _placement(ctx: _Context, tiers, computes, split: "_Split", charges, variant
         for name in sizes.names
     )
     streamed = _streamed({b: tiers[b] for b in ctx.dense}, computes)
-    decode_s, decode_limit = _step_time(ctx, tiers, computes, split, prefill=False)
+    decode_terms = _terms(ctx, tiers, computes, split, ctx.profile.batch_size, prefill=False)
+    decode_s, decode_limit = step_seconds(decode_terms, ctx.profile.prefetch_depth)
     prefill_s, _ = _step_time(ctx, tiers, computes, split, prefill=True)
     chunk = min(PREFILL_CHUNK, context_tokens(ctx.config, ctx.profile))
     origin = "predicted from config.json" if sizes.source == "config" else "from the artifact manifest"
@@ -191,6 +192,7 @@ def _placement(ctx: _Context, tiers, computes, split: "_Split", charges, variant
         expert_layers=_expert_layers(ctx, split),
         variants=tuple(variants),
         weight_modes=mode_counts(sizes.tensor_modes),
+        decode_sources=figure_sources(ctx, {b: tiers[b] for b in ctx.dense}, decode_terms, decode_limit),
     )
 
 
