@@ -92,8 +92,8 @@ def expected(base_dir, profile, adapters) -> dict[str | None, str]:
 
 
 @contextmanager
-def running(session):
-    options = ServerOptions(model_id=BASE, api_key=KEY, debug_hooks=True, access_log=False)
+def running(session, **options):
+    options = ServerOptions(model_id=BASE, api_key=KEY, debug_hooks=True, access_log=False, **options)
     with BackgroundServer(session, options) as server:
         with httpx.Client(base_url=server.url, timeout=60, headers=AUTH) as client:
             yield client
@@ -205,7 +205,7 @@ def test_adapter_of_another_base_is_400_and_writes_nothing(session, root):
     other = root / "other-base"
     make_model(other, hidden=32, heads=2, kv_heads=1, intermediate=48, vocab=320, with_tokenizer=False)
     foreign = save_adapter(other, root / "adapter-foreign", LoraConfig(r=2, target_modules=["q_proj"]), seed=3)
-    with running(session) as client:
+    with running(session, adapter_dir=root) as client:
         before = cache_files()
         response = client.post("/v1/adapters", json={"name": "foreign", "path": str(foreign)})
         assert response.status_code == 400, response.text
@@ -220,7 +220,7 @@ BAD_ADAPTERS = [
     ({"name": BASE, "path": "."}, 409, "name"),  # the base's
     ({"name": "-bad", "path": "."}, 400, "name"),
     ({"name": "ok"}, 400, "path"),
-    ({"name": "ok", "path": "/no/such/adapter"}, 400, "path"),
+    ({"name": "ok", "path": "no/such/adapter"}, 400, "path"),  # under --adapter-dir, but missing
     ({"name": "ok", "path": ".", "weight": "heavy"}, 400, "weight"),
     ({"name": "ok", "path": ".", "rank": 4}, 400, "rank"),
 ]
@@ -230,15 +230,15 @@ BAD_ADAPTERS = [
     "body, status, param",
     quick(BAD_ADAPTERS, fast=[BAD_ADAPTERS[0], BAD_ADAPTERS[4]]),
 )
-def test_bad_adapter_requests(session, body, status, param):
-    with running(session) as client:
+def test_bad_adapter_requests(session, root, body, status, param):
+    with running(session, adapter_dir=root) as client:
         response = client.post("/v1/adapters", json=body)
         assert (response.status_code, response.json()["error"]["param"]) == (status, param), response.text
 
 
 @pytest.mark.slow
-def test_add_serve_and_remove_an_adapter_while_serving(session, adapters, expected):
-    with running(session) as client:
+def test_add_serve_and_remove_an_adapter_while_serving(session, root, adapters, expected):
+    with running(session, adapter_dir=root) as client:
         response = client.post("/v1/adapters", json={"name": "late", "path": str(adapters["late"])})
         assert response.status_code == 202 and response.json()["status"] == "converting"
         card = wait_ready(client, "late")
@@ -264,6 +264,109 @@ def test_add_serve_and_remove_an_adapter_while_serving(session, adapters, expect
         assert "late" not in session.variant_store().names()
         assert "late" not in [c["id"] for c in client.get("/v1/adapters").json()["data"]]
         assert client.delete("/v1/adapters/late").status_code == 404
+
+
+# -- which adapters a client may add: under --adapter-dir, or named as the cache knows them --------
+
+REFUSED = "this server only loads adapters under --adapter-dir"
+
+
+@pytest.fixture(scope="module")
+def adapter_dir(root, adapters) -> Path:
+    """--adapter-dir: a real adapter (a copy of `late`), a symlink leading out of it, and an
+    adapter folder whose files link out of it; the `adapters` fixture's folders lie outside."""
+    import shutil
+
+    served = root / "served-adapters"
+    shutil.copytree(adapters["late"], served / "late-copy")
+    (served / "escape").symlink_to(adapters["late"], target_is_directory=True)
+    (served / "linked-files").mkdir()
+    for item in adapters["late"].iterdir():
+        (served / "linked-files" / item.name).symlink_to(item)
+    return served
+
+
+def assert_refused(client, spec: str) -> dict:
+    response = client.post("/v1/adapters", json={"name": "outsider", "path": spec})
+    assert response.status_code == 403, (spec, response.text)
+    error = response.json()["error"]
+    assert (error["code"], error["param"]) == ("adapter_path_refused", "path"), error
+    assert error["message"].startswith(REFUSED), error
+    return error
+
+
+def remove(client, session, name: str) -> None:
+    assert client.delete(f"/v1/adapters/{name}").status_code == 200
+    deadline = time.monotonic() + 10
+    while name in session.variant_store().names() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert name not in session.variant_store().names()
+
+
+def test_paths_leading_out_of_adapter_dir_are_refused(session, adapters, adapter_dir):
+    with running(session, adapter_dir=adapter_dir) as client:
+        before = cache_files()
+        for spec in ("escape", str(adapter_dir / "escape"), "linked-files", "../adapter-late", "late-copy/../../adapter-late",
+                     str(adapters["late"])):  # fmt: skip
+            error = assert_refused(client, spec)
+            assert "is not under it (symlinks followed)" in error["message"]
+        assert cache_files() == before
+        assert "outsider" not in [c["id"] for c in client.get("/v1/adapters").json()["data"]]
+
+
+def test_without_adapter_dir_no_path_is_loaded(session, adapters, adapter_dir):
+    with running(session) as client:
+        for spec in (str(adapters["late"]), str(adapter_dir / "late-copy"), "./late-copy"):
+            error = assert_refused(client, spec)
+            assert "it was not given" in error["message"]
+
+
+@pytest.mark.slow
+def test_an_adapter_under_adapter_dir_loads(session, adapter_dir, expected):
+    with running(session, adapter_dir=adapter_dir) as client:
+        response = client.post("/v1/adapters", json={"name": "late-copy", "path": "late-copy"})
+        assert response.status_code == 202, response.text
+        card = wait_ready(client, "late-copy")
+        assert card["status"] == "ready" and card["adapters"][0]["path"] == str((adapter_dir / "late-copy").resolve())
+        assert reply(chat(client, "late-copy", PROMPTS["late"])) == expected["late"]
+        remove(client, session, "late-copy")
+
+
+@pytest.mark.slow
+def test_without_adapter_dir_an_adapter_the_cache_knows_loads_by_name(session, base_dir, adapters, expected):
+    from tests.cli_runner import run_tierlm
+
+    built = run_tierlm("convert", "--model", str(base_dir), "--lora", str(adapters["late"]), "--quant", "none")
+    assert built.returncode == 0, built.stderr
+    assert "+adapter-late" in run_tierlm("list").stdout  # the name `tierlm list` shows it by
+    with running(session) as client:
+        response = client.post("/v1/adapters", json={"name": "late-cached", "path": "adapter-late"})
+        assert response.status_code == 202, response.text
+        card = wait_ready(client, "late-cached")
+        assert card["status"] == "ready" and card["adapters"][0]["path"] == str(adapters["late"].resolve())
+        assert reply(chat(client, "late-cached", PROMPTS["late"])) == expected["late"]
+        remove(client, session, "late-cached")
+
+
+def test_serve_refuses_an_adapter_dir_that_is_no_directory(tmp_path):
+    from tests.cli_runner import run_tierlm
+
+    done = run_tierlm("serve", "--adapter-dir", str(tmp_path / "missing"))
+    assert done.returncode == 1
+    assert done.stderr.splitlines()[0].startswith(f"error: --adapter-dir {tmp_path / 'missing'} is not a directory")
+
+
+@pytest.mark.e2e
+def test_serve_adapter_dir_loads_under_it_and_refuses_a_symlink_out(base_dir, root, adapters, adapter_dir):
+    from tests.test_server_openai import serve_process
+
+    args = ["--model", str(base_dir), "--profile", str(root / "serve.toml"), "--device", "cpu", "--dtype", "fp32",
+            "--adapter-dir", str(adapter_dir), "--quiet"]  # fmt: skip
+    with serve_process(*args) as (url, lines), httpx.Client(base_url=url, timeout=60) as client:
+        assert_refused(client, "escape")
+        assert_refused(client, str(adapters["late"]))
+        assert client.post("/v1/adapters", json={"name": "late-copy", "path": "late-copy"}).status_code == 202
+        assert wait_ready(client, "late-copy")["status"] == "ready"
 
 
 def plan_with(session, variants, profile=None):

@@ -535,6 +535,11 @@ def serve(
         None, "--alias", help="Another model name requests may use (repeatable); others get 404"
     ),
     quiet: bool = typer.Option(False, "--quiet", help="No access log (one line per request on stderr)"),
+    adapter_dir: Optional[Path] = typer.Option(
+        None, "--adapter-dir", metavar="DIR", show_default=False,
+        help="POST /v1/adapters loads adapters only from under DIR (symlinks followed); without it, only "
+        "adapters the cache knows by name",
+    ),
     device: Optional[str] = DeviceOpt,
     dtype: Optional[str] = DtypeOpt,
     quant: Optional[str] = QuantOpt,
@@ -562,21 +567,23 @@ def serve(
     sampling, run = SamplingFlags.of(locals()), RunFlags.of(locals())
     if _pipeline_worker(run.device):
         return
+    # Checked before the model loads: a bad flag is told at once.
+    options = ServerOptions(
+        model_id=model_name,
+        aliases=tuple(alias or ()),
+        api_key=api_key,
+        max_queue=max_queue,
+        default_timeout=timeout or None,
+        stall_timeout=stall_timeout,
+        access_log=not quiet,
+        # Fault injection for the server tests only: an explicit environment switch.
+        debug_hooks=os.environ.get("TIERLM_SERVE_DEBUG_HOOKS") == "1",
+        adapter_dir=adapter_dir,
+    )
     with _open(pick_model(model_arg, model), run, variants=True, batch_size=batch_size,
                stage_timeout=stage_timeout) as session:
         # Sampling flags become the server's defaults for requests that omit the field.
         session.generation_defaults = sampling.over(session.generation_defaults)
-        options = ServerOptions(
-            model_id=model_name,
-            aliases=tuple(alias or ()),
-            api_key=api_key,
-            max_queue=max_queue,
-            default_timeout=timeout or None,
-            stall_timeout=stall_timeout,
-            access_log=not quiet,
-            # Fault injection for the server tests only: an explicit environment switch.
-            debug_hooks=os.environ.get("TIERLM_SERVE_DEBUG_HOOKS") == "1",
-        )
         run_server(session, options, host=host, port=port)
 
 

@@ -11,10 +11,11 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from tierlm.errors import TierlmError
+from tierlm.server.adapter_sources import AdapterSources
 from tierlm.server.schemas import ApiError
 
 CONVERTING, READY, FAILED, REMOVING = "converting", "ready", "failed", "removing"
@@ -58,13 +59,15 @@ class Variant:
 
 class Variants:
     """The server's variant registry over `session` (runtime.session.Session), whose store it
-    makes a VariantStore before the worker starts. Handlers call it; only `worker` removes."""
+    makes a VariantStore before the worker starts. Handlers call it; only `worker` removes.
+    `sources` (adapter_sources.py) says which adapters a client may add."""
 
-    def __init__(self, session, model_id: str, aliases: tuple[str, ...], worker):
+    def __init__(self, session, model_id: str, aliases: tuple[str, ...], worker, sources: AdapterSources):
         self.session = session
         self.model_id = model_id
         self.aliases = aliases
         self.worker = worker
+        self.sources = sources
         self._lock = threading.Lock()
         session.variant_store()  # now, not while the worker runs: the model's store is swapped
         self._variants = {name: Variant(name, own, READY, overlay=overlay)
@@ -96,16 +99,18 @@ class Variants:
         raise ApiError(404, f"The model `{name}` does not exist{why}; this server serves {served}",
                        param="model", code="model_not_found")
 
-    def add(self, name: str, path: Path, weight: float) -> Variant:
-        """Check the adapter against the base now (400: nothing is written), then convert it on a
-        thread; the variant serves once "ready". A name in use is a 409."""
+    def add(self, name: str, spec: str, weight: float) -> Variant:
+        """Find the adapter the request's `spec` names (403 where the server may not read it),
+        check it against the base now (400: nothing is written), then convert it on a thread;
+        the variant serves once "ready". A name in use is a 409. Returns it as accepted (converting)."""
         with self._lock:
             if name == self.model_id or name in self.aliases or name in self._variants:
                 raise ApiError(409, f"the name `{name}` is already in use on this server; DELETE "
                                     f"/v1/adapters/{name} first or pick another", param="name",
                                code="adapter_exists")
-            variant = self._variants[name] = Variant(name, ((Path(path), weight),), CONVERTING)
+            variant = self._variants[name] = Variant(name, (), CONVERTING)  # the name is held while checking
         try:
+            variant.adapters = ((self.sources.locate(spec), weight),)
             self.session.check_variant(variant.adapters)
         except TierlmError as err:
             with self._lock:
@@ -115,8 +120,9 @@ class Variants:
             with self._lock:
                 del self._variants[name]
             raise
+        accepted = replace(variant)  # what the 202 reports, though a fast conversion may end first
         threading.Thread(target=self._convert, args=(variant,), name=f"tierlm-adapter-{name}", daemon=True).start()
-        return variant
+        return accepted
 
     def remove(self, name: str) -> Variant:
         """Stop serving `name` now; it leaves the store once the requests using it have ended."""

@@ -36,7 +36,8 @@ by `model`: the base's name, one of its aliases (`--alias`) or no model at all i
 other name but a ready variant's gets OpenAI's 404 `model_not_found`. Responses carry the served
 name, also when the request used an alias. Requests for different variants share decode steps.
 
-Adapters: POST /v1/adapters {"name", "path", "weight"?} checks the adapter against the base at
+Adapters: POST /v1/adapters {"name", "path", "weight"?} loads only an adapter under --adapter-dir
+or one the cache knows by name (adapter_sources.py; 403 otherwise), checks it against the base at
 once (another base's shape: 400, nothing written), answers 202 and converts it off the serving
 thread; GET /v1/adapters shows each one's status and progress; DELETE /v1/adapters/{name} stops
 new requests for it at once and drops it when those in flight have ended (adapters.py).
@@ -51,7 +52,6 @@ import time
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from importlib import resources
-from pathlib import Path
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -64,6 +64,7 @@ from tierlm.distributed.supervisor import RestartPolicy, supervise
 from tierlm.server.access import AccessLog
 from tierlm.server.admission import (CLIENT_GONE, Budget, Fit, job_error, prompt_ids, read_json, require_key,
                                      submit_job, whole_reply)
+from tierlm.server.adapter_sources import AdapterSources
 from tierlm.server.adapters import Variants
 from tierlm.server.jobs import DONE, ERROR, TEXT, Job
 from tierlm.server.metrics import Metrics, process_memory, store_metrics
@@ -106,7 +107,7 @@ def create_app(session, options: ServerOptions) -> FastAPI:
         pipeline=_pipeline_supervisor(session, options),
     )
     state.drain = state.worker.drain  # run.py: the moment shutdown begins
-    state.variants = Variants(session, state.model_id, options.aliases, state.worker)
+    state.variants = Variants(session, state.model_id, options.aliases, state.worker, AdapterSources.of(options.adapter_dir))
     _install_error_handlers(app, metrics)
     if options.access_log:
         app.add_middleware(AccessLog)
@@ -214,7 +215,7 @@ async def list_adapters(request: Request):
 async def add_adapter(request: Request):
     state = request.app.state
     name, path, weight = parse_adapter(await read_json(request, 64 * 1024))
-    variant = await run_in_threadpool(state.variants.add, name, Path(path).expanduser(), weight)
+    variant = await run_in_threadpool(state.variants.add, name, path, weight)
     return JSONResponse(variant.card(state.model_id), status_code=202)
 
 

@@ -27,6 +27,7 @@ class ServerOptions:
     max_messages: int = 512  # chat messages per request
     access_log: bool = True  # one line per request on stderr (`serve --quiet` turns it off)
     debug_hooks: bool = False  # POST /debug/worker (kill, stall, delay, pause): tests only
+    adapter_dir: Path | None = None  # POST /v1/adapters loads adapters only under it (or cached ones by name)
 
     def __post_init__(self):
         if self.batch_size is not None and self.batch_size < 1:
@@ -43,6 +44,9 @@ class ServerOptions:
             raise TierlmError("--model-name must not be empty")
         if not all(isinstance(a, str) and a.strip() for a in self.aliases):
             raise TierlmError("--alias must not be empty")
+        if self.adapter_dir is not None and not Path(self.adapter_dir).expanduser().is_dir():
+            raise TierlmError(f"--adapter-dir {self.adapter_dir} is not a directory",
+                              "give the directory holding the adapters that API clients may add")  # fmt: skip
 
     def served_name(self, model_dir: Path) -> str:
         """The model's name on the API: --model-name, else its catalogue name (`smollm2`)."""
