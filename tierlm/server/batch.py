@@ -10,6 +10,12 @@ Every sequence keeps its own `SequenceState` (sampler and seed, stop matcher, st
 limits), the one the engine uses too, so its tokens, text and finish reason are the ones it
 would get decoded alone. Only the worker thread touches a runner.
 
+A slot keeps what it last held after its sequence ends: the ids whose keys and values it holds,
+for the variant they were computed with. A new job takes the free slot sharing the longest
+prefix with its prompt and prefills only the rest, as the engine reuses its cache within a chat:
+a chat client resending the whole conversation each turn pays for the new turn only. With no
+prefix to share it takes the slot used longest ago, so several conversations keep their own.
+
 Failures are contained where they happen: an exception in one sequence's own work (admission,
 its prefill, sampling, detokenizing, stop matching, emitting) ends that sequence alone with a
 500; only the shared decode forward's failure reaches the caller, which fails the batch.
@@ -19,7 +25,8 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+import weakref
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
@@ -37,8 +44,9 @@ class ActiveSequence:
     job: Job
     slot: int
     state: SequenceState  # sampling, stops and limits: the decisions
-    prefilled: int = 0  # prompt tokens already in the slot
+    prefilled: int = 0  # prompt tokens already in the slot (reused from its last sequence, then computed)
     pending: int | None = None  # the newest token, to be fed by the next decode step
+    intact: bool = True  # False once a failure may have left the slot's keys and values half written
 
     @property
     def variant(self) -> str | None:
@@ -51,6 +59,28 @@ class ActiveSequence:
     @property
     def token_ids(self) -> list[int]:
         return self.state.token_ids
+
+
+@dataclass
+class SlotHistory:
+    """What a free slot still holds: the keys and values of `ids` under `variant` (a weak
+    reference to the variant's overlay, so one removed or replaced under the same name never
+    matches), and when it was last used."""
+
+    ids: list[int] = field(default_factory=list)
+    variant: str | None = None
+    overlay: object = None  # weakref.ref to the variant's Overlay (None for the base)
+    used_at: float = 0.0
+
+    def shared_prefix(self, prompt: list[int], variant: str | None, overlay) -> int:
+        if variant != self.variant or (variant is not None and (self.overlay is None or self.overlay() is not overlay)):
+            return 0
+        n = 0
+        for held, wanted in zip(self.ids, prompt):
+            if held != wanted:
+                break
+            n += 1
+        return n
 
 
 @dataclass
@@ -74,6 +104,7 @@ class BatchRunner:
         self.cache = loaded.new_slot_cache(slots)  # a pipeline stage's layers only
         self.active: list[ActiveSequence] = []
         self._free = list(range(slots))
+        self._held = [SlotHistory() for _ in range(slots)]
         self._sampled = 0
 
     @property
@@ -89,21 +120,42 @@ class BatchRunner:
 
     def admit(self, job: Job) -> ActiveSequence | None:
         """Give `job` a free slot (cheap: no model work until `step`); None if it failed to start."""
-        slot = self._free.pop(0)
-        self.cache.free(slot)
         try:
             self._check_variant(job)
+            slot, reused = self._pick_slot(job)
             seq = self._sequence(job, slot)
         except VariantGone as err:
-            self._free.insert(0, slot)
             job.fail(str(err), status=404, code="model_not_found")
             return None
         except Exception as err:  # noqa: BLE001 - this job's settings, not the batch, are at fault
-            self._free.insert(0, slot)
             _fail_job(job, err)
             return None
+        self._free.remove(slot)
+        # The last prompt token always runs: its logits pick the first new token.
+        seq.prefilled = job.cached_tokens = min(reused, len(job.prompt_ids) - 1)
+        self.cache.slot(slot).trim(seq.prefilled)
         self.active.append(seq)
         return seq
+
+    def _pick_slot(self, job: Job) -> tuple[int, int]:
+        """The free slot for `job` and how many of its prompt's ids that slot holds already.
+
+        A slot whose held ids the prompt mostly continues (more shared than thrown away) is taken,
+        the best such first; otherwise the slot used longest ago: a prompt sharing only the chat
+        template's first tokens must not take another conversation's slot while an older one is free.
+        """
+        overlay = self._overlay(job.variant)
+        shared = {slot: self._held[slot].shared_prefix(job.prompt_ids, job.variant, overlay) for slot in self._free}
+        gain = {slot: 2 * shared[slot] - len(self._held[slot].ids) for slot in self._free}  # kept - dropped
+        slot = max(self._free, key=lambda s: (gain[s], -self._held[s].used_at))
+        if gain[slot] <= 0:
+            slot = min(self._free, key=lambda s: self._held[s].used_at)
+        return slot, min(shared[slot], self.cache.lengths[slot])
+
+    def _overlay(self, variant: str | None):
+        """The variant's current overlay object (its identity tells a re-added variant apart)."""
+        overlay = getattr(self.model.store, "overlay", None)
+        return overlay(variant) if variant is not None and overlay is not None else None
 
     def step(self) -> StepReport:
         """One prefill chunk for the oldest sequence still prefilling, then one decode step for
@@ -135,6 +187,7 @@ class BatchRunner:
     def fail_all(self, message: str) -> None:
         for seq in list(self.active):
             seq.job.fail(message)
+            seq.intact = False  # the failed forward may have written some layers of the step
             self._release(seq)
 
     # -- internals -------------------------------------------------------------------------
@@ -159,6 +212,7 @@ class BatchRunner:
             return work(seq, *args)
         except Exception as err:  # noqa: BLE001 - whatever broke, it broke for this sequence only
             _fail_job(seq.job, err)
+            seq.intact = False
             self._release(seq)
             return None
 
@@ -212,9 +266,20 @@ class BatchRunner:
     def _release(self, seq: ActiveSequence) -> None:
         if seq in self.active:
             self.active.remove(seq)
-            self.cache.free(seq.slot)
+            self._held[seq.slot] = self._history(seq)
             self._free.append(seq.slot)
             self._free.sort()
+
+    def _history(self, seq: ActiveSequence) -> SlotHistory:
+        """What `seq`'s slot holds once it ends: its prompt and the tokens fed back, as far as the
+        slot's length (the last sampled token was never fed); nothing after a failure."""
+        held = self.cache.lengths[seq.slot]
+        if not seq.intact:
+            self.cache.free(seq.slot)
+            return SlotHistory(used_at=time.monotonic())
+        overlay = self._overlay(seq.variant)
+        return SlotHistory([*seq.job.prompt_ids, *seq.token_ids][:held], seq.variant,
+                           weakref.ref(overlay) if overlay is not None else None, time.monotonic())  # fmt: skip
 
 
 class VariantGone(Exception):

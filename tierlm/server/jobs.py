@@ -60,6 +60,7 @@ class Job:
         self.first_token_at: float | None = None
         self.ended_at: float | None = None
         self.completion_tokens = 0  # tokens generated so far (the worker counts them live)
+        self.cached_tokens = 0  # prompt tokens whose keys and values a slot still held (not prefilled)
         self.finish_reason: str | None = None
         self.error: str | None = None
         self._loop = loop

@@ -37,6 +37,9 @@ class Metrics:
         self.latency = Histogram("tierlm_request_duration_seconds", "From request received to its end",
                                  buckets=LATENCY_BUCKETS, registry=r)
         self.prompt_tokens = Counter("tierlm_prompt_tokens", "Prompt tokens of ended requests", registry=r)
+        self.cached_prompt_tokens = Counter("tierlm_prompt_tokens_cached",
+                                            "Prompt tokens of ended requests reused from a slot, not prefilled",
+                                            registry=r)  # fmt: skip
         self.generated_tokens = Counter("tierlm_generated_tokens", "Tokens generated", registry=r)
         self.decode_rate = Gauge("tierlm_decode_tokens_per_second",
                                  "Tokens/s of the latest decode step, all sequences together", registry=r)
@@ -51,6 +54,7 @@ class Metrics:
         """A job ended (any thread)."""
         self.requests.labels(job.finish_reason or "error").inc()
         self.prompt_tokens.inc(len(job.prompt_ids))
+        self.cached_prompt_tokens.inc(job.cached_tokens)
         if job.first_token_at is not None:
             self.ttft.observe(job.first_token_at - job.received)
         if job.ended_at is not None:
