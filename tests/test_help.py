@@ -11,9 +11,9 @@ import pytest
 from tests.cli_runner import run_tierlm
 from tierlm.quant.modes import MODE_NAMES
 
-COMMANDS = ["chat", "generate", "convert", "list", "show", "import-gguf", "profiles", "plan", "bench", "serve",
-            "doctor", "cache", "cache list", "cache rm", "cache verify"]  # fmt: skip
-WITH_QUANT = ["chat", "generate", "convert", "plan", "bench", "serve"]
+COMMANDS = ["chat", "generate", "run", "convert", "list", "show", "import-gguf", "rm", "ps", "pull", "profiles", "plan",
+            "bench", "serve", "doctor", "cache", "cache list", "cache rm", "cache verify"]  # fmt: skip
+WITH_QUANT = ["chat", "generate", "run", "convert", "plan", "bench", "serve"]
 README = Path(__file__).resolve().parents[1] / "README.md"
 
 

@@ -28,6 +28,7 @@ import tierlm.cache.catalog, tierlm.config, tierlm.models, tierlm.offload.planne
 import tierlm.probe.record, tierlm.profile
 import tierlm.cli.plan_view, tierlm.device.resolve, tierlm.probe.baseline, tierlm.probe.machine
 import tierlm.runtime.planning, tierlm.runtime.source
+import tierlm.cache.removal, tierlm.cli.running
 from tierlm.models import read_config
 from tierlm.offload.sizes import sizes_from_config
 for folder in sys.argv[1:]:

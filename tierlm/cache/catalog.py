@@ -308,6 +308,18 @@ def find_entry(spec: str, entries: list[Entry] | None = None) -> Path | None:
     return candidates[0][0] if candidates else None
 
 
+def entry_dir_name(spec: str, entries: list[Entry] | None = None) -> str:
+    """The cache directory `spec` names: a directory name or a catalogue name, as `cache list`
+    prints either. `spec` as typed when it names no cache entry, for the caller to call unknown."""
+    entries = catalog() if entries is None else entries
+    found = find_entry(spec, entries)
+    if found is None:  # an artifact in a format no longer read: listed, but no name loads it
+        unread = [e.path for e in entries if e.name == spec.lower()]
+        found = unread[0] if len(unread) == 1 else None
+    by_path = {entry.path.resolve(): entry.path.name for entry in entries}
+    return by_path.get(found.resolve(), spec) if found is not None else spec
+
+
 def _label(progress: ProgressFactory | None, what: str):
     return progress(what) if progress else None
 

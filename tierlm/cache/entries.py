@@ -83,18 +83,23 @@ def remove_entries(names: list[str], everything: bool = False) -> list[Path]:
     """
     entries = {e.path.name: e for e in cache_entries()}
     if not everything:
-        unknown = [n for n in names if n not in entries]
-        if unknown or not names:
-            raise TierlmError(
-                f"no cache entry named {unknown[0]!r}" if unknown else "name the entries to remove",
-                "see `tierlm cache list`, or pass --all",
-            )
+        require_known(names, entries)
     chosen = list(entries.values()) if everything else [entries[n] for n in dict.fromkeys(names)]
     try:
         _remove_chosen(chosen, everything)
     except OSError as err:  # a read-only cache: one line, not a traceback
         raise refused_write_error(err, cache_root()) or err from None
     return [e.path for e in chosen]
+
+
+def require_known(names: list[str], known) -> None:
+    """TierlmError unless `names` is not empty and every one is a directory name in `known`."""
+    unknown = [n for n in names if n not in known]
+    if unknown or not names:
+        raise TierlmError(
+            f"no cache entry named {unknown[0]!r}" if unknown else "name the entries to remove",
+            "see `tierlm cache list`, or pass --all",
+        )
 
 
 def _remove_chosen(chosen: list[CacheEntry], everything: bool) -> None:

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Callable, Iterator
 
 from tierlm.cache.artifact import FORMAT_VERSION, MANIFEST_NAME, Artifact
+from tierlm.cache.catalog import catalog, entry_dir_name
 from tierlm.cache.entries import CacheEntry, cache_entries
 from tierlm.errors import TierlmError
 from tierlm.models import read_config
@@ -49,9 +50,12 @@ def verify_cache(names: list[str], emit: Callable[[str], None]) -> None:
 
 
 def verify_entries(names: list[str]) -> Iterator[Verdict]:
-    """A Verdict per named entry (every entry when `names` is empty); unknown names are an error
-    raised before anything is read."""
+    """A Verdict per named entry (every entry when `names` is empty): directory or catalogue names,
+    as `cache list` prints either. Unknown names are an error raised before anything is read."""
     entries = {e.path.name: e for e in cache_entries()}
+    if names:
+        listed = catalog()
+        names = [entry_dir_name(name, listed) for name in names]
     unknown = [n for n in names if n not in entries]
     if unknown:
         raise TierlmError(f"no cache entry named {unknown[0]!r}", "see `tierlm cache list`")

@@ -284,6 +284,36 @@ def generate(
         sys.stdout.write("\n")
 
 
+def run_model(name: str, prompt: Optional[list[str]], **options):
+    """Chat with MODEL, as `ollama run`; with a PROMPT, print one reply to it and exit ('-' reads it from stdin)."""
+    if not prompt:
+        return chat(model_arg=name, model=None, **options)
+    import inspect
+
+    takes = inspect.signature(generate).parameters
+    return generate(" ".join(prompt), model=name, raw=False, **{k: v for k, v in options.items() if k in takes})
+
+
+def _run_signature():
+    """`run`'s parameters: MODEL, PROMPT, then chat's options. Typer reads a command's flags from its
+    signature, so `run` takes every flag chat takes, whatever is added there."""
+    import inspect
+
+    plain = inspect.Parameter.POSITIONAL_OR_KEYWORD
+    head = [
+        inspect.Parameter("name", plain, annotation=str, default=typer.Argument(
+            ..., metavar="MODEL", show_default=False, help="Model name (`tierlm list`) or path")),
+        inspect.Parameter("prompt", plain, annotation=Optional[list[str]], default=typer.Argument(
+            None, metavar="PROMPT", show_default=False, help="Prompt (its words joined by spaces); without one, a chat")),
+    ]  # fmt: skip
+    rest = [p for p in inspect.signature(chat, eval_str=True).parameters.values() if p.name not in ("model_arg", "model")]
+    return inspect.Signature(head + rest)
+
+
+run_model.__signature__ = _run_signature()
+app.command("run", short_help="Chat with a model, or answer one prompt (as `ollama run`).")(run_model)
+
+
 @app.command(short_help="Merge LoRA adapters and quantize into a cached artifact.")
 def convert(
     model: Optional[str] = ModelOpt,
@@ -368,9 +398,48 @@ def import_gguf(path: Path = typer.Argument(..., help="A .gguf file: Llama, Qwen
     from tierlm.cli.models import import_gguf_command
     from tierlm.cli.progress import progress_factory
 
-    model_dir, name, existed = import_gguf_command(path, progress_factory()("importing GGUF"))
-    print(f"{'already in the cache' if existed else 'imported'} as {name}", file=sys.stderr)
+    model_dir, name, existed, replaced = import_gguf_command(path, progress_factory()("importing GGUF"))
+    print(f"{'already in the cache' if existed else 'imported'} as {name}{replaced}", file=sys.stderr)
     print(model_dir)
+
+
+@app.command(short_help="Remove a model: its import and every artifact built from it.")
+def rm(
+    names: list[str] = typer.Argument(..., metavar="MODEL...", help="Model names as `tierlm list` shows them"),
+    yes: bool = typer.Option(False, "--yes", "-y", help="Do not ask first (required when stdin is not a terminal)"),
+):
+    """Remove models from the cache, each with the artifacts built from it; asks first."""
+    from tierlm.cli.models import remove_models
+
+    for line in remove_models(names, yes):
+        print(line, file=sys.stderr)
+
+
+@app.command(short_help="The models a running server holds, and where their blocks are.")
+def ps(
+    host: str = typer.Option("127.0.0.1", "--host", help="The server's address, as given to `serve --host`"),
+    port: int = typer.Option(8000, "--port", min=1, max=65535, help="The server's port, as given to `serve --port`"),
+    api_key: Optional[str] = typer.Option(
+        None, "--api-key", envvar="TIERLM_API_KEY", help="The key the server was started with, if any"
+    ),
+):
+    """The models a running `tierlm serve` holds: size, where their weight blocks are (device, RAM,
+    disk) and until when, as `ollama ps` shows them."""
+    from tierlm.cli.running import fetch_running, render_running, server_url
+
+    print(render_running(fetch_running(server_url(host, port), api_key)))
+
+
+@app.command(short_help="Models are never downloaded: says how to add one.")
+def pull(name: Optional[str] = typer.Argument(None, metavar="MODEL", help="What `ollama pull` would fetch")):
+    """tierlm never downloads a model; this says how to add one instead."""
+    from tierlm.weights.embedded import EMBEDDED_NAME
+
+    raise TierlmError(
+        f"tierlm never downloads models{f', so it cannot pull {name}' if name else ''}",
+        "import a GGUF file with `tierlm import-gguf FILE`, or give --model a Hugging Face checkpoint "
+        f"directory; `tierlm list` shows what is here, {EMBEDDED_NAME} built in",
+    )
 
 
 @app.command(short_help="The shipped memory profiles, or one in full.")

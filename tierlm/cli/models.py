@@ -137,12 +137,14 @@ def age(seconds_ago: float) -> str:
 
 def remove_from_cache(names: list[str], everything: bool, yes: bool) -> list[Path]:
     """`tierlm cache rm`: names are directory names or catalogue names; --all asks first unless --yes.
-    Removing a base artifact removes the variant artifacts that read their blocks from it, after
-    asking (unless --yes): without it they could not load."""
+    Removing an import removes the artifacts built from it, and a base artifact the variants that
+    read their blocks from it (without it they could not load); that, or removing an import (a
+    source that is not rebuilt), asks first unless --yes."""
     import typer
 
     from tierlm.cache import catalog
-    from tierlm.cache.entries import cache_entries, remove_entries
+    from tierlm.cache.entries import cache_entries, remove_entries, require_known
+    from tierlm.cache.removal import removal_of
     from tierlm.profile import format_size
 
     if everything:
@@ -157,38 +159,84 @@ def remove_from_cache(names: list[str], everything: bool, yes: bool) -> list[Pat
             if not typer.confirm(f"Remove all {len(entries)} cache entries ({size})?", default=False):
                 raise typer.Abort()
         return remove_entries([], everything=True)
-    listed = {entry.path.name: entry for entry in catalog.catalog()}
-    dir_names = []
-    for name in names or []:
-        found = name if name in listed else catalog.find_entry(name, list(listed.values()))
-        # A name outside the cache (or none) stays as typed, and remove_entries says it is unknown.
-        dir_names.append(found.name if isinstance(found, Path) and found.name in listed else name)
-    dependents = [e for e in catalog.variants_of(dir_names, list(listed.values())) if e.path.name not in dir_names]
-    if dependents and not yes:
-        said = (f"{', '.join(dict.fromkeys(n for n in dir_names if n in listed))} is the base of {len(dependents)} "
-                f"variant artifact{'s' * (len(dependents) != 1)} ({', '.join(e.path.name for e in dependents)}), "
-                "which cannot load without it")  # fmt: skip
-        if not sys.stdin.isatty():
-            raise TierlmError(f"{said}; nothing was removed", "pass --yes to remove them with their base")
-        size = format_size(sum(e.nbytes for e in dependents))
-        if not typer.confirm(f"{said}. Remove them too ({size})?", default=False):
-            raise typer.Abort()
-    return remove_entries(dir_names + [e.path.name for e in dependents])
+    entries = catalog.catalog()
+    listed = {entry.path.name: entry for entry in entries}
+    dir_names = list(dict.fromkeys(catalog.entry_dir_name(name, entries) for name in names or []))
+    require_known(dir_names, listed)
+    removal = removal_of([listed[name].path for name in dir_names], entries)
+    if removal.derived or any(entry.kind == "model" for entry in removal.named):
+        confirm_removal(", ".join(dir_names), removal, yes)
+    return removal.remove()
+
+
+def remove_models(names: list[str], yes: bool) -> list[str]:
+    """`tierlm rm`: each named model's import and the artifacts built from it (an artifact's name:
+    that artifact and its variants), after asking unless `yes`; the lines saying what was removed."""
+    from tierlm.cache import catalog
+    from tierlm.cache.removal import removal_of
+    from tierlm.weights.embedded import EMBEDDED_NAME, EMBEDDED_PACKAGE
+
+    entries = catalog.catalog()
+    chosen = {}
+    for name in dict.fromkeys(names):
+        found = catalog.find_entry(name, entries)
+        removal = removal_of([found], entries) if found is not None else None
+        if removal is None or not removal.entries:
+            if name.lower() == EMBEDDED_NAME:
+                raise TierlmError(f"{EMBEDDED_NAME} has nothing in the cache to remove: it is the embedded model, "
+                                  f"shipped in the Python package {EMBEDDED_PACKAGE}, which tierlm does not remove",
+                                  f"`pip uninstall {EMBEDDED_PACKAGE.replace('_', '-')}` removes the package")  # fmt: skip
+            raise TierlmError(f"no model named {name!r} in the cache", "`tierlm list` shows the models by name")
+        chosen[name] = removal
+    total = removal_of([e.path for removal in chosen.values() for e in removal.entries], entries)
+    confirm_removal(", ".join(chosen), total, yes)
+    total.remove()
+    lines = [f"removed {name} ({removal.summary()})" for name, removal in chosen.items()]
+    if any(e.name == EMBEDDED_NAME and e.kind == "model" for e in total.entries):
+        lines.append(f"note: {EMBEDDED_NAME} is shipped in the package {EMBEDDED_PACKAGE}, which stays: its next "
+                     "use imports it again")  # fmt: skip
+    return lines
+
+
+def confirm_removal(what: str, removal, yes: bool) -> None:
+    """Ask on the terminal before `removal` (unless `yes`); refuse when stdin is not a terminal."""
+    import typer
+
+    if yes:
+        return
+    said = f"{what} ({removal.summary()})"
+    if not sys.stdin.isatty():
+        names = ", ".join(entry.path.name for entry in removal.entries)
+        raise TierlmError(f"removing {said} asks first, and stdin is not a terminal; nothing was removed "
+                          f"(it would remove {names})", "pass --yes to remove them without asking")  # fmt: skip
+    if not typer.confirm(f"Remove {said}?", default=False):
+        raise typer.Abort()
 
 
 # ----------------------------------------------------------------------------- tierlm import-gguf
 
 
-def import_gguf_command(path: Path, progress) -> tuple[Path, str, bool]:
-    """Import `path` (or find its earlier import): (directory, name, whether it was already there)."""
-    from tierlm.cache.catalog import model_name
+def import_gguf_command(path: Path, progress) -> tuple[Path, str, bool, str]:
+    """Import `path` (or find its earlier import): (directory, name, whether it was already there,
+    what it replaced: the import of the file's earlier content, said after a `;`, or "")."""
+    from tierlm.cache.catalog import catalog, model_name
+    from tierlm.cache.removal import removal_of
     from tierlm.weights.embedded import find_import, import_gguf_to_cache
     from tierlm.weights.gguf_import import gguf_content_key
+    from tierlm.weights.import_record import read_import_record
 
     path = Path(path).expanduser()
     existed = path.is_file() and find_import(gguf_content_key(path)) is not None
+    source = str(path.resolve())
+    earlier = [] if existed else [e.path for e in catalog() if e.kind == "model"
+                                  and (read_import_record(e.path) or {}).get("source_path") == source]  # fmt: skip
+    replaced = removal_of(earlier)  # the import removes them once it is complete
     model_dir = import_gguf_to_cache(path, progress)
-    return model_dir, model_name(model_dir), existed
+    kept = [entry.path.name for entry in replaced.named if entry.path.exists()]
+    said = f"; replaced the import of its earlier content ({replaced.summary()})" if replaced.named else ""
+    if kept:  # another process builds from it right now
+        said = f"; the import of its earlier content stays while in use: `tierlm rm {' '.join(kept)}` removes it"
+    return model_dir, model_name(model_dir), existed, said
 
 
 # ----------------------------------------------------------------------------- tierlm show

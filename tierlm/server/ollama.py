@@ -17,6 +17,9 @@ NAME:latest unless the name has a tag already; a request may name them with or w
 accepted and has no effect: `tierlm serve` loads its model once and keeps it (and its variants)
 until it stops, so /api/ps reports them loaded with no expiry (a far-future `expires_at`, as
 Ollama reports a negative keep_alive); a request that only asks to unload the model is refused.
+/api/ps adds to each model, under `tierlm`, the device it computes on and its weight bytes per
+tier (`{"device": "cuda:0", "weights": {"device": ..., "host": ..., "disk": ...}}`: `tierlm ps`
+draws them); Ollama's clients ignore fields they do not know.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ from starlette.concurrency import run_in_threadpool
 from tierlm import __version__
 from tierlm.cache.artifact import Artifact
 from tierlm.cache.fingerprint import checkpoint_digest
+from tierlm.offload.placement import DEVICE
 from tierlm.server.admission import Budget, Fit, prompt_ids, read_json, require_key, submit_job, whole_reply
 from tierlm.server.jobs import DONE, ERROR, TEXT, Job
 from tierlm.server.ollama_schemas import OllamaOptions, OllamaRequest, parse_chat, parse_generate, parse_model_name
@@ -87,14 +91,17 @@ async def running(request: Request):
     state = request.app.state
     base = await _base_card(state)
     size, vram = _resident_bytes(state)
-    loaded = {**base, "size": size, "size_vram": vram, "expires_at": NEVER_EXPIRES, "context_length": state.context}
-    on_device = state.session.loaded.device.type != "cpu"
+    device = state.session.loaded.device
+    loaded = {**base, "size": size, "size_vram": vram, "expires_at": NEVER_EXPIRES, "context_length": state.context,
+              "tierlm": {"device": str(device), "weights": _weights_by_tier(state.session.loaded)}}  # fmt: skip
     variants = []
     for variant in state.variants.ready():
         card = _variant_card(base, variant)
         held = getattr(variant.overlay, "nbytes", 0)
-        variants.append({**card, "size": held, "size_vram": held if on_device else 0, "expires_at": NEVER_EXPIRES,
-                         "context_length": state.context})
+        tier = getattr(variant.overlay, "tier", DEVICE)
+        variants.append({**card, "size": held, "size_vram": held if device.type != "cpu" else 0,
+                         "expires_at": NEVER_EXPIRES, "context_length": state.context,
+                         "tierlm": {"device": str(device), "weights": {tier: held}}})  # fmt: skip
     return {"models": [loaded, *variants]}
 
 
@@ -367,6 +374,14 @@ def _parameter_size(count: int) -> str:
         if count >= scale:
             return f"{count / scale:.1f}{unit}"
     return str(count)
+
+
+def _weights_by_tier(loaded) -> dict[str, int]:
+    """Weight bytes on each tier (device, host, disk) as the load placed its blocks; a load
+    without a plan holds them all where it computes."""
+    if loaded.placement is None:
+        return {DEVICE: _stored_bytes(loaded)}
+    return loaded.placement.block_bytes_by_tier()
 
 
 def _resident_bytes(state) -> tuple[int, int]:

@@ -6,8 +6,10 @@ once into the cache and reused on every later start.
 An import is keyed by the GGUF's content only (`gguf_content_key`, a sha256 of the whole file):
 the embedded default, `tierlm import-gguf FILE`, `--model FILE` and a copy of FILE at another path
 all land in one directory, `cache_root()/models/<name>-<key[:12]>`, and a FILE edited in place is a
-new import. The name part is for people (see `import_name`); lookups go by the key suffix, so
-directories of this import format named by older versions (one per route) are reused as they are.
+new import, which replaces the import of its earlier content (and that one's artifacts) once it is
+complete, so its name keeps meaning one model. The name part is for people (see `import_name`);
+lookups go by the key suffix, so directories of this import format named by older versions (one
+per route) are reused as they are.
 Imports of older formats (keyed by sampled regions) are not trusted: the catalogue lists them as
 another format and the GGUF is imported afresh.
 """
@@ -141,4 +143,9 @@ def _import_cached(gguf_path: Path, progress: Progress | None) -> Path:
             return found
         from tierlm.weights import gguf_import  # numpy and gguf: only a real import loads them, `tierlm list` never
 
-        return gguf_import.import_gguf(gguf_path, _new_import_dir(gguf_path, key), progress)
+        model_dir = gguf_import.import_gguf(gguf_path, _new_import_dir(gguf_path, key), progress)
+    # Complete now, so the import of the file's earlier content (edited in place) can go: one name, one model.
+    from tierlm.cache.removal import retire_replaced_imports  # the cache's catalogue imports this module
+
+    retire_replaced_imports(model_dir)
+    return model_dir

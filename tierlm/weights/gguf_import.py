@@ -652,6 +652,7 @@ def _write_model_dir(gguf_path: Path, out: Path, key: str, progress: Progress | 
         {
             "format": IMPORT_FORMAT_VERSION,
             "source_name": gguf_path.name,
+            "source_path": str(gguf_path.resolve()),  # an import of other content from here replaces this one
             "source_bytes": gguf_path.stat().st_size,
             "source_key": key,
             "architecture": meta.arch,
