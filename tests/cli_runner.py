@@ -15,6 +15,7 @@ or the peak RSS of the run, cgroups, server processes, pipelines and what is imp
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import traceback
@@ -23,6 +24,10 @@ from pathlib import Path
 from unittest import mock
 
 from typer.testing import CliRunner, formatting  # typer's own copy of click's formatting
+
+# A long phase's lines on a piped stderr (tierlm/cli/progress.py): its start, how far it is, its
+# end. A failing command may print them before its one error line.
+PROGRESS_LINE = re.compile(r"(importing|converting|calibrating|choosing|building|loading) .*")
 
 # What `python -W default`-less CPython installs at start (sys.warnoptions empty).
 _DEFAULT_FILTERS = (

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from tests import corpus_bad_inputs as corpus
-from tests.cli_runner import run_tierlm
+from tests.cli_runner import PROGRESS_LINE, run_tierlm
 from tests.tiny import make_model
 from tierlm.cache.artifact import Artifact
 from tierlm.cache.convert import ConversionRequest, artifacts_root, ensure_artifact
@@ -35,10 +35,11 @@ def tierlm(*args: str) -> subprocess.CompletedProcess:
 
 
 def assert_one_line_failure(result: subprocess.CompletedProcess, *needles: str) -> str:
-    """Exit status 1, no traceback, stdout empty, and exactly one `error:` line holding `needles`."""
+    """Exit status 1, no traceback, stdout empty, and exactly one `error:` line holding `needles`
+    (after the progress of phases that ran before the failure)."""
     assert result.returncode == 1, result.stderr
     assert "Traceback" not in result.stderr
-    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    lines = [line for line in result.stderr.splitlines() if line.strip() and not PROGRESS_LINE.fullmatch(line)]
     assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
     for needle in needles:
         assert needle in lines[0], lines[0]

@@ -4,13 +4,12 @@ stderr, no traceback."""
 from __future__ import annotations
 
 import json
-import re
 import subprocess
 from pathlib import Path
 
 import pytest
 
-from tests.cli_runner import run_tierlm
+from tests.cli_runner import PROGRESS_LINE, run_tierlm
 from tests.tiny import make_model
 
 PROFILE = """description = "test"
@@ -30,14 +29,11 @@ def tierlm(*args: str, stdin: str = "") -> subprocess.CompletedProcess:
     return run_tierlm(*args, stdin=stdin)
 
 
-PHASE_LINE = re.compile(r"[^:]+: done in \d+\.\d s")
-
-
 def assert_clean_failure(result: subprocess.CompletedProcess, *needles: str) -> None:
     assert result.returncode != 0
     assert "Traceback" not in result.stderr
-    # Phases that finished before the failure report their duration (piped stderr); the error is one line.
-    lines = [line for line in result.stderr.splitlines() if line.strip() and not PHASE_LINE.fullmatch(line)]
+    # Phases that ran before the failure report it (piped stderr); the error is one line.
+    lines = [line for line in result.stderr.splitlines() if line.strip() and not PROGRESS_LINE.fullmatch(line)]
     assert len(lines) == 1, result.stderr
     assert lines[0].startswith("error: ")
     for needle in needles:

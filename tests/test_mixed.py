@@ -8,6 +8,7 @@ import itertools
 import json
 import random
 import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -70,8 +71,11 @@ def test_the_weight_that_hurts_most_per_byte_gets_8_bits_first():
 def test_a_size_below_the_smallest_is_refused_with_what_would_do():
     candidates = _random_candidates(2)
     smallest = sum(min(c.sizes.values()) for c in candidates)
-    with pytest.raises(TierlmError, match=r"ask for mixed:\d+MiB or more"):
+    with pytest.raises(TierlmError, match=r"ask for mixed:\d+MiB or more") as refused:
         allocate(candidates, smallest - 1)
+    assert "GiB" not in refused.value.message
+    with pytest.raises(TierlmError, match=r"more than the 0 MiB left for them"):  # never a negative size
+        allocate(candidates, -4096)
 
 
 # -- converting ----------------------------------------------------------------------------------------
@@ -132,6 +136,42 @@ def test_a_mixed_size_too_small_is_refused_before_anything_is_cached(tiny):
         ensure_artifact(ConversionRequest(tiny, (), "mixed:100KiB"), calibrate=activation_stats)
     after = {p for p in artifacts_root().glob("*") if not p.name.startswith(".")}
     assert after <= before | {p for p in after if p.name.endswith(".lock")}
+
+
+def test_a_size_below_the_floor_is_refused_at_once_in_mib_and_the_floor_itself_converts(tiny, monkeypatch):
+    """A mixed:SIZE below the smallest the model can be stored in (every weight at int4) is one
+    error line, in MiB with the size that would do, from every command and before any weight is
+    read or calibrated; exactly the floor converts, within it."""
+    from tests.cli_runner import run_tierlm
+    from tierlm.cache.catalog import model_name
+    from tierlm.cache.manifest import artifacts_root
+    from tierlm.cache.mixed_estimate import mixed_floor
+    from tierlm.models import read_config
+    from tierlm.store import calibration
+
+    floor = mixed_floor(read_config(tiny))
+    need, name = -(-floor // 2**20), model_name(tiny)
+    calibrated = []
+    real = calibration.activation_stats
+    monkeypatch.setattr(calibration, "activation_stats", lambda *args: calibrated.append(args[1]) or real(*args))
+    commands = [("convert",), ("generate", "hello", "-n", "1"), ("plan", "--device", "cpu")]
+    for size in (f"mixed:{floor - 1}", "mixed:1KiB"):
+        for command in commands:
+            result = run_tierlm(*command, "--model", str(tiny), "--quant", size)
+            assert result.returncode == 1 and result.stderr.count("\n") == 1, result.stderr
+            assert f"is below {name}'s floor of {need} MiB" in result.stderr, result.stderr
+            assert f"ask for at least mixed:{need}MiB" in result.stderr and "GiB" not in result.stderr
+        assert not list(artifacts_root().glob(f"*-{_mode_name(size)}-*"))
+    assert calibrated == []
+    at_floor = run_tierlm("convert", "--model", str(tiny), "--quant", f"mixed:{floor}")
+    assert at_floor.returncode == 0, at_floor.stderr
+    assert calibrated == [tiny] and _weights_bytes(Path(at_floor.stdout.strip())) <= floor
+
+
+def _mode_name(size: str) -> str:
+    from tierlm.quant.modes import parse_quant_mode
+
+    return parse_quant_mode(size).name
 
 
 def test_plan_shows_the_mixed_choice_and_suggests_a_size_that_fits(tmp_path):

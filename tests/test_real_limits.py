@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.cli_runner import PROGRESS_LINE
 from tierlm.models import read_config
 from tierlm.device.memory import MemoryLimits, address_space_room, cgroup_memory_limit, process_limits
 from tierlm.errors import TierlmError
@@ -292,12 +293,9 @@ def tierlm_in(group: Path | None, *args: str) -> subprocess.CompletedProcess:
     return subprocess.run(argv, capture_output=True, text=True, timeout=900)
 
 
-PHASE_LINE = re.compile(r"[^:]+: done in \d+\.\d s")
-
-
 def error_lines(result: subprocess.CompletedProcess) -> list[str]:
-    """stderr without the phase-duration lines of phases that finished before the failure."""
-    return [line for line in result.stderr.splitlines() if line.strip() and not PHASE_LINE.fullmatch(line)]
+    """stderr without the progress lines of phases that ran before the failure."""
+    return [line for line in result.stderr.splitlines() if line.strip() and not PROGRESS_LINE.fullmatch(line)]
 
 
 @pytest.fixture(scope="module")

@@ -24,18 +24,20 @@ import torch
 
 from tierlm.atomic import atomic_directory, directory_lock, make_dirs
 from tierlm.cache import codec
-from tierlm.cache.artifact import BLOCK_ALIGN, FORMAT_VERSION, MANIFEST_NAME, PART_ALIGN, Artifact, ArtifactWriter
-from tierlm.cache.encodings import part_bytes
+from tierlm.cache.artifact import BLOCK_ALIGN, FORMAT_VERSION, MANIFEST_NAME, Artifact, ArtifactWriter
+from tierlm.cache.catalog import model_name
 from tierlm.cache.fingerprint import checkpoint_digest
 from tierlm.cache.manifest import artifacts_root
+from tierlm.cache.mixed_estimate import aligned_bytes, check_mixed_size
 from tierlm.cache.sensitivity import CALIBRATION_TOKENS, Calibrate, choose_modes
 from tierlm.config import ModelConfig
 from tierlm.errors import TierlmError
 from tierlm.lora.adapter import LoraAdapter
 from tierlm.lora.merge import LoraMerger
 from tierlm.models import family_description, read_config
-from tierlm.progress import Progress
+from tierlm.progress import Progress, ProgressFactory
 from tierlm.quant.mixed import ALLOCATOR_VERSION, OPTIONS
+from tierlm.quant.modes import mode_text
 from tierlm.weights.checkpoint import Checkpoint, check_finite
 
 # Files besides the weights that make an artifact directory a complete model for the runtime.
@@ -73,13 +75,16 @@ def artifact_key(request: ConversionRequest, merger=None, calibrated: bool = Fal
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()
 
 
-def ensure_artifact(request: ConversionRequest, progress: Progress | None = None, calibrate: Calibrate | None = None) -> Path:
-    """The artifact directory for `request`, converting first if no finished one exists;
-    `calibrate`: mixed:SIZE's calibration forward (tierlm/store/calibration.py), else weights alone."""
-    read_config(request.model_dir)  # a bad config.json fails now, not after hashing the weights
+def ensure_artifact(request: ConversionRequest, progress: ProgressFactory | None = None,
+                    calibrate: Calibrate | None = None) -> Path:  # fmt: skip
+    """The artifact directory for `request`, converting first if no finished one exists, with its
+    phases reported to `progress`; `calibrate`: mixed:SIZE's calibration forward
+    (tierlm/store/calibration.py), else weights alone."""
+    mode = codec.parse_mode(request.quant)
+    # A bad config.json, or a mixed:SIZE below the model's floor, fails now, not after hashing the weights.
+    check_mixed_size(read_config(request.model_dir), mode, model_name(request.model_dir))
     merger = _merger(request.adapters)
     key = artifact_key(request, merger, calibrated=calibrate is not None)
-    mode = codec.parse_mode(request.quant)
     target = artifacts_root() / f"{Path(request.model_dir).name}-{mode.name}-{key[:16]}"
     make_dirs(target.parent)
     with directory_lock(target):
@@ -90,23 +95,27 @@ def ensure_artifact(request: ConversionRequest, progress: Progress | None = None
     return target
 
 
-def convert(request: ConversionRequest, out_dir: Path, key: str, merger=None, progress: Progress | None = None,
+def convert(request: ConversionRequest, out_dir: Path, key: str, merger=None, progress: ProgressFactory | None = None,
             calibrate: Calibrate | None = None) -> None:
-    """Write the artifact for `request` into `out_dir` (which the caller renames into place)."""
+    """Write the artifact for `request` into `out_dir` (which the caller renames into place);
+    its phases (a mixed:SIZE's calibration and choice, then the blocks) go to `progress`."""
     model_dir = Path(request.model_dir)
     config = read_config(model_dir)
     mode = codec.parse_mode(request.quant)
     layout, tensor_for = _sources(model_dir, config, merger)
     header = _header(key, config, model_dir, mode, request.adapters)
+    name, why = model_name(model_dir), f"{mode_text(mode)}, one-time"
     modes = None
     if mode.mixed and mode.target_bytes is not None:
-        choice = choose_modes(config, model_dir, layout, tensor_for, mode, aligned_bytes, BLOCK_ALIGN, calibrate)
+        phases = (progress(f"calibrating {name} on {CALIBRATION_TOKENS} tokens ({why})", "blocks"),
+                  progress(f"choosing int4 or int8 per weight of {name} ({why})", "weights")) if progress else (None, None)  # fmt: skip
+        choice = choose_modes(config, model_dir, layout, tensor_for, mode, aligned_bytes, BLOCK_ALIGN, calibrate, *phases)
         modes = {key: codec.parse_mode(name) for key, name in choice.modes.items()}
         header["mixed"] = {"target_bytes": mode.target_bytes, "sensitivity": choice.sensitivity,
                            "tensor_modes": dict(choice.modes)}  # fmt: skip
     writer = ArtifactWriter(out_dir)
     try:
-        write_layout(writer, layout, tensor_for, mode, progress, modes)
+        write_layout(writer, layout, tensor_for, mode, progress(f"converting {name} ({why})", "blocks") if progress else None, modes)
         writer.finish(header)
     finally:
         writer.close()
@@ -185,7 +194,7 @@ def ensure_variant_artifact(
     if merger is None:
         raise TierlmError("a variant needs at least one LoRA adapter")
     layout, tensor_for = _sources(Path(base.model_dir), config, merger)  # validates the adapters
-    base_dir = ensure_artifact(base, progress, calibrate)
+    base_dir = ensure_artifact(base, (lambda label, unit="": progress) if progress else None, calibrate)
     base_key = Artifact.open(base_dir).manifest["key"]
     key = variant_key(base_key, merger)
     mode = codec.parse_mode(base.quant)
@@ -239,12 +248,6 @@ def write_variant(out_dir: Path, base_dir: Path, layout, tensor_for, touched: se
         writer.close()
 
 
-def aligned_bytes(shape, mode, name) -> int:
-    """A tensor's stored bytes with each part rounded up to its alignment in a block: an upper
-    bound on what it adds, so choices made with it fit their size target."""
-    return sum(-(-n // PART_ALIGN) * PART_ALIGN for n in part_bytes(shape, mode, name))
-
-
 def write_layout(writer: ArtifactWriter, layout, tensor_for, mode, progress: Progress | None = None,
                  modes=None) -> None:  # fmt: skip
     """Append every block of `layout` to `writer`, one encoded tensor per distinct source tuple.
@@ -256,7 +259,9 @@ def write_layout(writer: ArtifactWriter, layout, tensor_for, mode, progress: Pro
     naming it otherwise), so an artifact never stores NaN/Inf for the model to compute with.
     """
     written: dict[tuple[str, ...], tuple[str, str]] = {}
-    for done, (block, entries) in enumerate(layout.items(), start=1):
+    report = progress or (lambda done, total: None)
+    report(0, len(layout))
+    for done, (block, entries) in enumerate(layout.items()):
         writer.begin_block(block)
         for name, sources in entries.items():
             if sources in written:
@@ -265,9 +270,9 @@ def write_layout(writer: ArtifactWriter, layout, tensor_for, mode, progress: Pro
             chosen = modes.get(f"{block}/{name}", mode) if modes else mode
             writer.add_tensor(name, *_encode_finite(block, name, tensor_for(block, name, sources), chosen))
             written[sources] = (block, name)
+            report(done, len(layout))  # still running: a large block's tensors take a while each
         writer.end_block()
-        if progress:
-            progress(done, len(layout))
+        report(done + 1, len(layout))
 
 
 def _encode_finite(block: str, name: str, tensor, mode):

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from tierlm.cache import codec
+from tierlm.progress import Progress
 from tierlm.quant import mixed
 from tierlm.quant.modes import QuantMode, parse_quant_mode
 
@@ -32,7 +33,7 @@ SAMPLE_ROWS = 2048  # rows of a weight whose quantization error is measured (mod
 ACTIVATIONS = "activations"  # the manifest's word for a measured choice
 WEIGHTS_ONLY = "weights only"
 # The calibration forward (tierlm/store/calibration.py `activation_stats`, which runs the model, so
-# the conversion is handed it): (config, model_dir, layout, tensor_for) -> "block/tensor" -> stats.
+# the conversion is handed it): (config, model_dir, layout, tensor_for, progress) -> "block/tensor" -> stats.
 Calibrate = Callable[..., Mapping]
 
 
@@ -45,33 +46,47 @@ class MixedChoice:
 
 
 def choose_modes(config, model_dir, layout, tensor_for, mode: QuantMode, part_bytes: Callable,
-                 block_padding: int = 0, calibrate: Calibrate | None = None) -> MixedChoice:  # fmt: skip
+                 block_padding: int = 0, calibrate: Calibrate | None = None,
+                 calibrating: Progress | None = None, choosing: Progress | None = None) -> MixedChoice:  # fmt: skip
     """The modes `mode` (mixed:SIZE) gives each 2-D weight of `layout` (block -> {tensor:
     sources}); `tensor_for(block, name, sources)` makes its fp32 tensor; `part_bytes(shape,
     mode, name) -> int` its stored bytes; `block_padding` the most a block's alignment adds;
-    `calibrate` runs the calibration forward (None: damage weighted by weights alone)."""
+    `calibrate` runs the calibration forward (None: damage weighted by weights alone), reporting
+    to `calibrating`; `choosing` counts the weights whose options are measured."""
     if calibrate is None:
         stats, how = {}, f"{WEIGHTS_ONLY} (no calibration forward was asked for)"
     else:
         try:
-            stats, how = calibrate(config, model_dir, layout, tensor_for), f"{ACTIVATIONS} ({CALIBRATION_TOKENS} tokens)"
+            stats = calibrate(config, model_dir, layout, tensor_for, calibrating)
+            how = f"{ACTIVATIONS} ({CALIBRATION_TOKENS} tokens)"
         except Exception as err:  # noqa: BLE001 - any failure of the calibration forward: weigh by weights
             stats, how = {}, f"{WEIGHTS_ONLY} (the calibration forward failed: {type(err).__name__})"
-    candidates, fixed, seen = [], block_padding * len(layout), set()
-    for block, entries in layout.items():
-        for name, sources in entries.items():
-            if sources in seen:
-                continue  # a tied head: the embedding's tensor
-            seen.add(sources)
-            tensor = tensor_for(block, name, sources)
-            if codec.keeps_float(name, tuple(tensor.shape)):
-                fixed += part_bytes(tuple(tensor.shape), mode, name)
-                continue
-            key = f"{block}/{name}"
-            candidates.append(_candidate(key, tensor, stats.get(key), part_bytes))
-            del tensor
+    entries = _distinct_entries(layout)
+    report = choosing or (lambda done, total: None)
+    candidates, fixed = [], block_padding * len(layout)
+    for done, (block, name, sources) in enumerate(entries):
+        report(done, len(entries))
+        tensor = tensor_for(block, name, sources)
+        if codec.keeps_float(name, tuple(tensor.shape)):
+            fixed += part_bytes(tuple(tensor.shape), mode, name)
+            continue
+        key = f"{block}/{name}"
+        candidates.append(_candidate(key, tensor, stats.get(key), part_bytes))
+        del tensor
+    report(len(entries), len(entries))
     chosen = mixed.allocate(candidates, mode.target_bytes - fixed)
     return MixedChoice(chosen, how)
+
+
+def _distinct_entries(layout) -> list[tuple[str, str, tuple[str, ...]]]:
+    """(block, tensor, sources) of `layout` in order, a tied head left out (the embedding's tensor)."""
+    out, seen = [], set()
+    for block, entries in layout.items():
+        for name, sources in entries.items():
+            if sources not in seen:
+                seen.add(sources)
+                out.append((block, name, sources))
+    return out
 
 
 def _candidate(key: str, tensor: torch.Tensor, stats, part_bytes) -> mixed.Candidate:

@@ -47,9 +47,9 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from tierlm.atomic import atomic_directory, directory_lock
 from tierlm.cache import codec
 from tierlm.cache.artifact import BLOCK_ALIGN, MANIFEST_NAME, ArtifactWriter
-from tierlm.cache.convert import aligned_bytes, write_layout
+from tierlm.cache.convert import write_layout
 from tierlm.cache.encodings import keeps_float
-from tierlm.cache.mixed_estimate import estimated_modes
+from tierlm.cache.mixed_estimate import aligned_bytes, estimated_modes
 from tierlm.models import config_from_dict, family_description
 from tierlm.progress import Progress
 from tierlm.quant.mixed import ALLOCATOR_VERSION

@@ -323,19 +323,21 @@ def convert(
     ),
 ):
     """Merge LoRA adapters and quantize into a cached artifact (reused by chat/generate); prints its path."""
-    from tierlm.cache.convert import ConversionRequest, ensure_artifact
-    from tierlm.store.calibration import activation_stats
     from tierlm.cli.progress import progress_factory
     from tierlm.lora.spec import parse_lora_spec
     from tierlm.offload.sizes import resolve_auto
     from tierlm.quant.modes import concrete_mode
-    from tierlm.runtime.session import resolve_model_dir
+    from tierlm.runtime.source import resolve_model_dir, resolve_source
 
     progress = progress_factory()
     adapters = tuple(parse_lora_spec(spec) for spec in lora or ())
     model_dir = resolve_model_dir(model, progress)
     mode = concrete_mode(resolve_auto(quant, model_dir), accelerator=False, converted=True)
-    print(ensure_artifact(ConversionRequest(model_dir, adapters, mode), progress("converting"), activation_stats))
+    resolve_source(model_dir, mode, adapters, accelerator=False)  # a mixed:SIZE below the floor: refused before torch loads
+    from tierlm.cache.convert import ConversionRequest, ensure_artifact
+    from tierlm.store.calibration import activation_stats
+
+    print(ensure_artifact(ConversionRequest(model_dir, adapters, mode), progress, activation_stats))
 
 
 cache_app = typer.Typer(help="List, verify or remove cached models and artifacts.", no_args_is_help=True)
@@ -397,8 +399,9 @@ def import_gguf(path: Path = typer.Argument(..., help="A .gguf file: Llama, Qwen
     """Import a GGUF file into the cache as a Hugging Face model directory; prints its path."""
     from tierlm.cli.models import import_gguf_command
     from tierlm.cli.progress import progress_factory
+    from tierlm.progress import BYTES
 
-    model_dir, name, existed, replaced = import_gguf_command(path, progress_factory()("importing GGUF"))
+    model_dir, name, existed, replaced = import_gguf_command(path, progress_factory()(f"importing {path.name} (one-time)", BYTES))
     print(f"{'already in the cache' if existed else 'imported'} as {name}{replaced}", file=sys.stderr)
     print(model_dir)
 

@@ -60,11 +60,12 @@ def allocate(candidates: Sequence[Candidate], budget: int) -> dict[str, str]:
     """
     chosen = {c.key: _hull(c)[0] for c in candidates}
     total = sum(c.sizes[chosen[c.key]] for c in candidates)
-    if total > budget:
+    if total > budget:  # callers refuse a size below the model's floor first (cache/mixed_estimate.py)
+        need = -(-total // 2**20)
         raise TierlmError(
-            f"the weights need at least {total / 2**30:.2f} GiB even with every tensor at {OPTIONS[0]}, "
-            f"more than the {budget / 2**30:.2f} GiB asked for",
-            f"ask for mixed:{-(-total // 2**20)}MiB or more",
+            f"the weights need at least {need} MiB even with every tensor at {OPTIONS[0]}, "
+            f"more than the {max(budget, 0) // 2**20} MiB left for them",
+            f"ask for mixed:{need}MiB or more",
         )
     hulls = {c.key: _hull(c) for c in candidates}
     by_key = {c.key: c for c in candidates}

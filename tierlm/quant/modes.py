@@ -124,6 +124,18 @@ def _mixed_mode(name: str, text: str) -> QuantMode:
     return QuantMode(f"mixed-{size}", "mixed", target_bytes=size)
 
 
+def mode_text(mode: QuantMode) -> str:
+    """`mode` as a user writes it: int8, mixed:source, mixed:60MiB, mixed:5.2GiB."""
+    if not mode.mixed:
+        return mode.name
+    if mode.target_bytes is None:
+        return "mixed:source"
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if mode.target_bytes >= scale:
+            return f"mixed:{mode.target_bytes / scale:.2f}".rstrip("0").rstrip(".") + unit
+    return f"mixed:{mode.target_bytes}B"
+
+
 def int4_fits(shape: tuple[int, ...]) -> bool:
     """Whether a 2-D weight of `shape` can be stored as int4 (its input dim a multiple of 32)."""
     return len(shape) == 2 and shape[1] >= _INT4_GROUP and shape[1] % _INT4_GROUP == 0

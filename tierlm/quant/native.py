@@ -23,23 +23,27 @@ The vector code (csrc/simd.h) is AVX-512, AVX2+FMA or portable vector extensions
 the compiler's target; the library is compiled with `-march=native`, so its cache key includes
 the CPU's identity as well as every source file, the flags and the compiler. Parallel loops
 run on tierlm's own pool (csrc/pool.h). Any failure (no compiler, a build error) raises
-`KernelUnavailable`, and the caller falls back.
+`KernelUnavailable`, and the caller falls back. A build is a phase of its own for a caller's
+progress (`built_library`): the compiler runs for tens of seconds, once per machine.
 """
 
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import os
 import platform
 import shutil
 import subprocess
 import tempfile
+import time
 from pathlib import Path
 
 import torch
 
 from tierlm.paths import kernels_root
+from tierlm.progress import ProgressFactory
 from tierlm.quant.kernel_api import KernelUnavailable
 
 SOURCES = Path(__file__).with_name("csrc")
@@ -47,6 +51,12 @@ SOURCES = Path(__file__).with_name("csrc")
 # without linking an OpenMP runtime (threads come from csrc/pool.h).
 FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-pthread", "-std=c++17", "-shared", "-fPIC")
 ISA_NAMES = {512: "native-avx512", 256: "native-avx2", 0: "native-simd"}
+BUILD_TIMEOUT_S = 300
+POLL_S = 1.0  # how often a build reports that the compiler still runs
+# A build's duration is kept beside the libraries for the next build's estimate; before any, this
+# one: 16 s of CPU, 35 s on the reference 2-core machine while it was busy.
+BUILD_RECORD = "last-build-seconds"
+FIRST_BUILD_GUESS_S = 35
 
 
 class NativeKernel:
@@ -141,16 +151,33 @@ def load_native(build_root: Path | None = None, flags: tuple[str, ...] = FLAGS) 
     `-march=x86-64-v2` for the portable one). Raises KernelUnavailable when there is no C++ compiler or the
     build fails.
     """
-    if build_root is None:
-        build_root = kernels_root()
-    compiler = _compiler()
-    library = build_root / f"tierlm_cpu-{_build_key(compiler, flags)}.so"
-    if not library.exists():
-        _compile(compiler, flags, library)
+    library = built_library(build_root, flags)
     try:
         return NativeKernel(library)
     except OSError as err:  # a truncated or foreign library: report, the caller falls back
         raise KernelUnavailable(f"cannot load {library}: {err}") from None
+
+
+def built_library(build_root: Path | None = None, flags: tuple[str, ...] = FLAGS,
+                  progress: ProgressFactory | None = None) -> Path:  # fmt: skip
+    """The library's path, compiled first when missing, as the phase "building the int8 kernels"
+    of `progress`. KernelUnavailable as `load_native` says."""
+    build_root = kernels_root() if build_root is None else build_root
+    compiler = _compiler()
+    library = build_root / f"tierlm_cpu-{_build_key(compiler, flags)}.so"
+    if not library.exists():
+        guess = _build_estimate(build_root)
+        report = progress(f"building the int8 kernels for this CPU (one-time, ~{guess} s)") if progress else None
+        _compile(compiler, flags, library, report)
+    return library
+
+
+def _build_estimate(build_root: Path) -> int:
+    """Seconds the last build here took, else `FIRST_BUILD_GUESS_S`."""
+    try:
+        return max(1, round(float((build_root / BUILD_RECORD).read_text())))
+    except (OSError, ValueError):
+        return FIRST_BUILD_GUESS_S
 
 
 def _compiler() -> str:
@@ -160,8 +187,10 @@ def _compiler() -> str:
     raise KernelUnavailable("no C++ compiler found (set $CXX or install g++)")
 
 
+@functools.lru_cache(maxsize=None)
 def _build_key(compiler: str, flags: tuple[str, ...]) -> str:
-    """Hash of everything the library's bytes depend on: source, flags, compiler, CPU."""
+    """Hash of everything the library's bytes depend on: source, flags, compiler, CPU (once per
+    process: every CPU load checks that the library is built)."""
     try:
         version = subprocess.run(
             [compiler, "--version"], capture_output=True, text=True, timeout=30
@@ -191,27 +220,50 @@ def _cpu_identity() -> str:
     return "\n".join(dict.fromkeys(keep))
 
 
-def _compile(compiler: str, flags: tuple[str, ...], library: Path) -> None:
+def _compile(compiler: str, flags: tuple[str, ...], library: Path, progress=None) -> None:
     try:
-        _build(compiler, flags, library)
+        _build(compiler, flags, library, progress)
     except OSError as err:  # a read-only or full cache: the caller falls back to another kernel
         raise KernelUnavailable(f"cannot build the int8 kernel in {library.parent}: {err.strerror or err}") from None
 
 
-def _build(compiler: str, flags: tuple[str, ...], library: Path) -> None:
+def _build(compiler: str, flags: tuple[str, ...], library: Path, progress=None) -> None:
+    """Compile into `library`; `progress(0, 1)` as the compiler starts and every `POLL_S` while it
+    runs, `progress(1, 1)` once the library is in place."""
+    report = progress or (lambda done, total: None)
     library.parent.mkdir(parents=True, exist_ok=True)
     # Build under a unique name and rename: concurrent builders never expose a partial file.
     with tempfile.TemporaryDirectory(dir=library.parent, prefix=".build-") as tmp:
         sources = [str(p) for p in sorted(SOURCES.glob("*.cpp"))]
         output = Path(tmp) / library.name
-        try:
-            done = subprocess.run(
-                [compiler, *flags, f"-I{SOURCES}", *sources, "-o", str(output)],
-                capture_output=True, text=True, timeout=300,
-            )  # fmt: skip
-        except (OSError, subprocess.SubprocessError) as err:
-            raise KernelUnavailable(f"{compiler} failed to run: {err}") from None
-        if done.returncode != 0:
-            tail = (done.stderr or done.stdout).strip().splitlines()[-3:]
+        started = time.monotonic()
+        report(0, 1)
+        returncode, out, err = _run_compiler([compiler, *flags, f"-I{SOURCES}", *sources, "-o", str(output)], report)
+        if returncode != 0:
+            tail = (err or out).strip().splitlines()[-3:]
             raise KernelUnavailable(f"building the int8 kernel failed: {' | '.join(tail)}")
         os.replace(output, library)
+    try:
+        (library.parent / BUILD_RECORD).write_text(f"{time.monotonic() - started:.0f}\n")
+    except OSError:
+        pass  # only the next estimate misses it
+    report(1, 1)
+
+
+def _run_compiler(command: list[str], report) -> tuple[int, str, str]:
+    """(exit status, stdout, stderr) of the compiler, `report(0, 1)` every `POLL_S` while it runs."""
+    started = time.monotonic()
+    try:
+        with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as child:
+            while True:
+                try:
+                    out, err = child.communicate(timeout=POLL_S)  # retrying it loses no output
+                    return child.returncode, out, err
+                except subprocess.TimeoutExpired:
+                    if time.monotonic() - started > BUILD_TIMEOUT_S:
+                        child.kill()
+                        child.communicate()
+                        raise KernelUnavailable(f"{command[0]} ran over {BUILD_TIMEOUT_S} s") from None
+                    report(0, 1)
+    except OSError as err:
+        raise KernelUnavailable(f"{command[0]} failed to run: {err}") from None

@@ -26,9 +26,11 @@ from tierlm.models.llama import LlamaModel
 from tierlm.offload.placement import Placement
 from tierlm.offload.sizes import BlockSizes
 from tierlm.probe.baseline import Baseline, measured_baseline
-from tierlm.progress import Progress
+from tierlm.progress import Progress, ProgressFactory
 from tierlm.quant.dispatch import kernel_choice
+from tierlm.quant.kernel_api import KernelUnavailable
 from tierlm.quant.modes import concrete_mode
+from tierlm.quant.native import built_library
 from tierlm.runtime.source import (
     Budget,
     WeightSource,
@@ -120,7 +122,7 @@ def load_source(
     bandwidths=None,
     read_delay_s: float = 0.0,
     progress: Progress | None = None,
-    convert_progress: Progress | None = None,
+    phases: ProgressFactory | None = None,
     stage=None,
 ) -> LoadedModel:
     """Load the resolved `source` in `dtype` (default: the device's compute dtype): plan it under
@@ -128,10 +130,13 @@ def load_source(
     the store. The context is the profile's (or
     `context_length`), capped by max_position_embeddings. `stage` (tierlm/stages.py StageSpan;
     None: the whole model) loads one pipeline stage: only its blocks are planned and opened, and
-    its caches hold only its layers.
+    its caches hold only its layers. `progress` counts the blocks loaded; the one-time phases
+    before (the kernel build, a conversion) go to `phases`.
     """
     if source.compiled:
         checked_quant(source.directory)  # a damaged artifact is refused before anything is measured
+    if device.type == "cpu":
+        build_kernels(phases)
     dtype = dtype or compute_dtype(device)
     span = stage_span(source.config, stage)
     budget = read_budget(source, profile, device, bandwidths, span) if profile is not None else None
@@ -139,7 +144,7 @@ def load_source(
     if planned is not None:
         source = planned.source
     if not (source.as_stored or source.compiled):
-        source = convert_source(source, device.type != "cpu", convert_progress)
+        source = convert_source(source, device.type != "cpu", phases)
         if budget is not None:
             planned = plan_load(source, budget)  # the artifact's exact sizes
     placement = planned.placement if planned is not None else None
@@ -180,8 +185,18 @@ def prepare_runtime(device, int8: bool) -> None:
         kernel_choice(device)
 
 
-def convert_source(source: WeightSource, accelerator: bool, progress) -> WeightSource:
-    """The artifact for `source`'s mode and adapters, converted on first use."""
+def build_kernels(phases: ProgressFactory | None = None) -> None:
+    """Compile the native CPU kernels now if they are not built, as a phase of its own: every CPU
+    load runs them (decode steps, int8 and int4 weights), and the machine probe's child would
+    otherwise build them unseen. A failed build is left for the kernels' loader to report."""
+    try:
+        built_library(progress=phases)
+    except KernelUnavailable:
+        pass
+
+
+def convert_source(source: WeightSource, accelerator: bool, progress: ProgressFactory | None) -> WeightSource:
+    """The artifact for `source`'s mode and adapters, converted on first use (its phases go to `progress`)."""
     mode = concrete_mode(source.quant, accelerator=accelerator, converted=True)
     artifact_dir = Path(ensure_artifact(ConversionRequest(source.directory, source.adapters, mode), progress, activation_stats))
     return replace(source, directory=artifact_dir, quant=checked_quant(artifact_dir), compiled=True)

@@ -157,7 +157,7 @@ class Session:
         """The artifact the base's weights come from; weights loaded as stored get one in their
         own format (converted once, cached), which variants are read against."""
         return variant_base_artifact(self.model_dir, self.loaded.artifact_dir, self.base_adapters, self.loaded.device,
-                                     progress("converting the base for variants") if progress else None)  # fmt: skip
+                                     progress)  # fmt: skip
 
     def remove_variant(self, name: str) -> None:
         """Drop the variant `name` from the store; only between forwards (the server's worker).
@@ -217,7 +217,7 @@ def open_session(
     source = resolve_source(model_dir, requested_quant(quant, profile), adapters, accelerator=target.type != "cpu")
     loaded = load(source, device=target, dtype=_parse_dtype(dtype), profile=profile,
                   progress=progress("loading weights") if progress else None,
-                  convert_progress=progress("converting (merge + quantize)") if progress else None)  # fmt: skip
+                  phases=progress)  # fmt: skip
     # The profile says the quant mode asked for and what it resolved to.
     profile = replace(profile, quant=quant or profile.quant, quant_resolved=source.resolved)
     defaults = GenerationDefaults.from_dir(model_dir)
@@ -232,9 +232,10 @@ def open_session(
     return session
 
 
-def variant_base_artifact(model_dir: Path, artifact_dir, base_adapters, device, progress=None) -> Path:
+def variant_base_artifact(model_dir: Path, artifact_dir, base_adapters, device, progress: ProgressFactory | None = None) -> Path:
     """The artifact variants are read against: the one a load's weights come from (`artifact_dir`),
-    else, for weights loaded as stored, one in their own format (converted once, cached)."""
+    else, for weights loaded as stored, one in their own format (converted once, cached; its
+    phases go to `progress`)."""
     if artifact_dir is not None:
         return Path(artifact_dir)
     mode = concrete_mode(AS_STORED, accelerator=device.type != "cpu", converted=True)

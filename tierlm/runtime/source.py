@@ -13,6 +13,7 @@ from pathlib import Path
 
 from tierlm.cache import catalog
 from tierlm.cache.manifest import MANIFEST_NAME, read_manifest
+from tierlm.cache.mixed_estimate import check_mixed_size
 from tierlm.config import ModelConfig
 from tierlm.device.cpu import torch_threads
 from tierlm.device.memory import MemoryLimits, process_limits
@@ -25,7 +26,7 @@ from tierlm.probe.baseline import Baseline
 from tierlm.probe.machine import load_bandwidths
 from tierlm.profile import Profile, load_profile, shipped_profiles
 from tierlm.progress import ProgressFactory
-from tierlm.quant.modes import AS_STORED, concrete_mode
+from tierlm.quant.modes import AS_STORED, concrete_mode, parse_quant_mode
 from tierlm.stages import StageSpan, whole_model
 
 
@@ -98,6 +99,8 @@ def resolve_source(model_dir: Path, quant: str, adapters=(), *, accelerator: boo
     resolved = resolve_auto(quant, model_dir, accelerator)  # before anything is keyed on the mode
     compiled = is_artifact(model_dir)
     mode = artifact_quant(model_dir) if compiled else resolved
+    if not compiled and mode != AS_STORED:  # a mixed:SIZE below the model's floor: refused before anything runs
+        check_mixed_size(config, parse_quant_mode(mode), catalog.model_name(model_dir))
     as_stored = not compiled and mode == AS_STORED and not adapters
     return WeightSource(model_dir, config, family, mode, quant, resolved, tuple(adapters), compiled, as_stored)
 

@@ -33,7 +33,7 @@ class Variant:
     error: str | None = None
     overlay: object = None  # store/variants.py's Overlay once ready: its mode and bytes
 
-    def progress(self, label: str):
+    def progress(self, label: str, unit: str = ""):
         """A ProgressFactory's callback for the step `label`: GET /v1/adapters shows it."""
         self.phase, self.done, self.total = label, 0, 0
 

@@ -14,6 +14,7 @@ from tierlm.cache import codec
 from tierlm.cache.sensitivity import CALIBRATION_TOKENS
 from tierlm.kv.cache import KVCache
 from tierlm.models import family_class
+from tierlm.progress import Progress
 from tierlm.weights.store import WeightStore
 
 
@@ -26,24 +27,29 @@ def calibration_ids(tokenizer_path, count: int = CALIBRATION_TOKENS) -> list[int
     return ids[:count]
 
 
-def activation_stats(config, model_dir, layout, tensor_for) -> dict[str, torch.Tensor]:
+def activation_stats(config, model_dir, layout, tensor_for, progress: Progress | None = None) -> dict[str, torch.Tensor]:
     """"block/tensor" -> mean square of each input column over the calibration tokens; the
     embedding's entry also weighs its rows by how often the tokens used them (head use, when tied,
-    adds the columns' mean square)."""
+    adds the columns' mean square). `progress` counts the blocks the forward has reached."""
+    report = progress or (lambda done, total: None)
+    report(0, len(layout))
     ids = calibration_ids(Path(model_dir) / "tokenizer.json")
-    store = CalibrationStore(layout, tensor_for)
+    store = CalibrationStore(layout, tensor_for, report)
     model = family_class(config)(config, store, len(ids), "cpu", torch.float32)
     with torch.no_grad():
         model.forward(torch.tensor([ids]), KVCache.for_model(config, len(ids)), logits="last")
+    report(len(layout), len(layout))  # a tied head, or an expert no token chose, is never built
     return store.statistics()
 
 
 class CalibrationStore(WeightStore):
     """Builds each block from the source when acquired, with its 2-D weights wrapped in recorders;
-    holds only the block in use."""
+    holds only the block in use. `progress(done, total)` as each block is built: how many of the
+    layout's blocks the forward is past."""
 
-    def __init__(self, layout, tensor_for):
+    def __init__(self, layout, tensor_for, progress: Progress | None = None):
         self._layout, self._tensor_for = layout, tensor_for
+        self._progress, self._reached = progress, set()
         self._columns: dict[str, torch.Tensor] = {}  # sums of x^2 per column
         self._rows: dict[str, int] = {}  # activation rows seen
         self._tokens: dict[str, torch.Tensor] = {}  # embedding lookups per row
@@ -51,6 +57,9 @@ class CalibrationStore(WeightStore):
                        for name, sources in entries.items()}  # fmt: skip  (a tied head -> the embedding's key)
 
     def acquire(self, block: str):
+        if self._progress is not None:  # the blocks before this one are done
+            self._reached.add(block)
+            self._progress(len(self._reached) - 1, len(self._layout))
         tensors = {}
         for name, sources in self._layout[block].items():
             tensor = self._tensor_for(block, name, sources)

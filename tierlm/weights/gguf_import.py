@@ -577,6 +577,8 @@ def _write_weights(plan: list[_Planned], out: Path, source: Path, progress: Prog
     shards = _shards(plan)
     total = sum(item.source_bytes for item in plan)
     done = 0
+    if progress is not None:
+        progress(0, total)  # announced before the first tensor, which may be the largest
     weight_map: dict[str, str] = {}
     for index, shard in enumerate(shards, start=1):
         filename = "model.safetensors" if len(shards) == 1 else f"model-{index:05d}-of-{len(shards):05d}.safetensors"
