@@ -56,10 +56,16 @@ def test_profiles_lists_and_shows():
 def test_generate_stdout_is_exactly_the_greedy_reply(tmp_path):
     from tierlm.runtime.engine import Engine
     from tierlm.runtime.loader import load_model
-    from tierlm.runtime.sampling import SamplingParams
+    from tierlm.runtime.model_defaults import model_generation_defaults
+    from tierlm.runtime.sampling import resolve_sampling
     from tierlm.runtime.tokenizer import Tokenizer
 
     make_model(tmp_path)
+
+    def greedy(tokens: int):
+        """-t 0 with the model's other defaults (its repetition penalty among them), as the CLI resolves them."""
+        return resolve_sampling(model_generation_defaults(tmp_path), temperature=0, max_new_tokens=tokens)
+
     result = tierlm("generate", "hello world", "--model", str(tmp_path), "-t", "0", "-n", "12", "--system", "be brief")
     assert result.returncode == 0, result.stderr
     tokenizer = Tokenizer.from_dir(tmp_path)
@@ -68,11 +74,11 @@ def test_generate_stdout_is_exactly_the_greedy_reply(tmp_path):
     ids = tokenizer.encode_chat(
         [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello world"}]
     )
-    expected = engine.generate(ids, SamplingParams(temperature=0, max_new_tokens=12)).text()
+    expected = engine.generate(ids, greedy(12)).text()
     assert result.stdout == expected + "\n"
     raw = tierlm("generate", "-", "--raw", "--model", str(tmp_path), "-t", "0", "-n", "5", stdin="the quick")
     engine.reset()
-    assert raw.stdout == engine.generate(tokenizer.encode("the quick", add_special_tokens=True), SamplingParams(temperature=0, max_new_tokens=5)).text() + "\n"
+    assert raw.stdout == engine.generate(tokenizer.encode("the quick", add_special_tokens=True), greedy(5)).text() + "\n"
 
 
 @pytest.mark.slow

@@ -15,7 +15,7 @@ from tierlm.config import GenerationDefaults
 from tierlm.errors import TierlmError
 from tierlm.runtime.sampling import resolve_sampling
 
-FALLBACK = dict(temperature=0.7, top_p=0.9, top_k=40, min_p=0.0, repetition_penalty=1.0)
+FALLBACK = dict(temperature=0.7, top_p=0.9, top_k=40, min_p=0.0, repetition_penalty=1.1, repeat_last_n=64)
 
 
 def write_generation_config(model_dir: Path, **fields) -> Path:
@@ -43,15 +43,18 @@ def test_generation_config_values_win_field_by_field(tmp_path):
     model = write_generation_config(tmp_path, do_sample=True, temperature=0.7, top_p=0.8, top_k=20,
                                     repetition_penalty=1.05)  # fmt: skip
     defaults = GenerationDefaults.from_dir(model)
-    assert sampling_of(defaults) == dict(temperature=0.7, top_p=0.8, top_k=20, min_p=0.0, repetition_penalty=1.05)
-    assert defaults.source == ("repetition_penalty", "temperature", "top_k", "top_p")
+    assert sampling_of(defaults) == dict(temperature=0.7, top_p=0.8, top_k=20, min_p=0.0, repetition_penalty=1.05,
+                                         repeat_last_n=64)  # fmt: skip
+    from_file = {key for key in FALLBACK if defaults.origin(key) == "generation_config.json"}
+    assert from_file == {"repetition_penalty", "temperature", "top_k", "top_p"}
     only_temperature = GenerationDefaults.from_dict({"temperature": 0.6, "min_p": 0.05})
     assert sampling_of(only_temperature) == {**FALLBACK, "temperature": 0.6, "min_p": 0.05}
 
 
 def test_do_sample_false_means_greedy_and_bad_values_are_ignored():
     greedy = GenerationDefaults.from_dict({"do_sample": False, "temperature": 0.6, "top_p": 0.9})
-    assert greedy.temperature == 0 and greedy.source == ("do_sample", "top_p")
+    assert greedy.temperature == 0 and greedy.origin("temperature") == "generation_config.json (do_sample: false)"
+    assert greedy.origin("top_p") == "generation_config.json" and greedy.origin("top_k") == "tierlm's fallback"
     assert GenerationDefaults.from_dict({"do_sample": True}).temperature == 0.7
     junk = {"temperature": -1, "top_p": 0, "top_k": 2.5, "min_p": 3, "repetition_penalty": "x"}
     assert sampling_of(GenerationDefaults.from_dict(junk)) == FALLBACK
@@ -169,7 +172,8 @@ def test_cli_leaves_sampling_to_the_model_unless_told(tmp_path):
     tokenizer = Tokenizer.from_dir(model)
     engine = Engine(load_model(model, device="cpu", dtype=torch.float32, quant="fp32"), tokenizer)
     ids = tokenizer.encode_chat([{"role": "user", "content": "hello"}])
-    assert unset.stdout == engine.generate(ids, SamplingParams(temperature=0, max_new_tokens=10)).text() + "\n"
+    greedy = SamplingParams(temperature=0, repetition_penalty=1.1, max_new_tokens=10)  # the fallback penalty applies
+    assert unset.stdout == engine.generate(ids, greedy).text() + "\n"
     write_generation_config(model, temperature=5.0, top_k=0, top_p=1.0)  # wild sampling by default
     forced = run_tierlm(*run, "-t", "0")
     assert forced.stdout == unset.stdout

@@ -270,7 +270,8 @@ def test_int8_artifact_keeps_each_expert_in_its_own_block(checkpoints, case):
 
 def test_generate_runs_a_moe_model_end_to_end(tmp_path):
     from tierlm.runtime.engine import Engine
-    from tierlm.runtime.sampling import SamplingParams
+    from tierlm.runtime.model_defaults import model_generation_defaults
+    from tierlm.runtime.sampling import resolve_sampling
     from tierlm.runtime.tokenizer import Tokenizer
 
     args = dict(MOE_CASES["qwen3-moe-dense-and-sparse"])
@@ -282,7 +283,9 @@ def test_generate_runs_a_moe_model_end_to_end(tmp_path):
                             "-q", quant)  # fmt: skip
         assert result.returncode == 0, result.stderr
         engine = Engine(load_model(tmp_path, device="cpu", dtype=torch.float32, quant=quant), tokenizer)
-        expected = engine.generate(ids, SamplingParams(temperature=0, max_new_tokens=6)).text()
+        # -t 0 with the model's other defaults (its repetition penalty among them), as the CLI resolves them.
+        greedy = resolve_sampling(model_generation_defaults(tmp_path), temperature=0, max_new_tokens=6)
+        expected = engine.generate(ids, greedy).text()
         assert result.stdout == expected + "\n", quant
 
 

@@ -178,6 +178,21 @@ def test_seed_makes_a_sampled_reply_repeatable(client, session):
     assert other.message.content != first.message.content
 
 
+def test_repeat_last_n_sets_the_window_the_penalty_covers(client, session):
+    """Ollama's repeat_last_n: the last N tokens of prompt and reply, -1 all of them, 0 the penalty off."""
+    prompt = chat_ids(session, user(LONG_RUNNER))
+    replies = {}
+    for last_n in (4, -1, 0):
+        options = {"temperature": 0, "num_predict": 24, "repeat_penalty": 3, "repeat_last_n": last_n}
+        replies[last_n] = client.chat(model=BASE, messages=user(LONG_RUNNER), options=options).message.content
+        assert replies[last_n] == solo(session, prompt, temperature=0, repetition_penalty=3.0, repeat_last_n=last_n,
+                                       max_new_tokens=24)[1]  # fmt: skip
+    assert replies[0] == solo(session, prompt, temperature=0, repetition_penalty=1.0, max_new_tokens=24)[1]
+    assert len(set(replies.values())) == 3  # each window changes the reply
+    shown = client.show(BASE).parameters
+    assert re.search(r"^repeat_last_n +64$", shown, re.M) and re.search(r"^repeat_penalty +1\.1$", shown, re.M)
+
+
 def test_stop_ends_the_reply_before_the_stop_string(client, session):
     _, text, _ = solo(session, chat_ids(session, user(LONG_RUNNER)), temperature=0, max_new_tokens=40)
     stop = text[len(text) // 2:len(text) // 2 + 3]
@@ -217,7 +232,6 @@ def test_unknown_model_is_a_404(client):
     ("format", "json", "constrained decoding"),
     ("options", {"mirostat": 2}, "mirostat"),
     ("options", {"presence_penalty": 0.5}, "presence_penalty"),
-    ("options", {"repeat_penalty": 1.2, "repeat_last_n": 64}, "repeat_last_n 64"),
     ("options", {"no_such_option": 1}, "unknown option"),
     ("tools", [{"type": "function", "function": {"name": "f"}}], "tool"),
     ("keep_alive", "five minutes", "not a duration"),

@@ -151,7 +151,7 @@ LONG_RUNNER = "the quick brown fox"  # greedy on the tiny model: no EOS for well
 @pytest.mark.slow
 def test_deadline_ends_with_partial_text_and_timeout_reason(session):
     prompt = chat_ids(session, LONG_RUNNER)
-    ids, _, _ = solo(session, prompt, SamplingParams(temperature=0, max_new_tokens=80))
+    ids, _, _ = solo(session, prompt, resolve_sampling(session.generation_defaults, temperature=0, max_new_tokens=80))
     assert len(ids) == 80
     with running(session) as (url, client):
         debug(client, "delay", 0.02)
@@ -299,7 +299,7 @@ def test_completions_plain_and_streamed_and_metrics(session):
     tokenizer = session.engine.tokenizer
     prompt = "the quick brown"
     ids, text, reason = solo(session, tokenizer.encode(prompt, add_special_tokens=True),
-                             SamplingParams(temperature=0, max_new_tokens=10))
+                             resolve_sampling(session.generation_defaults, temperature=0, max_new_tokens=10))
     with running(session) as (url, client):
         reply = client.post("/v1/completions", json={"model": "tiny", "prompt": prompt, "max_tokens": 10,
                                                      "temperature": 0}).json()

@@ -14,7 +14,7 @@ from contextlib import contextmanager
 import pytest
 
 from tierlm.profile import load_profile
-from tierlm.runtime.sampling import SamplingParams
+from tierlm.runtime.sampling import resolve_sampling
 from tierlm.runtime.session import open_session
 from tierlm.server.options import ServerOptions
 from tierlm.weights.embedded import ensure_embedded_model
@@ -83,7 +83,8 @@ def expected():
     session = open_session(None, load_profile("24gb"))
     engine = session.engine
     prompt = engine.tokenizer.encode_chat(MESSAGES)
-    generation = engine.generate(prompt, SamplingParams(temperature=0, max_new_tokens=32))
+    # temperature 0 with the model's other defaults, as the server resolves a request's.
+    generation = engine.generate(prompt, resolve_sampling(session.generation_defaults, temperature=0, max_new_tokens=32))
     text = generation.text()
     return {"text": text, "prompt_tokens": len(prompt), "completion_tokens": len(generation.token_ids),
             "finish_reason": generation.stats.finish_reason}

@@ -23,7 +23,7 @@ from tests.tiny import make_model, write_profile
 from tierlm.errors import TierlmError
 from tierlm.lora.spec import parse_variant_spec, split_variant_specs
 from tierlm.profile import load_profile
-from tierlm.runtime.sampling import SamplingParams
+from tierlm.runtime.sampling import resolve_sampling
 from tierlm.runtime.session import open_session
 from tierlm.server.options import ServerOptions
 from tierlm.server.run import BackgroundServer
@@ -81,7 +81,9 @@ def expected(base_dir, profile, adapters) -> dict[str | None, str]:
         with open_session(str(base_dir), profile, device="cpu", dtype="fp32", loras=loras) as solo:
             engine = solo.engine
             ids = engine.tokenizer.encode_chat([{"role": "user", "content": content}])
-            generation = engine.generate(ids, SamplingParams(temperature=0, max_new_tokens=TOKENS))
+            # temperature 0 with the model's other defaults, as the server resolves a request's.
+            generation = engine.generate(ids, resolve_sampling(solo.generation_defaults, temperature=0,
+                                                               max_new_tokens=TOKENS))  # fmt: skip
             generation.text()  # runs it
             token_ids = generation.token_ids
             if token_ids[-1] in engine.tokenizer.eos_token_ids:  # the server flushes what the engine holds back

@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import math
 import reprlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any, Mapping
@@ -432,43 +432,69 @@ def _rope_config(fields: _Fields, family) -> RopeConfig:
     )
 
 
+# Where a GenerationDefaults value came from, for `tierlm show`: these two, or a label its caller gives.
+GENERATION_CONFIG = "generation_config.json"
+FALLBACK_ORIGIN = "tierlm's fallback"
+
+
 @dataclass(frozen=True)
 class GenerationDefaults:
     """The sampling settings a run uses where the user (flag, request field) gives none.
 
-    Each field is the model's generation_config.json value when it has a usable one, else the
-    fallback below (llama.cpp's and Ollama's defaults, except min_p: off). An explicit
-    `do_sample: false` means greedy (temperature 0), as transformers reads it. `source` names
-    the fields taken from the file, for help and /stats.
+    Layered, highest first: the model's own generation_config.json (where a GGUF import writes
+    the file's general.sampling.* keys), then what tierlm ships for that model (the embedded
+    one decodes greedily: tierlm.weights.embedded), then the fallback below: temperature 0.7, top-p 0.9, top-k 40, min-p off, and
+    Ollama's repetition penalty 1.1 over the last 64 tokens. An explicit `do_sample: false`
+    means greedy (temperature 0), as transformers reads it. `origins` says where each field not
+    at the fallback came from (`origin`), for `tierlm show`.
     """
 
     temperature: float = 0.7
     top_p: float = 0.9
     top_k: int = 40
     min_p: float = 0.0
-    repetition_penalty: float = 1.0
-    source: tuple[str, ...] = ()
+    repetition_penalty: float = 1.1
+    repeat_last_n: int = 64  # tokens the penalty looks back over; 0 = off, -1 = the whole context
+    origins: tuple[tuple[str, str], ...] = ()  # (field, where its value came from)
+
+    def origin(self, name: str) -> str:
+        """Where the value of field `name` came from."""
+        return dict(self.origins).get(name, FALLBACK_ORIGIN)
+
+    def overridden(self, values: Mapping[str, Any], origin: str) -> "GenerationDefaults":
+        """These defaults with `values` (field -> value) in place, each credited to `origin`."""
+        kept = tuple((name, where) for name, where in self.origins if name not in values)
+        return replace(self, **values, origins=kept + tuple((name, origin) for name in sorted(values)))
 
     @classmethod
-    def from_dir(cls, model_dir: Path) -> "GenerationDefaults":
-        """Read `model_dir`/generation_config.json; a missing or unreadable file gives the fallback."""
+    def from_dir(cls, model_dir: Path, base: "GenerationDefaults | None" = None,
+                 labels: Mapping[str, str] | None = None) -> "GenerationDefaults":  # fmt: skip
+        """`base` (else the fallback) under `model_dir`/generation_config.json's values; a missing
+        or unreadable file leaves `base`. `labels`: field -> origin for values the file holds on
+        behalf of another source (a GGUF's sampling keys)."""
         try:
             raw = json.loads((Path(model_dir) / "generation_config.json").read_text())
         except (OSError, ValueError):
-            return cls()
-        return cls.from_dict(raw if isinstance(raw, dict) else {})
+            return base or cls()
+        return cls.from_dict(raw if isinstance(raw, dict) else {}, base, GENERATION_CONFIG, labels)
 
     @classmethod
-    def from_dict(cls, raw: Mapping[str, Any]) -> "GenerationDefaults":
-        """Usable values override the fallback; out-of-range or mistyped ones are ignored, since a
-        stray value in a model's file should not stop it from running."""
+    def from_dict(cls, raw: Mapping[str, Any], base: "GenerationDefaults | None" = None,
+                  origin: str = GENERATION_CONFIG,
+                  labels: Mapping[str, str] | None = None) -> "GenerationDefaults":  # fmt: skip
+        """`base` (else the fallback) with `raw`'s usable values in place, credited to `origin`;
+        out-of-range or mistyped ones are ignored, since a stray value in a model's file should
+        not stop it from running."""
         values = {key: cast(raw[key]) for key, (cast, ok) in _GENERATION_FIELDS.items()
                   if _number(raw.get(key)) and ok(raw[key])}  # fmt: skip
-        source = sorted(values)
+        labels = dict(labels or {})
         if raw.get("do_sample") is False:
             values["temperature"] = 0.0
-            source = sorted({*source, "do_sample"} - {"temperature"})
-        return cls(**values, source=tuple(source))
+            labels["temperature"] = f"{origin} (do_sample: false)"
+        defaults = base or cls()
+        for key, value in values.items():
+            defaults = defaults.overridden({key: value}, labels.get(key, origin))
+        return defaults
 
 
 def _number(value: Any) -> bool:
@@ -476,6 +502,7 @@ def _number(value: Any) -> bool:
 
 
 # generation_config.json fields read: (cast, whether a value is usable: SamplingParams' ranges).
+# repeat_last_n is no transformers key: a GGUF import writes it from general.sampling.penalty_last_n.
 _GENERATION_FIELDS: Mapping[str, tuple[Any, Any]] = MappingProxyType(
     {
         "temperature": (float, lambda v: v >= 0),
@@ -483,5 +510,6 @@ _GENERATION_FIELDS: Mapping[str, tuple[Any, Any]] = MappingProxyType(
         "top_k": (int, lambda v: v >= 0 and float(v).is_integer()),
         "min_p": (float, lambda v: 0 <= v <= 1),
         "repetition_penalty": (float, lambda v: v > 0),
+        "repeat_last_n": (int, lambda v: v >= -1 and float(v).is_integer()),
     }
 )

@@ -42,13 +42,13 @@ StagesOpt = typer.Option(
 )
 MAX_NEW_TOKENS = 256
 MaxNewOpt = typer.Option(MAX_NEW_TOKENS, "--max-new-tokens", "-n", min=1, help="Most tokens to generate per reply")
-# Sampling options default to None: the model's generation_config.json decides, else the fallback.
+# Sampling options default to None: the model's defaults decide (`tierlm show MODEL`), else the fallback.
 _FALLBACK = GenerationDefaults()
 
 
 def _sampling_option(names: tuple[str, ...], text: str, fallback: float, **bounds):
-    """A sampling flag whose unset value defers to the model's generation_config.json."""
-    help_text = f"{text} (default: the model's generation_config.json, else {fallback:g})"
+    """A sampling flag whose unset value defers to the model's defaults (runtime/model_defaults.py)."""
+    help_text = f"{text} (default: the model's, as `tierlm show MODEL` lists them; else {fallback:g})"
     return typer.Option(None, *names, show_default=False, help=help_text, **bounds)
 
 
@@ -59,8 +59,14 @@ MinPOpt = _sampling_option(
     ("--min-p",), "Keep tokens at least this fraction as likely as the top one; 0 = off", _FALLBACK.min_p,
     min=0.0, max=1.0,
 )
+# --repeat-penalty is llama.cpp's and Ollama's name; --repetition-penalty (transformers') stays an alias.
 RepOpt = _sampling_option(
-    ("--repetition-penalty",), "Penalty for repeated tokens; 1 = off", _FALLBACK.repetition_penalty, min=0.01
+    ("--repeat-penalty", "--repetition-penalty"), "Penalty for tokens among the last --repeat-last-n; 1 = off",
+    _FALLBACK.repetition_penalty, min=0.01,
+)
+RepLastNOpt = _sampling_option(
+    ("--repeat-last-n",), "Tokens the repeat penalty looks back over; 0 = off, -1 = the whole context",
+    _FALLBACK.repeat_last_n, min=-1,
 )
 ThreadsOpt = typer.Option(
     None, "--threads", min=0, show_default=False,
@@ -88,9 +94,9 @@ class _Flags:
 
 @dataclass(frozen=True)
 class SamplingFlags(_Flags):
-    """--max-new-tokens, --temperature, --top-p, --top-k, --min-p, --repetition-penalty, --seed,
-    --stop (chat, generate; serve takes the five with model defaults). None: unset, the model's
-    generation_config.json decides."""
+    """--max-new-tokens, --temperature, --top-p, --top-k, --min-p, --repeat-penalty, --repeat-last-n,
+    --seed, --stop (chat, generate; serve takes the six with model defaults). None: unset, the
+    model's defaults decide."""
 
     max_new_tokens: int = MAX_NEW_TOKENS
     temperature: float | None = None
@@ -98,6 +104,7 @@ class SamplingFlags(_Flags):
     top_k: int | None = None
     min_p: float | None = None
     repetition_penalty: float | None = None
+    repeat_last_n: int | None = None
     seed: int | None = None
     stop: tuple[str, ...] = ()
 
@@ -115,12 +122,12 @@ class SamplingFlags(_Flags):
 
     def over(self, defaults: GenerationDefaults) -> GenerationDefaults:
         """`defaults` with the flags set in their place (serve: what requests that omit a field get)."""
-        return replace(defaults, **self._model_fields())
+        return defaults.overridden(self._model_fields(), "a flag of `tierlm serve`")
 
     def _model_fields(self) -> dict:
         """The flags set among those the model has defaults for."""
         given = dict(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
-                     repetition_penalty=self.repetition_penalty)  # fmt: skip
+                     repetition_penalty=self.repetition_penalty, repeat_last_n=self.repeat_last_n)  # fmt: skip
         return {key: value for key, value in given.items() if value is not None}
 
 
@@ -218,6 +225,7 @@ def chat(
     top_k: Optional[int] = TopKOpt,
     min_p: Optional[float] = MinPOpt,
     repetition_penalty: Optional[float] = RepOpt,
+    repeat_last_n: Optional[int] = RepLastNOpt,
     seed: Optional[int] = SeedOpt,
     system: Optional[str] = SystemOpt,
     stop: Optional[list[str]] = StopOpt,
@@ -250,6 +258,7 @@ def generate(
     top_k: Optional[int] = TopKOpt,
     min_p: Optional[float] = MinPOpt,
     repetition_penalty: Optional[float] = RepOpt,
+    repeat_last_n: Optional[int] = RepLastNOpt,
     seed: Optional[int] = SeedOpt,
     system: Optional[str] = SystemOpt,
     stop: Optional[list[str]] = StopOpt,
@@ -628,6 +637,7 @@ def serve(
     top_k: Optional[int] = TopKOpt,
     min_p: Optional[float] = MinPOpt,
     repetition_penalty: Optional[float] = RepOpt,
+    repeat_last_n: Optional[int] = RepLastNOpt,
 ):
     """Serve the model over an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions)."""
     import os

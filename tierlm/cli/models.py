@@ -268,11 +268,27 @@ def render_show(spec: str, profile_name: str, device: str | None) -> str:
         f"context     {config.max_position_embeddings}",
     ]
     lines += _template_lines(model_dir)
+    lines += _sampling_lines(model_dir)
     variants = [e for e in entries if e.kind == "artifact" and e.base_dir.resolve() == base_dir]
     lines.append("artifacts   " + ("none yet (built on first use of a quant mode or --lora)" if not variants else ""))
     lines += [f"  {e.name:30} {format_size(e.nbytes):>10}  {e.path.name}" for e in variants]
     lines += ["", f"plan under the {profile_name} profile:", plan_text(model_dir, profile_name, device)]
     return "\n".join(line.rstrip() for line in lines)
+
+
+# GenerationDefaults field -> the flag that overrides it, as `tierlm show` names it.
+_SAMPLING_FLAGS = (("temperature", "temperature"), ("top_p", "top-p"), ("top_k", "top-k"), ("min_p", "min-p"),
+                   ("repetition_penalty", "repeat-penalty"), ("repeat_last_n", "repeat-last-n"))  # fmt: skip
+
+
+def _sampling_lines(model_dir: Path) -> list[str]:
+    """The sampling defaults in effect (where no flag or request field sets one), with where each comes from."""
+    from tierlm.runtime.model_defaults import model_generation_defaults
+
+    defaults = model_generation_defaults(model_dir)
+    return ["sampling    defaults where no flag or request field sets one:"] + [
+        f"  {flag:15} {getattr(defaults, name):<6g} {defaults.origin(name)}" for name, flag in _SAMPLING_FLAGS
+    ]
 
 
 def _template_lines(model_dir: Path, shown: int = 4) -> list[str]:

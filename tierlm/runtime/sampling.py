@@ -1,5 +1,6 @@
-"""Sampling settings and a sampler: greedy, temperature, top-k, top-p, min-p, repetition penalty,
-seed; and `resolve_sampling`, which fills what the user left unset from the model's defaults."""
+"""Sampling settings and a sampler: greedy, temperature, top-k, top-p, min-p, repetition penalty
+over the last N tokens, seed; and `resolve_sampling`, which fills what the user left unset from
+the model's defaults."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.Generator.manual_seed accepts
 # The repetition penalty is applied clamped to this range: beyond it fp32 logits overflow or
 # vanish alike (a penalty of 1e-300 would divide a positive logit by zero).
 PENALTY_CLAMP = (1e-30, 1e30)
+WHOLE_CONTEXT = -1  # repeat_last_n: penalize every token of the prompt and reply (llama.cpp's, Ollama's -1)
 
 
 @dataclass(frozen=True)
@@ -25,8 +27,9 @@ class SamplingParams:
     """How to pick each next token and when to stop. temperature 0 means greedy.
 
     Any finite temperature ≥ 0 is accepted; below GREEDY_BELOW (1e-5) it samples as greedy.
-    Any finite repetition_penalty > 0 is accepted (applied clamped to PENALTY_CLAMP); a seed
-    must lie in SEED_RANGE, torch's, and is refused outside it rather than wrapped.
+    Any finite repetition_penalty > 0 is accepted (applied clamped to PENALTY_CLAMP), over the
+    last `repeat_last_n` tokens of prompt and reply (0: off, -1: all of them, as in llama.cpp and
+    Ollama); a seed must lie in SEED_RANGE, torch's, and is refused outside it rather than wrapped.
 
     The field defaults are neutral (no filter, logits unscaled); what a run uses where the user
     says nothing is the model's, through `resolve_sampling`.
@@ -38,6 +41,7 @@ class SamplingParams:
     top_p: float = 1.0
     min_p: float = 0.0  # keep tokens with probability ≥ min_p × the top token's (0 = off)
     repetition_penalty: float = 1.0
+    repeat_last_n: int = 64  # tokens the penalty looks back over; 0 = off, -1 = the whole context
     seed: int | None = None
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False  # decode to max_new_tokens regardless (benchmarks: equal-length runs)
@@ -56,6 +60,9 @@ class SamplingParams:
         if not (math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0):
             raise TierlmError(
                 f"repetition_penalty must be a finite number > 0 (1 = off), not {self.repetition_penalty}")
+        if isinstance(self.repeat_last_n, bool) or not isinstance(self.repeat_last_n, int) or self.repeat_last_n < -1:
+            raise TierlmError(f"repeat_last_n must be an integer ≥ -1 (0 = off, -1 = the whole context), "
+                              f"not {str(self.repeat_last_n)[:30]}")
         if self.seed is not None and not (isinstance(self.seed, int) and SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]):
             raise TierlmError(f"seed must be an integer in [-2^63, 2^64 - 1], not {str(self.seed)[:30]}",
                               "torch's random generator takes no other seeds")
@@ -63,6 +70,13 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature < GREEDY_BELOW
+
+    @property
+    def penalty_window(self) -> int | None:
+        """How many recent tokens the repetition penalty covers: None when it is off, WHOLE_CONTEXT for all."""
+        if self.repetition_penalty == 1.0 or self.repeat_last_n == 0:
+            return None
+        return self.repeat_last_n
 
 
 def resolve_sampling(
@@ -73,12 +87,13 @@ def resolve_sampling(
     top_k: int | None = None,
     min_p: float | None = None,
     repetition_penalty: float | None = None,
+    repeat_last_n: int | None = None,
     **fixed,
 ) -> SamplingParams:
     """SamplingParams from what the user set (None = unset: the model's default) and `fixed`
     fields with no model default (max_new_tokens, seed, stop, ...)."""
     given = dict(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
-                 repetition_penalty=repetition_penalty)  # fmt: skip
+                 repetition_penalty=repetition_penalty, repeat_last_n=repeat_last_n)  # fmt: skip
     chosen = {key: getattr(defaults, key) if value is None else value for key, value in given.items()}
     return SamplingParams(**chosen, **fixed)
 
@@ -95,7 +110,8 @@ class Sampler:
             self.generator.seed()
 
     def __call__(self, logits: torch.Tensor, seen: torch.Tensor | None = None) -> int:
-        """Next token from logits [V] (fp32); `seen` [N] holds ids the repetition penalty applies to."""
+        """Next token from logits [V] (fp32); `seen` [N] holds the ids the repetition penalty applies
+        to (the caller's window: SequenceState keeps the last repeat_last_n)."""
         p = self.params
         if p.repetition_penalty != 1.0 and seen is not None and seen.numel():
             logits = penalize_repetition(logits, seen, p.repetition_penalty)

@@ -8,11 +8,13 @@ them: how logits are computed (one cache or a slot in a batch) and where text go
 
 from __future__ import annotations
 
+from collections import deque
+
 import torch
 
 # Tokens per prefill step, re-exported: one home in offload/sizes.py, whose workspace charge depends on it.
 from tierlm.offload.sizes import PREFILL_CHUNK
-from tierlm.runtime.sampling import Sampler, SamplingParams
+from tierlm.runtime.sampling import WHOLE_CONTEXT, Sampler, SamplingParams
 from tierlm.runtime.stopping import StopMatcher
 
 
@@ -37,13 +39,19 @@ class SequenceState:
         self.prompt_tokens = len(prompt_ids)
         self.context_length = context_length
         self.token_ids: list[int] = []
-        self.seen: torch.Tensor | None = None  # prompt + output ids [N], for the repetition penalty
-        if params.repetition_penalty != 1.0:
-            self.seen = torch.tensor(prompt_ids, dtype=torch.long)
+        # The ids the repetition penalty looks back over: the last repeat_last_n of prompt and reply
+        # (llama.cpp's and Ollama's window), all of them for -1; None when the penalty is off.
+        window = params.penalty_window
+        self.recent: deque[int] | None = None
+        if window is not None:
+            # A window past the context is the whole context (and a huge one no deque size).
+            whole = window == WHOLE_CONTEXT or window >= context_length
+            self.recent = deque(prompt_ids, maxlen=None if whole else window)
 
     def sample(self, logits: torch.Tensor) -> int:
         """The next token from logits [V]."""
-        return self.sampler(logits, self.seen)
+        seen = torch.tensor(list(self.recent), dtype=torch.long) if self.recent else None
+        return self.sampler(logits, seen)
 
     def accept(self, token: int) -> tuple[str, str | None]:
         """Record `token`; (text safe to emit, "stop" / "length" / None while it goes on)."""
@@ -57,8 +65,8 @@ class SequenceState:
         cached = self.prompt_tokens + len(self.token_ids) - 1
         if len(self.token_ids) >= self.params.max_new_tokens or cached >= self.context_length:
             return text + self.flush(), "length"
-        if self.seen is not None:
-            self.seen = torch.cat((self.seen, torch.tensor([token])))
+        if self.recent is not None:
+            self.recent.append(token)
         return text, None
 
     def flush(self) -> str:

@@ -31,6 +31,7 @@ from tierlm.progress import ProgressFactory
 from tierlm.quant.modes import AS_STORED, concrete_mode
 from tierlm.runtime.engine import Engine
 from tierlm.runtime.loader import LoadedModel, load_source
+from tierlm.runtime.model_defaults import model_generation_defaults
 from tierlm.runtime.source import is_artifact, requested_quant, resolve_model_dir, resolve_source
 from tierlm.runtime.tokenizer import Tokenizer
 from tierlm.store.calibration import activation_stats
@@ -220,7 +221,7 @@ def open_session(
                   phases=progress)  # fmt: skip
     # The profile says the quant mode asked for and what it resolved to.
     profile = replace(profile, quant=quant or profile.quant, quant_resolved=source.resolved)
-    defaults = GenerationDefaults.from_dir(model_dir)
+    defaults = model_generation_defaults(model_dir)
     session = Session(loaded, tokenizer, profile, model_dir, time.perf_counter() - started, defaults, adapters)
     try:
         for name, variant in (variants or {}).items():

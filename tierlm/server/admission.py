@@ -148,12 +148,13 @@ def submit_job(request: Request, ids: list[int], sampling: Sampling, budget: Bud
 
 def sampling_params(sampling: Sampling, max_new_tokens: int, defaults: GenerationDefaults) -> SamplingParams:
     """The sampler's settings for a request: the fields it sent, the model's `defaults`
-    (generation_config.json, or `serve`'s flags) for those it left out, and its token budget.
+    (runtime/model_defaults.py, or `serve`'s flags) for those it left out, and its token budget.
     What the sampler refuses is a 400."""
     try:
         return resolve_sampling(defaults, temperature=sampling.temperature, top_p=sampling.top_p,
                                 top_k=sampling.top_k, min_p=sampling.min_p,
-                                repetition_penalty=sampling.repetition_penalty, max_new_tokens=max_new_tokens,
+                                repetition_penalty=sampling.repetition_penalty,
+                                repeat_last_n=sampling.repeat_last_n, max_new_tokens=max_new_tokens,
                                 seed=sampling.seed, stop=sampling.stop)  # fmt: skip
     except TierlmError as err:
         raise ApiError(400, str(err), code="invalid_value") from None

@@ -122,7 +122,8 @@ async def show(request: Request):
     arch = config.model_type
     defaults = session.generation_defaults
     parameters = {"temperature": defaults.temperature, "top_p": defaults.top_p, "top_k": defaults.top_k,
-                  "min_p": defaults.min_p, "repeat_penalty": defaults.repetition_penalty, "num_ctx": state.context}
+                  "min_p": defaults.min_p, "repeat_penalty": defaults.repetition_penalty,
+                  "repeat_last_n": defaults.repeat_last_n, "num_ctx": state.context}
     return {
         "modelfile": f"# served by tierlm {__version__}\nFROM {card['name']}\n"
                      + "".join(f"PARAMETER {k} {v}\n" for k, v in parameters.items()),

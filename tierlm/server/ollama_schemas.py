@@ -15,9 +15,8 @@ as on the OpenAI routes; not Ollama's built-in defaults):
   num_ctx       the context for this request, prompt and reply together: at most the served
                 context; smaller caps the budget
   stop          stop strings (at most STOP_STRINGS_MAX)
-  repeat_penalty  the sampler's repetition penalty over the whole prompt and reply, i.e.
-                repeat_last_n -1 (Ollama's default window is 64 tokens); repeat_last_n is
-                accepted as -1, or 0 (penalty off), or any value while the penalty is 1 (off)
+  repeat_penalty, repeat_last_n  the sampler's repetition penalty, over the last repeat_last_n
+                tokens of prompt and reply (0: off, -1: all of them, as in Ollama)
 """
 
 from __future__ import annotations
@@ -96,7 +95,7 @@ _ROLES = ("system", "user", "assistant")
 class OllamaOptions:
     """The `options` a request sets, validated; None = not set (the model's default)."""
 
-    sampling: Sampling = Sampling()  # temperature, top_p, top_k, min_p, repeat_penalty, seed, stop
+    sampling: Sampling = Sampling()  # temperature, top_p, top_k, min_p, repeat_penalty, repeat_last_n, seed, stop
     num_predict: int | None = None  # None: up to the context (also for -1 and -2)
     num_ctx: int | None = None
 
@@ -268,12 +267,6 @@ def _options(options: Any) -> OllamaOptions:
     if penalty == 0:
         raise ApiError(400, "option repeat_penalty must be greater than 0 (1 = off)", param="options.repeat_penalty")
     window = _integer(options, "repeat_last_n", -1)
-    if window == 0:
-        penalty = 1.0  # Ollama: repeat_last_n 0 turns the penalty off
-    elif window not in (None, -1) and penalty not in (None, 1.0):
-        raise ApiError(400, f"option repeat_last_n {window} is not supported: tierlm applies repeat_penalty to the "
-                            "whole prompt and reply (repeat_last_n -1); send -1, 0 (off), or leave it out",
-                       param="options.repeat_last_n")
     top_p = _number(options, "top_p", 0.0, 1.0)
     if top_p == 0:
         raise ApiError(400, "option top_p must be greater than 0 and at most 1 (for greedy decoding send "
@@ -288,7 +281,8 @@ def _options(options: Any) -> OllamaOptions:
     min_p = _number(options, "min_p", 0.0, 1.0)
     num_ctx = _integer(options, "num_ctx", 1)
     sampling = Sampling(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, repetition_penalty=penalty,
-                        seed=None if seed == RANDOM_SEED else seed, stop=_stop(options.get("stop")))
+                        repeat_last_n=window, seed=None if seed == RANDOM_SEED else seed,
+                        stop=_stop(options.get("stop")))
     return OllamaOptions(sampling, num_predict=None if predict in UNLIMITED_PREDICT else predict, num_ctx=num_ctx)
 
 

@@ -9,9 +9,10 @@ Parameter policy: what tierlm honours is parsed; parameters that only have a mea
 lacks (tools, logprobs, penalties, ...) are accepted at their neutral value and refused
 otherwise; a few informational ones (`user`, `metadata`, ...) are ignored; anything else is
 refused as unrecognized, as OpenAI does. Extensions: `timeout` (seconds, the request's
-deadline), `top_k`, `min_p` (as vLLM and llama-server take it), `repetition_penalty`.
+deadline), `top_k`, `min_p` (as vLLM and llama-server take it), `repetition_penalty`,
+`repeat_last_n` (llama-server's: the tokens the penalty looks back over; 0 = off, -1 = all).
 Sampling fields a request omits are None here and take the model's defaults (the server's
-GenerationDefaults: generation_config.json, else tierlm's fallback).
+GenerationDefaults: runtime/model_defaults.py, or `serve`'s flags).
 
 `Sampling` is a request's sampling fields in generic terms: the Ollama parser
 (ollama_schemas.py) makes one too, and admission.sampling_params maps either onto the sampler.
@@ -70,6 +71,7 @@ class Sampling:
     top_k: int | None = None
     min_p: float | None = None
     repetition_penalty: float | None = None
+    repeat_last_n: int | None = None
     seed: int | None = None  # None: a random seed
     stop: tuple[str, ...] = ()
 
@@ -122,7 +124,7 @@ _COMPLETION_NEUTRAL: dict[str, tuple[Any, ...]] = {
 _IGNORED = frozenset({"user", "metadata", "store", "service_tier", "parallel_tool_calls",
                       "prompt_cache_key", "safety_identifier"})
 _SAMPLING = frozenset({"model", "stream", "stream_options", "temperature", "top_p", "top_k", "min_p",
-                       "seed", "stop", "repetition_penalty", "timeout"})
+                       "seed", "stop", "repetition_penalty", "repeat_last_n", "timeout"})
 _CHAT_KEYS = _SAMPLING | {"messages", "max_tokens", "max_completion_tokens"}
 _COMPLETION_KEYS = _SAMPLING | {"prompt", "max_tokens"}
 _ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
@@ -265,6 +267,7 @@ def _generation(body: dict, *, messages, prompt, max_tokens, max_tokens_param, d
             top_k=_opt_int(body, "top_k", 0),
             min_p=_opt_number(body, "min_p", 0.0, 1.0),
             repetition_penalty=repetition,
+            repeat_last_n=_opt_int(body, "repeat_last_n", -1),
             seed=_opt_int(body, "seed", SEED_RANGE[0], SEED_RANGE[1]),
             stop=_stop(body.get("stop")),
         ),

