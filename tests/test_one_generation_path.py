@@ -105,4 +105,5 @@ def test_engine_and_batch_runner_end_every_sequence_alike(model):
         assert drain(job) == (text, reason), name
         assert sequences[name].token_ids == ids, name
         assert job.completion_tokens == len(ids), name
-    assert runner.has_room and not any(runner.cache.lengths)
+    # Every slot is free again; each keeps what its sequence left, for a prompt sharing its prefix.
+    assert runner.has_room and not runner.active and all(runner.cache.lengths)
