@@ -125,6 +125,23 @@ def test_streamed_chat_completion_with_usage(client, expected):
         expected["prompt_tokens"], expected["completion_tokens"])
 
 
+def test_a_conversations_next_turn_reuses_its_cached_prefix(client, expected):
+    """A chat client resends the whole conversation each turn: the server prefills only the new
+    turn (usage.prompt_tokens_details.cached_tokens), and the reply is the engine's from scratch."""
+    model = client.models.list().data[0].id
+    history = [*MESSAGES, {"role": "assistant", "content": expected["text"]},
+               {"role": "user", "content": "And one more colour?"}]  # fmt: skip
+    client.chat.completions.create(model=model, messages=MESSAGES, temperature=0, max_tokens=32)
+    reply = client.chat.completions.create(model=model, messages=history, temperature=0, max_tokens=24)
+    session = open_session(None, load_profile("24gb"))
+    prompt = session.engine.tokenizer.encode_chat(history)
+    alone = session.engine.generate(prompt, resolve_sampling(session.generation_defaults, temperature=0,
+                                                             max_new_tokens=24)).text()  # fmt: skip
+    assert reply.choices[0].message.content == alone and alone.strip()
+    assert reply.usage.prompt_tokens == len(prompt)
+    assert expected["prompt_tokens"] <= reply.usage.prompt_tokens_details.cached_tokens < len(prompt)
+
+
 def test_wrong_key_is_refused(server_url):
     import openai
 

@@ -7,7 +7,8 @@ Names are short, stable and lowercase, as ollama users expect:
                                the same bytes imported again from another path keep the first name
     qwen2.5-0.5b-instruct      a Hugging Face directory outside the cache that artifacts were built
                                from: its directory name, lowercased
-    smollm2:int8               a compiled artifact: BASE:QUANT, then `+ADAPTER` for each merged LoRA
+    smollm2:int8               a compiled artifact: BASE:QUANT, then `+ADAPTER` for each merged LoRA;
+    smollm2:mixed:80MiB        QUANT as the user writes it (mixed-83886080 is the same artifact)
     smollm2:int8+my-lora@0.5   adapter (its directory name, `@WEIGHT` unless the weight is 1)
 
 A variant artifact (tierlm.cache.artifact: only the tensors its adapters change, over a base
@@ -38,6 +39,7 @@ from tierlm.cache.entries import cache_entries, usage_stamp
 from tierlm.errors import TierlmError
 from tierlm.paths import cache_root
 from tierlm.progress import ProgressFactory
+from tierlm.quant.modes import quant_text
 from tierlm.weights import embedded
 from tierlm.weights.import_record import IMPORT_FORMAT_VERSION, read_import_record
 from tierlm.weights.safetensors_index import checkpoint_entries
@@ -123,12 +125,20 @@ def _base_name(base_dir: Path) -> str:
 
 
 def _variant(manifest: dict) -> str:
-    variant = str(manifest.get("quant", "unknown"))
+    variant = quant_text(str(manifest.get("quant", "unknown")))
     for path, weight in manifest.get("adapters") or ():
         variant += f"+{embedded.slug(Path(path).name)}"
         if float(weight) != 1.0:
             variant += f"@{float(weight):g}"
     return variant
+
+
+def _canonical(spec: str) -> str:
+    """`spec` lowercased with its QUANT part (BASE:QUANT+ADAPTER...) as `quant_text` writes it, so
+    smollm2:mixed:80MiB, smollm2:mixed:80mib and smollm2:mixed-83886080 are one name."""
+    base, colon, rest = spec.partition(":")
+    quant, plus, adapters = rest.partition("+")
+    return f"{base}{colon}{quant_text(quant) if colon else ''}{plus}{adapters}".lower()
 
 
 # ----------------------------------------------------------------------------- what the cache holds
@@ -279,7 +289,7 @@ def find_entry(spec: str, entries: list[Entry] | None = None) -> Path | None:
     What a newer build supersedes (`Entry.current`) answers only when nothing current does.
     """
     entries = catalog() if entries is None else entries
-    wanted = spec.lower()
+    wanted = _canonical(spec)
     by_dir = [e for e in entries if e.path.name == spec]
     if by_dir:  # directory names are unique
         return by_dir[0].path
@@ -288,7 +298,7 @@ def find_entry(spec: str, entries: list[Entry] | None = None) -> Path | None:
     for entry in sorted(entries, key=lambda e: (-e.mtime if e.kind == "artifact" else 0.0, e.path.name)):
         if not entry.loadable:
             continue
-        if entry.name == wanted:
+        if entry.name.lower() == wanted:
             if entry.kind == "model":  # copies of one GGUF: the first, as imports reuse it
                 identity = f"gguf:{entry.content_key or entry.path}"
             else:
@@ -314,7 +324,7 @@ def entry_dir_name(spec: str, entries: list[Entry] | None = None) -> str:
     entries = catalog() if entries is None else entries
     found = find_entry(spec, entries)
     if found is None:  # an artifact in a format no longer read: listed, but no name loads it
-        unread = [e.path for e in entries if e.name == spec.lower()]
+        unread = [e.path for e in entries if e.name.lower() == _canonical(spec)]
         found = unread[0] if len(unread) == 1 else None
     by_path = {entry.path.resolve(): entry.path.name for entry in entries}
     return by_path.get(found.resolve(), spec) if found is not None else spec

@@ -588,7 +588,7 @@ def bench(
     print(json.dumps(result, indent=1) if as_json else format_bench(result))
 
 
-@app.command(short_help="Serve an OpenAI-compatible HTTP API.")
+@app.command(short_help="Serve OpenAI- and Ollama-compatible HTTP APIs and a chat page.")
 def serve(
     model_arg: Optional[str] = ModelArg,
     model: Optional[str] = ModelOpt,
@@ -596,7 +596,8 @@ def serve(
     host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on (default: loopback only)"),
     port: int = typer.Option(8000, "--port", min=0, max=65535, help="TCP port (0 = any free port)"),
     api_key: Optional[str] = typer.Option(
-        None, "--api-key", envvar="TIERLM_API_KEY", help="Require `Authorization: Bearer KEY` (all routes but /health)"
+        None, "--api-key", envvar="TIERLM_API_KEY",
+        help="Require `Authorization: Bearer KEY` on every route but /health and the chat page at /",
     ),
     batch_size: Optional[int] = typer.Option(
         None, "--batch-size", min=1, help="Requests decoded together (default: the profile's batch_size)"
@@ -639,7 +640,8 @@ def serve(
     repetition_penalty: Optional[float] = RepOpt,
     repeat_last_n: Optional[int] = RepLastNOpt,
 ):
-    """Serve the model over an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions)."""
+    """Serve the model over an OpenAI-compatible API (/v1/chat/completions, /v1/completions), an
+    Ollama-compatible one (/api/chat, /api/generate, ...) and a chat page at /."""
     import os
 
     from tierlm.cli.models import pick_model

@@ -136,6 +136,15 @@ def mode_text(mode: QuantMode) -> str:
     return f"mixed:{mode.target_bytes}B"
 
 
+def quant_text(name: str) -> str:
+    """A mode name as stored (artifacts, profiles) written as users write it: mixed-83886080 ->
+    mixed:80MiB, mixed-source -> mixed:source; a name that is no mode (a dtype) as it is."""
+    try:
+        return mode_text(parse_quant_mode(name))
+    except TierlmError:
+        return name
+
+
 def int4_fits(shape: tuple[int, ...]) -> bool:
     """Whether a 2-D weight of `shape` can be stored as int4 (its input dim a multiple of 32)."""
     return len(shape) == 2 and shape[1] >= _INT4_GROUP and shape[1] % _INT4_GROUP == 0

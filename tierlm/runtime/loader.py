@@ -29,7 +29,7 @@ from tierlm.probe.baseline import Baseline, measured_baseline
 from tierlm.progress import Progress, ProgressFactory
 from tierlm.quant.dispatch import kernel_choice
 from tierlm.quant.kernel_api import KernelUnavailable
-from tierlm.quant.modes import concrete_mode
+from tierlm.quant.modes import concrete_mode, quant_text
 from tierlm.quant.native import built_library
 from tierlm.runtime.source import (
     Budget,
@@ -79,7 +79,8 @@ class LoadedModel:
     @property
     def formats(self) -> str:
         """How weights are stored and computed, e.g. "int8 weights, fp32 compute"."""
-        return f"{self.weight_format or 'unknown'} weights, {dtype_name(self.dtype)} compute"
+        held = quant_text(self.weight_format) if self.weight_format else "unknown"
+        return f"{held} weights, {dtype_name(self.dtype)} compute"
 
     def close(self) -> None:
         """Release what the store holds open (reader threads, files) and persist its statistics;

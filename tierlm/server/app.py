@@ -336,7 +336,7 @@ async def _stream(job: Job, shape: Shape):
 
 
 def _usage(job: Job) -> dict:
-    return usage(len(job.prompt_ids), job.completion_tokens)
+    return usage(len(job.prompt_ids), job.completion_tokens, job.cached_tokens)
 
 
 def _install_error_handlers(app: FastAPI, metrics: Metrics) -> None:

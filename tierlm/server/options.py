@@ -15,7 +15,7 @@ class ServerOptions:
 
     model_id: str | None = None  # the name /v1/models reports (default: the model's catalogue name)
     aliases: tuple[str, ...] = ()  # other names requests may give the model (answered under model_id)
-    api_key: str | None = None  # when set, every route but /health needs `Authorization: Bearer KEY`
+    api_key: str | None = None  # when set, every route but /health and the chat page (/) needs `Bearer KEY`
     # Sequences decoded together; default the profile's batch_size. (`serve --batch-size` sets the
     # profile's instead, so the planner reserves KV memory for that many.)
     batch_size: int | None = None

@@ -41,6 +41,7 @@ from tierlm.offload.planner.variants import _place_variants
 from tierlm.offload.sizes import PREFILL_CHUNK, BlockSizes, context_tokens, largest_mixed_size, sizes_from_config
 from tierlm.profile import Profile
 from tierlm.quant.mixed import mode_counts
+from tierlm.quant.modes import quant_text
 
 
 def plan(
@@ -162,7 +163,7 @@ def _placement(ctx: _Context, tiers, computes, split: "_Split", charges, variant
     prefill_s, _ = _step_time(ctx, tiers, computes, split, prefill=True)
     chunk = min(PREFILL_CHUNK, context_tokens(ctx.config, ctx.profile))
     origin = "predicted from config.json" if sizes.source == "config" else "from the artifact manifest"
-    notes = [f"weights {sizes.quant} ({origin})"]
+    notes = [f"weights {quant_text(sizes.quant)} ({origin})"]
     if not ctx.separate_host:
         notes.append("CPU-only: device and host are one RAM tier bounded by device_memory")
     elif not ctx.accelerator:
