@@ -88,6 +88,23 @@ def run_tierlm(*args: str, stdin: str = "", env: dict[str, str] | None = None,
     return subprocess.CompletedProcess(["tierlm", *args], code, stdout, stderr)
 
 
+def on_a_terminal(args: list[str], answer: str) -> subprocess.CompletedProcess:
+    """Run `python -m tierlm ARGS` (a real process) with a pseudo-terminal as stdin, type `answer`
+    at its prompt; stdout and stderr are captured apart."""
+    import pty
+
+    primary, secondary = pty.openpty()
+    child = subprocess.Popen([sys.executable, "-m", "tierlm", *args], stdin=secondary,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    os.close(secondary)
+    try:
+        os.write(primary, answer.encode())
+        out, err = child.communicate(timeout=120)
+    finally:
+        os.close(primary)
+    return subprocess.CompletedProcess(args, child.returncode, out, err)
+
+
 def _exit(code) -> None:
     """`tierlm.cli.app._exit` without its `os._exit` branch (that one ends a pipeline's process)."""
     sys.exit(code)

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import pty
 import re
 import shutil
 import subprocess
@@ -20,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.cli_runner import run_tierlm
+from tests.cli_runner import on_a_terminal, run_tierlm
 from tests.test_gguf_import import byte_level_vocab, tiny_hf_model, write_tiny_gguf
 from tierlm.cache import catalog
 from tierlm.cache.artifact import FORMAT_VERSION
@@ -316,17 +315,9 @@ def test_cache_rm_all_asks_first_and_leaves_no_locks(cache, ggufs):
 
 def answer_on_a_terminal(args: list[str], answer: str) -> int:
     """Run tierlm with a pseudo-terminal as stdin, type `answer` at its prompt; its exit status."""
-    primary, secondary = pty.openpty()
-    child = subprocess.Popen([sys.executable, "-m", "tierlm", *args], stdin=secondary,
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
-    os.close(secondary)
-    try:
-        os.write(primary, answer.encode())
-        out, err = child.communicate(timeout=120)
-    finally:
-        os.close(primary)
-    assert "Remove all 2 cache entries" in out, (out, err)
-    return child.returncode
+    done = on_a_terminal(args, answer)
+    assert "Remove all 2 cache entries" in done.stdout, (done.stdout, done.stderr)
+    return done.returncode
 
 
 def test_cache_rm_by_name_and_a_build_in_progress(cache, ggufs):

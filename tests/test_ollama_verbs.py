@@ -10,17 +10,14 @@ GGUF; the CLI runs in this process (tests/cli_runner.py), except where a termina
 from __future__ import annotations
 
 import os
-import pty
 import re
 import shutil
 import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests.cli_runner import run_tierlm
+from tests.cli_runner import on_a_terminal, run_tierlm
 from tests.test_models_by_name import TINY, build_int8, cache, entries, ggufs, pinned_bandwidths  # noqa: F401
 from tierlm.cache import catalog
 from tierlm.cli.running import processor
@@ -32,20 +29,6 @@ tierlm = run_tierlm
 
 def entry_bytes(*paths: Path) -> int:
     return sum(f.stat().st_size for p in paths for f in p.rglob("*") if f.is_file())
-
-
-def on_a_terminal(args: list[str], answer: str) -> subprocess.CompletedProcess:
-    """Run tierlm with a pseudo-terminal as stdin and type `answer` at its prompt."""
-    primary, secondary = pty.openpty()
-    child = subprocess.Popen([sys.executable, "-m", "tierlm", *args], stdin=secondary,
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
-    os.close(secondary)
-    try:
-        os.write(primary, answer.encode())
-        out, err = child.communicate(timeout=120)
-    finally:
-        os.close(primary)
-    return subprocess.CompletedProcess(args, child.returncode, out, err)
 
 
 # ----------------------------------------------------------------------------- rm
