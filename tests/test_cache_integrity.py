@@ -26,6 +26,7 @@ from tierlm import atomic, digests
 from tierlm.cache import catalog
 from tierlm.cache.entries import remove_entries, stale_builds
 from tierlm.errors import TierlmError
+from tierlm.runtime.source import resolve_model_dir
 from tierlm.weights import embedded
 from tierlm.weights.gguf_import import RECORD_NAME, gguf_content_key
 
@@ -101,7 +102,7 @@ def test_gguf_edited_in_place_is_imported_afresh(cache, padded_gguf, tmp_path):
         handle.write(EDITED.encode())
     assert gguf_file.stat().st_size == len(data)
 
-    second = embedded.import_gguf_to_cache(gguf_file)
+    second = resolve_model_dir(str(gguf_file))  # --model FILE: imported afresh
     assert second != first and template_of(second) == EDITED
     assert not first.exists()  # replaced: the file's name means the new import alone
     assert catalog.resolve_model(str(gguf_file)) == second

@@ -22,6 +22,7 @@ from tests.test_models_by_name import TINY, build_int8, cache, entries, ggufs, p
 from tierlm.cache import catalog
 from tierlm.cli.running import processor
 from tierlm.profile import format_size
+from tierlm.runtime.source import resolve_model_dir
 from tierlm.weights import embedded
 
 tierlm = run_tierlm
@@ -249,6 +250,6 @@ def test_a_gguf_edited_in_place_replaces_its_import(cache, ggufs, tmp_path):
     other = embedded.import_gguf_to_cache(ggufs["same_name"])
     assert entries(cache, "models") == sorted([new.name, other.name])
     shutil.copyfile(ggufs["tiny"], path)
-    again = catalog.resolve_model(str(path))
+    again = resolve_model_dir(str(path))  # what --model FILE resolves through
     assert again not in (new, other) and not new.exists()
     assert entries(cache, "models") == sorted([again.name, other.name])

@@ -41,6 +41,7 @@ from tierlm.paths import cache_root
 from tierlm.progress import ProgressFactory
 from tierlm.quant.modes import quant_text
 from tierlm.weights import embedded
+from tierlm.weights.embedded import FreshImport
 from tierlm.weights.import_record import IMPORT_FORMAT_VERSION, read_import_record
 from tierlm.weights.safetensors_index import checkpoint_entries
 
@@ -240,14 +241,16 @@ def known_names(entries: list[Entry] | None = None) -> list[str]:
 # ----------------------------------------------------------------------------- resolving
 
 
-def resolve_model(spec: str | None, progress: ProgressFactory | None = None) -> Path:
-    """The model directory `spec` (a `--model` value) stands for, importing a GGUF on first use.
+def resolve_model(spec: str | None, progress: ProgressFactory | None = None,
+                  on_fresh: FreshImport | None = None) -> Path:  # fmt: skip
+    """The model directory `spec` (a `--model` value) stands for, importing a GGUF on first use
+    (`on_fresh` is told of an import made: cache/removal.py retires the one it replaces).
 
     None is the embedded default; see the module docstring for names. Errors are TierlmErrors
     that say what would work.
     """
     if spec is None:
-        return embedded.ensure_embedded_model(_label(progress, "importing embedded model"))
+        return embedded.ensure_embedded_model(_label(progress, "importing embedded model"), on_fresh)
     path = Path(spec).expanduser()
     as_name = not _looks_like_path(spec)
     if as_name:
@@ -261,11 +264,11 @@ def resolve_model(spec: str | None, progress: ProgressFactory | None = None) -> 
             )
         if is_embedded and (found is None or not _is_current_base(found)):
             # Not imported yet, or by an older tierlm: import it now, as the default does.
-            return embedded.ensure_embedded_model(_label(progress, "importing embedded model"))
+            return embedded.ensure_embedded_model(_label(progress, "importing embedded model"), on_fresh)
         if found is not None:
             return found
     if path.is_file() and path.suffix.lower() == ".gguf":
-        return embedded.import_gguf_to_cache(path, _label(progress, "importing GGUF"))
+        return embedded.import_gguf_to_cache(path, _label(progress, "importing GGUF"), on_fresh)
     if path.is_dir():
         return path
     if path.exists():

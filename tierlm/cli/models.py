@@ -220,7 +220,7 @@ def import_gguf_command(path: Path, progress) -> tuple[Path, str, bool, str]:
     """Import `path` (or find its earlier import): (directory, name, whether it was already there,
     what it replaced: the import of the file's earlier content, said after a `;`, or "")."""
     from tierlm.cache.catalog import catalog, model_name
-    from tierlm.cache.removal import removal_of
+    from tierlm.cache.removal import removal_of, retire_replaced_imports
     from tierlm.weights.embedded import find_import, import_gguf_to_cache
     from tierlm.weights.gguf_import import gguf_content_key
     from tierlm.weights.import_record import read_import_record
@@ -231,7 +231,7 @@ def import_gguf_command(path: Path, progress) -> tuple[Path, str, bool, str]:
     earlier = [] if existed else [e.path for e in catalog() if e.kind == "model"
                                   and (read_import_record(e.path) or {}).get("source_path") == source]  # fmt: skip
     replaced = removal_of(earlier)  # the import removes them once it is complete
-    model_dir = import_gguf_to_cache(path, progress)
+    model_dir = import_gguf_to_cache(path, progress, on_fresh=retire_replaced_imports)
     kept = [entry.path.name for entry in replaced.named if entry.path.exists()]
     said = f"; replaced the import of its earlier content ({replaced.summary()})" if replaced.named else ""
     if kept:  # another process builds from it right now

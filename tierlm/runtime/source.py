@@ -14,6 +14,7 @@ from pathlib import Path
 from tierlm.cache import catalog
 from tierlm.cache.manifest import MANIFEST_NAME, read_manifest
 from tierlm.cache.mixed_estimate import check_mixed_size
+from tierlm.cache.removal import retire_replaced_imports
 from tierlm.config import ModelConfig
 from tierlm.device.cpu import torch_threads
 from tierlm.device.memory import MemoryLimits, process_limits
@@ -73,7 +74,7 @@ class Planned:
 def resolve_model_dir(model: str | None, progress: ProgressFactory | None = None) -> Path:
     """A model directory from `--model`: None -> the embedded default, a name from `tierlm list`,
     a directory, or a .gguf (imported once). Records the use for `tierlm list`'s LAST USED."""
-    model_dir = catalog.resolve_model(model, progress)
+    model_dir = catalog.resolve_model(model, progress, on_fresh=retire_replaced_imports)
     catalog.mark_used(model_dir)
     return model_dir
 

@@ -20,7 +20,7 @@ import importlib.util
 import re
 from pathlib import Path
 from types import MappingProxyType
-from typing import Mapping
+from typing import Callable, Mapping
 
 from tierlm.atomic import directory_lock, make_dirs
 from tierlm.errors import TierlmError
@@ -43,6 +43,7 @@ EMBEDDED_SAMPLING: Mapping[str, float] = MappingProxyType({"temperature": 0.0})
 EMBEDDED_SAMPLING_ORIGIN = f"tierlm's setting for {EMBEDDED_MODEL_NAME}"
 # Directory suffix: the first 12 hex digits of the content key.
 KEY_CHARS = 12
+FreshImport = Callable[[Path], object]  # told the directory of an import just made
 
 
 def embedded_gguf_path() -> Path:
@@ -59,18 +60,20 @@ def embedded_gguf_path() -> Path:
     raise TierlmError(f"the embedded model {EMBEDDED_MODEL_NAME} is not installed", hint=_INSTALL_HINT)
 
 
-def ensure_embedded_model(progress: Progress | None = None) -> Path:
+def ensure_embedded_model(progress: Progress | None = None, on_fresh: FreshImport | None = None) -> Path:
     """The HF-layout directory of the embedded model, importing its GGUF on first use only."""
-    return _import_cached(embedded_gguf_path(), progress)
+    return _import_cached(embedded_gguf_path(), progress, on_fresh)
 
 
-def import_gguf_to_cache(gguf_path: Path, progress: Progress | None = None) -> Path:
+def import_gguf_to_cache(gguf_path: Path, progress: Progress | None = None,
+                         on_fresh: FreshImport | None = None) -> Path:  # fmt: skip
     """Import any GGUF into the cache (`tierlm import-gguf FILE`); a repeat call reuses the result.
 
-    Reuse needs no parse of the GGUF, only its content key, so it is instant.
+    Reuse needs no parse of the GGUF, only its content key, so it is instant. `on_fresh` gets the
+    directory of an import made by this call, once complete (the cache retires what it replaces).
     """
     gguf_path = _existing_gguf(gguf_path)
-    return _import_cached(gguf_path, progress)
+    return _import_cached(gguf_path, progress, on_fresh)
 
 
 def find_import(key: str) -> Path | None:
@@ -148,7 +151,7 @@ def _record_is(model_dir: Path, key: str) -> bool:
     return bool(record) and record.get("source_key") == key and record.get("format") == IMPORT_FORMAT_VERSION
 
 
-def _import_cached(gguf_path: Path, progress: Progress | None) -> Path:
+def _import_cached(gguf_path: Path, progress: Progress | None, on_fresh: FreshImport | None) -> Path:
     key = gguf_content_key(gguf_path)
     # Fast path without a lock: the receipt is written last and the directory renamed in whole.
     found = find_import(key)
@@ -163,8 +166,6 @@ def _import_cached(gguf_path: Path, progress: Progress | None) -> Path:
         from tierlm.weights import gguf_import  # numpy and gguf: only a real import loads them, `tierlm list` never
 
         model_dir = gguf_import.import_gguf(gguf_path, _new_import_dir(gguf_path, key), progress)
-    # Complete now, so the import of the file's earlier content (edited in place) can go: one name, one model.
-    from tierlm.cache.removal import retire_replaced_imports  # the cache's catalogue imports this module
-
-    retire_replaced_imports(model_dir)
+    if on_fresh is not None:  # complete now: what it replaces (the file edited in place) can go
+        on_fresh(model_dir)
     return model_dir
