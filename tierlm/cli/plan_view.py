@@ -34,21 +34,13 @@ def plan_for(model_dir: Path, profile, quant: str | None = None, device: str | N
         f"profile  {profile.summary()}",
         f"quant    {_quant_line(plan.planned.sizes.quant, quant, profile.quant)}",
         f"device   {budget.device}; baseline {_mib(baseline.charged)} charged ({_mib(baseline.measured)} RSS with the "
-        f"runtime loaded: torch, tokenizer, kernels{_reclaimed_text(baseline)})",
+        f"runtime loaded: torch, tokenizer, kernels)",
         limits_line(budget.limits),
         *probe_lines(plan.probe, plan.probe_path.stem),
         *(f"lora     {path}{'' if weight == 1.0 else f' x{weight:g}'} merged into the base" for path, weight in plan.source.adapters),
         *(f"variant  {name}: {why}" for name, why in plan.variant_whys.items()),
     ]
     return plan.placement, header
-
-
-def _reclaimed_text(baseline) -> str:
-    """What a cgroup's limit leaves uncharged of the baseline (probe/baseline.py `under_cgroup`)."""
-    if not baseline.reclaimed:
-        return ""
-    return (f"; {_mib(baseline.reclaimed)} of its {_mib(baseline.file_backed)} of shared-library pages left to "
-            f"the cgroup, which reclaims them")  # fmt: skip
 
 
 def _variant_placer(loras, profile):

@@ -16,9 +16,6 @@ except ImportError:  # Windows: no RLIMIT_AS
     resource = None
 
 
-CGROUP_LIMIT = "cgroup memory limit"  # MemoryLimits.ram_source of a cgroup's limit
-
-
 @dataclass(frozen=True)
 class MemoryReading:
     """This process's memory from /proc (bytes): resident now, its peak, and device use."""
@@ -116,7 +113,7 @@ def process_limits(
     """The limits this process really runs under: the cgroup memory limit, RLIMIT_AS, and with an
     accelerator `device`, its free memory. The keyword arguments are for tests."""
     cgroup, _ = cgroup_memory_limit(cgroup_root, proc_cgroup)
-    candidates = [(cgroup, CGROUP_LIMIT), address_space_room(getrlimit, proc_status)]
+    candidates = [(cgroup, "cgroup memory limit"), address_space_room(getrlimit, proc_status)]
     found = [(limit, source) for limit, source in candidates if limit is not None]
     ram, source = min(found, key=lambda item: item[0]) if found else (None, "")
     device_free = None

@@ -16,11 +16,6 @@ band (an earlier process held more) is recorded afresh too, so the charge comes 
 `tierlm plan` charges the recorded figure without measuring (`recorded_baseline`): the charge a
 load whose measurement lies in the band gets. Only without a record does it measure as a load
 does. So this module, and the record's key, never load torch.
-
-Against a cgroup memory limit the charge is lower (`Baseline.under_cgroup`): about a third of the
-baseline's RSS is file-backed (the shared libraries' pages, torch's mostly), which the kernel
-reclaims under the cgroup's pressure and reads again when touched, so the cgroup needs only the
-ones in use. The record keeps that file-backed part beside the charge.
 """
 
 from __future__ import annotations
@@ -29,13 +24,12 @@ import hashlib
 import importlib.metadata
 import json
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 from tierlm import __version__
 from tierlm.atomic import optional_write, replace_file
 from tierlm.device.memory import read_memory, trim_heap
-from tierlm.device.proc import status_bytes
 from tierlm.paths import cache_root
 
 # Run-to-run RSS differences seen at this point are ~0.1 MiB; 4 MiB covers other machines'
@@ -45,30 +39,15 @@ TOLERANCE = 4 << 20
 # so processes a few MiB apart (in either order) agree.
 KEEP_BELOW = 4 * TOLERANCE
 GRAIN = 1 << 20  # the charge is a whole number of MiB
-# The share of the baseline's file-backed pages a cgroup keeps resident while running. Measured:
-# smollm2 under 4gb, a full-context bench streamed from disk in a cgroup it pressed against, with
-# torch's libraries read cold into that cgroup: 26-33 MiB of the baseline's 82-87 MiB stayed
-# resident (at 375 MiB it ran at full speed; at 350 MiB it thrashed, 15x slower). Half is charged.
-FILE_KEPT_SHARE = 0.5
 
 
 @dataclass(frozen=True)
 class Baseline:
     """measured: this process's RSS now (or the recorded measurement, when charged unmeasured);
-    charged: what the planner charges (>= measured, except `under_cgroup`); file_backed: the
-    part of the measured RSS mapped from files (RssFile: the shared libraries); reclaimed: the
-    part of them not charged (`under_cgroup`)."""
+    charged: what the planner charges (>= measured)."""
 
     measured: int
     charged: int
-    file_backed: int = 0
-    reclaimed: int = 0
-
-    def under_cgroup(self) -> "Baseline":
-        """The charge against a cgroup memory limit, which reclaims file-backed pages: the share
-        of them not kept resident (FILE_KEPT_SHARE) is taken off, in whole MiB."""
-        reclaimed = int(self.file_backed * (1 - FILE_KEPT_SHARE)) // GRAIN * GRAIN
-        return replace(self, charged=self.charged - reclaimed, reclaimed=reclaimed)
 
 
 def measured_baseline(device, quant: str, model_dir: Path | None, threads: int) -> Baseline:
@@ -77,42 +56,26 @@ def measured_baseline(device, quant: str, model_dir: Path | None, threads: int) 
     (tokenizers differ in size) and `threads`, torch's compute threads."""
     trim_heap()
     measured = read_memory().rss
-    file_backed = status_bytes().get("RssFile", 0)
-    path = record_path(device, quant, model_dir, threads)
-    charged = steady_charge(measured, path, file_backed)
-    recorded = _read_record(path)
-    # The charge kept from the record keeps its file-backed part too: plan and load charge alike.
-    # A record from before that part was kept gets this measurement's.
-    if recorded is not None and recorded["charged"] == charged:
-        if "file_backed" in recorded:
-            file_backed = int(recorded["file_backed"])
-        else:
-            with optional_write():
-                replace_file(path, json.dumps({**recorded, "file_backed": file_backed}) + "\n")
-    return Baseline(measured, charged, file_backed)
+    return Baseline(measured, steady_charge(measured, record_path(device, quant, model_dir, threads)))
 
 
 def recorded_baseline(device, quant: str, model_dir: Path | None, threads: int) -> Baseline | None:
     """The charge recorded for this key (as `measured_baseline` keys it), with the measurement it
     was recorded for; None when there is none."""
     recorded = _read_record(record_path(device, quant, model_dir, threads))
-    if recorded is None:
-        return None
-    return Baseline(recorded["measured"], recorded["charged"], int(recorded.get("file_backed", 0)))
+    return Baseline(recorded["measured"], recorded["charged"]) if recorded is not None else None
 
 
-def steady_charge(measured: int, path: Path, file_backed: int = 0) -> int:
+def steady_charge(measured: int, path: Path) -> int:
     """`measured` made deterministic: the recorded charge while `measured` lies in the band
-    [charge - KEEP_BELOW, charge]; otherwise a new record, measured + TOLERANCE (whole MiB), with
-    the `file_backed` part of `measured`."""
+    [charge - KEEP_BELOW, charge]; otherwise a new record, measured + TOLERANCE (whole MiB)."""
     recorded = _read_record(path)
     if recorded is not None and recorded["charged"] - KEEP_BELOW <= measured <= recorded["charged"]:
         return int(recorded["charged"])
     charged = -(-(measured + TOLERANCE) // GRAIN) * GRAIN
     with optional_write():  # a read-only cache: this run's charge stands, unrecorded
         path.parent.mkdir(parents=True, exist_ok=True)
-        record = {"measured": measured, "charged": charged, "file_backed": file_backed, "at": time.time()}
-        replace_file(path, json.dumps(record) + "\n")
+        replace_file(path, json.dumps({"measured": measured, "charged": charged, "at": time.time()}) + "\n")
     return charged
 
 

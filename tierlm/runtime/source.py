@@ -21,7 +21,6 @@ from tierlm.device.memory import MemoryLimits, process_limits
 from tierlm.errors import TierlmError
 from tierlm.models import family_description, read_config
 from tierlm.offload.placement import Placement
-from tierlm.offload.planner.limits import cgroup_caps_ram
 from tierlm.offload.planner.search import check_fits, plan
 from tierlm.offload.sizes import BlockSizes, cached_artifact, expected_routing, resolve_auto, sizes_from_artifact, sizes_from_config
 from tierlm.probe.baseline import Baseline
@@ -110,12 +109,8 @@ def resolve_source(model_dir: Path, quant: str, adapters=(), *, accelerator: boo
 def charged_budget(source: WeightSource, profile, device, baseline: Baseline, *, bandwidths=None, span=None,
                    threads: int | None = None) -> Budget:  # fmt: skip
     """The Budget charging `baseline` for a load of `source` on `device`: with the process limits
-    and the shipped fallback profiles. Against a cgroup's limit, the baseline's file-backed pages
-    are charged as far as the cgroup keeps them (probe/baseline.py `Baseline.under_cgroup`)."""
-    limits = process_limits(device)
-    if cgroup_caps_ram(profile, limits, accelerator=device.type != "cpu"):
-        baseline = baseline.under_cgroup()
-    return Budget(profile, device, baseline, limits, shipped_fallbacks(), bandwidths, span, threads)
+    and the shipped fallback profiles."""
+    return Budget(profile, device, baseline, process_limits(device), shipped_fallbacks(), bandwidths, span, threads)
 
 
 def plan_load(source: WeightSource, budget: Budget) -> Planned:

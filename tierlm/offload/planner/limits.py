@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
-from tierlm.device.memory import CGROUP_LIMIT, MemoryLimits
+from tierlm.device.memory import MemoryLimits
 from tierlm.profile import Profile
 
 GiB = 2**30
@@ -51,12 +51,6 @@ def cap_profile(profile: Profile, limits: MemoryLimits | None, accelerator: bool
     lowered = replace(profile, device_memory=_lowered(profile.device_memory, device),
                       host_memory=_lowered(profile.host_memory, host), headroom=_lowered(profile.headroom, device))  # fmt: skip
     return lowered, caps
-
-
-def cgroup_caps_ram(profile: Profile, limits: MemoryLimits | None, accelerator: bool) -> bool:
-    """Whether `profile`'s RAM budget is capped at a cgroup's memory limit, whose accounting
-    reclaims file-backed pages (probe/baseline.py `Baseline.under_cgroup`); RLIMIT_AS counts them."""
-    return any(cap.resource == RAM and cap.source == CGROUP_LIMIT for cap in cap_profile(profile, limits, accelerator)[1])
 
 
 def _lowered(nbytes: int, cap: Cap | None) -> int:
