@@ -26,11 +26,14 @@ class StepClock:
 
 
 @pytest.fixture
-def every_report(monkeypatch):
+def every_report(monkeypatch, tmp_path):
     """The CLI's progress with a clock that moves one interval per reading, so every report of a
-    running phase is a line (the real interval is 10 s; no test waits for it)."""
+    running phase is a line (the real interval is 10 s; no test waits for it); in a private cache,
+    since artifacts and imports are keyed by content: an earlier test's build of the same tiny
+    model would be reused without a phase to report."""
     from tierlm.cli import progress
 
+    monkeypatch.setenv("TIERLM_CACHE", str(tmp_path / "private-cache"))
     real = progress.progress_factory
     monkeypatch.setattr(progress, "progress_factory", lambda: real(interval_s=10.0, clock=StepClock(10.0)))
 

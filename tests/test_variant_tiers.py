@@ -150,15 +150,17 @@ def tight_session(model, profile_path, adapters):
 
 
 def generate_lora_text(model, profile_path, adapter, content: str) -> str:
-    """What `tierlm generate --lora ADAPTER` replies (greedy), as the server flushes it."""
-    from tierlm.runtime.sampling import SamplingParams
+    """What `tierlm generate --lora ADAPTER` replies (greedy, the model's other defaults such as
+    its repetition penalty, as the server resolves a request's), as the server flushes it."""
+    from tierlm.runtime.sampling import resolve_sampling
     from tierlm.runtime.session import open_session
 
     loras = () if adapter is None else (f"{adapter}:1.0",)
     with open_session(str(model), load_profile(str(profile_path)), device="cpu", dtype="fp32", loras=loras) as solo:
         engine = solo.engine
         ids = engine.tokenizer.encode_chat([{"role": "user", "content": content}])
-        generation = engine.generate(ids, SamplingParams(temperature=0, max_new_tokens=TOKENS))
+        params = resolve_sampling(solo.generation_defaults, temperature=0, max_new_tokens=TOKENS)
+        generation = engine.generate(ids, params)
         generation.text()
         token_ids = generation.token_ids
         if token_ids[-1] in engine.tokenizer.eos_token_ids:
