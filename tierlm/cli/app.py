@@ -617,6 +617,11 @@ def serve(
         None, "--alias", help="Another model name requests may use (repeatable); others get 404"
     ),
     quiet: bool = typer.Option(False, "--quiet", help="No access log (one line per request on stderr)"),
+    context_shift: bool = typer.Option(
+        False, "--context-shift",
+        help="A chat request that does not fit the context drops its oldest exchanges (system messages kept), "
+        "as chat does, instead of a 400; /v1/completions and /api/generate are still refused",
+    ),
     adapter_dir: Optional[Path] = typer.Option(
         None, "--adapter-dir", metavar="DIR", show_default=False,
         help="POST /v1/adapters loads adapters only from under DIR (symlinks followed); without it, only "
@@ -660,6 +665,7 @@ def serve(
         default_timeout=timeout or None,
         stall_timeout=stall_timeout,
         access_log=not quiet,
+        context_shift=context_shift,
         # Fault injection for the server tests only: an explicit environment switch.
         debug_hooks=os.environ.get("TIERLM_SERVE_DEBUG_HOOKS") == "1",
         adapter_dir=adapter_dir,

@@ -2,7 +2,8 @@
 
 Truncation policy: when the rendered conversation plus the reply budget (max_new_tokens)
 exceeds the context, the oldest user/assistant exchanges are dropped (a system message is
-always kept) until it fits. If the newest message alone cannot fit, the turn is refused.
+always kept) until it fits, as `serve --context-shift` drops them (runtime/context_shift.py).
+If the newest message alone cannot fit, the turn is refused.
 
 Stopped replies: a reply closed before it ends (Ctrl-C in the REPL) joins the history as far
 as it got, its stats say finish_reason "interrupted"; one stopped before any text leaves the
@@ -14,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from tierlm.errors import TierlmError
+from tierlm.runtime.context_shift import drop_oldest
 from tierlm.runtime.engine import Engine, Generation
 from tierlm.runtime.sampling import SamplingParams
 
@@ -92,13 +94,11 @@ class ChatSession:
         context = self.engine.context_length
         budget = max(context - reply_budget, context // 2)
         tokenizer = self.engine.tokenizer
-        while True:
-            ids = tokenizer.encode_chat(self._conversation(messages), add_generation_prompt=True)
-            if len(ids) <= budget or len(messages) <= 1:
-                break
-            # Drop the oldest exchange: a user message and the assistant reply after it.
-            drop = 2 if len(messages) > 2 and messages[1]["role"] == "assistant" else 1
-            messages = messages[drop:]
+        system = self._conversation([])
+        kept, ids = drop_oldest(self._conversation(messages),
+                                lambda conversation: tokenizer.encode_chat(conversation, add_generation_prompt=True),
+                                lambda prompt: len(prompt) <= budget)  # fmt: skip
+        messages = kept[len(system):]
         if len(ids) >= context:
             raise TierlmError(
                 f"the message is {len(ids)} tokens with the chat template, but the context "

@@ -4,6 +4,7 @@
 
 A streamed response is logged when its stream ends, so its token counts are final. Routes
 that generate nothing (and requests refused before tokenizing) show `prompt=- completion=-`.
+A chat request whose oldest messages `serve --context-shift` dropped to fit adds `dropped=N`.
 uvicorn's own access log stays off (run.py), so each request has exactly one line.
 """
 
@@ -25,6 +26,7 @@ class Entry:
 
     prompt_tokens: int | None = None
     job: object | None = None  # jobs.Job: its counts are read when the line is written
+    dropped_messages: int = 0  # messages dropped for the prompt to fit (serve --context-shift)
 
     def counts(self) -> tuple[int | None, int | None]:
         if self.job is None:
@@ -38,10 +40,11 @@ def entry(scope: dict) -> Entry:
 
 
 def line(client: str, method: str, path: str, status: int, prompt: int | None, completion: int | None,
-         seconds: float) -> str:
+         seconds: float, dropped: int = 0) -> str:
     shown = ["-" if n is None else str(n) for n in (prompt, completion)]
     path = _CONTROL.sub(lambda m: f"\\x{ord(m[0]):02x}", path)  # a decoded %0A must not start a forged line
-    return f'{client} "{method} {path}" {status} prompt={shown[0]} completion={shown[1]} {seconds:.2f}s'
+    shift = f" dropped={dropped}" if dropped else ""
+    return f'{client} "{method} {path}" {status} prompt={shown[0]} completion={shown[1]}{shift} {seconds:.2f}s'
 
 
 def _stderr(text: str) -> None:
@@ -74,4 +77,4 @@ class AccessLog:
         finally:
             client = scope.get("client")
             self.write(line(client[0] if client else "-", scope["method"], scope["path"], status,
-                            *note.counts(), time.monotonic() - started))
+                            *note.counts(), time.monotonic() - started, note.dropped_messages))

@@ -1,6 +1,7 @@
 """The one request path both APIs (OpenAI's in app.py, Ollama's in ollama.py) share, from the
 body to the job and back: the API key, the body's size and JSON, the prompt's token ids (the
-chat template's acceptance), `submit_job` (the prompt against the context, the token budget,
+chat template's acceptance; with `serve --context-shift`, a chat's oldest exchanges dropped to
+fit: `chat_prompt_ids`), `submit_job` (the prompt against the context, the token budget,
 the sampling settings with the model's defaults, the deadline, room in the worker) and a
 non-streamed reply's text.
 
@@ -22,6 +23,7 @@ from starlette.concurrency import run_in_threadpool
 
 from tierlm.config import GenerationDefaults
 from tierlm.errors import TierlmError
+from tierlm.runtime.context_shift import drop_oldest
 from tierlm.runtime.sampling import SamplingParams, resolve_sampling
 from tierlm.server.access import entry
 from tierlm.server.jobs import ERROR, TEXT, Event, Job
@@ -29,6 +31,7 @@ from tierlm.server.schemas import ApiError, Sampling, parse_body
 from tierlm.server.worker import SHUTTING_DOWN, Worker
 
 RETRY_AFTER_S = 1
+DROPPED_HEADER = "X-Tierlm-Messages-Dropped"  # serve --context-shift: messages dropped for the prompt to fit
 CLIENT_GONE = 499  # nginx's "client closed request": for the access log, no client reads it
 
 
@@ -68,6 +71,27 @@ async def prompt_ids(tokenizer, *, messages=None, text: str | None = None) -> li
     return await run_in_threadpool(tokenizer.encode, text, add_special_tokens=True)
 
 
+async def chat_prompt_ids(request: Request, messages, budget: Budget) -> tuple[list[int], int | None]:
+    """A chat prompt's ids and how many of its messages were dropped to fit (None: the server does
+    not shift). With `serve --context-shift` the oldest exchanges go (runtime/context_shift.py,
+    as `chat` drops them) until the prompt leaves room for `budget`; without it, or when even the
+    last message alone does not fit, submit_job refuses what does not fit."""
+    state = request.app.state
+    tokenizer = state.session.tokenizer
+    if not state.options.context_shift:
+        return await prompt_ids(tokenizer, messages=messages), None
+    kept, ids = await run_in_threadpool(drop_oldest, list(messages), lambda m: _encode_chat(tokenizer, m),
+                                        lambda prompt: budget.fits(len(prompt), state.context))  # fmt: skip
+    return ids, len(messages) - len(kept)
+
+
+def dropped_header(response: Response, dropped: int | None) -> Response:
+    """`response` telling its client how many messages were dropped to fit (a shifting server only)."""
+    if dropped is not None:
+        response.headers[DROPPED_HEADER] = str(dropped)
+    return response
+
+
 def _encode_chat(tokenizer, messages) -> list[int]:
     try:
         return tokenizer.encode_chat(list(messages), add_generation_prompt=True)
@@ -85,6 +109,11 @@ class Budget:
     max_tokens: int | None = None  # the most it asked for; None: not sent
     default: int | None = None  # what an omitted max_tokens means; None: up to the context
     context: int | None = None  # a smaller context it holds itself to (Ollama's num_ctx); None: the served one
+
+    def fits(self, prompt_tokens: int, served: int) -> bool:
+        """Whether a prompt this long leaves the room this budget asks: what submit_job admits."""
+        room = (self.context or served) - prompt_tokens
+        return room > 0 and (self.max_tokens is None or self.max_tokens <= room)
 
 
 @dataclass(frozen=True)
@@ -113,14 +142,15 @@ class Refusals(Protocol):
 
 
 def submit_job(request: Request, ids: list[int], sampling: Sampling, budget: Budget, refusals: Refusals, *,
-               timeout: float | None = None, variant: str | None = None) -> Job:
+               timeout: float | None = None, variant: str | None = None, dropped: int | None = None) -> Job:
     """Queue a generation of `ids` on the worker and return its Job: the one way in for both APIs.
 
     The prompt must leave room in the context (as vLLM: refused at once, never cut); the token
     budget is what `budget` asks, else its default, at most that room; fields `sampling` leaves
     out take the model's defaults. `timeout`: the request's own deadline in seconds (None: the
-    server's). `variant`: the LoRA variant it is generated with (None: the base). A full queue,
-    a down pipeline or a stopping server refuses it (`_not_queued`)."""
+    server's). `variant`: the LoRA variant it is generated with (None: the base). `dropped`: the
+    messages chat_prompt_ids dropped, for the access log and the metrics once the job is queued.
+    A full queue, a down pipeline or a stopping server refuses it (`_not_queued`)."""
     state = request.app.state
     log = entry(request.scope)
     log.prompt_tokens = len(ids)
@@ -143,6 +173,9 @@ def submit_job(request: Request, ids: list[int], sampling: Sampling, budget: Bud
     log.job = job
     if not state.worker.submit(job):
         raise _not_queued(state.worker)
+    if dropped:
+        log.dropped_messages = dropped
+        state.metrics.shifted(dropped)
     return job
 
 

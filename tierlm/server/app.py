@@ -26,8 +26,11 @@ until then.
 Context limits, as vLLM: a prompt that leaves no room in the context, or a `max_tokens`
 (`max_completion_tokens`) larger than the room the prompt leaves, is refused at once with a
 400 `context_length_exceeded` that states the numbers (param `messages`/`prompt`, or the
-max-tokens parameter). An omitted `max_tokens` means "up to the context" for chat and
-OpenAI's 16 (or the room left, if less) for completions; a reply that reaches it ends "length".
+max-tokens parameter). With `serve --context-shift` a chat request drops its oldest exchanges
+instead (the system messages kept; `X-Tierlm-Messages-Dropped: N` says how many) until it fits;
+its last message alone not fitting, or a /v1/completions prompt, is still refused. An omitted
+`max_tokens` means "up to the context" for chat and OpenAI's 16 (or the room left, if less) for
+completions; a reply that reaches it ends "length".
 
 Models: the server serves one base model under one name (`--model-name`, else the catalogue
 name), and its LoRA variants (`serve --lora NAME=PATH`, or added by POST /v1/adapters) under
@@ -62,8 +65,8 @@ from starlette.requests import ClientDisconnect
 
 from tierlm.distributed.supervisor import RestartPolicy, supervise
 from tierlm.server.access import AccessLog
-from tierlm.server.admission import (CLIENT_GONE, Budget, Fit, job_error, prompt_ids, read_json, require_key,
-                                     submit_job, whole_reply)
+from tierlm.server.admission import (CLIENT_GONE, Budget, Fit, chat_prompt_ids, dropped_header, job_error,
+                                     prompt_ids, read_json, require_key, submit_job, whole_reply)
 from tierlm.server.adapter_sources import AdapterSources
 from tierlm.server.adapters import Variants
 from tierlm.server.jobs import DONE, ERROR, TEXT, Job
@@ -151,6 +154,8 @@ def _live(state) -> dict[str, float]:
     kv = worker.kv_bytes()
     if kv is not None:
         readings['tierlm_kv_cache_bytes{state="reserved"}'], readings['tierlm_kv_cache_bytes{state="used"}'] = kv
+    for slot, held in enumerate(worker.slots_held() or []):
+        readings[f'tierlm_slot_tokens_held{{slot="{slot}"}}'] = held["tokens"]
     return readings
 
 
@@ -238,8 +243,8 @@ async def chat_completions(request: Request):
     options = state.options
     req = parse_chat(await read_json(request, options.max_body_bytes), max_messages=options.max_messages)
     variant = state.variants.resolve(req.model)
-    ids = await prompt_ids(state.session.tokenizer, messages=req.messages)
-    return await _generate(request, req, ids, chat=True, variant=variant)
+    ids, dropped = await chat_prompt_ids(request, req.messages, _budget(req))
+    return dropped_header(await _generate(request, req, ids, chat=True, variant=variant, dropped=dropped), dropped)
 
 
 @_api.post("/v1/completions")
@@ -266,13 +271,17 @@ async def debug_worker(request: Request):
 
 
 async def _generate(request: Request, req: GenerationRequest, ids: list[int], *, chat: bool,
-                    variant: str | None = None):
-    job = submit_job(request, ids, req.sampling, Budget(req.max_tokens, default=req.default_max_tokens),
-                     _Refusals(req.max_tokens_param, chat), timeout=req.timeout, variant=variant)
+                    variant: str | None = None, dropped: int | None = None):
+    job = submit_job(request, ids, req.sampling, _budget(req), _Refusals(req.max_tokens_param, chat),
+                     timeout=req.timeout, variant=variant, dropped=dropped)
     shape = Shape(chat, variant or request.app.state.model_id, req.include_usage)
     if req.stream:
         return EventStream(_stream(job, shape), on_disconnect=job.cancel)
     return await whole_reply(request, job, lambda text: shape.whole(text, job.finish_reason, _usage(job)))
+
+
+def _budget(req: GenerationRequest) -> Budget:
+    return Budget(req.max_tokens, default=req.default_max_tokens)
 
 
 @dataclass(frozen=True)

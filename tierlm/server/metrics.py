@@ -41,6 +41,11 @@ class Metrics:
                                             "Prompt tokens of ended requests reused from a slot, not prefilled",
                                             registry=r)  # fmt: skip
         self.generated_tokens = Counter("tierlm_generated_tokens", "Tokens generated", registry=r)
+        self.shifted_requests = Counter("tierlm_context_shifted_requests",
+                                        "Chat requests that dropped old messages to fit (serve --context-shift)",
+                                        registry=r)  # fmt: skip
+        self.dropped_messages = Counter("tierlm_context_shift_dropped_messages",
+                                        "Messages dropped for chat prompts to fit (serve --context-shift)", registry=r)
         self.decode_rate = Gauge("tierlm_decode_tokens_per_second",
                                  "Tokens/s of the latest decode step, all sequences together", registry=r)
         self.prefill_rate = Gauge("tierlm_prefill_tokens_per_second", "Tokens/s of the latest prefill chunk",
@@ -59,6 +64,11 @@ class Metrics:
             self.ttft.observe(job.first_token_at - job.received)
         if job.ended_at is not None:
             self.latency.observe(job.ended_at - job.received)
+
+    def shifted(self, dropped: int) -> None:
+        """A chat request was queued with its `dropped` oldest messages dropped to fit."""
+        self.shifted_requests.inc()
+        self.dropped_messages.inc(dropped)
 
     def refused(self, outcome: str) -> None:
         """A request refused before it became a job: "rejected" (queue full) or "invalid"."""
@@ -113,6 +123,7 @@ _HELP = {
     "tierlm_prefetch_overlap_ratio": "Share of streaming time hidden behind compute",
     "tierlm_hot_cache_hit_rate": "Embedding rows served from the hot-row cache",
     "tierlm_kv_cache_bytes": "KV cache bytes: reserved for all slots, used by the live sequences",
+    "tierlm_slot_tokens_held": "Tokens whose keys and values a KV slot holds (a running sequence's, or kept for reuse)",
     "tierlm_expert_hits_total": "MoE experts the router chose that were in the expert cache",
     "tierlm_expert_misses_total": "MoE experts the router chose that had to be read in (or host-computed)",
     "tierlm_expert_hit_rate": "Share of chosen MoE experts found in the expert cache, all layers",

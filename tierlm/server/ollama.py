@@ -41,7 +41,8 @@ from tierlm import __version__
 from tierlm.cache.artifact import Artifact
 from tierlm.cache.fingerprint import checkpoint_digest
 from tierlm.offload.placement import DEVICE
-from tierlm.server.admission import Budget, Fit, prompt_ids, read_json, require_key, submit_job, whole_reply
+from tierlm.server.admission import (Budget, Fit, chat_prompt_ids, dropped_header, prompt_ids, read_json, require_key,
+                                     submit_job, whole_reply)
 from tierlm.server.jobs import DONE, ERROR, TEXT, Job
 from tierlm.server.ollama_schemas import OllamaOptions, OllamaRequest, parse_chat, parse_generate, parse_model_name
 from tierlm.server.responses import EventStream
@@ -225,13 +226,17 @@ async def _generate(request: Request, req: OllamaRequest, *, chat: bool):
         return _load_only(req, reply)
     options = req.options
     _check_num_ctx(options, state.context, state.session.profile.name)
-    # A raw prompt is tokenized as /v1/completions tokenizes one; else the messages take the chat template.
-    ids = await prompt_ids(state.session.tokenizer, messages=req.messages, text=req.prompt)
-    job = submit_job(request, ids, options.sampling, Budget(options.num_predict, context=options.num_ctx),
-                     _Refusals(options.num_ctx), variant=variant)  # the deadline: the server's (`serve --timeout`)
+    budget = Budget(options.num_predict, context=options.num_ctx)
+    dropped = None
+    if chat:  # serve --context-shift may drop the oldest exchanges to fit
+        ids, dropped = await chat_prompt_ids(request, req.messages, budget)
+    else:  # a raw prompt is tokenized as /v1/completions tokenizes one; else system and prompt take the template
+        ids = await prompt_ids(state.session.tokenizer, messages=req.messages, text=req.prompt)
+    job = submit_job(request, ids, options.sampling, budget, _Refusals(options.num_ctx), variant=variant,
+                     dropped=dropped)  # the deadline: the server's (`serve --timeout`)
     if req.stream:
-        return _NdjsonStream(_stream(job, reply), on_disconnect=job.cancel)
-    return await whole_reply(request, job, lambda text: reply.last(job, text))
+        return dropped_header(_NdjsonStream(_stream(job, reply), on_disconnect=job.cancel), dropped)
+    return dropped_header(await whole_reply(request, job, lambda text: reply.last(job, text)), dropped)
 
 
 def _load_only(req: OllamaRequest, reply: _Reply) -> JSONResponse:

@@ -48,7 +48,8 @@ _NEUTRAL_OPTIONS: dict[str, tuple[Any, ...]] = {
 # Options with no effect on the text here: how Ollama's runner uses the hardware (tierlm's profile
 # and planner decide that), mirostat's parameters while mirostat is off (checked), penalize_newline
 # (Ollama itself ignores it since its new engine), num_keep (what a context shift keeps: tierlm
-# refuses a prompt that does not fit instead of shifting).
+# refuses a prompt that does not fit, or with `serve --context-shift` drops whole exchanges, keeping
+# the system messages).
 _NO_EFFECT_OPTIONS = frozenset({"numa", "num_batch", "num_gpu", "main_gpu", "low_vram", "f16_kv", "use_mmap",
                                 "use_mlock", "num_thread", "num_keep", "mirostat_tau", "mirostat_eta",
                                 "penalize_newline"})

@@ -25,6 +25,8 @@ class ServerOptions:
     restart_backoff: float = 1.0  # seconds the server reports unhealthy before the restart
     max_body_bytes: int = 1 << 20  # larger request bodies get 413
     max_messages: int = 512  # chat messages per request
+    # A chat request that does not fit drops its oldest exchanges (runtime/context_shift.py) instead of a 400.
+    context_shift: bool = False
     access_log: bool = True  # one line per request on stderr (`serve --quiet` turns it off)
     debug_hooks: bool = False  # POST /debug/worker (kill, stall, delay, pause): tests only
     adapter_dir: Path | None = None  # POST /v1/adapters loads adapters only under it (or cached ones by name)

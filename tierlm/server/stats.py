@@ -1,8 +1,10 @@
 """GET /stats: what chat's `/stats` shows, as JSON for the chat page (static/chat.html).
 
 Speed (the latest decode step and prefill chunk, and the planner's prediction), memory measured
-against the budget the plan was made for, where the blocks were placed, the KV cache and the
-requests in flight. Read when asked; nothing is kept between requests.
+against the budget the plan was made for, where the blocks were placed, the KV cache (with the
+tokens each slot holds), the prefix reuse of ended requests (prompt tokens, those reused from a
+slot, their ratio), context shifting (serve --context-shift) and the requests in flight. Read
+when asked; the counts are the metrics' (metrics.py).
 """
 
 from __future__ import annotations
@@ -34,7 +36,14 @@ def server_stats(state) -> dict:
             **_device_memory(loaded.device, memory, profile, placement),
         },
         "placement": _placement(placement),
-        "kv_cache": None if kv is None else {"reserved_bytes": kv[0], "used_bytes": kv[1]},
+        "kv_cache": None if kv is None else {"reserved_bytes": kv[0], "used_bytes": kv[1],
+                                             "slots": worker.slots_held() or []},
+        "prefix_reuse": _prefix_reuse(state.metrics),
+        "context_shift": {
+            "enabled": state.options.context_shift,
+            "requests": int(_sample(state.metrics, "tierlm_context_shifted_requests_total")),
+            "dropped_messages": int(_sample(state.metrics, "tierlm_context_shift_dropped_messages_total")),
+        },
         "requests": {"active": worker.active, "queued": worker.queue_depth, "slots": state.slots},
     }
 
@@ -42,6 +51,14 @@ def server_stats(state) -> dict:
 def _sample(metrics, name: str) -> float:
     value = metrics.registry.get_sample_value(name)
     return 0.0 if value is None else value
+
+
+def _prefix_reuse(metrics) -> dict:
+    """Prompt tokens of ended requests, those a slot held already (not prefilled), and their share
+    (None before any prompt)."""
+    prompt = int(_sample(metrics, "tierlm_prompt_tokens_total"))
+    reused = int(_sample(metrics, "tierlm_prompt_tokens_cached_total"))
+    return {"prompt_tokens": prompt, "reused_tokens": reused, "hit_rate": reused / prompt if prompt else None}
 
 
 def _budgets(profile, placement) -> dict:

@@ -148,6 +148,15 @@ class Worker:
         runner = self._runner
         return (runner.cache.nbytes, runner.cache.used_bytes) if runner else None
 
+    def slots_held(self) -> list[dict] | None:
+        """Per KV slot: the tokens it holds (its running sequence's, or what the last one left for a
+        prompt continuing it) and whether a sequence runs in it; None between workers."""
+        runner = self._runner
+        if runner is None:
+            return None
+        running = {seq.slot for seq in list(runner.active)}
+        return [{"tokens": n, "active": slot in running} for slot, n in enumerate(list(runner.cache.lengths))]
+
     def health(self) -> dict:
         with self._cond:
             thread = self._thread
