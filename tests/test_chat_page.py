@@ -228,6 +228,9 @@ def test_typed_message_gets_a_streamed_reply_equal_to_the_api_one(browser, serve
 @pytest.mark.e2e
 def test_stats_are_shown_and_refreshed(browser, server):
     url, client = server
+    first_turn = [{"role": "user", "content": "name a colour"}]
+    reply = api_reply(client, first_turn)["choices"][0]["message"]
+    api_reply(client, [*first_turn, reply, {"role": "user", "content": "and another"}])  # reuses the first's slot
     open_page(browser, url)
     read = "return [document.getElementById('stats').dataset.updated, " \
            "document.getElementById('stat-decode').textContent, document.getElementById('stat-placement').textContent]"
@@ -240,6 +243,14 @@ def test_stats_are_shown_and_refreshed(browser, server):
     assert "planned" in placement
     assert "of" in js(browser, "return document.getElementById('stat-memory').textContent")  # vs the budget
     wait(browser, lambda d: js(d, read)[0] != first, "/stats to be read again")
+    # Prefix reuse and what each slot holds, as /stats says (no request runs meanwhile: the figures stay put).
+    reuse, slots = stats["prefix_reuse"], [str(slot["tokens"]) for slot in stats["kv_cache"]["slots"]]
+    assert reuse["reused_tokens"] > 0
+    percent = int(100 * reuse["hit_rate"] + 0.5)  # as Math.round
+    shown = f"{percent}% ({reuse['reused_tokens']} of {reuse['prompt_tokens']} prompt tokens)"
+    assert js(browser, "return document.getElementById('stat-reuse').textContent") == shown
+    assert js(browser, "return document.getElementById('stat-kv').textContent").endswith(
+        f"; slots hold {', '.join(slots)} tokens")
 
 
 @pytest.mark.e2e
