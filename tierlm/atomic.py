@@ -26,7 +26,7 @@ import re
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import psutil
 
@@ -160,16 +160,29 @@ def replace_file(path: Path, text: str) -> None:
     Written beside `path` under a hidden per-process name, fsynced, then renamed over it; for
     small caches (a probe, a baseline record) rather than directories.
     """
+    with atomic_file(path) as handle:
+        handle.write(text.encode("utf-8"))
+
+
+@contextlib.contextmanager
+def atomic_file(path: Path) -> Iterator[IO[bytes]]:
+    """A binary handle whose bytes replace the file `path` whole when the block completes.
+
+    It writes a hidden temporary beside `path` (`.<name>.partial-<pid>`, which
+    `stale_temporaries` knows once its process is gone), fsynced and renamed over `path`; on any
+    exception the temporary is removed and `path` left as it was.
+    """
     tmp = _sibling(path, "partial")
     try:
-        with tmp.open("w", encoding="utf-8") as handle:
-            handle.write(text)
+        with tmp.open("wb") as handle:
+            yield handle
             handle.flush()
             os.fsync(handle.fileno())
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+    _fsync_dir(path.parent)
 
 
 def fsync_file(path: Path) -> None:

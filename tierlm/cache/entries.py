@@ -29,8 +29,9 @@ from tierlm.paths import cache_root
 
 KINDS = {"models": "model", "artifacts": "artifact"}
 USAGE_DIR = "usage"
-# Other folders whose small files are written through a hidden per-process temporary.
-RECORD_DIRS = ("digests", "probe", "baseline")
+# Other folders whose files are written through a hidden per-process temporary (`sessions/`:
+# saved chats, runtime/saved_chat.py; conversations, not rebuildable, so never removed as entries).
+RECORD_DIRS = ("digests", "probe", "baseline", "sessions")
 
 
 @dataclass(frozen=True)

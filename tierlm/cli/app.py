@@ -235,6 +235,11 @@ def chat(
     lora: Optional[list[str]] = LoraOpt,
     threads: Optional[int] = ThreadsOpt,
     stages: Optional[int] = StagesOpt,
+    session_name: Optional[str] = typer.Option(
+        None, "--session", metavar="NAME", show_default=False,
+        help="Resume the conversation saved as NAME (its KV cache too, when the same model made it) and "
+        "save it after each reply",
+    ),
 ):
     """Chat interactively (reads lines from stdin when it is not a terminal). /help lists commands."""
     from tierlm.cli.models import pick_model
@@ -243,8 +248,12 @@ def chat(
     sampling, run = SamplingFlags.of(locals()), RunFlags.of(locals())
     if _pipeline_worker(run.device):
         return
+    if session_name is not None:
+        from tierlm.runtime.saved_chat import session_path
+
+        session_path(session_name)  # a bad name is refused before the model loads
     with _open(pick_model(model_arg, model), run) as session:
-        run_chat(session, sampling.params(session.generation_defaults), system)
+        run_chat(session, sampling.params(session.generation_defaults), system, session_name)
 
 
 @app.command(short_help="Generate one reply to a prompt; only the text goes to stdout.")
@@ -297,6 +306,9 @@ def run_model(name: str, prompt: Optional[list[str]], **options):
     """Chat with MODEL, as `ollama run`; with a PROMPT, print one reply to it and exit ('-' reads it from stdin)."""
     if not prompt:
         return chat(model_arg=name, model=None, **options)
+    if options.get("session_name") is not None:
+        raise TierlmError("--session resumes a chat; `run MODEL PROMPT` answers one prompt and keeps nothing",
+                          "drop the PROMPT to chat in the session, or drop --session")  # fmt: skip
     import inspect
 
     takes = inspect.signature(generate).parameters

@@ -25,13 +25,14 @@ BLOCK = '"""'
 HISTORY_LENGTH = 1000  # lines of input kept in the history file across sessions
 
 
-def run_chat(session, params, system: str | None) -> None:
-    """Read user lines (from a terminal or piped stdin) and stream each reply to stdout."""
+def run_chat(session, params, system: str | None, saved_as: str | None = None) -> None:
+    """Read user lines (from a terminal or piped stdin) and stream each reply to stdout.
+    `saved_as`: the session name the conversation is resumed from and saved to (runtime/saved_chat.py)."""
     _own_ctrl_c()
     interactive = sys.stdin.isatty()
     history_file = _start_line_editing() if interactive else None
     try:
-        _loop(session, params, system, interactive)
+        _loop(session, params, system, interactive, saved_as)
     finally:
         if history_file is not None:
             _save_line_history(history_file)
@@ -44,10 +45,11 @@ def _own_ctrl_c() -> None:
         signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
-def _loop(session, params, system: str | None, interactive: bool) -> None:
+def _loop(session, params, system: str | None, interactive: bool, saved_as: str | None) -> None:
     from tierlm.runtime.chat import ChatSession
 
     chat = ChatSession(session.engine, system=system)
+    saved = _resume(saved_as, session, chat)
     last = None
     replied = False
     if interactive:
@@ -70,8 +72,27 @@ def _loop(session, params, system: str | None, interactive: bool) -> None:
                     sys.stdout.write("\n")
                 last = _reply(chat, text, params) or last
                 replied = True
+                _save(saved, chat)  # after each reply: a crash loses at most the turn in flight
         except KeyboardInterrupt:  # a Ctrl-C outside a reply's own handling (e.g. during /stats)
             print("\n(interrupted)", file=sys.stderr)
+    _save(saved, chat)
+
+
+def _resume(name: str | None, session, chat):
+    """The SavedChat for `--session name` with its conversation restored into `chat`; None without one."""
+    if name is None:
+        return None
+    from tierlm.runtime.saved_chat import SavedChat
+
+    saved = SavedChat.open(name, session)
+    print(saved.resume(chat), file=sys.stderr)
+    return saved
+
+
+def _save(saved, chat) -> None:
+    problem = saved.save(chat) if saved is not None else None
+    if problem:
+        print(f"({problem})", file=sys.stderr)
 
 
 def _model_label(session) -> str:
