@@ -49,12 +49,12 @@ def _loop(session, params, system: str | None, interactive: bool, saved_as: str 
     from tierlm.runtime.chat import ChatSession
 
     chat = ChatSession(session.engine, system=system)
-    saved = _resume(saved_as, session, chat)
     last = None
     replied = False
     if interactive:
         print(f"tierlm chat · {_model_label(session)} · profile {session.profile.name} · "
               "/? lists commands, Ctrl-D quits", file=sys.stderr)
+    saved = _resume(saved_as, session, chat)
     while True:
         line = _prompt(interactive)
         if line is None:
