@@ -68,18 +68,20 @@ def cpu_name() -> str:
 class Server:
     """One OpenAI-compatible server subprocess; `url` once it listens."""
 
-    def __init__(self, name: str, command: list[str], env: dict, ready: str, cwd: Path | None = None):
+    def __init__(self, name: str, command: list[str], env: dict, ready: str | None, cwd: Path | None = None):
+        """`ready`: the stderr line that gives the URL (group 1); None: the caller waits for it."""
         self.name = name
         self.process = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                         stderr=subprocess.PIPE, text=True, env=env, cwd=cwd)  # fmt: skip
         self.url = None
-        for line in self.process.stderr:
+        for line in self.process.stderr if ready is not None else ():
             match = re.search(ready, line)
             if match:
-                self.url = match.group(1) if match.groups() else None
+                self.url = match.group(1)
                 break
         else:  # stderr closed before the server said it listens: it exited
-            raise SystemExit(f"{name} did not start (exit {self.process.wait(30)})")
+            if ready is not None:
+                raise SystemExit(f"{name} did not start (exit {self.process.wait(30)})")
         threading.Thread(target=lambda: [None for _ in self.process.stderr], daemon=True).start()
 
     def stop(self) -> None:
@@ -99,9 +101,24 @@ def llama_server(binary: Path, gguf: Path, conversations: int) -> Server:
     port = 18000 + os.getpid() % 1000
     command = [str(binary), "-m", str(gguf), "--port", str(port), "-c", str(4096 * conversations),
                "-np", str(conversations), "-t", str(os.cpu_count() or 1)]  # fmt: skip
-    server = Server("llama-server", command, dict(os.environ), r"(server is listening|HTTP server listening)")
+    server = Server("llama-server", command, dict(os.environ), None)
     server.url = f"http://127.0.0.1:{port}"
+    wait_healthy(server.url)  # it listens before its model has loaded (503 meanwhile)
     return server
+
+
+def wait_healthy(url: str, timeout_s: float = 300) -> None:
+    import httpx
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(f"{url}/health", timeout=5).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise SystemExit(f"{url} did not become healthy in {timeout_s:.0f} s")
 
 
 def one_turn(client, messages: list[dict], max_tokens: int) -> dict:
