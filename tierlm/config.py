@@ -513,3 +513,6 @@ _GENERATION_FIELDS: Mapping[str, tuple[Any, Any]] = MappingProxyType(
         "repeat_last_n": (int, lambda v: v >= -1 and float(v).is_integer()),
     }
 )
+# The sampling settings a model has defaults for: what a flag or request field left unset takes
+# from GenerationDefaults (runtime/sampling.py resolve_sampling).
+MODEL_SAMPLING_FIELDS: tuple[str, ...] = tuple(_GENERATION_FIELDS)

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Optional
 
 import typer
 
-from tierlm.config import GenerationDefaults  # light: json and dataclasses only
+from tierlm.config import MODEL_SAMPLING_FIELDS, GenerationDefaults  # light: json and dataclasses only
 from tierlm.errors import TierlmError
 from tierlm.quant.modes import mode_choices  # light: no torch
 
@@ -126,9 +126,7 @@ class SamplingFlags(_Flags):
 
     def _model_fields(self) -> dict:
         """The flags set among those the model has defaults for."""
-        given = dict(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
-                     repetition_penalty=self.repetition_penalty, repeat_last_n=self.repeat_last_n)  # fmt: skip
-        return {key: value for key, value in given.items() if value is not None}
+        return {name: getattr(self, name) for name in MODEL_SAMPLING_FIELDS if getattr(self, name) is not None}
 
 
 @dataclass(frozen=True)

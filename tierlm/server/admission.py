@@ -21,7 +21,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 from starlette.concurrency import run_in_threadpool
 
-from tierlm.config import GenerationDefaults
+from tierlm.config import MODEL_SAMPLING_FIELDS, GenerationDefaults
 from tierlm.errors import TierlmError
 from tierlm.runtime.context_shift import drop_oldest
 from tierlm.runtime.sampling import SamplingParams, resolve_sampling
@@ -184,11 +184,8 @@ def sampling_params(sampling: Sampling, max_new_tokens: int, defaults: Generatio
     (runtime/model_defaults.py, or `serve`'s flags) for those it left out, and its token budget.
     What the sampler refuses is a 400."""
     try:
-        return resolve_sampling(defaults, temperature=sampling.temperature, top_p=sampling.top_p,
-                                top_k=sampling.top_k, min_p=sampling.min_p,
-                                repetition_penalty=sampling.repetition_penalty,
-                                repeat_last_n=sampling.repeat_last_n, max_new_tokens=max_new_tokens,
-                                seed=sampling.seed, stop=sampling.stop)  # fmt: skip
+        sent = {name: getattr(sampling, name) for name in MODEL_SAMPLING_FIELDS}
+        return resolve_sampling(defaults, **sent, max_new_tokens=max_new_tokens, seed=sampling.seed, stop=sampling.stop)
     except TierlmError as err:
         raise ApiError(400, str(err), code="invalid_value") from None
 
