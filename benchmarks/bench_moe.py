@@ -142,7 +142,7 @@ def profile_file(spec: str, folder: Path) -> str:
     path = folder / f"{spec}.toml"
     path.write_text(
         f'description = "bench_moe"\ndevice_memory = "{spec}"\nhost_memory = "{spec}"\ndisk_offload = true\n'
-        'headroom = "1GiB"\nquant = "auto"\nkv_dtype = "auto"\ncontext_length = 4096\nbatch_size = 1\nprefetch_depth = 2\n'
+        'headroom = "1GiB"\nquant = "auto"\nkv_cache = "auto"\ncontext_length = 4096\nbatch_size = 1\nprefetch_depth = 2\n'
     )
     return str(path)
 

@@ -117,7 +117,7 @@ def budget_profile(folder: Path, name: str, device_memory: int) -> Path:
     path = folder / f"{name}.toml"
     path.write_text(
         f'description = "benchmark"\ndevice_memory = {device_memory}\nhost_memory = {device_memory}\n'
-        'disk_offload = true\nheadroom = "16MiB"\nquant = "int8"\nkv_dtype = "auto"\n'
+        'disk_offload = true\nheadroom = "16MiB"\nquant = "int8"\nkv_cache = "auto"\n'
         "context_length = 512\nbatch_size = 1\nprefetch_depth = 2\n"
     )
     return path

@@ -31,7 +31,8 @@ def models(tmp_path_factory) -> dict[str, Path]:
     folder = tmp_path_factory.mktemp("session-models")
     make_model(folder / "a", seed=0)
     make_model(folder / "b", seed=1)  # the same shapes, other weights
-    return {"a": folder / "a", "b": folder / "b"}
+    make_model(folder / "h32", seed=2, head_dim=32)  # heads a quantized KV cache can hold
+    return {"a": folder / "a", "b": folder / "b", "h32": folder / "h32"}
 
 
 @pytest.fixture
@@ -86,7 +87,8 @@ def test_a_resumed_session_replies_as_one_uninterrupted_chat_without_prefilling_
     assert session_lines(again)[0].startswith("resumed session s: 6 messages, ")
 
 
-def test_restored_rows_are_the_saved_ones_and_the_reply_token_for_token(cache, models, tmp_path):
+@pytest.mark.parametrize("kv_cache", ["auto", "q8_0", "q4_0"])
+def test_restored_rows_are_the_saved_ones_and_the_reply_token_for_token(cache, models, tmp_path, kv_cache):
     """In process: the restored KV rows are bitwise the saved ones, and greedy tokens equal the
     uninterrupted chat's."""
     from tierlm.runtime.chat import ChatSession
@@ -96,8 +98,8 @@ def test_restored_rows_are_the_saved_ones_and_the_reply_token_for_token(cache, m
     from tierlm.runtime.saved_chat import SavedChat, model_identity
     from tierlm.runtime.tokenizer import Tokenizer
 
-    loaded = load_model(models["a"], device="cpu", dtype=torch.float32, quant="int8")
-    tokenizer = Tokenizer.from_dir(models["a"])
+    loaded = load_model(models["h32"], device="cpu", dtype=torch.float32, quant="int8", kv_cache=kv_cache)
+    tokenizer = Tokenizer.from_dir(models["h32"])
     params = SamplingParams(temperature=0.0, max_new_tokens=8)
 
     def turn(chat, text):
@@ -111,15 +113,16 @@ def test_restored_rows_are_the_saved_ones_and_the_reply_token_for_token(cache, m
     saved = SavedChat("s", tmp_path / "s", model_identity(loaded, whole.engine.cache))
     assert saved.save(whole) is None
     length = whole.engine.cache.offset
-    rows = whole.engine.cache.keys[:, :, :, :length].clone(), whole.engine.cache.values[:, :, :, :length].clone()
+    rows = [part.clone() for part in whole.engine.cache.rows_of(0, length)]
+    assert len(rows) == (4 if kv_cache.startswith("q") else 2)  # quantized: the scales too
     expected = turn(whole, "tell me more")
 
     resumed = ChatSession(Engine(loaded, tokenizer))
     line = SavedChat("s", tmp_path / "s", model_identity(loaded, resumed.engine.cache)).resume(resumed)
     assert line == f"resumed session s: 4 messages, {length:,} tokens cached"
     assert resumed.system == "be brief"  # the saved system prompt, as none was given
-    assert torch.equal(resumed.engine.cache.keys[:, :, :, :length], rows[0])
-    assert torch.equal(resumed.engine.cache.values[:, :, :, :length], rows[1])
+    for held, saved_part in zip(resumed.engine.cache.rows_of(0, length), rows, strict=True):
+        assert torch.equal(held, saved_part)
     got = turn(resumed, "tell me more")
     assert got.token_ids == expected.token_ids and got.stats.reused_tokens == length > 0
 
@@ -131,13 +134,13 @@ def damaged_copies(good: bytes) -> dict[str, tuple[bytes, str]]:
     flipped[payload_byte] ^= 0x01
     header_text = good.replace(b'"content": "hello"', b'"content": "jello"', 1)
     assert header_text != good
-    version = good.replace(b'"format_version": 1', b'"format_version": 9', 1)
+    version = good.replace(b'"format_version": 2', b'"format_version": 9', 1)
     assert version != good
     return {
         "truncated": (good[: len(good) // 2], f"it is truncated ({len(good) // 2:,} of {len(good):,} bytes)"),
         "flipped payload byte": (bytes(flipped), "it is damaged (checksum mismatch)"),
         "edited message": (header_text, "it is damaged (checksum mismatch)"),
-        "other format": (version, "it has format version 9, this tierlm reads 1"),
+        "other format": (version, "it has format version 9, this tierlm reads 2"),
         "not a session": (b"not a session file, just text", "it is not a tierlm prompt-cache file"),
     }
 
@@ -210,7 +213,7 @@ def dying(path):
 
 prompt_cache.atomic_file = dying
 rows = torch.ones(2, 2, 3, 16)
-prompt_cache.save_prompt_cache(Path(sys.argv[1]), {}, {"messages": []}, [1, 2, 3], rows, rows)
+prompt_cache.save_prompt_cache(Path(sys.argv[1]), {}, {"messages": []}, [1, 2, 3], [rows, rows])
 """
 
 

@@ -18,7 +18,7 @@ host_memory = "2GiB"
 disk_offload = false
 headroom = "100MB"
 quant = "none"
-kv_dtype = "auto"
+kv_cache = "auto"
 context_length = {context}
 batch_size = 1
 prefetch_depth = 1
@@ -128,3 +128,18 @@ def test_prompt_longer_than_context(tiny_dir, tmp_path):
 
 def test_missing_model_path():
     assert_clean_failure(tierlm("generate", "hi", "--model", "/nonexistent/model"), "not found")
+
+
+@pytest.mark.parametrize("args,needle", [
+    (("--context", "0"), "--context 0 is out of range"),
+    (("--context", "-5"), "--context -5 is not a number of tokens"),
+    (("--context", "1e12"), "--context 1e12 is not a number of tokens"),
+    (("--kv-cache", "q3"), "--kv-cache q3 is not a KV cache type"),
+    (("--context", "9000"), "--context 9000 is more than this model holds"),
+    (("--kv-cache", "q8_0"), "--kv-cache q8_0 quantizes each head in blocks of 32 values"),
+])  # fmt: skip
+def test_bad_context_and_kv_cache_flags_get_one_line(tiny_dir, args, needle):
+    config = json.loads((tiny_dir / "config.json").read_text())
+    assert config["max_position_embeddings"] < 9000 and config["hidden_size"] // config["num_attention_heads"] == 16
+    assert_clean_failure(tierlm("generate", "hi", "--model", str(tiny_dir), *args), needle)
+    assert_clean_failure(tierlm("plan", str(tiny_dir), *args), needle)

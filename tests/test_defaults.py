@@ -227,7 +227,7 @@ def test_profiles_take_auto_and_every_mode_modes_py_accepts():
 
     assert {load_profile(name).quant for name in shipped_profiles()} == {"auto"}
     base = dict(description="d", device_memory="1GiB", host_memory="1GiB", disk_offload=True, headroom="1MiB",
-                kv_dtype="auto", context_length=64, batch_size=1, prefetch_depth=1)  # fmt: skip
+                kv_cache="auto", context_length=64, batch_size=1, prefetch_depth=1)  # fmt: skip
     for mode in ("auto", "int8-g32-asym", "int8-g64", "int4-g128-asym", "none", "BF16"):
         assert profile_from_dict("p", {**base, "quant": mode}).quant == mode.lower()
     assert profile_from_dict("p", {**base, "quant": "mixed:4GiB"}).quant == "mixed-4294967296"
@@ -279,7 +279,7 @@ def test_session_and_plan_name_the_resolved_mode(tmp_path, monkeypatch):
     pin_bandwidths()  # in this test's cache: no machine probe for `--threads 1` (nor the default)
     make_model(tmp_path / "m")
     profile = profile_from_dict("p", dict(description="d", device_memory="2GiB", host_memory="2GiB",
-                                          disk_offload=False, headroom="64MiB", quant="auto", kv_dtype="auto",
+                                          disk_offload=False, headroom="64MiB", quant="auto", kv_cache="auto",
                                           context_length=64, batch_size=1, prefetch_depth=0))  # fmt: skip
     session = open_session(str(tmp_path / "m"), profile, device="cpu")
     assert session.profile.quant_label == "auto → int8" and "quant auto → int8" in session.profile.summary()

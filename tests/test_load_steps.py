@@ -46,7 +46,7 @@ def _profile(tmp_path, device_gib: int):
     path = tmp_path / f"gpu{device_gib}.toml"
     path.write_text("\n".join([
         'description = "load-steps test"', f'device_memory = "{device_gib}GiB"', 'host_memory = "64GiB"',
-        "disk_offload = true", 'headroom = "256MiB"', 'quant = "none"', 'kv_dtype = "auto"', "context_length = 256",
+        "disk_offload = true", 'headroom = "256MiB"', 'quant = "none"', 'kv_cache = "auto"', "context_length = 256",
         "batch_size = 1", "prefetch_depth = 1",
     ]) + "\n")  # fmt: skip
     return load_profile(str(path))

@@ -41,7 +41,7 @@ CACHED_DISK = replace(CPU, disk_bytes_per_s=40e9)
 def tight(baseline: int = BASELINE):
     """A CPU-only profile that holds the embedding and about half of smollm2's layers."""
     return profile_from_dict("tight", dict(description="d", device_memory=baseline + 160 * MiB, host_memory="1GiB",
-                                           disk_offload=True, headroom="8MiB", quant="int8", kv_dtype="auto",
+                                           disk_offload=True, headroom="8MiB", quant="int8", kv_cache="auto",
                                            context_length=1024, batch_size=1, prefetch_depth=1))  # fmt: skip
 
 

@@ -47,7 +47,7 @@ def write_budget_profile(path: Path, budget: int) -> Path:
     path.write_text(
         'description = "tests: one pipeline rank under a cgroup cap"\n'
         f"device_memory = {budget}\nhost_memory = {budget}\ndisk_offload = false\nheadroom = \"32MiB\"\n"
-        'quant = "none"\nkv_dtype = "auto"\nprefetch_depth = 0\n'
+        'quant = "none"\nkv_cache = "auto"\nprefetch_depth = 0\n'
         f"context_length = {CONTEXT}\nbatch_size = 1\n"
     )
     return path

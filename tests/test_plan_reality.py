@@ -50,7 +50,7 @@ def tierlm(*args: str) -> subprocess.CompletedProcess:
 def write_profile(path: Path, device_memory: int) -> Path:
     path.write_text("\n".join([
         'description = "plan-reality test"', f"device_memory = {device_memory}", f"host_memory = {device_memory}",
-        "disk_offload = true", 'headroom = "8MiB"', 'quant = "int8"', 'kv_dtype = "auto"',
+        "disk_offload = true", 'headroom = "8MiB"', 'quant = "int8"', 'kv_cache = "auto"',
         "context_length = 256", "batch_size = 1", "prefetch_depth = 1",
     ]) + "\n")  # fmt: skip
     return path

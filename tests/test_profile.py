@@ -14,7 +14,7 @@ VALID = dict(
     disk_offload=True,
     headroom="256MiB",
     quant="none",
-    kv_dtype="auto",
+    kv_cache="auto",
     context_length=2048,
     batch_size=2,
     prefetch_depth=2,
@@ -47,7 +47,8 @@ def test_valid_profile_round_trips_units():
     [
         ({"turbo": True}, "turbo"),
         ({"quant": "int3"}, "quant"),
-        ({"kv_dtype": "fp64"}, "kv_dtype"),
+        ({"kv_cache": "fp64"}, "kv_cache"),
+        ({"kv_cache": "q3"}, "kv_cache = q3 is not a KV cache type"),
         ({"context_length": 8}, "context_length"),
         ({"batch_size": 0}, "batch_size"),
         ({"prefetch_depth": -1}, "prefetch_depth"),
@@ -59,6 +60,13 @@ def test_valid_profile_round_trips_units():
 def test_invalid_profiles_name_the_key(change, needle):
     with pytest.raises(TierlmError, match=needle):
         profile_from_dict("box", {**VALID, **change})
+
+
+def test_kv_cache_takes_every_format_and_the_older_key():
+    for name in ("auto", "f32", "f16", "bf16", "q8_0", "q4_0"):
+        assert profile_from_dict("box", {**VALID, "kv_cache": name}).kv_cache == name
+    older = {key: value for key, value in VALID.items() if key != "kv_cache"}
+    assert profile_from_dict("box", {**older, "kv_dtype": "fp16"}).kv_cache == "f16"
 
 
 def test_missing_key_is_named():

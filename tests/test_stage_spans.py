@@ -237,7 +237,7 @@ def test_a_streaming_stage_plans_and_opens_only_its_blocks(checkpoint, tmp_path)
 
     def placed(span, budget: int):
         profile = tmp_path / "tight.toml"
-        profile.write_text(f'description = "tests: a tight stage"\nkv_dtype = "auto"\n'
+        profile.write_text(f'description = "tests: a tight stage"\nkv_cache = "auto"\n'
                            f'device_memory = {budget}\nhost_memory = {budget}\ndisk_offload = true\nheadroom = 0\n'
                            f'quant = "int8"\ncontext_length = {CONTEXT}\nbatch_size = 1\nprefetch_depth = 0\n')
         stage_sizes = sizes.only(stage_blocks(whole.config, span, sizes.names))

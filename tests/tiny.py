@@ -260,7 +260,7 @@ def write_profile(path: Path, *, context_length: int, batch_size: int) -> Path:
     path.write_text(
         'description = "tests: a tiny model, nothing streamed"\n'
         'device_memory = "2GiB"\nhost_memory = "2GiB"\ndisk_offload = false\nheadroom = "256MiB"\n'
-        'quant = "none"\nkv_dtype = "auto"\nprefetch_depth = 0\n'
+        'quant = "none"\nkv_cache = "auto"\nprefetch_depth = 0\n'
         f"context_length = {context_length}\nbatch_size = {batch_size}\n"
     )
     return path

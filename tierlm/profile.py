@@ -23,8 +23,11 @@ Keys (sizes take units: "7.5GiB", "800MB", or a number of bytes):
                      source keeps its quantized grid through int8-g32-asym, float weights get
                      int8), int8, int8-g<N>[-asym], fp16, bf16, fp32, or "none" = the weights
                      as stored, loaded in the compute dtype (fp32 on CPUs, bf16/fp16 on GPUs)
-    kv_dtype         KV cache dtype; "auto" = the compute dtype
-    context_length   tokens of KV cache reserved per sequence (capped by the model's maximum)
+    kv_cache         how the KV cache holds keys and values (kv/formats.py): "auto" = the compute
+                     dtype, f32, f16, bf16, q8_0 (8.5 bits a value) or q4_0 (4.5 bits); `kv_dtype`,
+                     its older name, is still read
+    context_length   tokens of context per sequence, the most a sequence may hold (capped by the
+                     model's maximum); the planner charges the KV cache for all of them
     batch_size       sequences reserved for (KV cache and workspace scale with it)
     prefetch_depth   streamed blocks read ahead; the ring holds prefetch_depth + 1 blocks
     threads          (optional, default 0) CPU threads for compute; 0 = the CPUs this process may
@@ -37,7 +40,7 @@ from __future__ import annotations
 
 import importlib.util
 import sys
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -46,6 +49,7 @@ import psutil
 
 from tierlm.device.memory import process_limits
 from tierlm.errors import TierlmError
+from tierlm.kv.formats import check_kv_cache
 from tierlm.quant.modes import check_mode_name, mode_choices, quant_text
 from tierlm.units import format_size, parse_size  # noqa: F401 - part of this module's API
 
@@ -55,7 +59,6 @@ else:  # Python 3.10 has no tomllib; tomli is the same parser.
     import tomli as tomllib
 
 # Sizes are read and shown by tierlm/units.py (quant modes read them too: mixed:5.2GiB).
-KV_DTYPES = ("auto", "fp32", "fp16", "bf16")
 
 
 @dataclass(frozen=True)
@@ -69,7 +72,7 @@ class Profile:
     disk_offload: bool
     headroom: int
     quant: str
-    kv_dtype: str
+    kv_cache: str
     context_length: int
     batch_size: int
     prefetch_depth: int
@@ -77,12 +80,15 @@ class Profile:
     threads: int = 0
     # Not a TOML key: the concrete mode a run resolved `quant` to (set once the model is known).
     quant_resolved: str | None = None
+    # Not a TOML key: `--context N` as given (a model that holds fewer positions refuses it,
+    # where the profile's own context_length is capped to the model's maximum).
+    context_asked: int | None = None
 
     def summary(self) -> str:
         return (
             f"{self.name}: device {format_size(self.device_memory)}, "
             f"host {format_size(self.host_memory)}, context {self.context_length}, "
-            f"batch {self.batch_size}, quant {self.quant_label}"
+            f"batch {self.batch_size}, quant {self.quant_label}, kv cache {self.kv_cache}"
         )
 
     @property
@@ -95,7 +101,8 @@ class Profile:
 
 _SIZE_KEYS = ("device_memory", "host_memory", "headroom")
 _OPTIONAL_KEYS = {"emulate_host_tier", "threads"}
-_RUNTIME_FIELDS = {"name", "quant_resolved"}  # set by code, never read from a file
+_RUNTIME_FIELDS = {"name", "quant_resolved", "context_asked"}  # set by code, never read from a file
+MAX_CONTEXT = 1 << 24  # tokens: past any model's positions, far below what would overflow a size
 AUTO = "auto"
 
 
@@ -162,7 +169,7 @@ def auto_profile(ram_available: int | None = None, device_free: int | None = Non
         "disk_offload": True,
         "headroom": max(256 * 2**20, device // 20),
         "quant": "auto",
-        "kv_dtype": "auto",
+        "kv_cache": "auto",
         "context_length": 4096,
         "batch_size": 1,
         "prefetch_depth": 2,
@@ -193,6 +200,8 @@ def _accelerator_free_bytes() -> int:
 
 
 def profile_from_dict(name: str, raw: dict[str, Any]) -> Profile:
+    if "kv_dtype" in raw and "kv_cache" not in raw:  # the key's older name (fp32/fp16/bf16)
+        raw = {("kv_cache" if key == "kv_dtype" else key): value for key, value in raw.items()}
     known = {f.name for f in fields(Profile)} - _RUNTIME_FIELDS
     unknown = sorted(set(raw) - known)
     if unknown:
@@ -207,7 +216,7 @@ def profile_from_dict(name: str, raw: dict[str, Any]) -> Profile:
     for key in _SIZE_KEYS:
         values[key] = parse_size(raw[key], key)
     values["quant"] = _check_quant(name, values["quant"])
-    _check_choice(name, "kv_dtype", values["kv_dtype"], KV_DTYPES)
+    values["kv_cache"] = check_kv_cache(values["kv_cache"], f"profile {name!r}: kv_cache =")
     for key in ("context_length", "batch_size", "prefetch_depth", "threads"):
         if key not in values:
             continue
@@ -225,6 +234,29 @@ def profile_from_dict(name: str, raw: dict[str, Any]) -> Profile:
     return Profile(name=name, **values)
 
 
+def with_run_settings(profile: Profile, context: str | int | None = None, kv_cache: str | None = None) -> Profile:
+    """`profile` with a run's `--context` and `--kv-cache` in place of its own (None: keep them)."""
+    if context is not None:
+        tokens = parse_context(context)
+        profile = replace(profile, context_length=tokens, context_asked=tokens)
+    if kv_cache is not None:
+        profile = replace(profile, kv_cache=check_kv_cache(kv_cache))
+    return profile
+
+
+def parse_context(value: str | int, where: str = "--context") -> int:
+    """Tokens of context from "8192", "32k" or "128K" (x 1024); one line for anything else."""
+    text = str(value).strip()
+    scale = 1024 if text[-1:] in ("k", "K") else 1
+    digits = text[:-1] if scale > 1 else text
+    if not digits.isdigit():
+        raise TierlmError(f"{where} {value} is not a number of tokens", "give a whole number of tokens, e.g. 8192 or 32k")
+    tokens = int(digits) * scale
+    if not 16 <= tokens <= MAX_CONTEXT:
+        raise TierlmError(f"{where} {value} is out of range", f"give 16 to {MAX_CONTEXT:,} tokens, e.g. 8192 or 32k")
+    return tokens
+
+
 def _check_quant(profile: str, value: Any) -> str:
     """The quant mode name, lower-cased; the accepted names come from quant/modes.py."""
     try:
@@ -234,9 +266,3 @@ def _check_quant(profile: str, value: Any) -> str:
         pass
     raise TierlmError(f"profile {profile!r}: quant = {value!r} is not a quant mode", f"use one of: {mode_choices()}")
 
-
-def _check_choice(profile: str, key: str, value: Any, choices: tuple[str, ...]) -> None:
-    if value not in choices:
-        raise TierlmError(
-            f"profile {profile!r}: {key} = {value!r} is not one of {', '.join(choices)}"
-        )

@@ -40,6 +40,16 @@ StagesOpt = typer.Option(
     help="Run the model as a pipeline of N stages, each its own process with a range of layers (N-1 local "
     "workers are started; under torchrun: its WORLD_SIZE ranks)",
 )
+ContextOpt = typer.Option(
+    None, "--context", "-c", metavar="N", show_default=False,
+    help="Tokens of context per sequence, prompt and reply together, e.g. 8192 or 32k (default: the profile's "
+    "context_length, capped by the model's maximum); the planner charges the KV cache for all of them",
+)
+KVCacheOpt = typer.Option(
+    None, "--kv-cache", metavar="TYPE", show_default=False,
+    help="How the KV cache holds keys and values: auto (the compute dtype), f32, f16, bf16, q8_0 (8.5 bits a "
+    "value) or q4_0 (4.5 bits) (default: the profile's kv_cache)",
+)
 MAX_NEW_TOKENS = 256
 MaxNewOpt = typer.Option(MAX_NEW_TOKENS, "--max-new-tokens", "-n", min=1, help="Most tokens to generate per reply")
 # Sampling options default to None: the model's defaults decide (`tierlm show MODEL`), else the fallback.
@@ -131,9 +141,9 @@ class SamplingFlags(_Flags):
 
 @dataclass(frozen=True)
 class RunFlags(_Flags):
-    """--profile, --device, --dtype, --quant, --lora, --threads, --stages: how chat, generate, bench
-    and serve run the model (memory budget, device, compute dtype, weight format, adapters, CPU
-    threads, pipeline stages)."""
+    """--profile, --device, --dtype, --quant, --lora, --threads, --stages, --context, --kv-cache: how
+    chat, generate, bench and serve run the model (memory budget, device, compute dtype, weight
+    format, adapters, CPU threads, pipeline stages, context per sequence, KV cache format)."""
 
     profile: str
     device: str | None = None
@@ -142,6 +152,8 @@ class RunFlags(_Flags):
     lora: tuple[str, ...] = ()
     threads: int | None = None
     stages: int | None = None
+    context: str | None = None
+    kv_cache: str | None = None
 
     def __post_init__(self):
         object.__setattr__(self, "lora", tuple(self.lora or ()))  # typer: a list, or None when not given
@@ -153,9 +165,10 @@ def _open(model, run: RunFlags, *, variants: bool = False, batch_size=None, stag
     are merged into it. `batch_size`: the sequences the planner reserves KV memory for, on every stage."""
     from tierlm.cli.progress import progress_factory
     from tierlm.lora.spec import split_variant_specs
+    from tierlm.profile import with_run_settings
     from tierlm.runtime.session import open_session
 
-    profiles = _stage_profiles(run.profile, run.stages)
+    profiles = [with_run_settings(p, run.context, run.kv_cache) for p in _stage_profiles(run.profile, run.stages)]
     if batch_size is not None:
         profiles = [replace(p, batch_size=batch_size) for p in profiles]
     merged, named = split_variant_specs(run.lora) if variants else (run.lora, {})
@@ -233,6 +246,8 @@ def chat(
     lora: Optional[list[str]] = LoraOpt,
     threads: Optional[int] = ThreadsOpt,
     stages: Optional[int] = StagesOpt,
+    context: Optional[str] = ContextOpt,
+    kv_cache: Optional[str] = KVCacheOpt,
     session_name: Optional[str] = typer.Option(
         None, "--session", metavar="NAME", show_default=False,
         help="Resume the conversation saved as NAME (its KV cache too, when the same model made it) and "
@@ -276,6 +291,8 @@ def generate(
     lora: Optional[list[str]] = LoraOpt,
     threads: Optional[int] = ThreadsOpt,
     stages: Optional[int] = StagesOpt,
+    context: Optional[str] = ContextOpt,
+    kv_cache: Optional[str] = KVCacheOpt,
 ):
     """Generate one reply. Only the generated text goes to stdout, so it can be piped."""
     sampling, run = SamplingFlags.of(locals()), RunFlags.of(locals())
@@ -493,6 +510,8 @@ def plan(
     quant: Optional[str] = QuantOpt,
     device: Optional[str] = DeviceOpt,
     threads: Optional[int] = ThreadsOpt,
+    context: Optional[str] = ContextOpt,
+    kv_cache: Optional[str] = KVCacheOpt,
     as_json: bool = typer.Option(False, "--json", help="Print the Placement as JSON"),
     lora: Optional[list[str]] = typer.Option(
         None, "--lora",
@@ -526,14 +545,15 @@ def plan(
     from tierlm.device.cpu import resolve_threads
     from tierlm.errors import TierlmError
     from tierlm.offload.placement import placement_to_dict
-    from tierlm.profile import load_profile
+    from tierlm.profile import load_profile, with_run_settings
     from tierlm.runtime.source import resolve_model_dir
 
+    settings = dict(context=context, kv_cache=kv_cache)
     if stages is not None or "," in profile:
         _plan_stages(pick_model(model_arg, model), profile, stages, quant, device, threads, as_json,
-                     link_gbps, link_latency_ms, reprobe_link)  # fmt: skip
+                     link_gbps, link_latency_ms, reprobe_link, settings)  # fmt: skip
         return
-    chosen = load_profile(profile)
+    chosen = with_run_settings(load_profile(profile), **settings)
     # The probe and the baseline are keyed on the threads; torch is set to them if the plan loads it.
     chosen = replace(chosen, threads=resolve_threads(threads or chosen.threads))
     model_dir = resolve_model_dir(pick_model(model_arg, model))
@@ -550,7 +570,8 @@ def plan(
     print(json.dumps(placement_to_dict(placement), indent=1) if as_json else render_plan(placement, header))
 
 
-def _plan_stages(model, profile, stages, quant, device, threads, as_json, link_gbps, link_latency_ms, reprobe_link):
+def _plan_stages(model, profile, stages, quant, device, threads, as_json, link_gbps, link_latency_ms, reprobe_link,
+                 settings):  # fmt: skip
     """`tierlm plan --stages N`: the split over pipeline stages, each stage's plan, the transfers."""
     import json
     from dataclasses import replace
@@ -558,9 +579,10 @@ def _plan_stages(model, profile, stages, quant, device, threads, as_json, link_g
     from tierlm.cli.plan_view import render_stage_plan, stage_plan_for, stage_profiles
     from tierlm.device.cpu import resolve_threads
     from tierlm.probe.link import gbps_link, load_link
+    from tierlm.profile import with_run_settings
     from tierlm.runtime.source import resolve_model_dir
 
-    profiles = stage_profiles(profile, stages)
+    profiles = [with_run_settings(p, **settings) for p in stage_profiles(profile, stages)]
     used = resolve_threads(threads or profiles[0].threads)  # the probe and the baseline are keyed on it
     profiles = [replace(p, threads=used) for p in profiles]
     link = gbps_link(link_gbps, link_latency_ms) if link_gbps is not None else load_link(refresh=reprobe_link)
@@ -583,6 +605,8 @@ def bench(
     runs: int = typer.Option(3, "--runs", min=1, help="Runs; the median is reported"),
     as_json: bool = typer.Option(False, "--json", help="Print the figures as JSON"),
     stages: Optional[int] = StagesOpt,
+    context: Optional[str] = ContextOpt,
+    kv_cache: Optional[str] = KVCacheOpt,
 ):
     """Measure prefill and decode speed and memory under a profile, next to the planner's prediction."""
     import json
@@ -648,6 +672,8 @@ def serve(
     ),
     threads: Optional[int] = ThreadsOpt,
     stages: Optional[int] = StagesOpt,
+    context: Optional[str] = ContextOpt,
+    kv_cache: Optional[str] = KVCacheOpt,
     temperature: Optional[float] = TempOpt,
     top_p: Optional[float] = TopPOpt,
     top_k: Optional[int] = TopKOpt,

@@ -185,6 +185,18 @@ def _variant_lines(placement) -> list[str]:
     return lines
 
 
+def _context_lines(placement) -> list[str]:
+    """What the device budget holds beside these weights: tokens of context per KV cache format."""
+    if not placement.context_room:
+        return []
+    def text(name: str, tokens: int) -> str:
+        return f"{name} {tokens:,}{' (all)' if tokens == placement.context_limit else ''}" if tokens else f"{name} none"
+
+    shown = " · ".join(text(name, tokens) for name, tokens in placement.context_room)
+    return ["", f"context  tokens per sequence the budget holds beside these weights, by --kv-cache (the model "
+                f"holds {placement.context_limit:,}):", f"         {shown}"]  # fmt: skip
+
+
 def describe(placement) -> str:
     """The human-readable plan: blocks, per-tier totals against budgets (itemised), speeds."""
 
@@ -200,6 +212,7 @@ def describe(placement) -> str:
         shown = format_size(budget) if budget is not None else "unbounded"
         lines.append(f"{tier:6} {format_size(placement.total(tier)):>10} of {shown}")
         lines += [f"         {k:13} {format_size(v):>10}" for k, v in items.items() if v]
+    lines += _context_lines(placement)
     lines.append("")
     if placement.ring_slots:
         lines.append(f"ring     {placement.ring_slots} slots x {format_size(placement.ring_slot_bytes)}")

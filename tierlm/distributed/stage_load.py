@@ -46,8 +46,9 @@ def load_stage(load: StageLoad, progress=None, *, set_threads: bool = True):
 
 def stage_cache(loaded, slotted: bool, rows: int, max_len: int):
     """A KV cache for `loaded`'s stage alone (its layers only), the twin of one of rank 0's: a
-    SlotKVCache of `rows` slots, or a KVCache of batch `rows`, `max_len` positions long."""
-    common = dict(device=loaded.device, dtype=loaded.dtype, layers=len(loaded.span.layers))
+    SlotKVCache of `rows` slots, or a KVCache of batch `rows`, `max_len` positions long, in the
+    stage's KV format (its profile's kv_cache)."""
+    common = dict(device=loaded.device, dtype=loaded.dtype, layers=len(loaded.span.layers), kv_format=loaded.kv_format)
     if slotted:
         return SlotKVCache.for_model(loaded.config, max_len, rows, **common)
     return KVCache.for_model(loaded.config, max_len, batch=rows, **common)

@@ -1,16 +1,92 @@
-"""A preallocated KV cache written in place at the current offset (static shapes)."""
+"""A preallocated KV cache written in place at the current offset (static shapes), holding keys
+and values in one of kv/formats.py's formats (the compute dtype, fp16, bf16, q8_0, q4_0)."""
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
+from tierlm.kv import codec
+from tierlm.kv.formats import FORMATS, GROUP, KVFormat
 from tierlm.models.base import attention_mask, position_mask
 
 
-def _empty_buffers(layers, sequences, kv_heads, head_dim, max_len, device, dtype):
-    """Keys and values [layers, sequences, kv_heads, max_len, head_dim], left uninitialised."""
-    shape = (layers, sequences, kv_heads, max_len, head_dim)
-    return torch.empty(shape, device=device, dtype=dtype), torch.empty(shape, device=device, dtype=dtype)
+class DecodeRows(NamedTuple):
+    """What a fused or captured decode step needs of a cache: the storage of every layer
+    (codes [layers, rows, kv_heads, max_len, width]; fp16 scales [..., D / 32] or None), each
+    row's slot and the position its new token goes to."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    slots: list[int]
+    positions: list[int]
+    key_scales: torch.Tensor | None
+    value_scales: torch.Tensor | None
+    format: KVFormat
+
+
+class _Storage:
+    """Keys and values of every layer in one format: codes `keys`/`values` [layers, rows,
+    kv_heads, max_len, width] and, quantized, fp16 `key_scales`/`value_scales` [..., D / 32],
+    left uninitialised (`torch.empty`: memory is touched only as positions fill). Written in
+    `format`, read back in `dtype` (the compute dtype)."""
+
+    def _allocate(self, layers, rows, kv_heads, head_dim, max_len, device, dtype, kv_format):
+        fmt = _as_format(kv_format, dtype)
+        self.format, self.dtype, self.head_dim = fmt, dtype, head_dim
+        shape = (layers, rows, kv_heads, max_len, codec.code_width(fmt, head_dim))
+        code = codec.code_dtype(fmt)
+        self.keys = torch.empty(shape, device=device, dtype=code)
+        self.values = torch.empty(shape, device=device, dtype=code)
+        self.key_scales = self.value_scales = None
+        if fmt.quantized:
+            scale_shape = (*shape[:-1], head_dim // GROUP)
+            self.key_scales = torch.empty(scale_shape, device=device, dtype=torch.float16)
+            self.value_scales = torch.empty(scale_shape, device=device, dtype=torch.float16)
+
+    def _store(self, layer: int, where: tuple, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Write keys/values [..., D] at `where` (an index into one layer's [rows, kv_heads, max_len])."""
+        for codes, scales, x in ((self.keys, self.key_scales, keys), (self.values, self.value_scales, values)):
+            encoded, scale = codec.encode(self.format, x)
+            codes[layer][where] = encoded
+            if scales is not None:
+                scales[layer][where] = scale
+
+    def _load(self, layer: int, rows, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of `rows` over positions [0, end) in the compute dtype [n, kv_heads, end, D]
+        (views of the cache when it holds the compute dtype)."""
+        out = []
+        for codes, scales in ((self.keys, self.key_scales), (self.values, self.value_scales)):
+            part = scales[layer][rows, :, :end] if scales is not None else None
+            out.append(codec.decode(self.format, codes[layer][rows, :, :end], part, self.dtype))
+        return out[0], out[1]
+
+    def _zero(self, rows, start: int, end: int) -> None:
+        for part in (self.keys, self.values, self.key_scales, self.value_scales):
+            if part is not None:
+                part[:, rows, :, start:end].zero_()
+
+    def rows_of(self, row: int, length: int) -> list[torch.Tensor]:
+        """Row `row`'s storage over its first `length` positions, every layer: keys, values and
+        (quantized) their scales, each [layers, kv_heads, length, ...] (what a saved session holds)."""
+        parts = (self.keys, self.values, self.key_scales, self.value_scales)
+        return [p[:, row, :, :length] for p in parts if p is not None]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes reserved for the whole context."""
+        parts = (self.keys, self.values, self.key_scales, self.value_scales)
+        return sum(p.nbytes for p in parts if p is not None)
+
+
+def _as_format(kv_format, dtype: torch.dtype) -> KVFormat:
+    """A KVFormat from a format, its name, or None (the compute dtype)."""
+    if isinstance(kv_format, KVFormat):
+        return kv_format
+    if kv_format is None:
+        return FORMATS[{torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"}[dtype]]
+    return FORMATS[kv_format]
 
 
 def _model_dims(config, layers: int | None) -> tuple[int, int, int]:
@@ -33,8 +109,9 @@ class _Contiguous:
         return attention_mask(length, self.offset + length, groups, window, self.device)
 
 
-class KVCache(_Contiguous):
-    """Keys and values for every layer: [layers, batch, kv_heads, max_len, head_dim] each.
+class KVCache(_Contiguous, _Storage):
+    """Keys and values for every layer: [layers, batch, kv_heads, max_len, head_dim] each (as
+    codes of its format, see _Storage).
 
     Allocated once with `torch.empty`, so pages are only touched as positions fill and
     resident memory grows with the conversation, not with the reserved context.
@@ -50,15 +127,19 @@ class KVCache(_Contiguous):
         batch: int = 1,
         device="cpu",
         dtype: torch.dtype = torch.float32,
+        kv_format: KVFormat | str | None = None,
     ):
-        self.keys, self.values = _empty_buffers(layers, batch, kv_heads, head_dim, max_len, device, dtype)
+        """`dtype`: the compute dtype keys are read back in; `kv_format`: how they are held
+        (None: in `dtype`)."""
+        self._allocate(layers, batch, kv_heads, head_dim, max_len, device, dtype, kv_format)
         self.max_len = max_len
         self.offset = 0
 
     @classmethod
     def for_model(cls, config, max_len: int, *, batch: int = 1, device="cpu", dtype=torch.float32,
-                  layers: int | None = None):  # fmt: skip
-        return cls(*_model_dims(config, layers), max_len, batch=batch, device=device, dtype=dtype)
+                  layers: int | None = None, kv_format=None):  # fmt: skip
+        return cls(*_model_dims(config, layers), max_len, batch=batch, device=device, dtype=dtype,
+                   kv_format=kv_format)  # fmt: skip
 
     @property
     def device(self) -> torch.device:
@@ -69,14 +150,15 @@ class KVCache(_Contiguous):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Store keys/values [B, T, kv_heads, D] at the offset; return all so far [B, kv_heads, S, D]."""
         end = self.offset + keys.shape[1]
-        self.keys[layer, :, :, self.offset : end].copy_(keys.transpose(1, 2))
-        self.values[layer, :, :, self.offset : end].copy_(values.transpose(1, 2))
-        return self.keys[layer, :, :, :end], self.values[layer, :, :, :end]
+        where = (slice(None), slice(None), slice(self.offset, end))
+        self._store(layer, where, keys.transpose(1, 2), values.transpose(1, 2))
+        return self._load(layer, slice(None), end)
 
-    def decode_rows(self) -> tuple[torch.Tensor, torch.Tensor, list[int], list[int]]:
-        """For a fused one-token step: (keys, values, each row's slot, each row's position)."""
+    def decode_rows(self) -> DecodeRows:
+        """For a fused one-token step: the storage, each row's slot and position."""
         rows = self.keys.shape[1]
-        return self.keys, self.values, list(range(rows)), [self.offset] * rows
+        return DecodeRows(self.keys, self.values, list(range(rows)), [self.offset] * rows, self.key_scales,
+                          self.value_scales, self.format)  # fmt: skip
 
     def advance(self, length: int) -> None:
         """Commit `length` new positions after every layer has written them."""
@@ -90,16 +172,11 @@ class KVCache(_Contiguous):
         self.offset = 0
 
     @property
-    def nbytes(self) -> int:
-        """Bytes reserved for the whole context."""
-        return self.keys.nbytes + self.values.nbytes
-
-    @property
     def used_bytes(self) -> int:
         return self.nbytes * self.offset // self.max_len
 
 
-class SlotKVCache:
+class SlotKVCache(_Storage):
     """Keys and values for `slots` independent sequences: [layers, slots, kv_heads, max_len, D].
 
     Each slot has its own length, so sequences of different ages share one buffer and one
@@ -118,8 +195,9 @@ class SlotKVCache:
         *,
         device="cpu",
         dtype: torch.dtype = torch.float32,
+        kv_format: KVFormat | str | None = None,
     ):
-        self.keys, self.values = _empty_buffers(layers, slots, kv_heads, head_dim, max_len, device, dtype)
+        self._allocate(layers, slots, kv_heads, head_dim, max_len, device, dtype, kv_format)
         self.max_len = max_len
         self.lengths = [0] * slots
         # Per slot, how many leading positions hold finite numbers (written once, or zeroed).
@@ -127,8 +205,8 @@ class SlotKVCache:
 
     @classmethod
     def for_model(cls, config, max_len: int, slots: int, *, device="cpu", dtype=torch.float32,
-                  layers: int | None = None):  # fmt: skip
-        return cls(*_model_dims(config, layers), max_len, slots, device=device, dtype=dtype)
+                  layers: int | None = None, kv_format=None):  # fmt: skip
+        return cls(*_model_dims(config, layers), max_len, slots, device=device, dtype=dtype, kv_format=kv_format)
 
     @property
     def slots(self) -> int:
@@ -139,6 +217,10 @@ class SlotKVCache:
 
     def batch(self, slots: list[int]) -> "SlotBatch":
         return SlotBatch(self, slots)
+
+    def decode_rows_of(self, slots: list[int], positions: list[int]) -> DecodeRows:
+        return DecodeRows(self.keys, self.values, list(slots), list(positions), self.key_scales, self.value_scales,
+                          self.format)  # fmt: skip
 
     def free(self, index: int) -> None:
         """Forget slot `index` so a new sequence can start in it."""
@@ -154,14 +236,8 @@ class SlotKVCache:
         for slot in slots:
             start = self.finite[slot]
             if start < length:
-                self.keys[:, slot, :, start:length].zero_()
-                self.values[:, slot, :, start:length].zero_()
+                self._zero(slot, start, length)
                 self.finite[slot] = length
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes reserved for every slot's whole context."""
-        return self.keys.nbytes + self.values.nbytes
 
     @property
     def used_bytes(self) -> int:
@@ -190,16 +266,14 @@ class SlotView(_Contiguous):
         """Store keys/values [1, T, kv_heads, D] at the slot's offset; return [1, kv_heads, S, D]."""
         start, end = self.offset, self.offset + keys.shape[1]
         rows = slice(self.index, self.index + 1)
-        self.parent.keys[layer, rows, :, start:end].copy_(keys.transpose(1, 2))
-        self.parent.values[layer, rows, :, start:end].copy_(values.transpose(1, 2))
+        self.parent._store(layer, (rows, slice(None), slice(start, end)), keys.transpose(1, 2), values.transpose(1, 2))
         self.parent.finite[self.index] = max(self.parent.finite[self.index], end)
-        return self.parent.keys[layer, rows, :, :end], self.parent.values[layer, rows, :, :end]
+        return self.parent._load(layer, rows, end)
 
-    def decode_rows(self) -> tuple[torch.Tensor, torch.Tensor, list[int], list[int]]:
-        """For a fused one-token step: (keys, values, [slot], [position]); the position counts
-        as written."""
+    def decode_rows(self) -> DecodeRows:
+        """For a fused one-token step: the storage, [slot], [position]; the position counts as written."""
         self.parent.finite[self.index] = max(self.parent.finite[self.index], self.offset + 1)
-        return self.parent.keys, self.parent.values, [self.index], [self.offset]
+        return self.parent.decode_rows_of([self.index], [self.offset])
 
     def advance(self, length: int) -> None:
         self.parent.lengths[self.index] += length
@@ -252,17 +326,12 @@ class SlotBatch:
         self, layer: int, keys: torch.Tensor, values: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Store keys/values [n, 1, kv_heads, D] at each slot's position; return [n, kv_heads, S, D]."""
-        self.parent.keys[layer][self._index, :, self.positions] = keys[:, 0]
-        self.parent.values[layer][self._index, :, self.positions] = values[:, 0]
-        span = slice(0, self.key_len)
-        return (
-            self.parent.keys[layer][self._rows, :, span],
-            self.parent.values[layer][self._rows, :, span],
-        )
+        self.parent._store(layer, (self._index, slice(None), self.positions), keys[:, 0], values[:, 0])
+        return self.parent._load(layer, self._rows, self.key_len)
 
-    def decode_rows(self) -> tuple[torch.Tensor, torch.Tensor, list[int], list[int]]:
-        """For a fused step: (keys, values, each row's slot, each row's position)."""
-        return self.parent.keys, self.parent.values, self.slots, [self.parent.lengths[s] for s in self.slots]
+    def decode_rows(self) -> DecodeRows:
+        """For a fused step: the storage, each row's slot and position."""
+        return self.parent.decode_rows_of(self.slots, [self.parent.lengths[s] for s in self.slots])
 
     def advance(self, length: int = 1) -> None:
         for slot in self.slots:

@@ -3,11 +3,12 @@ later run resumes it without prefilling it again (as llama-server's slot save an
 prompt caches do), and trusted only whole and only by the model that computed them.
 
 Layout: MAGIC (8 bytes) | header length (8 bytes, little-endian) | header (UTF-8 JSON) |
-payload: keys then values, each [layers, kv_heads, length, head_dim] raw in the KV dtype |
-sha256 of every byte before it (32 bytes).
+payload: the cache's parts one after another (keys and values, then their scales when the
+format is quantized: kv/cache.py `rows_of`), each [layers, kv_heads, length, width] raw in its
+dtype as the header lists them | sha256 of every byte before it (32 bytes).
 
 The header holds the format version, the identity of what computed the rows (the weights'
-content key, compute and KV dtypes, device type, cache layout: `identity` from the caller), the
+content key, compute dtype and KV format, device type, cache layout: `identity` from the caller), the
 token ids the rows hold and the conversation they belong to. A reader checks the size, then the
 checksum, then the version and the identity before it uses anything; a writer writes a hidden
 temporary beside the file, fsyncs it and renames it over the file, so a killed save leaves at most
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,7 +29,7 @@ import torch
 from tierlm.atomic import atomic_file
 
 MAGIC = b"TLMKVSES"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: a list of parts (quantized KV formats add scales)
 _LENGTH = struct.Struct("<Q")
 _DIGEST_BYTES = 32
 _MAX_HEADER = 64 << 20  # a header holds token ids and text: far below this for any context
@@ -47,26 +49,23 @@ class PromptCacheRejected(Exception):
 
 @dataclass
 class PromptCache:
-    token_ids: list[int]  # the ids whose keys/values `keys`/`values` hold, in order
+    token_ids: list[int]  # the ids whose keys/values `parts` hold, in order
     conversation: dict  # what the caller saved beside them (messages, system prompt)
-    keys: torch.Tensor  # [layers, kv_heads, len(token_ids), head_dim]
-    values: torch.Tensor
+    parts: list[torch.Tensor]  # each [layers, kv_heads, len(token_ids), width], as saved
 
 
 def save_prompt_cache(path: Path, identity: dict, conversation: dict, token_ids: list[int],
-                      keys: torch.Tensor, values: torch.Tensor) -> None:  # fmt: skip
-    """Write `keys`/`values` [layers, kv_heads, N, head_dim] (N = len(token_ids); views of a
-    larger cache are fine) to `path` atomically. An OSError leaves `path` as it was."""
-    layers, kv_heads, length, head_dim = keys.shape
-    if values.shape != keys.shape or length != len(token_ids):
-        raise ValueError(f"keys {tuple(keys.shape)}, values {tuple(values.shape)}, {len(token_ids)} ids")
-    layer_bytes = kv_heads * length * head_dim * keys.element_size()
+                      parts: list[torch.Tensor]) -> None:  # fmt: skip
+    """Write `parts` (each [layers, kv_heads, N, width], N = len(token_ids); views of a larger
+    cache are fine) to `path` atomically. An OSError leaves `path` as it was."""
+    if not parts or any(p.shape[:3] != parts[0].shape[:3] or p.dim() != 4 for p in parts) \
+            or parts[0].shape[2] != len(token_ids):  # fmt: skip
+        raise ValueError(f"parts {[tuple(p.shape) for p in parts]}, {len(token_ids)} ids")
     header = {
         "format_version": FORMAT_VERSION,
         "identity": identity,
-        "kv_dtype": str(keys.dtype).removeprefix("torch."),
-        "shape": [layers, kv_heads, length, head_dim],
-        "payload_bytes": 2 * layers * layer_bytes,
+        "parts": [{"dtype": str(p.dtype).removeprefix("torch."), "shape": list(p.shape)} for p in parts],
+        "payload_bytes": sum(p.numel() * p.element_size() for p in parts),
         "token_ids": list(token_ids),
         "conversation": conversation,
     }
@@ -77,8 +76,8 @@ def save_prompt_cache(path: Path, identity: dict, conversation: dict, token_ids:
             digest.update(piece)
             handle.write(piece)
         # One layer at a time: the copy out of the cache (off an accelerator) stays one layer's size.
-        for slab in (keys, values):
-            for layer in range(layers):
+        for slab in parts:
+            for layer in range(slab.shape[0]):
                 raw = slab[layer].cpu().contiguous().view(torch.uint8).numpy()
                 digest.update(raw)
                 handle.write(raw)
@@ -91,13 +90,16 @@ def read_prompt_cache(path: Path, identity: dict) -> PromptCache:
     size = path.stat().st_size
     with open(path, "rb") as handle:
         header, head_bytes = _read_header(handle, size)
-        if header.get("format_version") != FORMAT_VERSION:
+        if header.get("format_version") not in (1, FORMAT_VERSION):
             raise PromptCacheRejected(f"it has format version {header.get('format_version')!r}, "
                                       f"this tierlm reads {FORMAT_VERSION}")  # fmt: skip
         try:
-            layers, kv_heads, length, head_dim = (int(n) for n in header["shape"])
-            dtype = getattr(torch, str(header["kv_dtype"]))
+            if header["format_version"] == 1:  # keys and values in one dtype: its messages stay readable
+                header["parts"] = [{"dtype": header["kv_dtype"], "shape": header["shape"]}] * 2
+            layouts = [(getattr(torch, str(part["dtype"])), [int(n) for n in part["shape"]]) for part in header["parts"]]
             payload_bytes = int(header["payload_bytes"])
+            if not all(isinstance(dtype, torch.dtype) and len(shape) == 4 for dtype, shape in layouts):
+                raise ValueError
         except (KeyError, TypeError, ValueError, AttributeError):
             raise PromptCacheRejected("it is damaged (its header is incomplete)") from None
         expected = len(MAGIC) + _LENGTH.size + len(head_bytes) + payload_bytes + _DIGEST_BYTES
@@ -122,13 +124,16 @@ def read_prompt_cache(path: Path, identity: dict) -> PromptCache:
     if differs is not None:
         raise PromptCacheRejected(differs, conversation)
     token_ids = header.get("token_ids")
-    element = torch.empty((), dtype=dtype).element_size()
-    if (not isinstance(token_ids, list) or len(token_ids) != length
-            or payload_bytes != 2 * layers * kv_heads * length * head_dim * element):  # fmt: skip
+    sizes = [math.prod(shape) * torch.empty((), dtype=dtype).element_size() for dtype, shape in layouts]
+    if (not isinstance(token_ids, list) or not layouts or any(shape[2] != len(token_ids) for _, shape in layouts)
+            or payload_bytes != sum(sizes)):  # fmt: skip
         raise PromptCacheRejected("it is damaged (its sizes disagree)")
-    rows = torch.frombuffer(payload, dtype=dtype) if payload_bytes else torch.empty(0, dtype=dtype)
-    rows = rows.view(2, layers, kv_heads, length, head_dim)
-    return PromptCache([int(t) for t in token_ids], conversation, rows[0], rows[1])
+    parts, start = [], 0
+    for (dtype, shape), size in zip(layouts, sizes):
+        raw = payload[start : start + size]
+        parts.append((torch.frombuffer(raw, dtype=dtype) if size else torch.empty(0, dtype=dtype)).view(shape))
+        start += size
+    return PromptCache([int(t) for t in token_ids], conversation, parts)
 
 
 def identity_difference(saved, current: dict) -> str | None:

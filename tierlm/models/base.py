@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from tierlm.config import RopeConfig
+from tierlm.models.attention_blocks import query_block
 from tierlm.quant.kernel_api import Weight
 
 
@@ -165,11 +166,18 @@ def grouped_attention(
     q [B, n_heads, T, D]; k, v [B, n_kv, S, D]; mask [groups*T, S], [B, 1, 1, S] (one query per
     sequence, see `position_mask`) or None -> [B, n_heads, T, D].
     Query heads sharing a KV head are folded into the query-row axis, so one SDPA call
-    reads each KV head once.
+    reads each KV head once; over a long context the queries go in blocks (attention_blocks.py).
     """
     batch, n_heads, length, dim = q.shape
-    n_kv = k.shape[1]
-    folded = q.reshape(batch, n_kv, (n_heads // n_kv) * length, dim)
+    n_kv, groups = k.shape[1], n_heads // k.shape[1]
+    block = query_block(batch, n_heads, length, k.shape[2])
+    if block < length:  # a long context: the queries in blocks, so scores and mask stay bounded
+        rows = mask.view(groups, length, -1) if mask is not None else None
+        return torch.cat([
+            grouped_attention(q[:, :, start : start + block], k, v,
+                              rows[:, start : start + block].reshape(-1, rows.shape[-1]) if rows is not None else None)
+            for start in range(0, length, block)], dim=2)  # fmt: skip
+    folded = q.reshape(batch, n_kv, groups * length, dim)
     out = F.scaled_dot_product_attention(folded, k, v, attn_mask=mask)
     return out.view(batch, n_heads, length, dim)
 

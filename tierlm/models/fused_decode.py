@@ -1,8 +1,8 @@
 """A decode step's decoder layers as one native call each, instead of ~15 eager torch ops.
 
 `LlamaModel.forward` asks `step_for` whether this step can be fused: one token per row (T == 1,
-batch 1 or a server `SlotBatch`), fp32 activations on the CPU, a KV cache of fp32 CPU buffers,
-and the native library loaded (csrc/fused_decode.h). Then each layer whose weights are INT8
+batch 1 or a server `SlotBatch`), fp32 activations on the CPU, a KV cache of CPU buffers in any
+of kv/formats.py's formats (read as stored: csrc/kv_formats.h), and the native library loaded (csrc/fused_decode.h). Then each layer whose weights are INT8
 (`Int8Weight`, any group size, symmetric or not), INT4 (`Int4Weight`: packed nibbles with fp16
 scales, symmetric or not, read as stored) or fp32 tensors on the CPU, in any mix, runs as
 `tierlm_decode_layer`: RMSNorm, QKV (+ bias), Qwen3's q/k head norms (when the block has
@@ -31,6 +31,8 @@ _c_ptr, _c_i64, _c_i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32
 
 # tl::WeightKind (csrc/gemv.h): what a weight's data holds.
 KIND_FP32, KIND_INT8, KIND_INT4 = 0, 1, 4
+# tl::KVType (csrc/kv_formats.h): how the KV cache holds keys and values.
+KV_TYPES = {"f32": 0, "f16": 1, "bf16": 2, "q8_0": 3, "q4_0": 4}
 
 
 class WeightArg(ctypes.Structure):
@@ -49,11 +51,12 @@ class LayerArgs(ctypes.Structure):
     _fields_ = [("qkv", WeightArg), ("o", WeightArg), ("w13", WeightArg), ("w2", WeightArg),
                 ("attn_norm", _c_ptr), ("mlp_norm", _c_ptr), ("q_norm", _c_ptr), ("k_norm", _c_ptr),
                 ("cos", _c_ptr), ("sin", _c_ptr), ("keys", _c_ptr), ("values", _c_ptr),
+                ("key_scales", _c_ptr), ("value_scales", _c_ptr),
                 ("slots", _c_ptr), ("positions", _c_ptr),
                 ("batch", _c_i64), ("hidden", _c_i64), ("n_q", _c_i64), ("n_kv", _c_i64),
                 ("head_dim", _c_i64), ("inter", _c_i64), ("rotary_dim", _c_i64), ("max_len", _c_i64),
                 ("window", _c_i64), ("eps", ctypes.c_float), ("interleaved", _c_i32),
-                ("threads", _c_i32), ("reserved", _c_i32)]  # fmt: skip
+                ("threads", _c_i32), ("kv_type", _c_i32)]  # fmt: skip
 
 
 @functools.lru_cache(maxsize=None)
@@ -78,12 +81,12 @@ def step_for(model, cache, x: torch.Tensor) -> FusedStep | None:
     rows = cache.decode_rows() if hasattr(cache, "decode_rows") else None
     if rows is None:
         return None
-    keys, values, slots, positions = rows
-    if len(slots) != x.shape[0] or not _is_cpu_fp32(keys) or not _is_cpu_fp32(values):
+    keys, values, slots, positions = rows.keys, rows.values, rows.slots, rows.positions
+    if len(slots) != x.shape[0] or not _is_cpu_storage(rows):
         return None
     cfg = model.config
     layout = (len(model.span.layers), cfg.num_key_value_heads, cfg.head_dim)  # a stage caches its layers only
-    if (keys.shape[0], keys.shape[2], keys.shape[4]) != layout or keys.shape != values.shape:
+    if (keys.shape[0], keys.shape[2], rows.format.row_bytes(cfg.head_dim)) != (*layout[:2], _row_bytes(rows)):
         return None  # the native code trusts the cache layout: anything else runs eagerly
     if not all(0 <= s < keys.shape[1] for s in slots):
         return None
@@ -94,18 +97,34 @@ def step_for(model, cache, x: torch.Tensor) -> FusedStep | None:
     lib = native_library()
     if lib is None:
         return None
-    return FusedStep(lib, model, keys, values, slots, positions)
+    return FusedStep(lib, model, rows)
+
+
+def _is_cpu_storage(rows) -> bool:
+    """Every part of the cache's storage contiguous on the CPU, codes in the format's dtype."""
+    parts = [rows.keys, rows.values] + ([rows.key_scales, rows.value_scales] if rows.format.quantized else [])
+    if rows.format.name not in KV_TYPES or any(p is None or not (p.is_cpu and p.is_contiguous()) for p in parts):
+        return False
+    return rows.keys.shape == rows.values.shape and (not rows.format.quantized or rows.key_scales.dtype == torch.float16)
+
+
+def _row_bytes(rows) -> int:
+    """Bytes of one position's codes and scales as the storage lays them out."""
+    codes = rows.keys.shape[-1] * rows.keys.element_size()
+    return codes + (rows.key_scales.shape[-1] * 2 if rows.format.quantized else 0)
 
 
 class FusedStep:
     """One decode step's per-layer native calls; the step-wide arguments are filled once."""
 
-    def __init__(self, lib, model, keys, values, slots, positions):
+    def __init__(self, lib, model, rows):
         cfg, rotary = model.config, model.rotary
+        keys, slots, positions = rows.keys, rows.slots, rows.positions
         self._lib = lib
-        self._keys, self._values = keys, values  # held for the step: their pointers are used
-        self._keys_ptr, self._values_ptr = keys.data_ptr(), values.data_ptr()
-        self._layer_bytes = keys.stride(0) * keys.element_size()
+        self._rows = rows  # held for the step: its tensors' pointers are used
+        # Per part (keys, values, key scales, value scales): its pointer and the bytes of one layer.
+        parts = (rows.keys, rows.values, rows.key_scales, rows.value_scales)
+        self._parts = [(p.data_ptr(), p.stride(0) * p.element_size()) if p is not None else (0, 0) for p in parts]
         self._slots = (_c_i64 * len(slots))(*slots)
         self._positions = (_c_i64 * len(positions))(*positions)
         a = self._args = LayerArgs()
@@ -117,6 +136,7 @@ class FusedStep:
         a.window = cfg.sliding_window or 0
         a.eps, a.interleaved = cfg.rms_norm_eps, int(rotary.interleaved)
         a.threads = torch.get_num_threads()
+        a.kv_type = KV_TYPES[rows.format.name]
         self._rotary = rotary  # keeps cos/sin alive for the step
         hidden, q_size, inter = cfg.hidden_size, a.n_q * a.head_dim, cfg.intermediate_size
         self._shapes = {"wqkv": (q_size + 2 * a.n_kv * a.head_dim, hidden), "wo": (hidden, q_size),
@@ -146,7 +166,7 @@ class FusedStep:
                 return False
         if not _is_cpu_fp32(x) or x.numel() != a.batch * a.hidden:
             return False
-        words += (self._keys_ptr + layer * self._layer_bytes, self._values_ptr + layer * self._layer_bytes)
+        words += [ptr + layer * stride if ptr else 0 for ptr, stride in self._parts]
         block = (_c_i64 * len(words))(*words)
         # Nonzero: a weight the native code does not implement (x untouched): run eagerly.
         return self._lib.tierlm_decode_layer(ctypes.addressof(a), ctypes.addressof(block), x.data_ptr()) == 0

@@ -157,14 +157,15 @@ class GraphedDecode:
     def forward(self, x: torch.Tensor, cache) -> torch.Tensor | None:
         """The stage's output (`LlamaModel.forward`'s) for ids [B, 1] (or a later stage's hidden
         states [B, 1, H]) at the cache's positions, advancing it; None when this call must run
-        eagerly (the cache is not a preallocated one, or capture failed)."""
+        eagerly (the cache is not a preallocated one in the compute dtype, or capture failed)."""
         if self.failed is not None or x.shape[1] != 1 or not hasattr(cache, "decode_rows"):
             return None
         if getattr(self.model.store, "switched", False):
             return None  # rows on LoRA variants (store/variants.py): a graph replays the base's weights
-        keys, values, slots, positions = cache.decode_rows()
-        if len(slots) != x.shape[0]:
-            return None
+        rows = cache.decode_rows()
+        keys, values, slots, positions = rows.keys, rows.values, rows.slots, rows.positions
+        if len(slots) != x.shape[0] or rows.format.quantized or keys.dtype != self.model.dtype:
+            return None  # a graph writes and reads keys in the compute dtype: other formats run eagerly
         if max(positions) >= cache.max_len:  # what cache.rope raises on the eager path
             raise ValueError(f"{max(positions) + 1} positions exceed the KV cache ({cache.max_len})")
         span = self.span_for(max(positions) + 1, cache.max_len)

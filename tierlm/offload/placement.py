@@ -115,6 +115,10 @@ class Placement:
     resident_mixed_bytes: int = 0
     # The figures the decode prediction rests on, the binding limit's first, with their sources.
     decode_sources: tuple[FigureSource, ...] = ()
+    # (KV format, tokens): the most context per sequence the device budget holds beside these
+    # weights in each format (planner/context_room.py); empty: not computed.
+    context_room: tuple[tuple[str, int], ...] = ()
+    context_limit: int = 0  # the model's most positions (max_position_embeddings), the room's cap
 
     def block(self, name: str) -> BlockPlacement:
         return self._by_name[name]
@@ -176,4 +180,6 @@ def placement_to_dict(placement: Placement) -> dict:
         "weight_modes": dict(placement.weight_modes),
         "resident_mixed_bytes": placement.resident_mixed_bytes,
         "decode_sources": [vars(f) for f in placement.decode_sources],
+        "context_room": dict(placement.context_room),
+        "context_limit": placement.context_limit,
     }

@@ -9,9 +9,10 @@ the estimate of `cache/mixed_estimate.py`.
 
 Non-weight charges (bytes; c = compute dtype bytes: 4 on CPUs (fp32), 2 on accelerators):
 
-    KV cache     layers x 2 x kv_heads x head_dim x context x batch x kv bytes
+    KV cache     layers x 2 x kv_heads x context x batch x row bytes
                  (context = min(profile.context_length, max_position_embeddings);
-                 kv bytes: the profile's kv_dtype, "auto" = c)
+                 row bytes: one head's position in the profile's kv_cache format, codes and
+                 scales (kv/formats.py); "auto" = head_dim x c)
     workspace    one prefill step of t = batch x min(512, context) tokens, the largest the
                  engine runs (PREFILL_CHUNK, which the runtime imports from here), plus one decode's logits:
                    activations   t x (2H + qkv + q + 3I) x c   residual, normed input, fused
@@ -21,6 +22,9 @@ Non-weight charges (bytes; c = compute dtype bytes: 4 on CPUs (fp32), 2 on accel
                                  accelerator, int8: the largest 2-D weight (head included)
                                  dequantized to c (torch-dequant kernel)
                    attention     batch x heads x chunk x context x c (scores, math path)
+                                 + 2 x batch x kv_heads x context x head_dim x c when the KV
+                                 cache is held in another format (one layer's keys and values
+                                 read back in the compute dtype)
                                  + groups x chunk x context x (1 + c) (causal mask, bool and
                                  additive)
                    logits        batch x vocab x (c + 12)  (logits, fp32 copy, sampler's
@@ -58,7 +62,9 @@ from tierlm.cache.manifest import (
 from tierlm.cache.mixed_estimate import estimated_modes
 from tierlm.config import ModelConfig
 from tierlm.errors import TierlmError
+from tierlm.kv.formats import kv_format
 from tierlm.models import family_description  # torch-free; the family is looked up, never named here
+from tierlm.models.attention_blocks import query_block
 from tierlm.offload.routing_counts import COUNTS_NAME, RoutingCounts
 from tierlm.quant.modes import (
     AUTO,
@@ -74,7 +80,6 @@ from tierlm.weights.import_record import source_tensor_types, source_types_by_na
 PREFILL_CHUNK = 512  # tokens per prefill step; the engine and the batch runner import it from here
 HOT_CACHE_ROWS = 4096  # embedding rows the hot cache may hold (Zipfian tokens: most lookups)
 KERNEL_BLOCK_BYTES = 1 << 20  # the CPU BLAS kernel's dequantization block (quant/torch_kernels.py)
-_KV_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}
 MiB, GiB = 2**20, 2**30
 
 
@@ -324,17 +329,45 @@ def compute_bytes(accelerator: bool) -> int:
 
 
 def context_tokens(config: ModelConfig, profile) -> int:  # profile: tierlm.profile.Profile
-    """Positions reserved per sequence: the profile's context, capped by the model's maximum."""
+    """Positions reserved per sequence: the profile's context, capped by the model's maximum; a
+    `--context` past that maximum is refused."""
+    check_context_asked(config, profile)
     return min(profile.context_length, config.max_position_embeddings)
 
 
-def kv_cache_bytes(config: ModelConfig, profile, accelerator: bool, layers: int | None = None) -> int:
-    """Keys and values for the profile's whole context and batch, in its kv_dtype, of `layers`
-    decoder layers (a pipeline stage's; None: all of them)."""
-    per_element = compute_bytes(accelerator) if profile.kv_dtype == "auto" else _KV_BYTES[profile.kv_dtype]
+def check_context_asked(config: ModelConfig, profile) -> None:
+    asked = getattr(profile, "context_asked", None)
+    if asked is not None and asked > config.max_position_embeddings:
+        raise TierlmError(f"--context {asked} is more than this model holds ({config.max_position_embeddings:,} "
+                          "positions, its max_position_embeddings)",
+                          f"use --context {config.max_position_embeddings} or less")  # fmt: skip
+
+
+def kv_token_bytes(config: ModelConfig, kv_cache: str, accelerator: bool, layers: int | None = None) -> int:
+    """Bytes one token of one sequence holds in a KV cache of format `kv_cache` ("auto": the
+    compute dtype), over `layers` decoder layers (a pipeline stage's; None: all of them)."""
     layers = config.num_hidden_layers if layers is None else layers
-    return (layers * 2 * config.num_key_value_heads * config.head_dim
-            * context_tokens(config, profile) * profile.batch_size * per_element)  # fmt: skip
+    held = kv_format(kv_cache, accelerator)
+    if held.unsupported(config.head_dim):  # refused at plan time as the load refuses it
+        raise TierlmError(held.unsupported(config.head_dim), "use --kv-cache f16 or bf16 for this model")
+    return layers * 2 * config.num_key_value_heads * held.row_bytes(config.head_dim)
+
+
+def kv_cache_bytes(config: ModelConfig, profile, accelerator: bool, layers: int | None = None) -> int:
+    """Keys and values for the profile's whole context and batch, in its kv_cache format, of
+    `layers` decoder layers (a pipeline stage's; None: all of them)."""
+    per_token = kv_token_bytes(config, profile.kv_cache, accelerator, layers)
+    return per_token * context_tokens(config, profile) * profile.batch_size
+
+
+def kv_read_back_bytes(config: ModelConfig, profile, accelerator: bool) -> int:
+    """One layer's keys and values read back in the compute dtype (eager attention over a cache held
+    in another format); 0 when the cache holds the compute dtype (views are read)."""
+    held = kv_format(profile.kv_cache, accelerator)
+    if held.name == kv_format("auto", accelerator).name:
+        return 0
+    c = compute_bytes(accelerator)
+    return 2 * profile.batch_size * config.num_key_value_heads * context_tokens(config, profile) * config.head_dim * c
 
 
 def _widest(config: ModelConfig) -> tuple[int, int]:
@@ -372,7 +405,10 @@ def workspace_bytes(config: ModelConfig, sizes: BlockSizes, profile, accelerator
     else:
         kernel = 0
     heads, groups = config.num_attention_heads, config.num_attention_heads // config.num_key_value_heads
-    attention = profile.batch_size * heads * chunk * context * c + groups * chunk * context * (1 + c)
+    block = query_block(profile.batch_size, heads, chunk, context)
+    attention = (profile.batch_size * heads * block * context * c + groups * block * context * (1 + c)
+                 + (groups * chunk * context if block < chunk else 0)  # the chunk's whole mask, sliced per block
+                 + kv_read_back_bytes(config, profile, accelerator))  # fmt: skip
     logits = profile.batch_size * config.vocab_size * (c + 12) if logits else 0
     rope = 2 * context * config.head_dim * c
     return activations + kernel + attention + logits + rope

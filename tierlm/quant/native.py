@@ -17,7 +17,9 @@ and wraps its entry points:
   the memory bus and accumulation is fp32: W4A16.
 - `dequantize4_into`: fp32 rows of an INT4 weight, exactly `int4.dequantize4`'s values.
 - `decode_layer`: a whole decoder layer's decode step (tierlm/models/fused_decode.py); its
-  weights may be fp32, INT8 or INT4.
+  weights may be fp32, INT8 or INT4, its KV cache any of kv/formats.py's formats.
+- `kv_store`, `kv_attend`: rows as that step writes them into a KV cache, and its attention
+  over stored rows (tests hold both to kv/codec.py and torch).
 
 The vector code (csrc/simd.h) is AVX-512, AVX2+FMA or portable vector extensions, chosen by
 the compiler's target; the library is compiled with `-march=native`, so its cache key includes
@@ -80,6 +82,10 @@ class NativeKernel:
         lib.tierlm_decode_layer.argtypes = [ptr, ptr, ptr]
         lib.tierlm_decode_layer.restype = ctypes.c_int
         lib.tierlm_decode_args_size.restype = i64
+        lib.tierlm_kv_store.argtypes = [ctypes.c_int32, ptr, i64, i64, ptr, ptr]
+        lib.tierlm_kv_store.restype = ctypes.c_int
+        lib.tierlm_kv_attend.argtypes = [ctypes.c_int32, ptr, ptr, ptr, ptr, ptr, i64, i64, ptr]
+        lib.tierlm_kv_attend.restype = ctypes.c_int
         self.lib = lib
         self.library = library
         self.isa = lib.tierlm_i8_isa()
@@ -140,6 +146,28 @@ class NativeKernel:
         )  # fmt: skip
         if done != 0:
             raise ValueError(f"int4 weights need K ({k}) and group ({group}) multiples of 32")
+        return out
+
+    def kv_store(self, kv_type: int, x, codes, scales=None):
+        """Rows x [n, D] fp32 written into codes [n, row] (and fp16 scales [n, D / 32]) as the
+        fused decode step writes KV rows of tl::KVType `kv_type`. All contiguous, on the CPU."""
+        n, d = x.shape
+        done = self.lib.tierlm_kv_store(kv_type, x.data_ptr(), n, d, codes.data_ptr(),
+                                        scales.data_ptr() if scales is not None else None)  # fmt: skip
+        if done != 0:
+            raise ValueError(f"KV type {kv_type} cannot hold rows of {d} values")
+        return codes, scales
+
+    def kv_attend(self, kv_type: int, q, keys, key_scales, values, value_scales):
+        """out [D]: the decode step's attention of q [D] over n stored rows (codes [n, row], fp16
+        scales [n, D / 32] or None, as `kv_store` writes them). All contiguous, on the CPU."""
+        n, d = keys.shape[0], q.shape[0]
+        out = torch.empty(d, dtype=torch.float32)
+        pointer = lambda t: t.data_ptr() if t is not None else None  # noqa: E731
+        done = self.lib.tierlm_kv_attend(kv_type, q.data_ptr(), keys.data_ptr(), pointer(key_scales),
+                                         values.data_ptr(), pointer(value_scales), n, d, out.data_ptr())  # fmt: skip
+        if done != 0:
+            raise ValueError(f"KV type {kv_type} cannot hold rows of {d} values")
         return out
 
 

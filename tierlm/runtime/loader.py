@@ -21,6 +21,7 @@ from tierlm.config import ModelConfig
 from tierlm.device.resolve import compute_dtype, resolve_device
 from tierlm.errors import TierlmError
 from tierlm.kv.cache import KVCache, SlotKVCache
+from tierlm.kv.formats import KVFormat, kv_format
 from tierlm.models import family_class
 from tierlm.models.llama import LlamaModel
 from tierlm.offload.placement import Placement
@@ -71,6 +72,7 @@ class LoadedModel:
     span: StageSpan | None = None  # the pipeline stage loaded (None: the whole model)
     source: "WeightSource | None" = None  # what the load resolved its weights from
     pipeline: object = None  # the stages in other processes (distributed/pipeline.py's PipelineModel); None: one process
+    kv_format: KVFormat | None = None  # how its KV caches hold keys and values (None: in `dtype`)
 
     def __post_init__(self):
         if self.span is None:
@@ -90,14 +92,15 @@ class LoadedModel:
         self.store.close()
 
     def new_cache(self, batch: int = 1, dtype=None):
-        """A KV cache for this stage's layers (all of them for the whole model)."""
-        return KVCache.for_model(self.config, self.max_len, batch=batch, device=self.device,
-                                 dtype=dtype or self.dtype, layers=len(self.span.layers))  # fmt: skip
+        """A KV cache for this stage's layers (all of them for the whole model), in the load's KV
+        format (`dtype` given: held in that dtype instead)."""
+        return KVCache.for_model(self.config, self.max_len, batch=batch, device=self.device, dtype=dtype or self.dtype,
+                                 layers=len(self.span.layers), kv_format=None if dtype else self.kv_format)  # fmt: skip
 
     def new_slot_cache(self, slots: int, dtype=None):
         """A SlotKVCache of `slots` sequences for this stage's layers (the server's batches)."""
-        return SlotKVCache.for_model(self.config, self.max_len, slots, device=self.device,
-                                     dtype=dtype or self.dtype, layers=len(self.span.layers))  # fmt: skip
+        return SlotKVCache.for_model(self.config, self.max_len, slots, device=self.device, dtype=dtype or self.dtype,
+                                     layers=len(self.span.layers), kv_format=None if dtype else self.kv_format)  # fmt: skip
 
 
 def load_model(model_dir: Path, *, device=None, quant: str | None = None, adapters: tuple[tuple[Path, float], ...] = (),
@@ -119,6 +122,7 @@ def load_source(
     device: torch.device,
     dtype=None,
     context_length: int | None = None,
+    kv_cache: str | None = None,
     profile=None,
     bandwidths=None,
     read_delay_s: float = 0.0,
@@ -129,16 +133,20 @@ def load_source(
     """Load the resolved `source` in `dtype` (default: the device's compute dtype): plan it under
     the `profile` when one is given, convert to the artifact the source needs on first use, open
     the store. The context is the profile's (or
-    `context_length`), capped by max_position_embeddings. `stage` (tierlm/stages.py StageSpan;
+    `context_length`), capped by max_position_embeddings; the KV cache's format the profile's
+    `kv_cache` (or `kv_cache`; kv/formats.py). `stage` (tierlm/stages.py StageSpan;
     None: the whole model) loads one pipeline stage: only its blocks are planned and opened, and
     its caches hold only its layers. `progress` counts the blocks loaded; the one-time phases
     before (the kernel build, a conversion) go to `phases`.
     """
+    if kv_cache is not None and profile is not None:
+        profile = replace(profile, kv_cache=kv_cache)  # the planner charges the cache it will hold
     if source.compiled:
         checked_quant(source.directory)  # a damaged artifact is refused before anything is measured
     if device.type == "cpu":
         build_kernels(phases)
     dtype = dtype or compute_dtype(device)
+    held = load_kv_format(source.config, kv_cache or (profile.kv_cache if profile is not None else None), device, dtype)
     span = stage_span(source.config, stage)
     budget = read_budget(source, profile, device, bandwidths, span) if profile is not None else None
     planned = plan_load(source, budget) if budget is not None else None
@@ -156,7 +164,17 @@ def load_source(
     sizes = planned.sizes if planned is not None else None
     artifact_dir = source.directory if source.compiled else None
     return LoadedModel(source.config, model, store, max_len, device, dtype, placement, sizes, weight_format, artifact_dir,
-                       span, source)  # fmt: skip
+                       span, source, kv_format=held)  # fmt: skip
+
+
+def load_kv_format(config: ModelConfig, choice: str | None, device: torch.device, dtype: torch.dtype) -> KVFormat:
+    """The KV format `choice` ("auto" or None: the compute dtype) means for this model and device;
+    one line when the model's heads cannot be held in it."""
+    held = kv_format(choice or "auto", device.type != "cpu", dtype_name(dtype))
+    reason = held.unsupported(config.head_dim)
+    if reason:
+        raise TierlmError(reason, "use --kv-cache f16 or bf16 for this model")
+    return held
 
 
 def read_budget(source: WeightSource, profile, device, bandwidths=None, span=None) -> Budget:

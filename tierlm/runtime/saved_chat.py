@@ -35,7 +35,7 @@ def session_path(name: str) -> Path:
 def model_identity(loaded, cache) -> dict:
     """What the KV rows depend on: the weights' content (the artifact's key, which covers base
     weights, adapters and quant mode; or the checkpoint's digest for weights loaded as stored),
-    the compute and KV dtypes, the device type, and the cache's layout."""
+    the compute dtype and KV format, the device type, and the cache's layout."""
     from tierlm.cache.manifest import read_manifest
 
     source = loaded.source
@@ -45,13 +45,13 @@ def model_identity(loaded, cache) -> dict:
         from tierlm.cache.fingerprint import checkpoint_digest
 
         weights = "checkpoint " + checkpoint_digest(source.directory)
-    layers, _, kv_heads, _, head_dim = cache.keys.shape
+    layers, _, kv_heads, _, _ = cache.keys.shape
     return {
         "weights": weights,
         "dtype": str(loaded.dtype).removeprefix("torch."),
-        "kv_dtype": str(cache.keys.dtype).removeprefix("torch."),
+        "kv_cache": cache.format.name,
         "device": loaded.device.type,
-        "layout": [layers, kv_heads, head_dim],
+        "layout": [layers, kv_heads, cache.head_dim],
     }
 
 
@@ -91,8 +91,8 @@ class SavedChat:
         engine = chat.engine
         # Rows past the context cannot be held; chat drops the oldest exchanges and recomputes.
         length = min(len(saved.token_ids), engine.cache.max_len)
-        engine.cache.keys[:, 0, :, :length].copy_(saved.keys[:, :, :length])
-        engine.cache.values[:, 0, :, :length].copy_(saved.values[:, :, :length])
+        for held, part in zip(engine.cache.rows_of(0, length), saved.parts, strict=True):
+            held.copy_(part[:, :, :length])
         engine.cache.offset = length
         engine.cached_ids = saved.token_ids[:length]
         return f"resumed session {self.name}: {restored} messages, {length:,} tokens cached"
@@ -119,7 +119,7 @@ class SavedChat:
             make_dirs(self.path.parent)
             remove_stale_temporaries(self.path.parent)  # what a killed save left
             save_prompt_cache(self.path, self.identity, conversation, engine.cached_ids[:length],
-                              engine.cache.keys[:, 0, :, :length], engine.cache.values[:, 0, :, :length])  # fmt: skip
+                              engine.cache.rows_of(0, length))  # fmt: skip
         except TierlmError as err:
             return f"session {self.name} not saved: {err}"
         except OSError as err:

@@ -22,7 +22,7 @@ from tierlm.errors import TierlmError
 from tierlm.models import family_description, read_config
 from tierlm.offload.placement import Placement
 from tierlm.offload.planner.search import check_fits, plan
-from tierlm.offload.sizes import BlockSizes, cached_artifact, expected_routing, resolve_auto, sizes_from_artifact, sizes_from_config
+from tierlm.offload.sizes import BlockSizes, cached_artifact, check_context_asked, expected_routing, resolve_auto, sizes_from_artifact, sizes_from_config
 from tierlm.probe.baseline import Baseline
 from tierlm.probe.machine import load_bandwidths
 from tierlm.profile import Profile, load_profile, shipped_profiles
@@ -84,7 +84,10 @@ def requested_quant(quant: str | None, profile) -> str:
 
 
 def context_for(config: ModelConfig, context_length: int | None, profile) -> int:
-    """`context_length`, else the profile's, capped by max_position_embeddings."""
+    """`context_length`, else the profile's, capped by max_position_embeddings (a `--context` past
+    it is refused)."""
+    if profile is not None:
+        check_context_asked(config, profile)
     context = context_length or (profile.context_length if profile is not None else None)
     return min(context or config.max_position_embeddings, config.max_position_embeddings)
 

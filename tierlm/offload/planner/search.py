@@ -37,6 +37,7 @@ from tierlm.offload.planner.limits import _cap_notes, cap_profile
 from tierlm.offload.planner.refusal import _limit_refusal, _refusal, _shortfall
 from tierlm.offload.planner.tiers import _choose_compute, _fitting_tiers, _units
 from tierlm.offload.planner.context import VariantCharge
+from tierlm.offload.planner.context_room import context_room
 from tierlm.offload.planner.variants import _place_variants
 from tierlm.offload.sizes import PREFILL_CHUNK, BlockSizes, context_tokens, largest_mixed_size, sizes_from_config
 from tierlm.profile import Profile
@@ -194,6 +195,8 @@ def _placement(ctx: _Context, tiers, computes, split: "_Split", charges, variant
         variants=tuple(variants),
         weight_modes=mode_counts(sizes.tensor_modes),
         decode_sources=figure_sources(ctx, {b: tiers[b] for b in ctx.dense}, decode_terms, decode_limit),
+        context_room=context_room(ctx, dict(charges[DEVICE])),
+        context_limit=ctx.config.max_position_embeddings,
     )
 
 

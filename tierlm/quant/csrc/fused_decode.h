@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "gemv.h"
+#include "kv_formats.h"
 
 namespace tl {
 
@@ -30,15 +31,17 @@ struct LayerArgs {
   const float* k_norm;
   const float* cos;  // [max_len, rotary_dim], laid out as models/base.py RotaryTable
   const float* sin;
-  float* keys;    // this layer's [slots, n_kv, max_len, head_dim]
-  float* values;
+  void* keys;  // this layer's codes [slots, n_kv, max_len, row] in kv_type (kv_formats.h)
+  void* values;
+  uint16_t* key_scales;  // this layer's fp16 scales [slots, n_kv, max_len, head_dim / 32], or null
+  uint16_t* value_scales;
   const int64_t* slots;      // [batch]: each row's cache slot
   const int64_t* positions;  // [batch]: where each row's new token goes
   int64_t batch, hidden, n_q, n_kv, head_dim, inter, rotary_dim, max_len, window;  // window 0: none
   float eps;
   int32_t interleaved;  // RoPE pairs (2i, 2i+1) instead of (i, i + rotary_dim/2)
   int32_t threads;
-  int32_t reserved;
+  int32_t kv_type;  // tl::KVType
 };
 
 // out = x * rsqrt(mean(x^2) + eps) * w over n values (torch's F.rms_norm order).
@@ -65,6 +68,40 @@ inline void rope(float* v, const float* cos, const float* sin, int64_t R, bool i
   }
 }
 
+// One KV head's rows as a cache holds them: position t's codes at data + t * row_bytes, its
+// scales (quantized types) at scales + t * groups.
+struct StoredRows {
+  int32_t type;
+  const char* data;
+  const uint16_t* scales;
+  int64_t row_bytes, groups;
+  const void* codes(int64_t t) const { return data + t * row_bytes; }
+  const uint16_t* scales_of(int64_t t) const { return scales ? scales + t * groups : nullptr; }
+};
+
+// out[D] = softmax(q . k_t / sqrt(D)) . v_t over t in [start, pos] (max-subtracted), the stored
+// rows read in registers; position pos is k_new/v_new (what the cache holds for it, as floats).
+// `scores` has room for pos - start + 1 values.
+inline void attend_stored(const StoredRows& keys, const StoredRows& values, const float* q, int64_t D,
+                          int64_t start, int64_t pos, const float* k_new, const float* v_new, float* scores,
+                          float* out) {
+  const float scale = 1.0f / std::sqrt(static_cast<float>(D));
+  float top = -INFINITY;
+  for (int64_t t = start; t <= pos; ++t) {
+    const float s = (t == pos ? dot(q, k_new, D) : kv_dot(keys.type, q, keys.codes(t), keys.scales_of(t), D)) * scale;
+    scores[t - start] = s;
+    top = std::max(top, s);
+  }
+  float total = 0.0f;
+  for (int64_t t = start; t <= pos; ++t) total += scores[t - start] = std::exp(scores[t - start] - top);
+  std::fill(out, out + D, 0.0f);
+  for (int64_t t = start; t < pos; ++t) kv_axpy(values.type, scores[t - start], values.codes(t), values.scales_of(t), D, out);
+  const float last = scores[pos - start];
+  for (int64_t d = 0; d < D; ++d) out[d] += last * v_new[d];
+  const float inv = 1.0f / total;
+  for (int64_t d = 0; d < D; ++d) out[d] *= inv;
+}
+
 // One query head of one row: its q (and the KV head's new k, v), the cache write, attention.
 inline void attend_head(const LayerArgs& a, const float* qkv, int64_t b, int64_t hq, float* out) {
   const int64_t D = a.head_dim, groups = a.n_q / a.n_kv, kvh = hq / groups;
@@ -81,32 +118,36 @@ inline void attend_head(const LayerArgs& a, const float* qkv, int64_t b, int64_t
   const float* sn = a.sin + pos * a.rotary_dim;
   rope(q, cs, sn, a.rotary_dim, a.interleaved);
   rope(k, cs, sn, a.rotary_dim, a.interleaved);
-  float* kc = a.keys + (slot * a.n_kv + kvh) * a.max_len * D;
-  float* vc = a.values + (slot * a.n_kv + kvh) * a.max_len * D;
-  // The group's first head writes the new key/value; the others use their own copies of it and
-  // read only earlier positions, so no head waits for another.
+  const int32_t type = a.kv_type;
+  const int64_t row_bytes = kv_code_bytes(type, D), groups_per_row = kv_quantized(type) ? D / kKVGroup : 0;
+  const int64_t head_row = (slot * a.n_kv + kvh) * a.max_len;  // the head's first position
+  char* kc = static_cast<char*>(a.keys) + head_row * row_bytes;
+  char* vc = static_cast<char*>(a.values) + head_row * row_bytes;
+  uint16_t* ks = a.key_scales ? a.key_scales + head_row * groups_per_row : nullptr;
+  uint16_t* vs = a.value_scales ? a.value_scales + head_row * groups_per_row : nullptr;
+  // The group's first head writes the new key/value; the others read only earlier positions,
+  // so no head waits for another. The new position is read from each head's own copy of what
+  // the cache holds for it (the row as stored, then read back), so every head sees the same.
   if (hq % groups == 0) {
-    std::memcpy(kc + pos * D, k, D * sizeof(float));
-    std::memcpy(vc + pos * D, v, D * sizeof(float));
+    kv_store(type, k, D, kc + pos * row_bytes, ks ? ks + pos * groups_per_row : nullptr);
+    kv_store(type, v, D, vc + pos * row_bytes, vs ? vs + pos * groups_per_row : nullptr);
+  }
+  std::vector<float> fresh(2 * D);
+  float *k_new = fresh.data(), *v_new = k_new + D;
+  if (type != kKVF32) {
+    std::vector<char> stored(2 * row_bytes);
+    uint16_t stored_scales[2 * 64];  // D / 32 per row; D <= 2048
+    kv_store(type, k, D, stored.data(), stored_scales);
+    kv_store(type, v, D, stored.data() + row_bytes, stored_scales + 64);
+    kv_load(type, stored.data(), stored_scales, D, k_new);
+    kv_load(type, stored.data() + row_bytes, stored_scales + 64, D, v_new);
+  } else {
+    std::memcpy(k_new, k, D * sizeof(float));
+    std::memcpy(v_new, v, D * sizeof(float));
   }
   const int64_t start = a.window > 0 ? std::max<int64_t>(0, pos - a.window + 1) : 0;
-  const float scale = 1.0f / std::sqrt(static_cast<float>(D));
-  float top = -INFINITY;
-  for (int64_t t = start; t <= pos; ++t) {
-    const float s = dot(q, t == pos ? k : kc + t * D, D) * scale;
-    scores[t - start] = s;
-    top = std::max(top, s);
-  }
-  float total = 0.0f;
-  for (int64_t t = start; t <= pos; ++t) total += scores[t - start] = std::exp(scores[t - start] - top);
-  std::fill(out, out + D, 0.0f);
-  for (int64_t t = start; t <= pos; ++t) {
-    const float p = scores[t - start];
-    const float* vt = t == pos ? v : vc + t * D;
-    for (int64_t d = 0; d < D; ++d) out[d] += p * vt[d];
-  }
-  const float inv = 1.0f / total;
-  for (int64_t d = 0; d < D; ++d) out[d] *= inv;
+  const StoredRows keys{type, kc, ks, row_bytes, groups_per_row}, values{type, vc, vs, row_bytes, groups_per_row};
+  attend_stored(keys, values, q, D, start, pos, k_new, v_new, scores, out);
 }
 
 inline float silu(float g) { return g / (1.0f + std::exp(-g)); }

@@ -85,10 +85,10 @@ int tierlm_i4_dequant(const uint8_t* packed, const uint16_t* s, const uint16_t* 
 }
 
 // One decoder layer's decode step, x [batch, hidden] updated in place (see fused_decode.h).
-// `step` holds what every layer of a step shares; `words` this layer's 42 int64 words:
+// `step` holds what every layer of a step shares; `words` this layer's 44 int64 words:
 // 4 weights (qkv, o, w13, w2) x {data, scales, offsets, bias, rows, cols, group, kind, half}
-// (tl::Weight's fields), attn_norm, mlp_norm, q_norm, k_norm, keys, values (pointers as
-// integers, 0 for null). One flat array is what Python fills fastest (a layer costs ~40 ctypes
+// (tl::Weight's fields), attn_norm, mlp_norm, q_norm, k_norm, keys, values, key_scales,
+// value_scales (pointers as integers, 0 for null). One flat array is what Python fills fastest (a layer costs ~40 ctypes
 // field writes otherwise). Returns -1 (x untouched) if a weight is no supported combination.
 int tierlm_decode_layer(const tl::LayerArgs* step, const int64_t* words, float* x) {
   tl::LayerArgs a = *step;
@@ -105,9 +105,43 @@ int tierlm_decode_layer(const tl::LayerArgs* step, const int64_t* words, float* 
   a.mlp_norm = static_cast<const float*>(ptr(37));
   a.q_norm = static_cast<const float*>(ptr(38));
   a.k_norm = static_cast<const float*>(ptr(39));
-  a.keys = static_cast<float*>(ptr(40));
-  a.values = static_cast<float*>(ptr(41));
+  a.keys = ptr(40);
+  a.values = ptr(41);
+  a.key_scales = static_cast<uint16_t*>(ptr(42));
+  a.value_scales = static_cast<uint16_t*>(ptr(43));
+  if (a.kv_type < tl::kKVF32 || a.kv_type > tl::kKVQ4 || a.head_dim > 2048 ||
+      (tl::kv_quantized(a.kv_type) && (a.head_dim % tl::kKVGroup || !a.key_scales || !a.value_scales)))
+    return -1;
   tl::decode_layer(a, x);
+  return 0;
+}
+
+// Rows x[n, D] stored as the decode step stores KV rows in `type` (kv_formats.h): codes
+// [n, row bytes] and, quantized, fp16 scales [n, D / 32]. Returns -1 (nothing written) on an
+// unknown type or a D the type cannot hold.
+int tierlm_kv_store(int32_t type, const float* x, int64_t n, int64_t D, void* codes, uint16_t* scales) {
+  if (type < tl::kKVF32 || type > tl::kKVQ4 || D <= 0 || (tl::kv_quantized(type) && D % tl::kKVGroup)) return -1;
+  const int64_t row = tl::kv_code_bytes(type, D), groups = tl::kv_quantized(type) ? D / tl::kKVGroup : 0;
+  for (int64_t i = 0; i < n; ++i)
+    tl::kv_store(type, x + i * D, D, static_cast<char*>(codes) + i * row, scales ? scales + i * groups : nullptr);
+  return 0;
+}
+
+// out[D] = single-query attention of q[D] over n stored rows (keys, values: codes [n, row bytes]
+// and fp16 scales [n, D / 32] or null, as tierlm_kv_store writes them), the decode step's own
+// read path; the last row is read back as floats first, as the step reads its new token.
+int tierlm_kv_attend(int32_t type, const float* q, const void* keys, const uint16_t* key_scales,
+                     const void* values, const uint16_t* value_scales, int64_t n, int64_t D, float* out) {
+  if (type < tl::kKVF32 || type > tl::kKVQ4 || n <= 0 || D <= 0 ||
+      (tl::kv_quantized(type) && (D % tl::kKVGroup || !key_scales || !value_scales)))
+    return -1;
+  const int64_t row = tl::kv_code_bytes(type, D), groups = tl::kv_quantized(type) ? D / tl::kKVGroup : 0;
+  const tl::StoredRows k{type, static_cast<const char*>(keys), key_scales, row, groups};
+  const tl::StoredRows v{type, static_cast<const char*>(values), value_scales, row, groups};
+  std::vector<float> last(2 * D), scores(n);
+  tl::kv_load(type, k.codes(n - 1), k.scales_of(n - 1), D, last.data());
+  tl::kv_load(type, v.codes(n - 1), v.scales_of(n - 1), D, last.data() + D);
+  tl::attend_stored(k, v, q, D, 0, n - 1, last.data(), last.data() + D, scores.data(), out);
   return 0;
 }
 
