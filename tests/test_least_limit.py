@@ -26,23 +26,31 @@ MiB = 2**20
 TIGHTNESS = 1.2
 
 
+# The profile's own context (2048: 1008 prompt tokens and the reply touch every KV row the run
+# uses) and a long one held in q8_0 (8,000 of 8,192 positions: a quarter of the fp32 bytes).
+RUNS = [pytest.param((), 1008, id="profile-context"),
+        pytest.param(("--context", "8192", "--kv-cache", "q8_0"), 8000, id="8k-q8_0")]  # fmt: skip
+
+
 @pytest.mark.slow
 @pytest.mark.e2e
 @needs_cgroup
-def test_the_least_limit_plan_names_holds_a_full_context_run_and_is_near_its_peak():
+@pytest.mark.parametrize("settings,prompt_tokens", RUNS)
+def test_the_least_limit_plan_names_holds_a_full_context_run_and_is_near_its_peak(settings, prompt_tokens):
     # First use (import, conversion, probe, baseline record) outside any cgroup: not what is measured.
     warm = tierlm_in(None, "bench", "--profile", "4gb", "--prompt-tokens", "8", "--tokens", "2", "--runs", "1")
     assert warm.returncode == 0, warm.stderr[-2000:]
     with memory_cgroup(330 * MiB) as group:
-        refused = tierlm_in(group, "plan", "--profile", "4gb")
+        refused = tierlm_in(group, "plan", "--profile", "4gb", *settings)
     found = re.search(r"needs at least (\d+) MiB of RAM", refused.stderr)
     assert refused.returncode == 1 and found, refused.stderr[-2000:]
     least = int(found.group(1)) * MiB
     with memory_cgroup(least) as group:
-        done = tierlm_in(group, "bench", "--profile", "4gb", "--prompt-tokens", "1008", "--tokens", "16",
-                         "--runs", "2", "--json")  # fmt: skip
+        done = tierlm_in(group, "bench", "--profile", "4gb", *settings, "--prompt-tokens", str(prompt_tokens),
+                         "--tokens", "16", "--runs", "2", "--json")  # fmt: skip
     assert done.returncode == 0, f"rc {done.returncode} (-9 or 137 = OOM-killed): {done.stderr[-2000:]}"
     measured = json.loads(done.stdout)
+    assert measured["kv_cache"] == ("q8_0" if settings else "f32")
     assert "disk" in measured["placement_bytes"], "the least limit holds the smallest placement: streamed"
     peak = measured["peak_rss_bytes"]
     assert peak <= least, f"peak RSS {peak / MiB:.0f} MiB over the {least / MiB:.0f} MiB the planner asked"

@@ -163,6 +163,8 @@ def test_stats_show_the_prefix_hit_rate_and_what_each_slot_holds(session):
         assert metric(client, "tierlm_prompt_tokens_total") == prompts
         # One slot holds the conversation's prompt and reply (bar the last token, never fed); the other nothing.
         slots = stats["kv_cache"]["slots"]
+        assert stats["kv_cache"]["format"] == "f32" and stats["kv_cache"]["context"] == CONTEXT
+        assert stats["kv_cache"]["reserved_bytes"] == session.loaded.new_slot_cache(2).nbytes
         held = usages[1]["prompt_tokens"] + usages[1]["completion_tokens"] - 1
         assert sorted(s["tokens"] for s in slots) == [0, held] and not any(s["active"] for s in slots)
         assert sorted(metric(client, f'tierlm_slot_tokens_held{{slot="{n}"}}') for n in (0, 1)) == [0, held]

@@ -38,7 +38,7 @@ def run_bench(session, prompt_tokens: int, new_tokens: int, runs: int) -> dict:
         raise TierlmError(
             f"{prompt_tokens} prompt + {new_tokens} new tokens exceed the context of "
             f"{engine.context_length}",
-            "lower --prompt-tokens/--tokens, or use a profile with a larger context_length",
+            "lower --prompt-tokens/--tokens, or raise --context",
         )
     ids = prompt_ids(engine.tokenizer, prompt_tokens)
     # EOS ignored, no stop strings: every run decodes exactly `new_tokens` tokens.
@@ -58,6 +58,9 @@ def run_bench(session, prompt_tokens: int, new_tokens: int, runs: int) -> dict:
         "quant": session.profile.quant_label,  # "auto → int8-g32-asym": what the weights are
         "threads": session.profile.threads,
         "device": str(loaded.device),
+        "context": engine.context_length,
+        "kv_cache": engine.cache.format.name,
+        "kv_cache_bytes": engine.cache.nbytes,  # reserved for the whole context (touched as it fills)
         "runs": runs,
         "prompt_tokens": prompt_tokens,
         "new_tokens": new_tokens,
@@ -103,6 +106,8 @@ def format_bench(result: dict) -> str:
         f"quant {result['quant']}, {result['threads']} threads",
         f"runs      {result['runs']} x ({result['prompt_tokens']} prompt + {result['new_tokens']} new "
         f"tokens), greedy, median run",
+        f"context   {result['context']:,} tokens, KV cache {result['kv_cache']} "
+        f"({format_size(result['kv_cache_bytes'])} for all of them)",
         f"prefill   {result['prefill_tokens_per_s']:.1f} tok/s, time to first token "
         f"{result['ttft_s'] * 1000:.0f} ms",
         f"decode    {result['decode_tokens_per_s']:.2f} tok/s",

@@ -33,7 +33,7 @@ class _Storage:
     `format`, read back in `dtype` (the compute dtype)."""
 
     def _allocate(self, layers, rows, kv_heads, head_dim, max_len, device, dtype, kv_format):
-        fmt = _as_format(kv_format, dtype)
+        fmt = as_format(kv_format, dtype)
         self.format, self.dtype, self.head_dim = fmt, dtype, head_dim
         shape = (layers, rows, kv_heads, max_len, codec.code_width(fmt, head_dim))
         code = codec.code_dtype(fmt)
@@ -80,8 +80,8 @@ class _Storage:
         return sum(p.nbytes for p in parts if p is not None)
 
 
-def _as_format(kv_format, dtype: torch.dtype) -> KVFormat:
-    """A KVFormat from a format, its name, or None (the compute dtype)."""
+def as_format(kv_format, dtype: torch.dtype) -> KVFormat:
+    """A KVFormat from a format, its name, or None (held in the compute dtype `dtype`)."""
     if isinstance(kv_format, KVFormat):
         return kv_format
     if kv_format is None:

@@ -103,7 +103,7 @@ class ChatSession:
             raise TierlmError(
                 f"the message is {len(ids)} tokens with the chat template, but the context "
                 f"holds {context}",
-                "send a shorter message, or use a profile with a larger context_length",
+                "send a shorter message, or raise --context (up to the model's maximum)",
             )
         return messages, ids
 

@@ -80,7 +80,7 @@ class Engine:
             raise TierlmError(
                 f"the prompt is {len(prompt_ids)} tokens but the context holds "
                 f"{self.context_length}",
-                "shorten the prompt, or use a profile with a larger context_length",
+                "shorten the prompt, or raise --context (up to the model's maximum)",
             )
         state = SequenceState(prompt_ids, params, self.tokenizer, self.context_length)
         generation = Generation(iter(()), token_ids=state.token_ids)

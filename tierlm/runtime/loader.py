@@ -20,7 +20,7 @@ from tierlm.cache.convert import ConversionRequest, ensure_artifact
 from tierlm.config import ModelConfig
 from tierlm.device.resolve import compute_dtype, resolve_device
 from tierlm.errors import TierlmError
-from tierlm.kv.cache import KVCache, SlotKVCache
+from tierlm.kv.cache import KVCache, SlotKVCache, as_format
 from tierlm.kv.formats import KVFormat, kv_format
 from tierlm.models import family_class
 from tierlm.models.llama import LlamaModel
@@ -72,11 +72,12 @@ class LoadedModel:
     span: StageSpan | None = None  # the pipeline stage loaded (None: the whole model)
     source: "WeightSource | None" = None  # what the load resolved its weights from
     pipeline: object = None  # the stages in other processes (distributed/pipeline.py's PipelineModel); None: one process
-    kv_format: KVFormat | None = None  # how its KV caches hold keys and values (None: in `dtype`)
+    kv_format: KVFormat | None = None  # how its KV caches hold keys and values (None given: in `dtype`)
 
     def __post_init__(self):
         if self.span is None:
             self.span = whole_model(self.config.num_hidden_layers)
+        self.kv_format = as_format(self.kv_format, self.dtype)
 
     @property
     def formats(self) -> str:

@@ -178,6 +178,7 @@ async def health(request: Request):
     report = state.worker.health()
     report["model"] = state.model_id
     report["profile"] = {"name": profile.name, "context_length": state.context, "batch_size": state.slots,
+                         "kv_cache": profile.kv_cache,
                          "quant": profile.quant_resolved or profile.quant, "summary": profile.summary()}
     return JSONResponse(report, status_code=200 if report["status"] == "ok" else 503)
 

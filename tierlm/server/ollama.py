@@ -251,8 +251,8 @@ def _check_num_ctx(options: OllamaOptions, served: int, profile: str) -> None:
     """num_ctx may lower the context a request is held to, never raise it past the served one."""
     if options.num_ctx is not None and options.num_ctx > served:
         raise ApiError(400, f"num_ctx {options.num_ctx} exceeds the context this server serves, {served} tokens "
-                            f"(profile {profile!r}); send num_ctx {served} or less, or serve a profile with a "
-                            "longer context", param="options.num_ctx")
+                            f"(profile {profile!r}); send num_ctx {served} or less, or start `tierlm serve` with a "
+                            "longer --context", param="options.num_ctx")
 
 
 @dataclass(frozen=True)

@@ -36,7 +36,8 @@ def server_stats(state) -> dict:
             **_device_memory(loaded.device, memory, profile, placement),
         },
         "placement": _placement(placement),
-        "kv_cache": None if kv is None else {"reserved_bytes": kv[0], "used_bytes": kv[1],
+        "kv_cache": None if kv is None else {"format": loaded.kv_format.name, "context": state.context,
+                                             "reserved_bytes": kv[0], "used_bytes": kv[1],
                                              "slots": worker.slots_held() or []},
         "prefix_reuse": _prefix_reuse(state.metrics),
         "context_shift": {
