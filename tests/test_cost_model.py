@@ -53,6 +53,19 @@ def test_the_prediction_charges_layers_times_the_measured_overhead_and_the_token
     assert placed.predicted_decode_tokens_per_s == pytest.approx(1 / with_overhead)
 
 
+@pytest.mark.parametrize("kv_cache,row_bytes", [("f32", 256), ("q8_0", 68), ("q4_0", 36)])
+def test_a_decode_step_deep_in_a_conversation_reads_its_kv_cache(tmp_path, kv_cache, row_bytes):
+    """At position N a step reads N tokens' keys and values (30 layers x 2 x 3 heads x one head's
+    row in the format) at the device's bandwidth: a measured run there is compared with that."""
+    config, sizes, profile, placed = smollm2_plan(tmp_path, FIGURES)
+    profile = replace(profile, kv_cache=kv_cache)
+    start = decode_terms(config, sizes, profile, FIGURES, placed, accelerator=False)
+    deep = decode_terms(config, sizes, profile, FIGURES, placed, accelerator=False, position=6000)
+    read = 6000 * 30 * 2 * 3 * row_bytes
+    assert deep["device bandwidth"] - start["device bandwidth"] == pytest.approx(read / FIGURES.device_bytes_per_s)
+    assert {k: v for k, v in deep.items() if k != "device bandwidth"} == {k: v for k, v in start.items() if k != "device bandwidth"}
+
+
 def test_short_rows_cost_their_rows_beyond_their_bytes(tmp_path):
     config, sizes, profile, placed = smollm2_plan(tmp_path, FIGURES)
     rowless = replace(FIGURES, per_row_s=0.0)

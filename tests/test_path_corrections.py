@@ -134,3 +134,18 @@ def test_plan_names_the_measurement_behind_each_figure(tmp_path, monkeypatch):
     assert streamed[0] == "disk 1.00 GB/s measured by bench m, profile 8gb on 2026-12-01 14:02 (streamed)", streamed
     assert "RAM 20.00 GB/s probed (streamed)" in streamed
     assert shown("24gb")[0] == "RAM 20.00 GB/s probed (resident)"
+
+
+def test_a_run_deep_in_a_long_context_is_compared_at_its_position_and_corrects_nothing(smollm2):
+    """At 6,000 positions attention over the KV cache (compute the probe does not measure) is a
+    large share of a step: the run is recorded against the prediction there, and the figures are
+    not bent to explain it (the bug: an 8k-context bench taught the resident path 10x too slow)."""
+    profile = replace(load_profile("24gb"), context_length=8192)
+    resident, loaded = placed(smollm2, profile, CACHED_DISK)
+    slow = resident.predicted_decode_tokens_per_s / 10
+    run, corrected = assess(loaded, profile, CACHED_DISK, slow, "bench deep", position=6000)
+    assert corrected is None and run["position"] == 6000
+    # The KV read is predicted: slower than at the start, faster than at the context's end (8,192).
+    assert resident.predicted_decode_full_context_tokens_per_s < run["predicted_tok_s"] < resident.predicted_decode_tokens_per_s
+    # Near the start of the conversation the same measurement does correct the resident figures.
+    assert assess(loaded, profile, CACHED_DISK, slow, "bench short", position=100)[1] is not None

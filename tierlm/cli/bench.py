@@ -92,8 +92,9 @@ def run_bench(session, prompt_tokens: int, new_tokens: int, runs: int) -> dict:
         result["stages"] = session.pipeline.describe()
         return result
     source = f"bench {session.model_dir.name}, profile {session.profile.name}"
+    # Decode steps attend over the prompt and half the reply on average: the KV read is predicted too.
     result["probe_check"] = note_measured_decode(
-        loaded, session.profile, result["decode_tokens_per_s"], new_tokens - 1, source
+        loaded, session.profile, result["decode_tokens_per_s"], new_tokens - 1, source, prompt_tokens + new_tokens // 2
     )
     return result
 
@@ -106,8 +107,8 @@ def format_bench(result: dict) -> str:
         f"quant {result['quant']}, {result['threads']} threads",
         f"runs      {result['runs']} x ({result['prompt_tokens']} prompt + {result['new_tokens']} new "
         f"tokens), greedy, median run",
-        f"context   {result['context']:,} tokens, KV cache {result['kv_cache']} "
-        f"({format_size(result['kv_cache_bytes'])} for all of them)",
+        *([f"context   {result['context']:,} tokens, KV cache {result['kv_cache']} "
+           f"({format_size(result['kv_cache_bytes'])} for all of them)"] if "context" in result else []),
         f"prefill   {result['prefill_tokens_per_s']:.1f} tok/s, time to first token "
         f"{result['ttft_s'] * 1000:.0f} ms",
         f"decode    {result['decode_tokens_per_s']:.2f} tok/s",
@@ -133,7 +134,8 @@ def format_bench(result: dict) -> str:
         path = check["path"]
         verdict = (f"the cached probe's {path} figures were corrected from this run" if check["corrected"]
                    else "within noise of the probe's prediction")  # fmt: skip
-        lines.append(f"probe     at batch 1 it predicted {check['predicted_tok_s']:.2f} tok/s ({path}); measured "
+        at = f", {check['position']:,} positions" if check.get("position") else ""
+        lines.append(f"probe     at batch 1{at} it predicted {check['predicted_tok_s']:.2f} tok/s ({path}); measured "
                      f"{check['measured_tok_s'] / check['predicted_tok_s']:.2f}x that: {verdict}")  # fmt: skip
     ledger = result.get("ledger")
     if ledger:

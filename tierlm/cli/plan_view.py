@@ -218,7 +218,8 @@ def describe(placement) -> str:
         lines.append(f"ring     {placement.ring_slots} slots x {format_size(placement.ring_slot_bytes)}")
     lines.append(f"prefill  {placement.predicted_prefill_tokens_per_s:.1f} tokens/s (predicted)")
     lines.append(f"decode   {placement.predicted_decode_tokens_per_s:.2f} tokens/s (predicted), "
-                 f"bound by {placement.binding_limit}")  # fmt: skip
+                 f"bound by {placement.binding_limit}; {placement.predicted_decode_full_context_tokens_per_s:.2f} "
+                 "at the end of the context")  # fmt: skip
     lines += [f"{'from' if i == 0 else '':8} {text}" for i, text in enumerate(source_texts(placement.decode_sources))]
     if placement.resident_mixed_bytes:
 

@@ -275,7 +275,8 @@ def _check_probe(session, stats) -> None:
     if stats is None or session.pipeline is not None:  # a pipeline's speed includes the other stages
         return
     source = f"chat {_model_label(session)}, profile {session.profile.name}"
-    run = note_measured_decode(session.engine.loaded, session.profile, stats.decode_tokens_per_s, stats.new_tokens - 1, source)
+    run = note_measured_decode(session.engine.loaded, session.profile, stats.decode_tokens_per_s, stats.new_tokens - 1,
+                               source, stats.prompt_tokens + stats.new_tokens // 2)  # fmt: skip
     if run is not None and run.get("corrected"):
         print(f"(the cached bandwidth probe predicted {run['predicted_tok_s']:.1f} tok/s; corrected "
               f"from this run's {run['measured_tok_s']:.1f} tok/s)", file=sys.stderr)

@@ -101,7 +101,8 @@ class Placement:
     ring_slot_bytes: int = 0
     hot_cache_bytes: int = 0
     predicted_prefill_tokens_per_s: float = 0.0
-    predicted_decode_tokens_per_s: float = 0.0
+    predicted_decode_tokens_per_s: float = 0.0  # at the start of a conversation
+    predicted_decode_full_context_tokens_per_s: float = 0.0  # every sequence at its last position
     binding_limit: str = ""
     notes: tuple[str, ...] = field(default_factory=tuple)
     expert_slots: int = 0
@@ -165,6 +166,7 @@ def placement_to_dict(placement: Placement) -> dict:
         "hot_cache_bytes": placement.hot_cache_bytes,
         "predicted_prefill_tokens_per_s": placement.predicted_prefill_tokens_per_s,
         "predicted_decode_tokens_per_s": placement.predicted_decode_tokens_per_s,
+        "predicted_decode_full_context_tokens_per_s": placement.predicted_decode_full_context_tokens_per_s,
         "binding_limit": placement.binding_limit,
         "notes": list(placement.notes),
         "expert_slots": placement.expert_slots,

@@ -64,6 +64,7 @@ class _Context:
     placed: Mapping[str, str] | None = field(default=None, compare=False)  # an existing placement's expert tiers
     variants: tuple[VariantCharge, ...] = ()  # LoRA variants, placed after the base (_place_variants)
     layers: range | None = None  # a pipeline stage's decoder layers (None: the whole model)
+    kv_position: int = 0  # the positions a decode step attends over (0: the start of a conversation)
 
     @property
     def stage(self) -> range:

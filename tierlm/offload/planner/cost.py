@@ -41,7 +41,7 @@ from tierlm.config import ModelConfig
 from tierlm.offload.bandwidths import MATRIX, MOE, Bandwidths, decode_path
 from tierlm.offload.placement import DEVICE, DISK, HOST, FigureSource, Placement
 from tierlm.offload.planner.context import _Context, _Split
-from tierlm.offload.sizes import PREFILL_CHUNK, BlockSizes, context_tokens
+from tierlm.offload.sizes import PREFILL_CHUNK, BlockSizes, context_tokens, kv_token_bytes
 from tierlm.profile import Profile
 
 
@@ -85,6 +85,9 @@ def _terms(ctx: _Context, tiers, computes, split: "_Split", tokens: int, prefill
         # Accelerators: host and disk blocks cross the link; CPU emulation: host blocks are copied.
         if ctx.accelerator or tiers[block] == HOST:
             terms["link"] += read / _rate(bw.link_bytes_per_s)
+    if not prefill and ctx.kv_position:  # each sequence reads its keys and values once a step
+        kv = tokens * ctx.kv_position * kv_token_bytes(ctx.config, ctx.profile.kv_cache, ctx.accelerator, len(ctx.stage))
+        terms["device bandwidth"] += kv / _rate(bw.device_bytes_per_s)
     # Measured fixed costs (runtime/measure_machine.decode_overheads): what dominates a small model's step.
     # A pipeline's per-token cost (sampling, detokenizing, the API) is its first stage's.
     per_token = bw.per_token_overhead_s if ctx.stage.start == 0 else 0.0
@@ -191,9 +194,11 @@ def decode_terms(
     batch: int = 1,
     routing=None,
     layers: range | None = None,
+    position: int = 0,
 ) -> dict[str, float]:
     """The cost model's terms (seconds per limit) for one decode step of `batch` sequences of an
     existing placement: what a measured run of it is compared with (`step_seconds` combines them).
+    `position`: how many positions each sequence's step attends over (its KV cache read).
     An MoE model's experts are used as `routing` expects, or, without it, as the placement
     expected (each layer's planned hit rate spread evenly over its resident and cold experts).
     `layers`: a pipeline stage's, as `plan` was given them."""
@@ -202,7 +207,8 @@ def decode_terms(
     computes = {b.name: b.compute for b in dense}
     shares = None if routing is not None else _planned_shares(placement)
     placed = {b.name: b.tier for b in placement.blocks if is_expert(b.name)}
-    ctx = _Context(config, sizes, profile, bandwidths, accelerator, 0, routing, shares, placed, layers=layers)
+    ctx = _Context(config, sizes, profile, bandwidths, accelerator, 0, routing, shares, placed, layers=layers,
+                   kv_position=position)  # fmt: skip
     split = _split_of(ctx, placement)
     return _terms(ctx, tiers, computes, split, batch, prefill=False)
 

@@ -161,6 +161,10 @@ def _placement(ctx: _Context, tiers, computes, split: "_Split", charges, variant
     streamed = _streamed({b: tiers[b] for b in ctx.dense}, computes)
     decode_terms = _terms(ctx, tiers, computes, split, ctx.profile.batch_size, prefill=False)
     decode_s, decode_limit = step_seconds(decode_terms, ctx.profile.prefetch_depth)
+    # The same step with every sequence at the end of its context: the KV cache read grows with it.
+    context = context_tokens(ctx.config, ctx.profile)
+    full_s, _ = step_seconds(_terms(replace(ctx, kv_position=context), tiers, computes, split, ctx.profile.batch_size,
+                                    prefill=False), ctx.profile.prefetch_depth)  # fmt: skip
     prefill_s, _ = _step_time(ctx, tiers, computes, split, prefill=True)
     chunk = min(PREFILL_CHUNK, context_tokens(ctx.config, ctx.profile))
     origin = "predicted from config.json" if sizes.source == "config" else "from the artifact manifest"
@@ -171,7 +175,8 @@ def _placement(ctx: _Context, tiers, computes, split: "_Split", charges, variant
         notes.append("CPU-only with emulate_host_tier: host blocks are copied into the device tier's ring")
     if tiers.get(EMBED, DEVICE) != DEVICE:
         notes.append(f"embedding on {tiers[EMBED]}: rows fetched on demand through the device hot cache")
-    notes.append("decode prediction: start of a conversation (KV-cache reads not counted)")
+    notes.append(f"decode prediction: start of a conversation; at its end ({context:,} tokens) each step also reads "
+                 "the KV cache")
     if experts is not None:
         notes.append(_expert_note(ctx, split))
     if variants:
@@ -186,6 +191,7 @@ def _placement(ctx: _Context, tiers, computes, split: "_Split", charges, variant
         hot_cache_bytes=charges[DEVICE]["hot_cache"],
         predicted_prefill_tokens_per_s=chunk / prefill_s,
         predicted_decode_tokens_per_s=ctx.profile.batch_size / decode_s,
+        predicted_decode_full_context_tokens_per_s=ctx.profile.batch_size / full_s,
         binding_limit=decode_limit,
         notes=tuple(notes),
         expert_slots=split.device,
