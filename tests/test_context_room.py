@@ -5,6 +5,7 @@ attention taken in query blocks so its scores stay bounded whatever the context.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import replace
 
 import pytest
@@ -95,3 +96,20 @@ def test_attention_in_query_blocks_equals_one_call(monkeypatch, window):
     blocked = base.grouped_attention(q, k, v, mask)
     assert len(calls) == 7 and all(shape[2] <= (heads // kv_heads) * 6 for shape in calls)
     torch.testing.assert_close(blocked, whole, atol=1e-6, rtol=1e-6)
+
+
+def test_a_context_too_long_for_the_budget_is_refused_with_the_longest_that_fits(llama):
+    asked = with_run_settings(load_profile("8gb"), "128k", "q8_0")
+    with pytest.raises(TierlmError) as refused:
+        _plan(llama, asked)
+    found = re.search(r"--context (\d+) fits it \(KV cache q8_0\); --kv-cache q4_0 holds --context (\d+)", refused.value.hint)
+    assert found, refused.value.hint
+    longest, in_q4 = int(found.group(1)), int(found.group(2))
+    assert 32768 <= longest < in_q4 < 131072
+    _plan(llama, with_run_settings(load_profile("8gb"), str(longest), "q8_0"))  # fits, as said
+    with pytest.raises(TierlmError):
+        _plan(llama, with_run_settings(load_profile("8gb"), str(longest + 1), "q8_0"))
+    _plan(llama, with_run_settings(load_profile("8gb"), str(in_q4), "q4_0"))
+    # A shipped profile is suggested for the context asked, not for its own shorter one.
+    assert "--profile 16gb" in refused.value.hint
+    _plan(llama, with_run_settings(load_profile("16gb"), "128k", "q8_0"))

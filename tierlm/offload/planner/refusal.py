@@ -92,7 +92,10 @@ def _refusal(ctx: _Context, shortfall: str, fallbacks, limits) -> TierlmError:
         return _fitting_tiers(replace(ctx, sizes=candidate_sizes, profile=capped)) is not None
 
     ordered = _ordered_fallbacks(fallbacks)
-    hints = []
+    hints = _context_hints(ctx) if profile.context_asked else []
+    if profile.context_asked:  # a shipped profile is suggested for the context asked, in its KV format
+        ordered = [replace(p, context_length=profile.context_length, context_asked=profile.context_asked,
+                           kv_cache=profile.kv_cache) for p in ordered]  # fmt: skip
     # Smaller weight formats, best quality first: fp32 -> bf16 -> int8.
     smaller = {"fp32": ["bf16", "int8"], "bf16": ["int8"], "fp16": ["int8"]}.get(sizes.quant, [])
     quant_fit = next((q for q in smaller if fits(profile, q)), None)
@@ -110,6 +113,37 @@ def _refusal(ctx: _Context, shortfall: str, fallbacks, limits) -> TierlmError:
     hint = "; ".join(hints) if hints else "no shipped profile or quant mode fits it on this machine"
     model = _model_text(ctx)
     return TierlmError(f"the model ({model}) does not fit profile {profile.name!r}: {shortfall}", hint)
+
+
+def _context_hints(ctx: _Context) -> list[str]:
+    """The longest `--context` that fits the profile in its KV format, and in the smaller
+    quantized formats when they hold more (the pool too small for the context asked)."""
+    from tierlm.kv.formats import FORMATS, kv_format
+
+    def longest(name: str) -> int:
+        def fits(tokens: int) -> bool:
+            shorter = replace(ctx.profile, context_length=tokens, context_asked=None, kv_cache=name)
+            return _fitting_tiers(replace(ctx, profile=shorter)) is not None
+
+        low, high = 0, ctx.profile.context_length - 1
+        while low < high:
+            middle = (low + high + 1) // 2
+            low, high = (middle, high) if fits(middle) else (low, middle - 1)
+        return low if low >= 16 and fits(low) else 0
+
+    held = kv_format(ctx.profile.kv_cache, ctx.accelerator)
+    hints = []
+    own = longest(ctx.profile.kv_cache)
+    if own:
+        hints.append(f"--context {own} fits it (KV cache {held.name})")
+    for name in ("q8_0", "q4_0"):
+        smaller = FORMATS[name]
+        if smaller.bits_per_value() < held.bits_per_value() and not smaller.unsupported(ctx.config.head_dim):
+            tokens = longest(name)
+            if tokens > own:
+                hints.append(f"--kv-cache {name} holds --context {tokens}")
+                break
+    return hints
 
 
 def _model_text(ctx: _Context) -> str:
