@@ -2,7 +2,8 @@
 quant/csrc/kv_formats.h).
 
 References: the quantized formats against the `gguf` package's Q8_0/Q4_0 quantizer and
-dequantizer (bit-exact with llama.cpp's reference rows), the float formats against torch's own
+dequantizer (bit-exact with llama.cpp's reference rows) applied to the rows rotated by the
+Walsh-Hadamard matrix (built here by Sylvester's construction), the float formats against torch's own
 conversions; the native writer against kv/codec.py byte for byte on the AVX2, portable and
 native builds; the fused decode step, which reads the codes in registers, against the eager
 path, which reads them back as floats (both on the same format); and what a cache allocates
@@ -52,15 +53,47 @@ def test_quantized_formats_equal_ggufs_reference_bytes_and_values(name):
     from gguf import GGMLQuantizationType, quants
 
     qtype = GGMLQuantizationType.Q8_0 if name == "q8_0" else GGMLQuantizationType.Q4_0
-    x = _rows()
+    x = codec.rotate(_rows())  # rows whose rotation holds the special cases: rotating back gives them
     codes, scales = codec.encode(FORMATS[name], x)
     blocks = x.shape[1] // 32
     ours = torch.cat([scales.view(torch.uint8).reshape(len(x), blocks, 2),
                       codes.view(torch.uint8).reshape(len(x), blocks, -1)], dim=-1)  # fmt: skip
-    reference = quants.quantize(x.numpy(), qtype)
+    reference = quants.quantize(codec.rotate(x).numpy(), qtype)
     assert np.array_equal(ours.reshape(len(x), -1).numpy(), reference)
     decoded = codec.decode(FORMATS[name], codes, scales, torch.float32)
-    assert np.array_equal(decoded.numpy(), quants.dequantize(reference, qtype))
+    assert torch.equal(decoded, codec.rotate(torch.from_numpy(quants.dequantize(reference, qtype))))
+
+
+def _hadamard(n: int) -> torch.Tensor:
+    """Sylvester's Walsh-Hadamard matrix of order n, orthonormal."""
+    h = torch.ones(1, 1, dtype=torch.float64)
+    while h.shape[0] < n:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    return h / n**0.5
+
+
+@pytest.mark.parametrize("head_dim,block", [(32, 32), (64, 64), (128, 128), (96, 32), (192, 64)])
+def test_the_rotation_is_the_hadamard_matrix_of_each_block_and_its_own_inverse(head_dim, block):
+    x = torch.randn(7, head_dim, generator=torch.Generator().manual_seed(2))
+    expected = x.double() @ torch.block_diag(*[_hadamard(block)] * (head_dim // block))
+    torch.testing.assert_close(codec.rotate(x).double(), expected, atol=1e-5, rtol=1e-6)
+    torch.testing.assert_close(codec.rotate(codec.rotate(x)), x, atol=1e-5, rtol=1e-6)
+
+
+def test_the_rotation_brings_a_quantized_key_nearer_to_its_value():
+    """A key whose magnitude sits in a few channels (as RoPE'd keys have): rotated first, q8_0 and
+    q4_0 hold it with less error than rounding its raw channels would."""
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(256, 64, generator=gen)
+    x[:, [3, 17, 40]] *= 12
+    for name in QUANTIZED:
+        fmt = FORMATS[name]
+        decoded = codec.decode(fmt, *codec.encode(fmt, x), torch.float32)
+        from gguf import GGMLQuantizationType, quants
+
+        qtype = getattr(GGMLQuantizationType, name.upper())
+        raw = torch.from_numpy(quants.dequantize(quants.quantize(x.numpy(), qtype), qtype))
+        assert (decoded - x).norm() < 0.8 * (raw - x).norm(), name
 
 
 @pytest.mark.parametrize("name,dtype", [("f32", torch.float32), ("f16", torch.float16), ("bf16", torch.bfloat16)])

@@ -1,12 +1,19 @@
 """Keys and values to and from a KV format's storage (kv/formats.py describes the formats).
 
-A format stores codes [..., code width] and, when quantized, fp16 scales [..., D / 32]. The
-quantizers round exactly as llama.cpp's reference `quantize_row_q8_0`/`q4_0` (and the `gguf`
-package) do, and the native decode step (quant/csrc/kv_formats.h) writes the same bytes, so a
-cache filled by either path reads the same.
+A format stores codes [..., code width] and, when quantized, fp16 scales [..., D / 32]. A
+quantized row is first rotated (`rotate`: an orthonormal Walsh-Hadamard transform per block of
+the head, its own inverse), then rounded exactly as llama.cpp's reference
+`quantize_row_q8_0`/`q4_0` (and the `gguf` package) do; reading rotates back. The rotation
+spreads a head's outlier channels (after RoPE a few channels carry most of a key's magnitude)
+over its block, so the per-32 scales fit the other values: measured on the embedded model at
+1,024 tokens, q8_0's top-1 agreement with f32 KV goes from 99.1 % to 99.5 % and q4_0's from
+84.8 % to 88.7 % (benchmarks/bench_kv_fidelity.py). The native decode step
+(quant/csrc/kv_formats.h) rotates and rounds in the same operations, so it writes the same bytes.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -32,11 +39,35 @@ def _roundf(x: torch.Tensor) -> torch.Tensor:
     return torch.sign(x) * (floored + (2 * (a - floored)).floor())
 
 
+def rotation_block(head_dim: int) -> int:
+    """The largest power of two dividing `head_dim` (a multiple of 32): the rotation's block."""
+    block = GROUP
+    while 2 * block <= head_dim and head_dim % (2 * block) == 0:
+        block *= 2
+    return block
+
+
+def rotate(x: torch.Tensor) -> torch.Tensor:
+    """x [..., D] fp32 times the orthonormal Walsh-Hadamard matrix of each block of D (which is
+    its own inverse), in the native code's order of operations: butterflies (a + b, a - b) at
+    strides 1, 2, 4, ..., then a multiply by 1 / sqrt(block), each in fp32."""
+    block = rotation_block(x.shape[-1])
+    y = x.float().reshape(-1, x.shape[-1] // block, block)
+    stride = 1
+    while stride < block:
+        pairs = y.reshape(*y.shape[:-1], block // (2 * stride), 2, stride)
+        a, b = pairs[..., 0, :], pairs[..., 1, :]
+        y = torch.stack([a + b, a - b], dim=-2).reshape(y.shape)
+        stride *= 2
+    scale = torch.tensor(1 / math.sqrt(block), dtype=torch.float32)
+    return (y * scale).reshape(x.shape)
+
+
 def encode(fmt: KVFormat, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(codes, fp16 scales or None) of x [..., D] in `fmt`."""
+    """(codes, fp16 scales or None) of x [..., D] in `fmt` (quantized: of x rotated)."""
     if not fmt.quantized:
         return x.to(code_dtype(fmt)), None
-    blocks = x.float().reshape(*x.shape[:-1], -1, GROUP)
+    blocks = rotate(x).reshape(*x.shape[:-1], -1, GROUP)
     if fmt.name == "q8_0":
         d = blocks.abs().amax(-1, keepdim=True) / 127
         inverse = torch.where(d == 0, torch.zeros_like(d), 1 / d)
@@ -52,7 +83,7 @@ def encode(fmt: KVFormat, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor |
 
 
 def decode(fmt: KVFormat, codes: torch.Tensor, scales: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
-    """Values [..., D] in `dtype` from `fmt`'s codes (and scales)."""
+    """Values [..., D] in `dtype` from `fmt`'s codes (and scales; quantized: rotated back)."""
     if not fmt.quantized:
         return codes.to(dtype)
     d = scales.float().unsqueeze(-1)
@@ -62,4 +93,4 @@ def decode(fmt: KVFormat, codes: torch.Tensor, scales: torch.Tensor | None, dtyp
         packed = codes.reshape(*codes.shape[:-1], -1, GROUP // 2)
         q = torch.cat([packed & 15, packed >> 4], dim=-1).float() - 8
         values = q * d
-    return values.reshape(*values.shape[:-2], -1).to(dtype)
+    return rotate(values.reshape(*values.shape[:-2], -1)).to(dtype)

@@ -18,6 +18,7 @@
 #include <cstring>
 #include <vector>
 
+#include "attention.h"
 #include "gemv.h"
 #include "kv_formats.h"
 
@@ -66,40 +67,6 @@ inline void rope(float* v, const float* cos, const float* sin, int64_t R, bool i
       v[i + half] = b * cos[i + half] + a * sin[i + half];
     }
   }
-}
-
-// One KV head's rows as a cache holds them: position t's codes at data + t * row_bytes, its
-// scales (quantized types) at scales + t * groups.
-struct StoredRows {
-  int32_t type;
-  const char* data;
-  const uint16_t* scales;
-  int64_t row_bytes, groups;
-  const void* codes(int64_t t) const { return data + t * row_bytes; }
-  const uint16_t* scales_of(int64_t t) const { return scales ? scales + t * groups : nullptr; }
-};
-
-// out[D] = softmax(q . k_t / sqrt(D)) . v_t over t in [start, pos] (max-subtracted), the stored
-// rows read in registers; position pos is k_new/v_new (what the cache holds for it, as floats).
-// `scores` has room for pos - start + 1 values.
-inline void attend_stored(const StoredRows& keys, const StoredRows& values, const float* q, int64_t D,
-                          int64_t start, int64_t pos, const float* k_new, const float* v_new, float* scores,
-                          float* out) {
-  const float scale = 1.0f / std::sqrt(static_cast<float>(D));
-  float top = -INFINITY;
-  for (int64_t t = start; t <= pos; ++t) {
-    const float s = (t == pos ? dot(q, k_new, D) : kv_dot(keys.type, q, keys.codes(t), keys.scales_of(t), D)) * scale;
-    scores[t - start] = s;
-    top = std::max(top, s);
-  }
-  float total = 0.0f;
-  for (int64_t t = start; t <= pos; ++t) total += scores[t - start] = std::exp(scores[t - start] - top);
-  std::fill(out, out + D, 0.0f);
-  for (int64_t t = start; t < pos; ++t) kv_axpy(values.type, scores[t - start], values.codes(t), values.scales_of(t), D, out);
-  const float last = scores[pos - start];
-  for (int64_t d = 0; d < D; ++d) out[d] += last * v_new[d];
-  const float inv = 1.0f / total;
-  for (int64_t d = 0; d < D; ++d) out[d] *= inv;
 }
 
 // One query head of one row: its q (and the KV head's new k, v), the cache write, attention.

@@ -1,7 +1,8 @@
 // The KV cache formats of tierlm/kv/formats.py, as the fused decode step reads and writes them:
 // one head's row of D values at one position is `row_bytes` of codes (and, quantized, D / 32
-// fp16 scales in a parallel array). Writes round exactly as tierlm/kv/codec.py (llama.cpp's
-// reference quantizers; RNE for f16/bf16), so either path fills the cache with the same bytes.
+// fp16 scales in a parallel array). Quantized rows are Hadamard-rotated first (`hadamard`), then
+// rounded exactly as llama.cpp's reference quantizers; f16/bf16 round to nearest even. Writes
+// equal tierlm/kv/codec.py's byte for byte, so either path fills the cache with the same bytes.
 // Reads never widen the cache: scores and the weighted sum read the codes in registers.
 #pragma once
 
@@ -53,6 +54,30 @@ inline float bf16_to_float(uint16_t h) {
   return f;
 }
 
+// The rotation's block: the largest power of two that divides D (D a multiple of 32).
+inline int64_t hadamard_block(int64_t D) {
+  int64_t n = 32;
+  while (2 * n <= D && D % (2 * n) == 0) n *= 2;
+  return n;
+}
+
+// x[D] times the orthonormal Walsh-Hadamard matrix of each block (its own inverse): butterflies
+// (a + b, a - b) over strides 1, 2, 4, ..., then 1 / sqrt(block). Spreading a head's outlier
+// channels over its block makes the quantized formats' per-32 scales fit the rest of it.
+inline void hadamard(float* x, int64_t D) {
+  const int64_t n = hadamard_block(D);
+  const float scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(n)));
+  for (int64_t b = 0; b < D; b += n)
+    for (int64_t h = 1; h < n; h *= 2)
+      for (int64_t i = b; i < b + n; i += 2 * h)
+        for (int64_t j = i; j < i + h; ++j) {
+          const float a = x[j], c = x[j + h];
+          x[j] = a + c;
+          x[j + h] = a - c;
+        }
+  for (int64_t d = 0; d < D; ++d) x[d] *= scale;
+}
+
 // Bytes of one row's codes (scales live apart).
 inline int64_t kv_code_bytes(int32_t type, int64_t D) {
   switch (type) {
@@ -65,14 +90,18 @@ inline int64_t kv_code_bytes(int32_t type, int64_t D) {
 
 inline bool kv_quantized(int32_t type) { return type == kKVQ8 || type == kKVQ4; }
 
-// Store x[D] as one row: codes (and scales[D / 32] when quantized).
-inline void kv_store(int32_t type, const float* x, int64_t D, void* codes, uint16_t* scales) {
+// Store x[D] as one row: codes (and scales[D / 32] when quantized: of x rotated).
+inline void kv_store(int32_t type, const float* values, int64_t D, void* codes, uint16_t* scales) {
   switch (type) {
-    case kKVF32: std::memcpy(codes, x, D * sizeof(float)); return;
-    case kKVF16: for (int64_t i = 0; i < D; ++i) static_cast<uint16_t*>(codes)[i] = float_to_half(x[i]); return;
-    case kKVBF16: for (int64_t i = 0; i < D; ++i) static_cast<uint16_t*>(codes)[i] = float_to_bf16(x[i]); return;
+    case kKVF32: std::memcpy(codes, values, D * sizeof(float)); return;
+    case kKVF16: for (int64_t i = 0; i < D; ++i) static_cast<uint16_t*>(codes)[i] = float_to_half(values[i]); return;
+    case kKVBF16: for (int64_t i = 0; i < D; ++i) static_cast<uint16_t*>(codes)[i] = float_to_bf16(values[i]); return;
     default: break;
   }
+  float rotated[2048];  // D <= 2048 (the decode step refuses larger heads)
+  std::memcpy(rotated, values, D * sizeof(float));
+  hadamard(rotated, D);
+  const float* x = rotated;
   for (int64_t g = 0; g < D / kKVGroup; ++g) {
     const float* b = x + g * kKVGroup;
     if (type == kKVQ8) {
@@ -98,7 +127,7 @@ inline void kv_store(int32_t type, const float* x, int64_t D, void* codes, uint1
   }
 }
 
-// out[D] = the values one row holds.
+// out[D] = the values one row holds (quantized: its codes' values rotated back).
 inline void kv_load(int32_t type, const void* codes, const uint16_t* scales, int64_t D, float* out) {
   switch (type) {
     case kKVF32: std::memcpy(out, codes, D * sizeof(float)); return;
@@ -119,6 +148,7 @@ inline void kv_load(int32_t type, const void* codes, const uint16_t* scales, int
       }
     }
   }
+  hadamard(out, D);
 }
 
 inline Vec::reg load_bf16(const uint16_t* p) {
@@ -155,7 +185,7 @@ inline void for_group_codes(int32_t type, const void* codes, int64_t g, Body bod
   }
 }
 
-// q[D] . row
+// q[D] . row, as stored: a quantized row's codes are of the rotated values (rotate q first).
 inline float kv_dot(int32_t type, const float* q, const void* codes, const uint16_t* scales, int64_t D) {
   constexpr int L = Vec::lanes;
   if (type == kKVF32) return dot(q, static_cast<const float*>(codes), D);
@@ -179,7 +209,7 @@ inline float kv_dot(int32_t type, const float* q, const void* codes, const uint1
   return total;
 }
 
-// out[D] += p * row
+// out[D] += p * row, as stored (a quantized row's sum is rotated: rotate it back after).
 inline void kv_axpy(int32_t type, float p, const void* codes, const uint16_t* scales, int64_t D, float* out) {
   constexpr int L = Vec::lanes;
   if (!kv_quantized(type)) {
