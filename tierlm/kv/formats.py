@@ -8,6 +8,8 @@ the planner prices each format without loading torch (kv/codec.py encodes and de
                      (value j in the low nibble of byte j, value 16 + j in its high nibble),
                      value = d * (q - 8) (4.5 bits a value)
 
+The quantized formats hold each head's values after an orthonormal Walsh-Hadamard rotation
+(kv/codec.py `rotate`), which costs no bits and spreads outlier channels over the block.
 Scales are per position, head and 32 values: a token's keys are quantized once, when it is
 written, and never again (a scale over a whole page would have to change as the page fills).
 """
