@@ -144,3 +144,42 @@ def test_a_sequence_that_failed_leaves_nothing_to_reuse(model, monkeypatch):
     after = job(prompt)
     run(runner, after)
     assert after.cached_tokens == 0 and drain(after)[0] == fresh(model, prompt)[1]
+
+
+SHARED_SYSTEM = "You are a careful assistant. Answer in one short line."
+
+
+def test_a_new_conversation_copies_a_shared_system_prompt_from_another_slot(model):
+    """Two conversations with one system prompt: the second takes its own slot and copies the
+    first one's rows of the common prefix instead of computing them, while the first still runs,
+    and answers as computed from scratch."""
+    loaded, tokenizer = model
+    runner = BatchRunner(loaded, tokenizer, slots=2)
+
+    def prompt(question: str) -> list[int]:
+        return tokenizer.encode_chat([{"role": "system", "content": SHARED_SYSTEM}, {"role": "user", "content": question}])
+
+    first_prompt, second_prompt = prompt("name a colour"), prompt("and a number?")
+    common = shared(first_prompt, second_prompt)
+    assert common >= 32
+    first = job(first_prompt, SamplingParams(temperature=0, max_new_tokens=20))
+    runner.admit(first)
+    while runner.active[0].prefilling or runner.active[0].pending is None:
+        runner.step()  # the first has prefilled; it is decoding when the second arrives
+    second = job(second_prompt)
+    seq = runner.admit(second)
+    assert seq.slot != runner.active[0].slot and second.cached_tokens == common
+    run(runner)
+    assert drain(second)[0] == fresh(model, second_prompt)[1]
+    assert drain(first)[0] == fresh(model, first_prompt, SamplingParams(temperature=0, max_new_tokens=20))[1]
+
+
+def test_a_prefix_is_copied_only_from_a_slot_of_the_same_variant_and_not_for_a_few_tokens(model):
+    loaded, tokenizer = model
+    runner = BatchRunner(loaded, tokenizer, slots=2)
+    base = tokenizer.encode_chat([{"role": "system", "content": SHARED_SYSTEM}, {"role": "user", "content": "hi"}])
+    run(runner, job(base))
+    other = Job(base, GREEDY, deadline=None, loop=ImmediateLoop(), variant="v")
+    assert runner._copy_prefix(other, 1, 0) == 0  # the held rows are the base's
+    short = tokenizer.encode_chat([{"role": "user", "content": "hello there"}])
+    assert shared(short, base) < 16 and runner._copy_prefix(job(short), 1, 0) == 0

@@ -218,6 +218,15 @@ class SlotKVCache(_Storage):
     def batch(self, slots: list[int]) -> "SlotBatch":
         return SlotBatch(self, slots)
 
+    def copy_rows(self, source: int, target: int, length: int) -> None:
+        """Make slot `target` hold slot `source`'s first `length` positions (every layer, codes
+        and scales): a prefix another sequence computed, taken instead of computed again."""
+        for part in (self.keys, self.values, self.key_scales, self.value_scales):
+            if part is not None:
+                part[:, target, :, :length].copy_(part[:, source, :, :length])
+        self.lengths[target] = length
+        self.finite[target] = max(self.finite[target], length)
+
     def decode_rows_of(self, slots: list[int], positions: list[int]) -> DecodeRows:
         return DecodeRows(self.keys, self.values, list(slots), list(positions), self.key_scales, self.value_scales,
                           self.format)  # fmt: skip

@@ -15,6 +15,10 @@ for the variant they were computed with. A new job takes the free slot sharing t
 prefix with its prompt and prefills only the rest, as the engine reuses its cache within a chat:
 a chat client resending the whole conversation each turn pays for the new turn only. With no
 prefix to share it takes the slot used longest ago, so several conversations keep their own.
+When another slot, free or running, holds a longer prefix of the prompt (a system prompt every
+conversation of a chat app starts with), its rows are copied into the job's slot instead of
+being computed again: rows below a running sequence's length are final, so copying them between
+steps is safe, and a copy costs a memory read where the prefill costs a forward.
 
 Failures are contained where they happen: an exception in one sequence's own work (admission,
 its prefill, sampling, detokenizing, stop matching, emitting) ends that sequence alone with a
@@ -106,6 +110,8 @@ class BatchRunner:
         self._free = list(range(slots))
         self._held = [SlotHistory() for _ in range(slots)]
         self._sampled = 0
+        # A pipeline's other stages keep twins of each slot that only ever compute their rows.
+        self._copies_rows = getattr(loaded, "pipeline", None) is None
 
     @property
     def context_length(self) -> int:
@@ -131,6 +137,7 @@ class BatchRunner:
             _fail_job(job, err)
             return None
         self._free.remove(slot)
+        reused = max(reused, self._copy_prefix(job, slot, reused))
         # The last prompt token always runs: its logits pick the first new token.
         seq.prefilled = job.cached_tokens = min(reused, len(job.prompt_ids) - 1)
         self.cache.slot(slot).trim(seq.prefilled)
@@ -151,6 +158,21 @@ class BatchRunner:
         if gain[slot] <= 0:
             slot = min(self._free, key=lambda s: self._held[s].used_at)
         return slot, min(shared[slot], self.cache.lengths[slot])
+
+    def _copy_prefix(self, job: Job, slot: int, reused: int) -> int:
+        """Copy into `slot` the rows of the slot holding the longest prefix of `job`'s prompt
+        (same variant) when that beats the `reused` rows `slot` holds; the rows `slot` now holds
+        of the prompt."""
+        overlay = self._overlay(job.variant)
+        held = {s: self._held[s] for s in self._free if s != slot}
+        held.update({seq.slot: self._history(seq, keep=True) for seq in self.active})
+        shared = {s: min(h.shared_prefix(job.prompt_ids, job.variant, overlay), self.cache.lengths[s])
+                  for s, h in held.items()}  # fmt: skip
+        donor = max(shared, key=shared.get, default=None)
+        if not self._copies_rows or donor is None or shared[donor] < reused + MIN_COPIED_ROWS:
+            return reused
+        self.cache.copy_rows(donor, slot, shared[donor])
+        return shared[donor]
 
     def _overlay(self, variant: str | None):
         """The variant's current overlay object (its identity tells a re-added variant apart)."""
@@ -270,16 +292,29 @@ class BatchRunner:
             self._free.append(seq.slot)
             self._free.sort()
 
-    def _history(self, seq: ActiveSequence) -> SlotHistory:
-        """What `seq`'s slot holds once it ends: its prompt and the tokens fed back, as far as the
-        slot's length (the last sampled token was never fed); nothing after a failure."""
+    def _history(self, seq: ActiveSequence, keep: bool = False) -> SlotHistory:
+        """What `seq`'s slot holds once it ends (or, `keep`, holds now, running): its prompt and
+        the tokens fed back, as far as the slot's length (the last sampled token was never fed);
+        nothing after a failure."""
         held = self.cache.lengths[seq.slot]
+        if keep:
+            return SlotHistory([*seq.job.prompt_ids, *seq.token_ids][:held], seq.variant,
+                               _weak(self._overlay(seq.variant)), time.monotonic())  # fmt: skip
         if not seq.intact:
             self.cache.free(seq.slot)
             return SlotHistory(used_at=time.monotonic())
         overlay = self._overlay(seq.variant)
         return SlotHistory([*seq.job.prompt_ids, *seq.token_ids][:held], seq.variant,
                            weakref.ref(overlay) if overlay is not None else None, time.monotonic())  # fmt: skip
+
+
+# Fewer rows than this are computed rather than copied from another slot (a chat template's
+# first tokens, which every prompt shares, are not worth a copy of every layer's rows).
+MIN_COPIED_ROWS = 16
+
+
+def _weak(overlay):
+    return weakref.ref(overlay) if overlay is not None else None
 
 
 class VariantGone(Exception):
