@@ -118,19 +118,33 @@ inline void sum_groups(const StoredRows& v, const float* p, int64_t t0, int64_t 
   for (int r = 0; r < G * per_group; ++r) Vec::store(base + r * L, acc[r]);
 }
 
+// The head's values in blocks of at most 8 registers, the widest first, so a head of 64 values
+// with 16 lanes is one pass of 4 registers over the positions, not four passes of one.
+template <int32_t T, int R>
+inline int64_t sum_blocks(const StoredRows& v, const float* p, int64_t D, int64_t t0, int64_t t1, int64_t d, float* out) {
+  constexpr int L = Vec::lanes;
+  for (; d + R * L <= D; d += R * L) sum_block<T, R>(v, p, t0, t1, d, out);
+  if constexpr (R > 1) return sum_blocks<T, R / 2>(v, p, D, t0, t1, d, out);
+  return d;
+}
+
+template <int32_t T, int G>
+inline int64_t sum_group_blocks(const StoredRows& v, const float* p, int64_t groups, int64_t t0, int64_t t1,
+                                int64_t g, float* out) {
+  for (; g + G <= groups; g += G) sum_groups<T, G>(v, p, t0, t1, g, out);
+  if constexpr (G > 1) return sum_group_blocks<T, G / 2>(v, p, groups, t0, t1, g, out);
+  return g;
+}
+
 template <int32_t T>
 inline void weighted_sum(const StoredRows& v, const float* p, int64_t D, int64_t t0, int64_t t1, float* out) {
   constexpr int L = Vec::lanes;
   if constexpr (T == kKVQ8 || T == kKVQ4) {
-    // Blocks of groups that fill 8 registers (4 groups of 16 lanes, 2 of 8, 1 of 4).
+    // Up to 8 registers of accumulators: 4 groups of 16 lanes, 2 of 8, 1 of 4.
     constexpr int G = 8 * L / kKVGroup > 0 ? 8 * L / kKVGroup : 1;
-    int64_t g = 0;
-    for (; g + G <= D / kKVGroup; g += G) sum_groups<T, G>(v, p, t0, t1, g, out);
-    for (; g < D / kKVGroup; ++g) sum_groups<T, 1>(v, p, t0, t1, g, out);
+    sum_group_blocks<T, G>(v, p, D / kKVGroup, t0, t1, 0, out);
   } else {
-    int64_t d = 0;
-    for (; d + 8 * L <= D; d += 8 * L) sum_block<T, 8>(v, p, t0, t1, d, out);
-    for (; d + L <= D; d += L) sum_block<T, 1>(v, p, t0, t1, d, out);
+    sum_blocks<T, 8>(v, p, D, t0, t1, 0, out);
   }
 }
 
