@@ -46,17 +46,9 @@ def tierlm_cache(tmp_path_factory):
 @pytest.fixture(scope="module")
 def decode_checkpoint(tmp_path_factory):
     """name -> folder of that tests.tiny.DECODE_CASES checkpoint, built once per test module."""
-    from tests.tiny import DECODE_CASES, make_case
+    from tests.tiny import DECODE_CASES, checkpoint_maker
 
-    made = {}
-
-    def get(case):
-        if case not in made:
-            made[case] = tmp_path_factory.mktemp(case)
-            make_case(made[case], DECODE_CASES[case])
-        return made[case]
-
-    return get
+    return checkpoint_maker(tmp_path_factory, DECODE_CASES)
 
 
 @pytest.fixture(scope="session")

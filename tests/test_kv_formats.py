@@ -19,7 +19,8 @@ import pytest
 import torch
 
 from tests.tiers import quick
-from tests.tiny import DECODE_CASES, decode_steps, make_case, scattered_slot_prompts
+from tests.test_fused_decode import _eager, fused_calls  # noqa: F401 - fused_calls is a fixture
+from tests.tiny import DECODE_CASES, checkpoint_maker, decode_steps, scattered_slot_prompts
 from tierlm.errors import TierlmError
 from tierlm.kv import codec
 from tierlm.kv.cache import SlotKVCache
@@ -177,40 +178,11 @@ FAST = [("qwen3-qk-norm", "q8_0"), ("mistral-window-3-head-dim-32", "q4_0"), ("g
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
-    made = {}
-
-    def get(case):
-        if case not in made:
-            made[case] = tmp_path_factory.mktemp(case)
-            make_case(made[case], CASES[case])
-        return made[case]
-
-    return get
+    return checkpoint_maker(tmp_path_factory, CASES)
 
 
 def _load(folder, kv_cache: str):
     return load_model(folder, device="cpu", dtype=torch.float32, context_length=64, quant="int8", kv_cache=kv_cache)
-
-
-def _eager(monkeypatch, fn):
-    monkeypatch.setenv("TIERLM_FUSED", "0")
-    try:
-        return fn()
-    finally:
-        monkeypatch.setenv("TIERLM_FUSED", "1")
-
-
-@pytest.fixture
-def fused_calls(monkeypatch):
-    calls = []
-    run = fused_decode.FusedStep.run
-
-    def counting(self, w, x, layer):
-        calls.append(run(self, w, x, layer))
-        return calls[-1]
-
-    monkeypatch.setattr(fused_decode.FusedStep, "run", counting)
-    return calls
 
 
 def _close_to_eager(actual, expected, exact):

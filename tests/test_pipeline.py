@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.tiny import DECODE_CASES, MOE_CASES, make_case, make_model, scattered_slot_prompts, write_profile
+from tests.tiny import DECODE_CASES, MOE_CASES, checkpoint_maker, make_model, scattered_slot_prompts, write_profile
 from tierlm.kv.cache import SlotKVCache
 from tierlm.models import read_config
 from tierlm.distributed.launch import GroupSettings, start_group
@@ -48,15 +48,7 @@ def group(request):
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    made = {}
-
-    def get(case):
-        if case not in made:
-            made[case] = tmp_path_factory.mktemp(case)
-            make_case(made[case], CASES[case])
-        return made[case]
-
-    return get
+    return checkpoint_maker(tmp_path_factory, CASES)
 
 
 def open_both(model_dir, group, quant):

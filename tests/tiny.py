@@ -296,6 +296,19 @@ DECODE_CASES = {
 }  # fmt: skip
 
 
+def checkpoint_maker(tmp_path_factory, cases: dict):
+    """get(name) -> the folder of `cases[name]`'s checkpoint (make_case), built on first use."""
+    made = {}
+
+    def get(case):
+        if case not in made:
+            made[case] = tmp_path_factory.mktemp(case)
+            make_case(made[case], cases[case])
+        return made[case]
+
+    return get
+
+
 def decode_steps(loaded, ids: torch.Tensor, steps: int) -> tuple[torch.Tensor, list[int]]:
     """(logits [steps + 1, V], greedy tokens) of a prefill of `ids` [1, T] then `steps` one-token forwards."""
     cache = loaded.new_cache()
