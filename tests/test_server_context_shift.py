@@ -165,6 +165,10 @@ def test_stats_show_the_prefix_hit_rate_and_what_each_slot_holds(session):
         slots = stats["kv_cache"]["slots"]
         assert stats["kv_cache"]["format"] == "f32" and stats["kv_cache"]["context"] == CONTEXT
         assert stats["kv_cache"]["reserved_bytes"] == session.loaded.new_slot_cache(2).nbytes
+        placement = session.loaded.placement  # idle conversations may take the room the plan leaves
+        spill = stats["kv_cache"]["spill"]
+        assert spill["capacity_bytes"] == placement.budgets["device"] - placement.total("device") > 0
+        assert spill["spilled"] == spill["restored"] == 0 == metric(client, "tierlm_kv_spilled_total")
         held = usages[1]["prompt_tokens"] + usages[1]["completion_tokens"] - 1
         assert sorted(s["tokens"] for s in slots) == [0, held] and not any(s["active"] for s in slots)
         assert sorted(metric(client, f'tierlm_slot_tokens_held{{slot="{n}"}}') for n in (0, 1)) == [0, held]

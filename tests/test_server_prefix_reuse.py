@@ -183,3 +183,29 @@ def test_a_prefix_is_copied_only_from_a_slot_of_the_same_variant_and_not_for_a_f
     assert runner._copy_prefix(other, 1, 0) == 0  # the held rows are the base's
     short = tokenizer.encode_chat([{"role": "user", "content": "hello there"}])
     assert shared(short, base) < 16 and runner._copy_prefix(job(short), 1, 0) == 0
+
+
+@pytest.mark.parametrize("spill_bytes", [64 << 20, 0])
+def test_a_conversation_whose_slot_was_taken_comes_back_from_host_ram(model, spill_bytes):
+    """One slot, two conversations taking turns (a chat app's second chat, or the title it asks
+    for): the first's rows are copied out when the second takes the slot and back when it returns,
+    so its next turn prefills only what is new, and answers as computed from scratch. Without the
+    room to keep them it computes its history again."""
+    loaded, tokenizer = model
+    runner = BatchRunner(loaded, tokenizer, slots=1, spill_bytes=spill_bytes)
+    first = turns(tokenizer, "the quick brown fox", replies=[])
+    one = job(first)
+    run(runner, one)
+    reply = drain(one)[0]
+    held = list(runner._held[0].ids)  # the prompt and the reply's tokens fed back
+    run(runner, job(turns(tokenizer, "write a title for a chat about foxes", replies=[])))
+    again = turns(tokenizer, "the quick brown fox", "and then?", replies=[reply])
+    back = job(again)
+    run(runner, back)
+    if spill_bytes:
+        # All the rows that still match the new prompt (a random model's reply may tokenize back otherwise).
+        assert back.cached_tokens == shared(again, held) >= len(first)
+        assert (runner.spill.spilled, runner.spill.restored) == (2, 1)
+    else:
+        assert back.cached_tokens < 16 and runner.spill.spilled == 0
+    assert drain(back)[0] == fresh(model, again)[1]

@@ -156,6 +156,11 @@ def _live(state) -> dict[str, float]:
         readings['tierlm_kv_cache_bytes{state="reserved"}'], readings['tierlm_kv_cache_bytes{state="used"}'] = kv
     for slot, held in enumerate(worker.slots_held() or []):
         readings[f'tierlm_slot_tokens_held{{slot="{slot}"}}'] = held["tokens"]
+    spill = worker.spill_stats()
+    if spill is not None:
+        readings["tierlm_kv_spill_bytes"] = spill["bytes"]
+        readings["tierlm_kv_spilled_total"] = spill["spilled"]
+        readings["tierlm_kv_restored_total"] = spill["restored"]
     return readings
 
 

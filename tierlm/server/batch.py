@@ -18,7 +18,9 @@ prefix to share it takes the slot used longest ago, so several conversations kee
 When another slot, free or running, holds a longer prefix of the prompt (a system prompt every
 conversation of a chat app starts with), its rows are copied into the job's slot instead of
 being computed again: rows below a running sequence's length are final, so copying them between
-steps is safe, and a copy costs a memory read where the prefill costs a forward.
+steps is safe, and a copy costs a memory read where the prefill costs a forward. When a slot
+is taken from a conversation, its rows are copied out to a host-RAM store first (kv/spill.py,
+within the room the memory plan leaves free) and copied back when that conversation returns.
 
 Failures are contained where they happen: an exception in one sequence's own work (admission,
 its prefill, sampling, detokenizing, stop matching, emitting) ends that sequence alone with a
@@ -30,11 +32,13 @@ from __future__ import annotations
 import logging
 import time
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
+from tierlm.kv.spill import HeldRows
+from tierlm.kv.spill import SpillStore
 from tierlm.runtime.sampling import Sampler
 from tierlm.runtime.sequence import PREFILL_CHUNK, SequenceState
 from tierlm.runtime.stopping import StopMatcher
@@ -66,28 +70,6 @@ class ActiveSequence:
 
 
 @dataclass
-class SlotHistory:
-    """What a free slot still holds: the keys and values of `ids` under `variant` (a weak
-    reference to the variant's overlay, so one removed or replaced under the same name never
-    matches), and when it was last used."""
-
-    ids: list[int] = field(default_factory=list)
-    variant: str | None = None
-    overlay: object = None  # weakref.ref to the variant's Overlay (None for the base)
-    used_at: float = 0.0
-
-    def shared_prefix(self, prompt: list[int], variant: str | None, overlay) -> int:
-        if variant != self.variant or (variant is not None and (self.overlay is None or self.overlay() is not overlay)):
-            return 0
-        n = 0
-        for held, wanted in zip(self.ids, prompt):
-            if held != wanted:
-                break
-            n += 1
-        return n
-
-
-@dataclass
 class StepReport:
     """What one `step()` did, for the metrics."""
 
@@ -101,17 +83,19 @@ class StepReport:
 class BatchRunner:
     """Up to `slots` sequences over one model and one SlotKVCache."""
 
-    def __init__(self, loaded, tokenizer, slots: int):
+    def __init__(self, loaded, tokenizer, slots: int, spill_bytes: int = 0):
+        """`spill_bytes`: host RAM for the rows of conversations whose slot was taken (0: none)."""
         self.loaded = loaded
         self.model = loaded.model
         self.tokenizer = tokenizer
         self.cache = loaded.new_slot_cache(slots)  # a pipeline stage's layers only
         self.active: list[ActiveSequence] = []
         self._free = list(range(slots))
-        self._held = [SlotHistory() for _ in range(slots)]
+        self._held = [HeldRows() for _ in range(slots)]
         self._sampled = 0
         # A pipeline's other stages keep twins of each slot that only ever compute their rows.
         self._copies_rows = getattr(loaded, "pipeline", None) is None
+        self.spill = SpillStore(spill_bytes if self._copies_rows else 0)
 
     @property
     def context_length(self) -> int:
@@ -137,6 +121,7 @@ class BatchRunner:
             _fail_job(job, err)
             return None
         self._free.remove(slot)
+        self._spill_out(slot, reused)
         reused = max(reused, self._copy_prefix(job, slot, reused))
         # The last prompt token always runs: its logits pick the first new token.
         seq.prefilled = job.cached_tokens = min(reused, len(job.prompt_ids) - 1)
@@ -169,10 +154,25 @@ class BatchRunner:
         shared = {s: min(h.shared_prefix(job.prompt_ids, job.variant, overlay), self.cache.lengths[s])
                   for s, h in held.items()}  # fmt: skip
         donor = max(shared, key=shared.get, default=None)
-        if not self._copies_rows or donor is None or shared[donor] < reused + MIN_COPIED_ROWS:
+        spilled, kept = self.spill.best(job.prompt_ids, job.variant, overlay)
+        kept = min(kept, self.context_length)
+        if not self._copies_rows or max(shared.get(donor, 0), kept) < reused + MIN_COPIED_ROWS:
             return reused
+        if kept > shared.get(donor, 0):  # the conversation's own rows, back from host RAM
+            self.spill.take(spilled, self.cache.rows_of(slot, kept), kept)
+            self.cache.lengths[slot] = kept
+            self.cache.finite[slot] = max(self.cache.finite[slot], kept)
+            return kept
         self.cache.copy_rows(donor, slot, shared[donor])
         return shared[donor]
+
+    def _spill_out(self, slot: int, kept: int) -> None:
+        """Before `slot` is overwritten past its first `kept` rows, keep a copy of all it holds
+        (a conversation that may come back) when it holds enough to be worth it."""
+        held = self._held[slot]
+        length = min(len(held.ids), self.cache.lengths[slot])
+        if self.spill.capacity and length >= kept + MIN_COPIED_ROWS:
+            self.spill.put(held.ids[:length], held.variant, held.overlay, self.cache.rows_of(slot, length))
 
     def _overlay(self, variant: str | None):
         """The variant's current overlay object (its identity tells a re-added variant apart)."""
@@ -292,19 +292,19 @@ class BatchRunner:
             self._free.append(seq.slot)
             self._free.sort()
 
-    def _history(self, seq: ActiveSequence, keep: bool = False) -> SlotHistory:
+    def _history(self, seq: ActiveSequence, keep: bool = False) -> HeldRows:
         """What `seq`'s slot holds once it ends (or, `keep`, holds now, running): its prompt and
         the tokens fed back, as far as the slot's length (the last sampled token was never fed);
         nothing after a failure."""
         held = self.cache.lengths[seq.slot]
         if keep:
-            return SlotHistory([*seq.job.prompt_ids, *seq.token_ids][:held], seq.variant,
+            return HeldRows([*seq.job.prompt_ids, *seq.token_ids][:held], seq.variant,
                                _weak(self._overlay(seq.variant)), time.monotonic())  # fmt: skip
         if not seq.intact:
             self.cache.free(seq.slot)
-            return SlotHistory(used_at=time.monotonic())
+            return HeldRows(used_at=time.monotonic())
         overlay = self._overlay(seq.variant)
-        return SlotHistory([*seq.job.prompt_ids, *seq.token_ids][:held], seq.variant,
+        return HeldRows([*seq.job.prompt_ids, *seq.token_ids][:held], seq.variant,
                            weakref.ref(overlay) if overlay is not None else None, time.monotonic())  # fmt: skip
 
 

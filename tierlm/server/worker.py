@@ -35,6 +35,17 @@ DEBUG_ACTIONS = ("kill", "stall", "delay", "pause", "resume")
 PIPELINE_THREAD_EXIT_S = 5.0
 
 
+def spill_room(loaded) -> int:
+    """Host RAM the memory plan leaves free, for idle conversations' rows (kv/spill.py): the
+    host tier's room beside an accelerator, the one RAM tier's on a CPU; none without a plan."""
+    placement = loaded.placement
+    if placement is None:
+        return 0
+    tier = "host" if "host" in placement.budgets and loaded.device.type != "cpu" else "device"
+    budget = placement.budgets.get(tier)
+    return max(0, budget - placement.total(tier)) if budget is not None else 0
+
+
 class WorkerKilled(BaseException):
     """Raised in the worker thread by the `kill` debug hook: it ends the thread as a crash would."""
 
@@ -148,6 +159,15 @@ class Worker:
         runner = self._runner
         return (runner.cache.nbytes, runner.cache.used_bytes) if runner else None
 
+    def spill_stats(self) -> dict | None:
+        """The host-RAM store of idle conversations' rows (kv/spill.py); None between workers."""
+        runner = self._runner
+        if runner is None:
+            return None
+        spill = runner.spill
+        return {"capacity_bytes": spill.capacity, "bytes": spill.nbytes, "conversations": len(spill.entries),
+                "spilled": spill.spilled, "restored": spill.restored, "dropped": spill.dropped}
+
     def slots_held(self) -> list[dict] | None:
         """Per KV slot: the tokens it holds (its running sequence's, or what the last one left for a
         prompt continuing it) and whether a sequence runs in it; None between workers."""
@@ -229,7 +249,7 @@ class Worker:
         return generation == self._generation and not self._stop.is_set()
 
     def _loop(self, generation: int) -> None:
-        runner = BatchRunner(self.loaded, self.tokenizer, self.settings.slots)
+        runner = BatchRunner(self.loaded, self.tokenizer, self.settings.slots, spill_bytes=spill_room(self.loaded))
         with self._cond:
             if not self._current(generation):
                 return
