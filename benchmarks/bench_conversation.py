@@ -8,8 +8,8 @@ Method:
   `tierlm` (this checkout); `--peer-src DIR` adds the same server from another checkout (e.g. a
   `git worktree` of the commit before a change: an A/B in one run); `TIERLM_LLAMA_CPP_BIN` (the
   folder holding `llama-server`) adds llama-server on the embedded GGUF with its prompt cache.
-- `--conversations C` conversations at once (C client threads, C slots per server), `--turns T`
-  turns each: a user message of ~150 tokens (a topic paragraph), a reply of `--max-tokens`.
+- `--conversations C` conversations at once (C client threads, C slots per server, or `--slots S`
+  fewer: conversations then take each other's slots), `--turns T` turns each: a user message of ~150 tokens (a topic paragraph), a reply of `--max-tokens`.
 - Reported per server: median time to first token at turn 1 and at turn T, their ratio, and the
   cached prompt tokens the server reported (`usage.prompt_tokens_details.cached_tokens`, where
   given). The CPU and the load average are printed, since timings swing with other load.
@@ -176,6 +176,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--turns", type=int, default=10)
     parser.add_argument("--conversations", type=int, default=1)
+    parser.add_argument("--slots", type=int, help="KV slots per server (default: one per conversation)")
     parser.add_argument("--max-tokens", type=int, default=48)
     parser.add_argument("--peer-src", type=Path, help="another checkout of tierlm to serve beside this one")
     args = parser.parse_args()
@@ -185,7 +186,7 @@ def main() -> None:
     ensure_embedded_model()
     scratch = Path(tempfile.mkdtemp(prefix="bench-conversation-"))
     profile = scratch / "bench.toml"
-    profile.write_text(PROFILE.format(batch=args.conversations))
+    profile.write_text(PROFILE.format(batch=args.slots or args.conversations))
     here = Path(__file__).resolve().parent.parent
     servers = [tierlm_server("tierlm", here, profile)]
     if args.peer_src:
@@ -200,7 +201,8 @@ def main() -> None:
         for server in servers:
             server.stop()
     print(f"CPU: {cpu_name()}, {os.cpu_count()} cores; load average {os.getloadavg()[0]:.2f} at the end")
-    print(f"{args.conversations} conversation(s) x {args.turns} turns, ~150-token user turns, "
+    print(f"{args.conversations} conversation(s) on {args.slots or args.conversations} slot(s) x {args.turns} turns, "
+          "~150-token user turns, "
           f"replies of {args.max_tokens} tokens, streamed, greedy; TTFT medians over conversations\n")
     print(f"{'server':28} {'TTFT turn 1':>12} {f'turn {args.turns}':>12} {'ratio':>7} {'cached at last turn':>20}")
     for name, turns in results.items():
