@@ -9,7 +9,9 @@ import torch
 
 from tests.test_server_batch import ImmediateLoop, drain, reference
 from tests.tiny import make_model
+from tierlm.kv.spill import DiskSpill
 from tierlm.runtime.engine import Engine
+from tierlm.runtime.saved_chat import model_identity
 from tierlm.runtime.loader import load_model
 from tierlm.runtime.sampling import SamplingParams
 from tierlm.runtime.tokenizer import Tokenizer
@@ -185,14 +187,15 @@ def test_a_prefix_is_copied_only_from_a_slot_of_the_same_variant_and_not_for_a_f
     assert shared(short, base) < 16 and runner._copy_prefix(job(short), 1, 0) == 0
 
 
-@pytest.mark.parametrize("spill_bytes", [64 << 20, 0])
-def test_a_conversation_whose_slot_was_taken_comes_back_from_host_ram(model, spill_bytes):
+@pytest.mark.parametrize("where", ["host-ram", "disk", "nowhere"])
+def test_a_conversation_whose_slot_was_taken_comes_back_from_host_ram_or_disk(model, where, tmp_path):
     """One slot, two conversations taking turns (a chat app's second chat, or the title it asks
-    for): the first's rows are copied out when the second takes the slot and back when it returns,
-    so its next turn prefills only what is new, and answers as computed from scratch. Without the
-    room to keep them it computes its history again."""
+    for): the first's rows are copied out when the second takes the slot (to host RAM, or to disk
+    when RAM has no room) and back when it returns, so its next turn prefills only what is new,
+    and answers as computed from scratch. With nowhere to keep them it computes its history again."""
     loaded, tokenizer = model
-    runner = BatchRunner(loaded, tokenizer, slots=1, spill_bytes=spill_bytes)
+    disk = DiskSpill(tmp_path / "spill", 64 << 20, model_identity(loaded, loaded.new_slot_cache(1))) if where == "disk" else None
+    runner = BatchRunner(loaded, tokenizer, slots=1, spill_bytes=64 << 20 if where == "host-ram" else 0, spill_disk=disk)
     first = turns(tokenizer, "the quick brown fox", replies=[])
     one = job(first)
     run(runner, one)
@@ -202,7 +205,7 @@ def test_a_conversation_whose_slot_was_taken_comes_back_from_host_ram(model, spi
     again = turns(tokenizer, "the quick brown fox", "and then?", replies=[reply])
     back = job(again)
     run(runner, back)
-    if spill_bytes:
+    if where != "nowhere":
         # All the rows that still match the new prompt (a random model's reply may tokenize back otherwise).
         assert back.cached_tokens == shared(again, held) >= len(first)
         assert (runner.spill.spilled, runner.spill.restored) == (2, 1)

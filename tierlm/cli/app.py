@@ -656,6 +656,11 @@ def serve(
         help="A chat request that does not fit the context drops its oldest exchanges (system messages kept), "
         "as chat does, instead of a 400; /v1/completions and /api/generate are still refused",
     ),
+    kv_spill_disk: str = typer.Option(
+        "2GiB", "--kv-spill-disk", metavar="SIZE",
+        help="Disk for idle conversations' KV rows once host RAM's free room is full (a second chat took their "
+        "slot); they come back from it when the conversation returns. 0 = none",
+    ),
     adapter_dir: Optional[Path] = typer.Option(
         None, "--adapter-dir", metavar="DIR", show_default=False,
         help="POST /v1/adapters loads adapters only from under DIR (symlinks followed); without it, only "
@@ -688,6 +693,7 @@ def serve(
     from tierlm.cli.models import pick_model
     from tierlm.server.options import ServerOptions
     from tierlm.server.run import serve as run_server
+    from tierlm.units import parse_size
 
     sampling, run = SamplingFlags.of(locals()), RunFlags.of(locals())
     if _pipeline_worker(run.device):
@@ -705,6 +711,7 @@ def serve(
         # Fault injection for the server tests only: an explicit environment switch.
         debug_hooks=os.environ.get("TIERLM_SERVE_DEBUG_HOOKS") == "1",
         adapter_dir=adapter_dir,
+        kv_spill_disk=parse_size(kv_spill_disk, "--kv-spill-disk"),
     )
     with _open(pick_model(model_arg, model), run, variants=True, batch_size=batch_size,
                stage_timeout=stage_timeout) as session:

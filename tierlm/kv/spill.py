@@ -9,14 +9,28 @@ Entries are evicted least recently used first to stay within `capacity` bytes: t
 memory plan leaves free (server/worker.py), so the process's peak stays within its budget. An
 entry is keyed by the ids its rows hold and the variant (and its overlay's identity) that
 computed them, as a slot's history is: rows of another variant never match.
+
+An entry evicted for room goes on to disk (`DiskSpill`) when the server has one: a prompt-cache
+file (kv/prompt_cache.py: checksummed, written atomically, tied to the model that computed it)
+in a folder of this process's own, within its own byte budget, least recently used deleted
+first. A file that reads back damaged is not used (the conversation is computed again). The
+folder is deleted when the process ends; one whose process is gone (killed) is deleted by the
+next server that starts, so no later run trusts what a killed write left.
 """
 
 from __future__ import annotations
 
+import hashlib
+import logging
+import shutil
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
+import psutil
 import torch
+
+from tierlm.kv.prompt_cache import PromptCacheRejected, read_prompt_cache, save_prompt_cache
 
 
 @dataclass
@@ -47,13 +61,95 @@ class Spilled(HeldRows):
     nbytes: int = 0
 
 
+@dataclass(eq=False)
+class OnDisk(HeldRows):
+    path: Path | None = None
+    nbytes: int = 0
+
+
+class DiskSpill:
+    """Spilled rows in prompt-cache files under `root/<pid>-<start time>/`, within `capacity` bytes."""
+
+    def __init__(self, root: Path, capacity: int, identity: dict):
+        process = psutil.Process()
+        self.folder = Path(root) / f"{process.pid}-{int(process.create_time())}"
+        self.capacity, self.identity = capacity, identity
+        self.entries: list[OnDisk] = []
+        self.rejected = 0  # files that read back damaged, ever
+        remove_orphans(Path(root))
+
+    @property
+    def nbytes(self) -> int:
+        return sum(e.nbytes for e in self.entries)
+
+    def put(self, entry: Spilled) -> bool:
+        if entry.nbytes > self.capacity:
+            return False
+        while self.entries and self.nbytes + entry.nbytes > self.capacity:
+            self._forget(min(self.entries, key=lambda e: e.used_at))
+        name = hashlib.sha256(repr((entry.variant, entry.ids)).encode()).hexdigest()[:32]
+        path = self.folder / f"{name}.tlmkv"
+        try:
+            self.folder.mkdir(parents=True, exist_ok=True)
+            save_prompt_cache(path, self.identity, {}, entry.ids, entry.parts)
+        except OSError as err:  # a full or read-only disk loses the copy, never the request
+            logging.getLogger("tierlm.server").warning("KV spill to %s failed: %s", path, err)
+            return False
+        self.entries.append(OnDisk(entry.ids, entry.variant, entry.overlay, entry.used_at, path, entry.nbytes))
+        return True
+
+    def take(self, entry: OnDisk, rows: list[torch.Tensor], length: int) -> bool:
+        """Copy the file's first `length` positions into `rows` and delete it; False (rows
+        untouched, the entry gone) when it reads back damaged or not at all."""
+        self.entries.remove(entry)
+        try:
+            saved = read_prompt_cache(entry.path, self.identity)
+            if len(saved.parts) != len(rows) or saved.token_ids[:length] != entry.ids[:length]:
+                raise PromptCacheRejected("it holds other rows")
+        except (PromptCacheRejected, OSError) as err:
+            logging.getLogger("tierlm.server").warning("KV spill file %s not used: %s", entry.path, err)
+            self.rejected += 1
+            entry.path.unlink(missing_ok=True)
+            return False
+        for held, part in zip(rows, saved.parts):
+            held.copy_(part[:, :, :length])
+        entry.path.unlink(missing_ok=True)
+        return True
+
+    def close(self) -> None:
+        shutil.rmtree(self.folder, ignore_errors=True)
+        self.entries.clear()
+
+    def _forget(self, entry: OnDisk) -> None:
+        self.entries.remove(entry)
+        entry.path.unlink(missing_ok=True)
+
+
+def remove_orphans(root: Path) -> None:
+    """Delete the spill folders under `root` whose process is gone (or whose pid now names
+    another process): what a killed server left."""
+    if not root.is_dir():
+        return
+    for folder in root.iterdir():
+        pid, _, started = folder.name.partition("-")
+        if not (pid.isdigit() and started.isdigit()):
+            continue
+        try:
+            alive = int(psutil.Process(int(pid)).create_time()) == int(started)
+        except (psutil.NoSuchProcess, psutil.AccessDenied, ValueError):
+            alive = False
+        if not alive:
+            shutil.rmtree(folder, ignore_errors=True)
+
+
 @dataclass
 class SpillStore:
-    capacity: int  # bytes; 0 keeps nothing
+    capacity: int  # bytes of host RAM; 0 keeps nothing there
+    disk: DiskSpill | None = None  # where entries evicted for room go on to (None: they are dropped)
     entries: list[Spilled] = field(default_factory=list)
     spilled: int = 0  # entries put, ever
     restored: int = 0  # entries taken back into a slot, ever
-    dropped: int = 0  # entries evicted for room, ever
+    dropped: int = 0  # entries evicted from host RAM for room, ever (to disk when there is one)
 
     @property
     def nbytes(self) -> int:
@@ -64,8 +160,12 @@ class SpillStore:
         computed under `variant`, `overlay` a weakref.ref to its overlay or None) unless they
         cannot fit at all; older entries make room. Whether they are kept."""
         nbytes = sum(r.numel() * r.element_size() for r in rows)
-        if not ids or nbytes > self.capacity:
+        if not ids:
             return False
+        if nbytes > self.capacity:  # past host RAM's room: straight to disk (a layer at a time), if any
+            kept = self.disk is not None and self.disk.put(Spilled(list(ids), variant, overlay, time.monotonic(), rows, nbytes))
+            self.spilled += kept
+            return kept
         source = overlay() if overlay is not None else None
         same = [e for e in self.entries
                 if e.variant == variant and (e.overlay() if e.overlay is not None else None) is source]  # fmt: skip
@@ -73,26 +173,41 @@ class SpillStore:
             return True
         # Entries these rows continue are superseded by them.
         self.entries = [e for e in self.entries if e not in same or ids[: len(e.ids)] != e.ids]
-        while self.entries and self.nbytes + nbytes > self.capacity:
-            self.entries.remove(min(self.entries, key=lambda e: e.used_at))
+        entry = Spilled(list(ids), variant, overlay, time.monotonic(), [r.clone() for r in rows], nbytes)
+        self.entries.append(entry)
+        while self.entries and self.nbytes > self.capacity:
+            oldest = min(self.entries, key=lambda e: e.used_at)
+            self.entries.remove(oldest)
             self.dropped += 1
-        self.entries.append(Spilled(list(ids), variant, overlay, time.monotonic(), [r.clone() for r in rows], nbytes))
+            if self.disk is not None:
+                self.disk.put(oldest)
         self.spilled += 1
         return True
 
-    def best(self, prompt: list[int], variant: str | None, overlay) -> tuple[Spilled | None, int]:
-        """The entry sharing the longest prefix with `prompt`, and how long; (None, 0) for none."""
+    def best(self, prompt: list[int], variant: str | None, overlay) -> tuple[HeldRows | None, int]:
+        """The entry (in RAM or on disk) sharing the longest prefix with `prompt`, and how long;
+        (None, 0) for none."""
         found, longest = None, 0
-        for entry in self.entries:
+        for entry in [*self.entries, *(self.disk.entries if self.disk else ())]:
             shared = entry.shared_prefix(prompt, variant, overlay)
             if shared > longest:
                 found, longest = entry, shared
         return found, longest
 
-    def take(self, entry: Spilled, rows: list[torch.Tensor], length: int) -> None:
+    def take(self, entry: HeldRows, rows: list[torch.Tensor], length: int) -> bool:
         """Copy `entry`'s first `length` positions into `rows` (a slot's `rows_of(slot, length)`)
-        and forget it: the slot holds it now, and spills it again when it is taken."""
-        for held, saved in zip(rows, entry.parts, strict=True):
-            held.copy_(saved[:, :, :length])
-        self.entries.remove(entry)
+        and forget it: the slot holds it now, and spills it again when it is taken. False when
+        a file on disk read back damaged (nothing copied: the caller computes the rows)."""
+        if isinstance(entry, OnDisk):
+            if not self.disk.take(entry, rows, length):
+                return False
+        else:
+            for held, saved in zip(rows, entry.parts, strict=True):
+                held.copy_(saved[:, :, :length])
+            self.entries.remove(entry)
         self.restored += 1
+        return True
+
+    def close(self) -> None:
+        if self.disk is not None:
+            self.disk.close()

@@ -104,7 +104,8 @@ def create_app(session, options: ServerOptions) -> FastAPI:
     state.worker = Worker(
         session.loaded,
         session.tokenizer,
-        WorkerSettings(state.slots, options.max_queue, options.stall_timeout, options.restart_backoff),
+        WorkerSettings(state.slots, options.max_queue, options.stall_timeout, options.restart_backoff,
+                       spill_disk_bytes=options.kv_spill_disk),
         on_step=metrics.step,
         on_restart=lambda _problem: metrics.restarts.inc(),
         pipeline=_pipeline_supervisor(session, options),

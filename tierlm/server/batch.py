@@ -83,8 +83,9 @@ class StepReport:
 class BatchRunner:
     """Up to `slots` sequences over one model and one SlotKVCache."""
 
-    def __init__(self, loaded, tokenizer, slots: int, spill_bytes: int = 0):
-        """`spill_bytes`: host RAM for the rows of conversations whose slot was taken (0: none)."""
+    def __init__(self, loaded, tokenizer, slots: int, spill_bytes: int = 0, spill_disk=None):
+        """`spill_bytes`: host RAM for the rows of conversations whose slot was taken (0: none);
+        `spill_disk`: a kv/spill.py DiskSpill where they go on to (None: dropped)."""
         self.loaded = loaded
         self.model = loaded.model
         self.tokenizer = tokenizer
@@ -95,7 +96,7 @@ class BatchRunner:
         self._sampled = 0
         # A pipeline's other stages keep twins of each slot that only ever compute their rows.
         self._copies_rows = getattr(loaded, "pipeline", None) is None
-        self.spill = SpillStore(spill_bytes if self._copies_rows else 0)
+        self.spill = SpillStore(spill_bytes, spill_disk) if self._copies_rows else SpillStore(0)
 
     @property
     def context_length(self) -> int:
@@ -158,11 +159,13 @@ class BatchRunner:
         kept = min(kept, self.context_length)
         if not self._copies_rows or max(shared.get(donor, 0), kept) < reused + MIN_COPIED_ROWS:
             return reused
-        if kept > shared.get(donor, 0):  # the conversation's own rows, back from host RAM
-            self.spill.take(spilled, self.cache.rows_of(slot, kept), kept)
-            self.cache.lengths[slot] = kept
-            self.cache.finite[slot] = max(self.cache.finite[slot], kept)
-            return kept
+        if kept > shared.get(donor, 0):  # the conversation's own rows, back from host RAM or disk
+            if self.spill.take(spilled, self.cache.rows_of(slot, kept), kept):
+                self.cache.lengths[slot] = kept
+                self.cache.finite[slot] = max(self.cache.finite[slot], kept)
+                return kept
+            if shared.get(donor, 0) < reused + MIN_COPIED_ROWS:  # a damaged file: computed again
+                return reused
         self.cache.copy_rows(donor, slot, shared[donor])
         return shared[donor]
 
@@ -171,7 +174,7 @@ class BatchRunner:
         (a conversation that may come back) when it holds enough to be worth it."""
         held = self._held[slot]
         length = min(len(held.ids), self.cache.lengths[slot])
-        if self.spill.capacity and length >= kept + MIN_COPIED_ROWS:
+        if (self.spill.capacity or self.spill.disk is not None) and length >= kept + MIN_COPIED_ROWS:
             self.spill.put(held.ids[:length], held.variant, held.overlay, self.cache.rows_of(slot, length))
 
     def _overlay(self, variant: str | None):

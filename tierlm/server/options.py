@@ -30,6 +30,8 @@ class ServerOptions:
     access_log: bool = True  # one line per request on stderr (`serve --quiet` turns it off)
     debug_hooks: bool = False  # POST /debug/worker (kill, stall, delay, pause): tests only
     adapter_dir: Path | None = None  # POST /v1/adapters loads adapters only under it (or cached ones by name)
+    # Disk for idle conversations' KV rows past the host RAM the plan leaves (kv/spill.py); 0: none.
+    kv_spill_disk: int = 2 << 30
 
     def __post_init__(self):
         if self.batch_size is not None and self.batch_size < 1:
@@ -46,6 +48,8 @@ class ServerOptions:
             raise TierlmError("--model-name must not be empty")
         if not all(isinstance(a, str) and a.strip() for a in self.aliases):
             raise TierlmError("--alias must not be empty")
+        if self.kv_spill_disk < 0:
+            raise TierlmError("--kv-spill-disk must not be negative", "give a size such as 2GiB, or 0 for none")
         if self.adapter_dir is not None and not Path(self.adapter_dir).expanduser().is_dir():
             raise TierlmError(f"--adapter-dir {self.adapter_dir} is not a directory",
                               "give the directory holding the adapters that API clients may add")  # fmt: skip

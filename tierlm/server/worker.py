@@ -57,6 +57,7 @@ class WorkerSettings:
     stall_timeout: float = 60.0  # seconds without a heartbeat before the worker counts as dead
     restart_backoff: float = 1.0  # seconds between declaring it dead and starting a new one
     watchdog_interval: float = 0.25
+    spill_disk_bytes: int = 0  # disk for idle conversations' rows past host RAM's room (0: none)
 
 
 class Worker:
@@ -94,6 +95,7 @@ class Worker:
         self._paused = False
         self._step_delay = 0.0
         self._retiring: dict[str, Callable[[], None]] = {}
+        self._spill_disk = None  # kv/spill.py DiskSpill, made by the first worker, kept across restarts
         self.peak_batch = 0
 
     # -- lifecycle -------------------------------------------------------------------------
@@ -120,6 +122,8 @@ class Worker:
         for thread in (self._watchdog, self._thread):
             if thread is not None:
                 thread.join(timeout)
+        if self._spill_disk is not None:
+            self._spill_disk.close()  # its files are this process's alone
 
     # -- handler side ----------------------------------------------------------------------
 
@@ -165,8 +169,12 @@ class Worker:
         if runner is None:
             return None
         spill = runner.spill
+        disk = spill.disk
         return {"capacity_bytes": spill.capacity, "bytes": spill.nbytes, "conversations": len(spill.entries),
-                "spilled": spill.spilled, "restored": spill.restored, "dropped": spill.dropped}
+                "spilled": spill.spilled, "restored": spill.restored, "dropped": spill.dropped,
+                "disk": None if disk is None else {"capacity_bytes": disk.capacity, "bytes": disk.nbytes,
+                                                   "conversations": len(disk.entries), "rejected": disk.rejected,
+                                                   "folder": str(disk.folder)}}
 
     def slots_held(self) -> list[dict] | None:
         """Per KV slot: the tokens it holds (its running sequence's, or what the last one left for a
@@ -245,11 +253,24 @@ class Worker:
             if not isinstance(err, (WorkerKilled, StageFailed)):  # a stage's failure is logged as it is found
                 logging.getLogger("tierlm.server").exception("the worker crashed")
 
+    def _disk_for_spills(self):
+        """The DiskSpill every worker of this server shares (None: no disk, or a pipeline)."""
+        if self._spill_disk is None and self.settings.spill_disk_bytes and self.pipeline is None:
+            from tierlm.kv.spill import DiskSpill
+            from tierlm.paths import cache_root
+            from tierlm.runtime.saved_chat import model_identity
+
+            cache = self.loaded.new_slot_cache(1)  # its layout and format, for the files' identity
+            self._spill_disk = DiskSpill(cache_root() / "kv-spill", self.settings.spill_disk_bytes,
+                                         model_identity(self.loaded, cache))  # fmt: skip
+        return self._spill_disk
+
     def _current(self, generation: int) -> bool:
         return generation == self._generation and not self._stop.is_set()
 
     def _loop(self, generation: int) -> None:
-        runner = BatchRunner(self.loaded, self.tokenizer, self.settings.slots, spill_bytes=spill_room(self.loaded))
+        runner = BatchRunner(self.loaded, self.tokenizer, self.settings.slots, spill_bytes=spill_room(self.loaded),
+                             spill_disk=self._disk_for_spills())  # fmt: skip
         with self._cond:
             if not self._current(generation):
                 return
