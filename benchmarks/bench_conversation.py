@@ -1,6 +1,8 @@
 """Multi-turn conversations through `tierlm serve`, as a chat client drives them: each turn resends
 the whole conversation (the OpenAI API keeps no state), streamed, greedy, with the real `openai`
-client. What a user feels is the time to the first token of each turn.
+client, or with `--client ollama` the real `ollama` client on tierlm's Ollama API (/api/chat);
+llama-server has no Ollama API, so it stays on the `openai` client either way. What a user feels is
+the time to the first token of each turn.
 
 Method:
 - Servers, each a subprocess on the embedded SmolLM2-135M-Instruct (same GGUF), started once and
@@ -12,9 +14,11 @@ Method:
   fewer: conversations then take each other's slots), `--turns T` turns each: a user message of ~150 tokens (a topic paragraph), a reply of `--max-tokens`.
 - Reported per server: median time to first token at turn 1 and at turn T, their ratio, and the
   cached prompt tokens the server reported (`usage.prompt_tokens_details.cached_tokens`, where
-  given). The CPU and the load average are printed, since timings swing with other load.
+  given; the Ollama API reports none: "-"). The CPU and the load average are printed, since timings
+  swing with other load.
 
-Run from the repo root: `.venv/bin/python benchmarks/bench_conversation.py [--turns 10] [--conversations 1]`.
+Run from the repo root:
+`.venv/bin/python benchmarks/bench_conversation.py [--turns 10] [--conversations 1] [--client ollama]`.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 TOPICS = ["the sea", "a red bicycle", "winter mornings", "a lost key", "coffee", "the moon", "trains",
           "a small garden", "rain on a roof", "old books", "a city at night", "mountains"]  # fmt: skip
+SEED = 0  # greedy anyway; a fixed seed keeps the Ollama options as a real client would send them
 FILLER = ("I have been thinking about this for a while, and I would like your view on how it feels, "
           "what it sounds like, what people remember of it and why it matters to them at all. ")  # fmt: skip
 PROFILE = """
@@ -68,9 +73,11 @@ def cpu_name() -> str:
 class Server:
     """One OpenAI-compatible server subprocess; `url` once it listens."""
 
-    def __init__(self, name: str, command: list[str], env: dict, ready: str | None, cwd: Path | None = None):
+    def __init__(self, name: str, command: list[str], env: dict, ready: str | None, cwd: Path | None = None,
+                 speaks_ollama: bool = False):
         """`ready`: the stderr line that gives the URL (group 1); None: the caller waits for it."""
         self.name = name
+        self.speaks_ollama = speaks_ollama
         self.process = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                         stderr=subprocess.PIPE, text=True, env=env, cwd=cwd)  # fmt: skip
         self.url = None
@@ -94,7 +101,7 @@ def tierlm_server(name: str, source: Path, profile: Path) -> Server:
     command = [sys.executable, "-m", "tierlm", "serve", "--profile", str(profile), "--port", "0", "--quiet",
                "--alias", "bench"]  # fmt: skip
     # Run from the checkout itself: `python -m` puts the working directory first on the path.
-    return Server(name, command, env, r"listening on (http://\S+)", cwd=source)
+    return Server(name, command, env, r"listening on (http://\S+)", cwd=source, speaks_ollama=True)
 
 
 def llama_server(binary: Path, gguf: Path, conversations: int) -> Server:
@@ -121,7 +128,7 @@ def wait_healthy(url: str, timeout_s: float = 300) -> None:
     raise SystemExit(f"{url} did not become healthy in {timeout_s:.0f} s")
 
 
-def one_turn(client, messages: list[dict], max_tokens: int) -> dict:
+def openai_turn(client, messages: list[dict], max_tokens: int) -> dict:
     started = time.perf_counter()
     stream = client.chat.completions.create(model="bench", messages=messages, temperature=0, max_tokens=max_tokens,
                                             stream=True, stream_options={"include_usage": True})  # fmt: skip
@@ -138,11 +145,34 @@ def one_turn(client, messages: list[dict], max_tokens: int) -> dict:
             "cached": cached}
 
 
-def converse(servers: list[Server], conversations: int, turns: int, max_tokens: int) -> dict:
-    """Every turn asked of each server in turn (interleaved); C conversations at once per server."""
+def ollama_turn(client, messages: list[dict], max_tokens: int) -> dict:
+    """TTFT: the first non-empty content chunk; the Ollama API reports no cached prompt tokens."""
+    started = time.perf_counter()
+    stream = client.chat(model="bench", messages=messages, stream=True,
+                         options={"temperature": 0, "num_predict": max_tokens, "seed": SEED})  # fmt: skip
+    text, ttft = [], None
+    for chunk in stream:
+        if chunk.message.content:
+            ttft = ttft if ttft is not None else time.perf_counter() - started
+            text.append(chunk.message.content)
+    return {"ttft": ttft if ttft is not None else time.perf_counter() - started, "text": "".join(text),
+            "cached": None}
+
+
+def client_for(server: Server, kind: str):
+    """(client, its turn function): `ollama` where the server speaks it, else `openai`."""
+    if kind == "ollama" and server.speaks_ollama:
+        import ollama
+
+        return ollama.Client(host=server.url, timeout=1800), ollama_turn
     import openai
 
-    clients = {s.name: openai.OpenAI(base_url=f"{s.url}/v1", api_key="none", timeout=1800) for s in servers}
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", timeout=1800), openai_turn
+
+
+def converse(servers: list[Server], conversations: int, turns: int, max_tokens: int, kind: str) -> dict:
+    """Every turn asked of each server in turn (interleaved); C conversations at once per server."""
+    clients = {s.name: client_for(s, kind) for s in servers}
     histories = {(s.name, c): [] for s in servers for c in range(conversations)}
     results = {s.name: [[] for _ in range(turns)] for s in servers}
     failures: list[str] = []
@@ -155,7 +185,8 @@ def converse(servers: list[Server], conversations: int, turns: int, max_tokens: 
 
                 def ask(history=history, server=server):
                     try:
-                        got = one_turn(clients[server.name], history, max_tokens)
+                        client, turn_function = clients[server.name]
+                        got = turn_function(client, history, max_tokens)
                     except Exception as err:  # noqa: BLE001 - reported after the threads end
                         failures.append(f"{server.name}, turn {turn + 1}: {type(err).__name__}: {err}")
                         return
@@ -179,6 +210,8 @@ def main() -> None:
     parser.add_argument("--slots", type=int, help="KV slots per server (default: one per conversation)")
     parser.add_argument("--max-tokens", type=int, default=48)
     parser.add_argument("--peer-src", type=Path, help="another checkout of tierlm to serve beside this one")
+    parser.add_argument("--client", choices=("openai", "ollama"), default="openai",
+                        help="the client tierlm servers are driven with (llama-server: always openai)")
     args = parser.parse_args()
 
     from tierlm.weights.embedded import embedded_gguf_path, ensure_embedded_model
@@ -196,14 +229,16 @@ def main() -> None:
         servers.append(llama_server(Path(shutil.which("llama-server", path=llama_bin)), embedded_gguf_path(),
                                     args.conversations))  # fmt: skip
     try:
-        results = converse(servers, args.conversations, args.turns, args.max_tokens)
+        results = converse(servers, args.conversations, args.turns, args.max_tokens, args.client)
     finally:
         for server in servers:
             server.stop()
     print(f"CPU: {cpu_name()}, {os.cpu_count()} cores; load average {os.getloadavg()[0]:.2f} at the end")
     print(f"{args.conversations} conversation(s) on {args.slots or args.conversations} slot(s) x {args.turns} turns, "
           "~150-token user turns, "
-          f"replies of {args.max_tokens} tokens, streamed, greedy; TTFT medians over conversations\n")
+          f"replies of {args.max_tokens} tokens, streamed, greedy; TTFT medians over conversations")
+    print(f"client: {args.client}" + (" for tierlm (llama-server has no Ollama API: openai client)\n"
+                                      if args.client == "ollama" else "\n"))
     print(f"{'server':28} {'TTFT turn 1':>12} {f'turn {args.turns}':>12} {'ratio':>7} {'cached at last turn':>20}")
     for name, turns in results.items():
         first = statistics.median(r["ttft"] for r in turns[0])
