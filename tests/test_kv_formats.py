@@ -264,3 +264,21 @@ def test_a_cache_allocates_what_the_planner_charges(name, checkpoints):
     profile = replace(load_profile("8gb"), kv_cache=name, context_length=64, batch_size=3)
     assert loaded.new_slot_cache(3).nbytes == kv_cache_bytes(loaded.config, profile, accelerator=False)
     assert isinstance(loaded.new_slot_cache(3), SlotKVCache)
+
+
+def test_a_session_holds_the_context_and_kv_format_its_flags_ask_for(tmp_path):
+    """`--context` and `--kv-cache` reach the planner's charge, the engine's cache and chat's /stats."""
+    from tests.tiny import make_model, write_profile
+    from tierlm.cli.repl import format_stats
+    from tierlm.offload.placement import DEVICE
+    from tierlm.profile import with_run_settings
+    from tierlm.runtime.session import open_session
+
+    make_model(tmp_path / "m", head_dim=32)
+    profile = with_run_settings(load_profile(str(write_profile(tmp_path / "p.toml", context_length=64, batch_size=1))),
+                                "200", "q8_0")  # fmt: skip
+    with open_session(str(tmp_path / "m"), profile, device="cpu", dtype="fp32") as session:
+        cache = session.engine.cache
+        assert (cache.format.name, session.engine.context_length) == ("q8_0", 200)
+        assert session.loaded.placement.charges[DEVICE]["kv_cache"] == cache.nbytes
+        assert "KV cache q8_0:" in format_stats(session, None) and "/200 tokens" in format_stats(session, None)

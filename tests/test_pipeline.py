@@ -25,6 +25,7 @@ from tierlm.kv.cache import SlotKVCache
 from tierlm.models import read_config
 from tierlm.distributed.launch import GroupSettings, start_group
 from tierlm.distributed.pipeline import load_pipeline, stage_loads
+from tierlm.profile import load_profile, with_run_settings
 from tierlm.runtime.loader import load_model
 
 pytestmark = pytest.mark.e2e  # stages are processes
@@ -179,3 +180,27 @@ def test_stages_run_from_a_folder_that_holds_another_tierlm_package(tmp_path):
                          env=dict(os.environ, TIERLM_PIPELINE_TIMEOUT="60"))  # fmt: skip
     assert run.returncode == 0, run.stderr
     assert run.stdout.strip() and "decoy" not in run.stderr
+
+
+def test_stages_hold_a_quantized_kv_cache_as_one_process_does(group, checkpoint, tmp_path):
+    """`--kv-cache q8_0` over stages: every stage's cache is q8_0 (its profile's), and the run is
+    the one-process run with the same format."""
+    folder = checkpoint("qwen3-qk-norm")  # heads of 32: a block of q8_0
+    profile = with_run_settings(load_profile(str(write_profile(tmp_path / "p.toml", context_length=CONTEXT,
+                                                                batch_size=1))), kv_cache="q8_0")  # fmt: skip
+    common = dict(device="cpu", dtype=torch.float32, quant="int8")
+    reference = load_model(folder, context_length=CONTEXT, kv_cache="q8_0", **common)
+    loads = stage_loads(folder, read_config(folder), [profile] * group.world, context_length=CONTEXT, threads=1, **common)
+    pipeline = load_pipeline(group, loads, owns_group=False)
+    try:
+        assert pipeline.new_cache().format.name == reference.new_cache().format.name == "q8_0"
+        ids = torch.randint(0, reference.config.vocab_size, (1, 9), generator=torch.Generator().manual_seed(3))
+        want_prefill, want_rows, want_tokens = batch_one(reference, ids)
+        got_prefill, got_rows, got_tokens = batch_one(pipeline, ids)
+        torch.testing.assert_close(got_prefill, want_prefill, atol=ATOL, rtol=0)
+        torch.testing.assert_close(got_rows, want_rows, atol=ATOL, rtol=0)
+        assert got_tokens == want_tokens
+    finally:
+        pipeline.model.close()
+        pipeline.close()
+        reference.close()

@@ -297,8 +297,8 @@ def format_stats(session, stats) -> str:
             f"decode    {stats.decode_tokens_per_s:.1f} tok/s, time to first token {stats.ttft_s * 1000:.0f} ms",
         ]
     lines += [
-        f"context   {engine.cache.offset}/{engine.context_length} tokens, "
-        f"KV cache {format_size(engine.cache.used_bytes)} used of {format_size(engine.cache.nbytes)} reserved",
+        f"context   {engine.cache.offset}/{engine.context_length} tokens, KV cache {engine.cache.format.name}: "
+        f"{format_size(engine.cache.used_bytes)} used of {format_size(engine.cache.nbytes)} reserved",
         f"weights   {format_size(engine.loaded.store.nbytes())} resident on {engine.loaded.device}, "
         f"{engine.loaded.formats}",
         f"memory    RSS {format_size(memory.rss)}, peak {format_size(memory.peak_rss)}",
