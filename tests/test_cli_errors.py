@@ -143,3 +143,9 @@ def test_bad_context_and_kv_cache_flags_get_one_line(tiny_dir, args, needle):
     assert config["max_position_embeddings"] < 9000 and config["hidden_size"] // config["num_attention_heads"] == 16
     assert_clean_failure(tierlm("generate", "hi", "--model", str(tiny_dir), *args), needle)
     assert_clean_failure(tierlm("plan", str(tiny_dir), *args), needle)
+
+
+@pytest.mark.parametrize("value", ["lots", "-1GiB"])
+def test_a_bad_kv_spill_disk_size_gets_one_line(tiny_dir, value):
+    assert_clean_failure(tierlm("serve", "--model", str(tiny_dir), "--kv-spill-disk", value),
+                         f"--kv-spill-disk {value} is not a size")  # fmt: skip

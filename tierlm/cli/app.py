@@ -693,7 +693,6 @@ def serve(
     from tierlm.cli.models import pick_model
     from tierlm.server.options import ServerOptions
     from tierlm.server.run import serve as run_server
-    from tierlm.units import parse_size
 
     sampling, run = SamplingFlags.of(locals()), RunFlags.of(locals())
     if _pipeline_worker(run.device):
@@ -711,13 +710,23 @@ def serve(
         # Fault injection for the server tests only: an explicit environment switch.
         debug_hooks=os.environ.get("TIERLM_SERVE_DEBUG_HOOKS") == "1",
         adapter_dir=adapter_dir,
-        kv_spill_disk=parse_size(kv_spill_disk, "--kv-spill-disk"),
+        kv_spill_disk=_flag_size(kv_spill_disk, "--kv-spill-disk"),
     )
     with _open(pick_model(model_arg, model), run, variants=True, batch_size=batch_size,
                stage_timeout=stage_timeout) as session:
         # Sampling flags become the server's defaults for requests that omit the field.
         session.generation_defaults = sampling.over(session.generation_defaults)
         run_server(session, options, host=host, port=port)
+
+
+def _flag_size(value: str, flag: str) -> int:
+    """Bytes from a flag's "2GiB", "500MB" or "0"; one line naming the flag otherwise."""
+    from tierlm.units import parse_size
+
+    try:
+        return parse_size(value, flag)
+    except TierlmError:
+        raise TierlmError(f"{flag} {value} is not a size", "give e.g. 2GiB or 500MB, or 0 for none") from None
 
 
 @app.command(short_help="What this machine offers and why an option is missing.")
