@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from tests.tiers import quick
-from tests.tiny import DECODE_CASES, decode_steps, scattered_slot_prompts
+from tests.tiny import DECODE_CASES, MOE_CASES, decode_steps, make_case, scattered_slot_prompts
 from tierlm.kv.cache import SlotKVCache
 from tierlm.models import fused_decode
 from tierlm.paths import kernels_root
@@ -189,3 +189,35 @@ def _dynamic_symbols(library) -> set[str]:
     # No binutils: the dynamic string table still holds every exported name.
     data = library.read_bytes()
     return {name.decode() for name in re.findall(rb"tierlm_[a-z0-9_]+", data)}
+
+
+@pytest.fixture
+def attention_calls(monkeypatch):
+    """Counts the attention halves the fused path ran for mixture-of-experts layers."""
+    calls = []
+    run = fused_decode.FusedStep.run_attention
+
+    def counting(self, w, x, layer):
+        calls.append(run(self, w, x, layer))
+        return calls[-1]
+
+    monkeypatch.setattr(fused_decode.FusedStep, "run_attention", counting)
+    return calls
+
+
+@pytest.mark.parametrize("case", quick(list(MOE_CASES), fast=["qwen3-moe-dense-and-sparse"]))
+def test_moe_layers_run_their_attention_natively_like_eager(case, tmp_path, monkeypatch, attention_calls):
+    """A mixture-of-experts layer's attention half runs as one native call (its router and
+    experts in torch after it); dense layers of the same model stay whole native layers."""
+    if fused_decode.native_library() is None:
+        pytest.skip("no native library here (no C++ compiler): decode runs the eager path only")
+    make_case(tmp_path, MOE_CASES[case])
+    loaded = load_model(tmp_path, device="cpu", dtype=torch.float32, context_length=64, quant="int8")
+    ids = torch.randint(0, loaded.config.vocab_size, (1, 9), generator=torch.Generator().manual_seed(3))
+    expected, expected_tokens = _eager(monkeypatch, lambda: decode_steps(loaded, ids, STEPS))
+    assert attention_calls == []
+    actual, tokens = decode_steps(loaded, ids, STEPS)
+    sparse = len(loaded.config.moe.sparse_layers)
+    assert attention_calls == [True] * (STEPS * sparse)
+    assert tokens == expected_tokens
+    torch.testing.assert_close(actual, expected, atol=ATOL, rtol=0)

@@ -212,3 +212,22 @@ def test_a_conversation_whose_slot_was_taken_comes_back_from_host_ram_or_disk(mo
     else:
         assert back.cached_tokens < 16 and runner.spill.spilled == 0
     assert drain(back)[0] == fresh(model, again)[1]
+
+
+def test_a_failing_spill_or_restore_costs_a_recomputation_never_the_request(model, monkeypatch):
+    loaded, tokenizer = model
+    runner = BatchRunner(loaded, tokenizer, slots=1, spill_bytes=64 << 20)
+    run(runner, job(turns(tokenizer, "the quick brown fox", replies=[])))
+
+    def broken(*_):
+        raise RuntimeError("disk on fire")
+
+    monkeypatch.setattr(runner.spill, "put", broken)
+    other = turns(tokenizer, "write a title for a chat about foxes", replies=[])
+    taken = job(other)
+    run(runner, taken)  # the first conversation's copy is lost; this request is not
+    assert drain(taken)[0] == fresh(model, other)[1]
+    monkeypatch.setattr(runner, "_copy_prefix", broken)
+    again = job(other)
+    run(runner, again)
+    assert again.cached_tokens == 0 and drain(again)[0] == fresh(model, other)[1]

@@ -70,13 +70,21 @@ class OnDisk(HeldRows):
 class DiskSpill:
     """Spilled rows in prompt-cache files under `root/<pid>-<start time>/`, within `capacity` bytes."""
 
-    def __init__(self, root: Path, capacity: int, identity: dict):
+    def __init__(self, root: Path, capacity: int, identity):
+        """`identity`: what the rows depend on (runtime/saved_chat.py `model_identity`), or a
+        function giving it, called at the first write (it may hash a checkpoint)."""
         process = psutil.Process()
         self.folder = Path(root) / f"{process.pid}-{int(process.create_time())}"
-        self.capacity, self.identity = capacity, identity
+        self.capacity, self._identity = capacity, identity
         self.entries: list[OnDisk] = []
         self.rejected = 0  # files that read back damaged, ever
         remove_orphans(Path(root))
+
+    @property
+    def identity(self) -> dict:
+        if callable(self._identity):
+            self._identity = self._identity()
+        return self._identity
 
     @property
     def nbytes(self) -> int:

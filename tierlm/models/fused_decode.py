@@ -9,7 +9,9 @@ scales, symmetric or not, read as stored) or fp32 tensors on the CPU, in any mix
 `q_norm`/`k_norm`), RoPE from the model's `RotaryTable` (rotate-half or interleaved, partial
 rotary_dim), the K/V write at each row's slot and position, single-query grouped attention
 over the row's span (causal, sliding window), Wo + residual, RMSNorm, W13 with SiLU(gate) * up,
-W2 + residual. Any other layer runs the eager reference (`run` returns False).
+W2 + residual. A mixture-of-experts layer runs its attention half natively the same way
+(`run_attention`), then its router and experts in torch. Any other layer runs the eager
+reference (`run` returns False).
 
 The weight-store contract is unchanged: the caller holds each block while its call runs.
 `TIERLM_FUSED=0` forces the eager path (tests and benchmarks compare both).
@@ -146,10 +148,21 @@ class FusedStep:
         """Run the layer whose keys/values are the cache's layer `layer` (its index in the stage)
         on x [B, 1, H] in place; False (nothing done) if its weights do not fit."""
         if "w13" not in w:
-            return False  # a mixture-of-experts layer (router and expert blocks) runs eagerly
+            return False  # a mixture-of-experts layer: `run_attention`, then its experts in torch
+        return self._call(self._lib.tierlm_decode_layer, w, x, layer, ("wqkv", "wo", "w13", "w2"))
+
+    def run_attention(self, w, x: torch.Tensor, layer: int) -> bool:
+        """x += the layer's attention (RMSNorm, QKV, RoPE, the cache, Wo) in place; False (nothing
+        done) if its weights do not fit."""
+        return self._call(self._lib.tierlm_decode_attention, w, x, layer, ("wqkv", "wo"))
+
+    def _call(self, entry, w, x: torch.Tensor, layer: int, names: tuple[str, ...]) -> bool:
         a, keep, shapes = self._args, [], self._shapes
         words = []
         for name, bias in (("wqkv", "bqkv"), ("wo", "bo"), ("w13", "b13"), ("w2", "b2")):
+            if name not in names:
+                words += [0] * 9  # not read by an attention-only call
+                continue
             described = _weight_words(w[name], w.get(bias), shapes[name], keep)
             if described is None:
                 return False
@@ -158,7 +171,7 @@ class FusedStep:
         for name, size in (("attn_norm", a.hidden), ("mlp_norm", a.hidden), ("q_norm", a.head_dim),
                            ("k_norm", a.head_dim)):  # fmt: skip
             norm = w.get(name)
-            if norm is None and name in ("q_norm", "k_norm"):
+            if norm is None and (name in ("q_norm", "k_norm") or (name == "mlp_norm" and "w13" not in names)):
                 words.append(0)
             elif _is_cpu_fp32(norm) and norm.numel() == size:
                 words.append(norm.data_ptr())
@@ -169,7 +182,7 @@ class FusedStep:
         words += [ptr + layer * stride if ptr else 0 for ptr, stride in self._parts]
         block = (_c_i64 * len(words))(*words)
         # Nonzero: a weight the native code does not implement (x untouched): run eagerly.
-        return self._lib.tierlm_decode_layer(ctypes.addressof(a), ctypes.addressof(block), x.data_ptr()) == 0
+        return entry(ctypes.addressof(a), ctypes.addressof(block), x.data_ptr()) == 0
 
 
 def _is_cpu_fp32(t) -> bool:

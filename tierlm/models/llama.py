@@ -75,6 +75,11 @@ class LlamaModel(LlamaFamily):
             with self.store.block(layer_block(i)) as w:
                 if fused is not None and fused.run(w, x, i - first):
                     continue
+                if fused is not None and "w13" not in w and fused.run_attention(w, x, i - first):
+                    # A mixture-of-experts layer: attention native, its router and experts here.
+                    h = base.rms_norm(x, w["mlp_norm"], self.config.rms_norm_eps)
+                    x = x + self.mlp(w, h, i)
+                    continue
                 eager = eager or self.eager_inputs(cache, length)
                 x = self.decoder_layer(w, x, cache, i, *eager)
         cache.advance(length)

@@ -17,7 +17,8 @@ and wraps its entry points:
   the memory bus and accumulation is fp32: W4A16.
 - `dequantize4_into`: fp32 rows of an INT4 weight, exactly `int4.dequantize4`'s values.
 - `decode_layer`: a whole decoder layer's decode step (tierlm/models/fused_decode.py); its
-  weights may be fp32, INT8 or INT4, its KV cache any of kv/formats.py's formats.
+  weights may be fp32, INT8 or INT4, its KV cache any of kv/formats.py's formats;
+  `decode_attention`: its attention half alone (a mixture-of-experts layer's).
 - `kv_store`, `kv_attend`: rows as that step writes them into a KV cache, and its attention
   over stored rows (tests hold both to kv/codec.py and torch).
 
@@ -81,6 +82,8 @@ class NativeKernel:
         lib.tierlm_i4_dequant.restype = ctypes.c_int
         lib.tierlm_decode_layer.argtypes = [ptr, ptr, ptr]
         lib.tierlm_decode_layer.restype = ctypes.c_int
+        lib.tierlm_decode_attention.argtypes = [ptr, ptr, ptr]
+        lib.tierlm_decode_attention.restype = ctypes.c_int
         lib.tierlm_decode_args_size.restype = i64
         lib.tierlm_kv_store.argtypes = [ctypes.c_int32, ptr, i64, i64, ptr, ptr]
         lib.tierlm_kv_store.restype = ctypes.c_int

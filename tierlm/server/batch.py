@@ -123,7 +123,11 @@ class BatchRunner:
             return None
         self._free.remove(slot)
         self._spill_out(slot, reused)
-        reused = max(reused, self._copy_prefix(job, slot, reused))
+        try:
+            reused = max(reused, self._copy_prefix(job, slot, reused))
+        except Exception:  # noqa: BLE001 - the rows may be half copied: compute them all instead
+            logging.getLogger("tierlm.server").exception("taking a prefix into slot %d failed", slot)
+            reused = 0
         # The last prompt token always runs: its logits pick the first new token.
         seq.prefilled = job.cached_tokens = min(reused, len(job.prompt_ids) - 1)
         self.cache.slot(slot).trim(seq.prefilled)
@@ -175,7 +179,10 @@ class BatchRunner:
         held = self._held[slot]
         length = min(len(held.ids), self.cache.lengths[slot])
         if (self.spill.capacity or self.spill.disk is not None) and length >= kept + MIN_COPIED_ROWS:
-            self.spill.put(held.ids[:length], held.variant, held.overlay, self.cache.rows_of(slot, length))
+            try:
+                self.spill.put(held.ids[:length], held.variant, held.overlay, self.cache.rows_of(slot, length))
+            except Exception:  # noqa: BLE001 - a lost copy costs a recomputation later, never this request
+                logging.getLogger("tierlm.server").exception("keeping slot %d's rows failed", slot)
 
     def _overlay(self, variant: str | None):
         """The variant's current overlay object (its identity tells a re-added variant apart)."""

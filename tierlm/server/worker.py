@@ -96,6 +96,7 @@ class Worker:
         self._step_delay = 0.0
         self._retiring: dict[str, Callable[[], None]] = {}
         self._spill_disk = None  # kv/spill.py DiskSpill, made by the first worker, kept across restarts
+        self._spill_disk_failed = False
         self.peak_batch = 0
 
     # -- lifecycle -------------------------------------------------------------------------
@@ -254,15 +255,22 @@ class Worker:
                 logging.getLogger("tierlm.server").exception("the worker crashed")
 
     def _disk_for_spills(self):
-        """The DiskSpill every worker of this server shares (None: no disk, or a pipeline)."""
-        if self._spill_disk is None and self.settings.spill_disk_bytes and self.pipeline is None:
+        """The DiskSpill every worker of this server shares (None: no disk, a pipeline, or weights
+        of no known source, whose files could not be tied to them)."""
+        wanted = self.settings.spill_disk_bytes and self.pipeline is None and self.loaded.source is not None
+        if self._spill_disk is None and wanted and not self._spill_disk_failed:
             from tierlm.kv.spill import DiskSpill
             from tierlm.paths import cache_root
             from tierlm.runtime.saved_chat import model_identity
 
-            cache = self.loaded.new_slot_cache(1)  # its layout and format, for the files' identity
-            self._spill_disk = DiskSpill(cache_root() / "kv-spill", self.settings.spill_disk_bytes,
-                                         model_identity(self.loaded, cache))  # fmt: skip
+            def identity():  # at the first write: it may hash a checkpoint loaded as stored
+                return model_identity(self.loaded, self.loaded.new_slot_cache(1))  # the layout and format
+
+            try:
+                self._spill_disk = DiskSpill(cache_root() / "kv-spill", self.settings.spill_disk_bytes, identity)
+            except OSError as err:  # an unreadable cache folder costs the disk copies, not the server
+                logging.getLogger("tierlm.server").warning("no disk for KV spills: %s", err)
+                self._spill_disk_failed = True
         return self._spill_disk
 
     def _current(self, generation: int) -> bool:

@@ -119,11 +119,13 @@ inline void attend_head(const LayerArgs& a, const float* qkv, int64_t b, int64_t
 
 inline float silu(float g) { return g / (1.0f + std::exp(-g)); }
 
-inline void decode_layer(const LayerArgs& a, float* x) {
-  const int64_t B = a.batch, H = a.hidden, I = a.inter, D = a.head_dim;
+// x += attention(RMSNorm(x)) @ Wo.T + bo: the layer's first half (all of a mixture-of-experts
+// layer that runs natively: its router and experts run in torch after it).
+inline void decode_attention(const LayerArgs& a, float* x) {
+  const int64_t B = a.batch, H = a.hidden, D = a.head_dim;
   const int64_t Nqkv = (a.n_q + 2 * a.n_kv) * D, Q = a.n_q * D;
   const int threads = a.threads;
-  std::vector<float> h(B * H), qkv(B * Nqkv), attn(B * Q), gate(B * I), up(B * I);
+  std::vector<float> h(B * H), qkv(B * Nqkv), attn(B * Q);
 
   for (int64_t b = 0; b < B; ++b) rms_norm(x + b * H, H, a.attn_norm, a.eps, h.data() + b * H);
   std::vector<float> xs = group_sums(a.qkv, h.data(), H, B);
@@ -138,9 +140,15 @@ inline void decode_layer(const LayerArgs& a, float* x) {
 
   xs = group_sums(a.o, attn.data(), Q, B);
   gemv(a.o, attn.data(), Q, B, xs.data(), x, H, true, threads);
+}
 
+inline void decode_layer(const LayerArgs& a, float* x) {
+  const int64_t B = a.batch, H = a.hidden, I = a.inter;
+  const int threads = a.threads;
+  decode_attention(a, x);
+  std::vector<float> h(B * H), gate(B * I), up(B * I);
   for (int64_t b = 0; b < B; ++b) rms_norm(x + b * H, H, a.mlp_norm, a.eps, h.data() + b * H);
-  xs = group_sums(a.w13, h.data(), H, B);
+  std::vector<float> xs = group_sums(a.w13, h.data(), H, B);
   const int64_t R = rows_per_tile(B), tiles = (I + R - 1) / R;
   parallel_for(tiles, tile_grain(tiles, threads), threads, [&](int64_t t0, int64_t t1) {
     const int64_t i0 = t0 * R, i1 = std::min(I, t1 * R);

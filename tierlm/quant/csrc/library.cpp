@@ -90,7 +90,7 @@ int tierlm_i4_dequant(const uint8_t* packed, const uint16_t* s, const uint16_t* 
 // (tl::Weight's fields), attn_norm, mlp_norm, q_norm, k_norm, keys, values, key_scales,
 // value_scales (pointers as integers, 0 for null). One flat array is what Python fills fastest (a layer costs ~40 ctypes
 // field writes otherwise). Returns -1 (x untouched) if a weight is no supported combination.
-int tierlm_decode_layer(const tl::LayerArgs* step, const int64_t* words, float* x) {
+static int decode_call(const tl::LayerArgs* step, const int64_t* words, float* x, bool mlp) {
   tl::LayerArgs a = *step;
   auto ptr = [&](int i) { return reinterpret_cast<void*>(static_cast<intptr_t>(words[i])); };
   tl::Weight* weights[4] = {&a.qkv, &a.o, &a.w13, &a.w2};
@@ -99,7 +99,7 @@ int tierlm_decode_layer(const tl::LayerArgs* step, const int64_t* words, float* 
     *weights[i] = tl::Weight{ptr(b), ptr(b + 1), ptr(b + 2), static_cast<const float*>(ptr(b + 3)),
                              words[b + 4], words[b + 5], words[b + 6],
                              static_cast<int32_t>(words[b + 7]), static_cast<int32_t>(words[b + 8])};
-    if (!weights[i]->supported()) return -1;
+    if ((i < 2 || mlp) && !weights[i]->supported()) return -1;
   }
   a.attn_norm = static_cast<const float*>(ptr(36));
   a.mlp_norm = static_cast<const float*>(ptr(37));
@@ -112,8 +112,18 @@ int tierlm_decode_layer(const tl::LayerArgs* step, const int64_t* words, float* 
   if (a.kv_type < tl::kKVF32 || a.kv_type > tl::kKVQ4 || a.head_dim > 2048 ||
       (tl::kv_quantized(a.kv_type) && (a.head_dim % tl::kKVGroup || !a.key_scales || !a.value_scales)))
     return -1;
-  tl::decode_layer(a, x);
+  if (mlp) tl::decode_layer(a, x);
+  else tl::decode_attention(a, x);
   return 0;
+}
+
+int tierlm_decode_layer(const tl::LayerArgs* step, const int64_t* words, float* x) {
+  return decode_call(step, words, x, true);
+}
+
+// The attention half alone (x += attention @ Wo.T): the same words, w13 and w2 unread (zeros).
+int tierlm_decode_attention(const tl::LayerArgs* step, const int64_t* words, float* x) {
+  return decode_call(step, words, x, false);
 }
 
 // Rows x[n, D] stored as the decode step stores KV rows in `type` (kv_formats.h): codes
