@@ -167,7 +167,8 @@ def test_stats_show_the_prefix_hit_rate_and_what_each_slot_holds(session):
         assert stats["kv_cache"]["reserved_bytes"] == session.loaded.new_slot_cache(2).nbytes
         placement = session.loaded.placement  # idle conversations may take the room the plan leaves
         spill = stats["kv_cache"]["spill"]
-        assert spill["capacity_bytes"] == placement.budgets["device"] - placement.total("device") > 0
+        room = placement.budgets["device"] - placement.total("device")
+        assert 0 < spill["capacity_bytes"] <= room and spill["capacity_bytes"] >= min(room, 256 << 20)
         assert spill["spilled"] == spill["restored"] == 0 == metric(client, "tierlm_kv_spilled_total")
         held = usages[1]["prompt_tokens"] + usages[1]["completion_tokens"] - 1
         assert sorted(s["tokens"] for s in slots) == [0, held] and not any(s["active"] for s in slots)

@@ -37,13 +37,17 @@ PIPELINE_THREAD_EXIT_S = 5.0
 
 def spill_room(loaded) -> int:
     """Host RAM the memory plan leaves free, for idle conversations' rows (kv/spill.py): the
-    host tier's room beside an accelerator, the one RAM tier's on a CPU; none without a plan."""
+    host tier's room beside an accelerator, the one RAM tier's on a CPU; none without a plan.
+    At most half the RAM free now: a profile larger than the machine must not swap for it."""
+    import psutil
+
     placement = loaded.placement
     if placement is None:
         return 0
     tier = "host" if "host" in placement.budgets and loaded.device.type != "cpu" else "device"
     budget = placement.budgets.get(tier)
-    return max(0, budget - placement.total(tier)) if budget is not None else 0
+    room = max(0, budget - placement.total(tier)) if budget is not None else 0
+    return min(room, psutil.virtual_memory().available // 2)
 
 
 class WorkerKilled(BaseException):
