@@ -37,8 +37,7 @@ from typing import Callable
 
 import torch
 
-from tierlm.kv.spill import HeldRows
-from tierlm.kv.spill import SpillStore
+from tierlm.kv.spill import HeldRows, SpillStore
 from tierlm.runtime.sampling import Sampler
 from tierlm.runtime.sequence import PREFILL_CHUNK, SequenceState
 from tierlm.runtime.stopping import StopMatcher
