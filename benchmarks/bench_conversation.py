@@ -11,7 +11,8 @@ Method:
   `git worktree` of the commit before a change: an A/B in one run); `TIERLM_LLAMA_CPP_BIN` (the
   folder holding `llama-server`) adds llama-server on the embedded GGUF with its prompt cache.
 - `--conversations C` conversations at once (C client threads, C slots per server, or `--slots S`
-  fewer: conversations then take each other's slots), `--turns T` turns each: a user message of ~150 tokens (a topic paragraph), a reply of `--max-tokens`.
+  fewer: conversations then take each other's slots), `--turns T` turns each: a user message of
+  ~150 tokens (a topic paragraph), a reply of `--max-tokens`.
 - Reported per server: median time to first token at turn 1 and at turn T, their ratio, and the
   cached prompt tokens the server reported (`usage.prompt_tokens_details.cached_tokens`, where
   given; the Ollama API reports none: "-"). The CPU and the load average are printed, since timings
@@ -104,10 +105,11 @@ def tierlm_server(name: str, source: Path, profile: Path) -> Server:
     return Server(name, command, env, r"listening on (http://\S+)", cwd=source, speaks_ollama=True)
 
 
-def llama_server(binary: Path, gguf: Path, conversations: int) -> Server:
+def llama_server(binary: Path, gguf: Path, slots: int) -> Server:
+    """llama-server with `slots` parallel slots of 4,096 tokens each, as tierlm's profile holds."""
     port = 18000 + os.getpid() % 1000
-    command = [str(binary), "-m", str(gguf), "--port", str(port), "-c", str(4096 * conversations),
-               "-np", str(conversations), "-t", str(os.cpu_count() or 1)]  # fmt: skip
+    command = [str(binary), "-m", str(gguf), "--port", str(port), "-c", str(4096 * slots),
+               "-np", str(slots), "-t", str(os.cpu_count() or 1)]  # fmt: skip
     server = Server("llama-server", command, dict(os.environ), None)
     server.url = f"http://127.0.0.1:{port}"
     wait_healthy(server.url)  # it listens before its model has loaded (503 meanwhile)
@@ -227,7 +229,7 @@ def main() -> None:
     llama_bin = os.environ.get("TIERLM_LLAMA_CPP_BIN")
     if llama_bin and shutil.which("llama-server", path=llama_bin):
         servers.append(llama_server(Path(shutil.which("llama-server", path=llama_bin)), embedded_gguf_path(),
-                                    args.conversations))  # fmt: skip
+                                    args.slots or args.conversations))  # fmt: skip
     try:
         results = converse(servers, args.conversations, args.turns, args.max_tokens, args.client)
     finally:
