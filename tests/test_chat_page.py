@@ -249,8 +249,11 @@ def test_stats_are_shown_and_refreshed(browser, server):
     percent = int(100 * reuse["hit_rate"] + 0.5)  # as Math.round
     shown = f"{percent}% ({reuse['reused_tokens']} of {reuse['prompt_tokens']} prompt tokens)"
     assert js(browser, "return document.getElementById('stat-reuse').textContent") == shown
-    assert js(browser, "return document.getElementById('stat-kv').textContent").endswith(
-        f"; slots hold {', '.join(slots)} tokens")
+    kv = js(browser, "return document.getElementById('stat-kv').textContent")
+    spill = stats["kv_cache"]["spill"]
+    idle = spill["conversations"] + (spill["disk"]["conversations"] if spill["disk"] else 0)
+    assert re.search(rf"; {idle} idle conversations kept \([\d.]+ [KMG]?i?B\); slots hold {', '.join(slots)} tokens$", kv), kv
+    assert kv.startswith(f"{stats['kv_cache']['format']}, {stats['kv_cache']['context']} tokens of context: ")
 
 
 @pytest.mark.e2e
