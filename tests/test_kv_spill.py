@@ -62,6 +62,8 @@ def test_rows_of_another_variant_or_of_a_replaced_overlay_never_match():
     assert store.best([1, 2, 3], "v", second) == (None, 0)  # "v" was replaced by another adapter
     assert store.best([1, 2, 3], "v", first)[1] == 3
     assert store.put([1, 2, 3], None, None, rows(3, 2.0)) and len(store.entries) == 2  # the base's own copy
+    del first  # the variant's adapter is removed: its rows are dropped at the next put
+    assert store.put([4, 5, 6], None, None, rows(3, 3.0)) and [e.ids for e in store.entries] == [[1, 2, 3], [4, 5, 6]]
 
 
 IDENTITY = {"weights": "test", "kv_cache": "f32"}

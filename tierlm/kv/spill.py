@@ -181,6 +181,8 @@ class SpillStore:
             return True
         # Entries these rows continue are superseded by them.
         self.entries = [e for e in self.entries if e not in same or ids[: len(e.ids)] != e.ids]
+        # Rows of a variant since removed or replaced can never match again: their room is free.
+        self.entries = [e for e in self.entries if e.variant is None or (e.overlay is not None and e.overlay() is not None)]
         entry = Spilled(list(ids), variant, overlay, time.monotonic(), [r.clone() for r in rows], nbytes)
         self.entries.append(entry)
         while self.entries and self.nbytes > self.capacity:
