@@ -4,20 +4,19 @@ attention taken in query blocks so its scores stay bounded whatever the context.
 
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import replace
 
 import pytest
 import torch
 
-from tests.test_planner import BASELINE, CPU, FALLBACKS, MODELS
+from tests.test_planner import BASELINE, CPU, FALLBACKS, MODELS, config_and_sizes
 from tierlm.errors import TierlmError
 from tierlm.kv.formats import FORMATS
-from tierlm.models import attention_blocks, base, read_config
+from tierlm.models import attention_blocks, base
 from tierlm.offload.placement import DEVICE
 from tierlm.offload.planner.search import plan
-from tierlm.offload.sizes import kv_cache_bytes, sizes_from_config, workspace_bytes
+from tierlm.offload.sizes import kv_cache_bytes, workspace_bytes
 from tierlm.profile import load_profile, with_run_settings
 
 GiB = 2**30
@@ -27,10 +26,7 @@ LLAMA_31_8B = {**MODELS["llama-3-8b"], "max_position_embeddings": 131072}
 
 @pytest.fixture(scope="module")
 def llama(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("llama-3.1-8b")
-    (folder / "config.json").write_text(json.dumps(LLAMA_31_8B))
-    config = read_config(folder)
-    return config, sizes_from_config(config, "int8")
+    return config_and_sizes(tmp_path_factory.mktemp("llama-3.1-8b"), LLAMA_31_8B)
 
 
 def _plan(llama, profile):

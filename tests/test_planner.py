@@ -71,6 +71,13 @@ def model_dirs(tmp_path_factory) -> dict[str, Path]:
     return dirs
 
 
+def config_and_sizes(folder: Path, raw: dict, quant: str = "int8", accelerator: bool = False):
+    """(config, block sizes) of a model that is only its config.json `raw`, written to `folder`."""
+    (folder / "config.json").write_text(json.dumps(raw))
+    config = read_config(folder)
+    return config, sizes_from_config(config, quant, accelerator=accelerator)
+
+
 def make_plan(model_dirs, model: str, profile, accelerator: bool, quant: str = "int8"):
     config = read_config(model_dirs[model])
     profile = load_profile(profile) if isinstance(profile, str) else profile

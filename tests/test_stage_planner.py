@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.test_planner import config_and_sizes
 from tierlm.models import read_config
 from tierlm.stages import StageSpan, even_split
 from tierlm.errors import TierlmError
@@ -45,10 +46,7 @@ def llama70b():
 
 @pytest.fixture(scope="module")
 def tied3b(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("tied")
-    (folder / "config.json").write_text(json.dumps(TIED_3B))
-    config = read_config(folder)
-    return config, sizes_from_config(config, "int8")
+    return config_and_sizes(tmp_path_factory.mktemp("tied"), TIED_3B)
 
 
 def stage_plan(config, sizes, span, profile, bandwidths, accelerator):
@@ -132,10 +130,7 @@ SMALL = {**json.loads((LLAMA_70B / "config.json").read_text()), "num_hidden_laye
 
 @pytest.fixture(scope="module")
 def small(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("small")
-    (folder / "config.json").write_text(json.dumps(SMALL))
-    config = read_config(folder)
-    return config, sizes_from_config(config, "int8", accelerator=True)
+    return config_and_sizes(tmp_path_factory.mktemp("small"), SMALL, accelerator=True)
 
 
 def split(config, sizes, profiles, bandwidths=GPU, accelerator=True):

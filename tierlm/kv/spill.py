@@ -44,8 +44,13 @@ class HeldRows:
     overlay: object = None  # weakref.ref to the variant's Overlay (None for the base)
     used_at: float = 0.0
 
+    def computed_by(self, variant: str | None, overlay) -> bool:
+        """Whether these rows are what `variant` computes under its overlay `overlay` (the live
+        object; None for the base)."""
+        return variant == self.variant and (variant is None or (self.overlay is not None and self.overlay() is overlay))
+
     def shared_prefix(self, prompt: list[int], variant: str | None, overlay) -> int:
-        if variant != self.variant or (variant is not None and (self.overlay is None or self.overlay() is not overlay)):
+        if not self.computed_by(variant, overlay):
             return 0
         n = 0
         for held, wanted in zip(self.ids, prompt):
@@ -174,9 +179,7 @@ class SpillStore:
             kept = self.disk is not None and self.disk.put(Spilled(list(ids), variant, overlay, time.monotonic(), rows, nbytes))
             self.spilled += kept
             return kept
-        source = overlay() if overlay is not None else None
-        same = [e for e in self.entries
-                if e.variant == variant and (e.overlay() if e.overlay is not None else None) is source]  # fmt: skip
+        same = [e for e in self.entries if e.computed_by(variant, overlay() if overlay is not None else None)]
         if any(e.ids[: len(ids)] == ids for e in same):  # an entry holds these rows and more
             return True
         # Entries these rows continue are superseded by them.
@@ -217,7 +220,3 @@ class SpillStore:
             self.entries.remove(entry)
         self.restored += 1
         return True
-
-    def close(self) -> None:
-        if self.disk is not None:
-            self.disk.close()

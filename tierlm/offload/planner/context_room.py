@@ -32,15 +32,18 @@ def context_room(ctx: _Context, device_charges: dict[str, int]) -> tuple[tuple[s
 
     room = []
     for name, held in FORMATS.items():
-        if held.unsupported(ctx.config.head_dim):
-            continue
-        low, high = 0, most  # fits(low) holds (or low is 0); find the largest that fits
-        if not fits(16, name):
-            room.append((name, 0))
-            continue
-        low = 16
-        while low < high:
-            middle = (low + high + 1) // 2
-            low, high = (middle, high) if fits(middle, name) else (low, middle - 1)
-        room.append((name, low))
+        if not held.unsupported(ctx.config.head_dim):
+            room.append((name, longest_context(lambda tokens: fits(tokens, name), most)))
     return tuple(room)
+
+
+def longest_context(fits, most: int) -> int:
+    """The most tokens in [16, most] for which `fits(tokens)` holds (it holds for every shorter
+    context when it holds for one), by bisection; 0 when not even 16 do."""
+    if most < 16 or not fits(16):
+        return 0
+    low, high = 16, most
+    while low < high:
+        middle = (low + high + 1) // 2
+        low, high = (middle, high) if fits(middle) else (low, middle - 1)
+    return low

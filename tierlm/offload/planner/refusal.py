@@ -14,9 +14,11 @@ from typing import Sequence
 
 from tierlm.device.memory import MemoryLimits
 from tierlm.errors import TierlmError
+from tierlm.kv.formats import FORMATS, kv_format
 from tierlm.offload.placement import DEVICE, DISK, HOST
 from tierlm.offload.planner.charges import _all_streamed, _budgets, _charges, _owns
 from tierlm.offload.planner.context import VariantCharge, _Context, _Split, _Unit
+from tierlm.offload.planner.context_room import longest_context
 from tierlm.offload.planner.limits import GiB, RAM, Cap, _size, cap_profile
 from tierlm.offload.planner.tiers import _choose_compute, _fitting_tiers, _least_resident
 from tierlm.offload.sizes import largest_mixed_size, mixed_size_text, sizes_from_config
@@ -118,18 +120,13 @@ def _refusal(ctx: _Context, shortfall: str, fallbacks, limits) -> TierlmError:
 def _context_hints(ctx: _Context) -> list[str]:
     """The longest `--context` that fits the profile in its KV format, and in the smaller
     quantized formats when they hold more (the pool too small for the context asked)."""
-    from tierlm.kv.formats import FORMATS, kv_format
 
     def longest(name: str) -> int:
         def fits(tokens: int) -> bool:
             shorter = replace(ctx.profile, context_length=tokens, context_asked=None, kv_cache=name)
             return _fitting_tiers(replace(ctx, profile=shorter)) is not None
 
-        low, high = 0, ctx.profile.context_length - 1
-        while low < high:
-            middle = (low + high + 1) // 2
-            low, high = (middle, high) if fits(middle) else (low, middle - 1)
-        return low if low >= 16 and fits(low) else 0
+        return longest_context(fits, ctx.profile.context_length - 1)  # the context asked does not fit
 
     held = kv_format(ctx.profile.kv_cache, ctx.accelerator)
     hints = []
