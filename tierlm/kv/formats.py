@@ -76,3 +76,13 @@ def kv_format(choice: str, accelerator: bool, compute: str | None = None) -> KVF
     """The format a choice (a profile's `kv_cache`, a flag) resolves to on this device."""
     choice = check_kv_cache(choice)
     return FORMATS[auto_format(accelerator, compute) if choice == AUTO else choice]
+
+
+def model_format(choice: str, accelerator: bool, head_dim: int, compute: str | None = None) -> KVFormat:
+    """`kv_format` for a model with heads of `head_dim`; one line when they cannot be held in it
+    (the planner and the loader refuse alike)."""
+    held = kv_format(choice, accelerator, compute)
+    reason = held.unsupported(head_dim)
+    if reason:
+        raise TierlmError(reason, "use --kv-cache f16 or bf16 for this model")
+    return held

@@ -62,7 +62,7 @@ from tierlm.cache.manifest import (
 from tierlm.cache.mixed_estimate import estimated_modes
 from tierlm.config import ModelConfig
 from tierlm.errors import TierlmError
-from tierlm.kv.formats import kv_format
+from tierlm.kv.formats import kv_format, model_format
 from tierlm.models import family_description  # torch-free; the family is looked up, never named here
 from tierlm.models.attention_blocks import query_block
 from tierlm.offload.routing_counts import COUNTS_NAME, RoutingCounts
@@ -347,9 +347,7 @@ def kv_token_bytes(config: ModelConfig, kv_cache: str, accelerator: bool, layers
     """Bytes one token of one sequence holds in a KV cache of format `kv_cache` ("auto": the
     compute dtype), over `layers` decoder layers (a pipeline stage's; None: all of them)."""
     layers = config.num_hidden_layers if layers is None else layers
-    held = kv_format(kv_cache, accelerator)
-    if held.unsupported(config.head_dim):  # refused at plan time as the load refuses it
-        raise TierlmError(held.unsupported(config.head_dim), "use --kv-cache f16 or bf16 for this model")
+    held = model_format(kv_cache, accelerator, config.head_dim)  # refused at plan time as the load refuses it
     return layers * 2 * config.num_key_value_heads * held.row_bytes(config.head_dim)
 
 

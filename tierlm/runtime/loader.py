@@ -21,7 +21,7 @@ from tierlm.config import ModelConfig
 from tierlm.device.resolve import compute_dtype, resolve_device
 from tierlm.errors import TierlmError
 from tierlm.kv.cache import KVCache, SlotKVCache, as_format
-from tierlm.kv.formats import KVFormat, kv_format
+from tierlm.kv.formats import KVFormat, model_format
 from tierlm.models import family_class
 from tierlm.models.llama import LlamaModel
 from tierlm.offload.placement import Placement
@@ -171,11 +171,7 @@ def load_source(
 def load_kv_format(config: ModelConfig, choice: str | None, device: torch.device, dtype: torch.dtype) -> KVFormat:
     """The KV format `choice` ("auto" or None: the compute dtype) means for this model and device;
     one line when the model's heads cannot be held in it."""
-    held = kv_format(choice or "auto", device.type != "cpu", dtype_name(dtype))
-    reason = held.unsupported(config.head_dim)
-    if reason:
-        raise TierlmError(reason, "use --kv-cache f16 or bf16 for this model")
-    return held
+    return model_format(choice or "auto", device.type != "cpu", config.head_dim, dtype_name(dtype))
 
 
 def read_budget(source: WeightSource, profile, device, bandwidths=None, span=None) -> Budget:
