@@ -197,6 +197,15 @@ class SpillStore:
         self.spilled += 1
         return True
 
+    def stats(self) -> dict:
+        """What it holds and has done, in host RAM and on disk (the server's /stats)."""
+        disk = self.disk
+        return {"capacity_bytes": self.capacity, "bytes": self.nbytes, "conversations": len(self.entries),
+                "spilled": self.spilled, "restored": self.restored, "dropped": self.dropped,
+                "disk": None if disk is None else {"capacity_bytes": disk.capacity, "bytes": disk.nbytes,
+                                                   "conversations": len(disk.entries), "rejected": disk.rejected,
+                                                   "folder": str(disk.folder)}}  # fmt: skip
+
     def best(self, prompt: list[int], variant: str | None, overlay) -> tuple[HeldRows | None, int]:
         """The entry (in RAM or on disk) sharing the longest prefix with `prompt`, and how long;
         (None, 0) for none."""

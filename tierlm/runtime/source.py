@@ -22,7 +22,15 @@ from tierlm.errors import TierlmError
 from tierlm.models import family_description, read_config
 from tierlm.offload.placement import Placement
 from tierlm.offload.planner.search import check_fits, plan
-from tierlm.offload.sizes import BlockSizes, cached_artifact, check_context_asked, expected_routing, resolve_auto, sizes_from_artifact, sizes_from_config
+from tierlm.offload.sizes import (
+    BlockSizes,
+    cached_artifact,
+    check_context_asked,
+    expected_routing,
+    resolve_auto,
+    sizes_from_artifact,
+    sizes_from_config,
+)
 from tierlm.probe.baseline import Baseline
 from tierlm.probe.machine import load_bandwidths
 from tierlm.profile import Profile, load_profile, shipped_profiles

@@ -173,13 +173,7 @@ class Worker:
         runner = self._runner
         if runner is None:
             return None
-        spill = runner.spill
-        disk = spill.disk
-        return {"capacity_bytes": spill.capacity, "bytes": spill.nbytes, "conversations": len(spill.entries),
-                "spilled": spill.spilled, "restored": spill.restored, "dropped": spill.dropped,
-                "disk": None if disk is None else {"capacity_bytes": disk.capacity, "bytes": disk.nbytes,
-                                                   "conversations": len(disk.entries), "rejected": disk.rejected,
-                                                   "folder": str(disk.folder)}}
+        return runner.spill.stats()
 
     def slots_held(self) -> list[dict] | None:
         """Per KV slot: the tokens it holds (its running sequence's, or what the last one left for a
