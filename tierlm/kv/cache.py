@@ -15,7 +15,8 @@ from tierlm.models.base import attention_mask, position_mask
 class DecodeRows(NamedTuple):
     """What a fused or captured decode step needs of a cache: the storage of every layer
     (codes [layers, rows, kv_heads, max_len, width]; fp16 scales [..., D / 32] or None), each
-    row's slot and the position its new token goes to."""
+    row's slot and the position its new token goes to. A paged cache (kv/paged.py) holds
+    [layers, pages, kv_heads, page_tokens, width] and gives each row's pages instead of a slot."""
 
     keys: torch.Tensor
     values: torch.Tensor
@@ -24,6 +25,8 @@ class DecodeRows(NamedTuple):
     key_scales: torch.Tensor | None
     value_scales: torch.Tensor | None
     format: KVFormat
+    page_tables: list[list[int]] | None = None
+    page_tokens: int = 0
 
 
 class _Storage:

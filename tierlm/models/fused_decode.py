@@ -55,11 +55,11 @@ class LayerArgs(ctypes.Structure):
                 ("attn_norm", _c_ptr), ("mlp_norm", _c_ptr), ("q_norm", _c_ptr), ("k_norm", _c_ptr),
                 ("cos", _c_ptr), ("sin", _c_ptr), ("keys", _c_ptr), ("values", _c_ptr),
                 ("key_scales", _c_ptr), ("value_scales", _c_ptr),
-                ("slots", _c_ptr), ("positions", _c_ptr),
+                ("slots", _c_ptr), ("positions", _c_ptr), ("page_tables", _c_ptr),
                 ("batch", _c_i64), ("hidden", _c_i64), ("n_q", _c_i64), ("n_kv", _c_i64),
                 ("head_dim", _c_i64), ("inter", _c_i64), ("rotary_dim", _c_i64), ("max_len", _c_i64),
-                ("window", _c_i64), ("eps", ctypes.c_float), ("interleaved", _c_i32),
-                ("threads", _c_i32), ("kv_type", _c_i32)]  # fmt: skip
+                ("window", _c_i64), ("table_width", _c_i64), ("eps", ctypes.c_float), ("interleaved", _c_i32),
+                ("threads", _c_i32), ("kv_type", _c_i32), ("page_shift", _c_i32)]  # fmt: skip
 
 
 @functools.lru_cache(maxsize=None)
@@ -91,7 +91,7 @@ def step_for(model, cache, x: torch.Tensor) -> FusedStep | None:
     layout = (len(model.span.layers), cfg.num_key_value_heads, cfg.head_dim)  # a stage caches its layers only
     if (keys.shape[0], keys.shape[2], rows.format.row_bytes(cfg.head_dim)) != (*layout[:2], _row_bytes(rows)):
         return None  # the native code trusts the cache layout: anything else runs eagerly
-    if not all(0 <= s < keys.shape[1] for s in slots):
+    if rows.page_tables is None and not all(0 <= s < keys.shape[1] for s in slots):
         return None
     if max(positions) >= cache.max_len:  # what cache.rope raises on the eager path
         raise ValueError(f"{max(positions) + 1} positions exceed the KV cache ({cache.max_len})")
@@ -133,6 +133,11 @@ class FusedStep:
         a = self._args = LayerArgs()
         a.cos, a.sin = rotary.cos.data_ptr(), rotary.sin.data_ptr()
         a.slots, a.positions = ctypes.addressof(self._slots), ctypes.addressof(self._positions)
+        if rows.page_tables is not None:  # paged: each row's pages, padded to one width
+            width = max(len(t) for t in rows.page_tables)
+            self._tables = (_c_i64 * (width * len(slots)))(*[p for t in rows.page_tables for p in t + [0] * (width - len(t))])
+            a.page_tables, a.table_width = ctypes.addressof(self._tables), width
+            a.page_shift = rows.page_tokens.bit_length() - 1
         a.batch, a.hidden = len(slots), cfg.hidden_size
         a.n_q, a.n_kv, a.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         a.inter, a.rotary_dim, a.max_len = cfg.intermediate_size, rotary.rotary_dim, keys.shape[3]

@@ -18,15 +18,24 @@
 
 namespace tl {
 
-// One KV head's rows as a cache holds them: position t's codes at data + t * row_bytes, its
-// scales (quantized types) at scales + t * groups.
+// One KV head's rows as a cache holds them. Contiguous (`pages` null): position t's codes at
+// data + t * row_bytes, its scales (quantized types) at scales + t * groups. Paged: position t
+// lies in page pages[t >> page_shift] at row t & (2^page_shift - 1), a page being page_rows
+// rows of every head (data and scales point at this head's first row of page 0).
 struct StoredRows {
   int32_t type;
   const char* data;
   const uint16_t* scales;
   int64_t row_bytes, groups;
-  const void* codes(int64_t t) const { return data + t * row_bytes; }
-  const uint16_t* scales_of(int64_t t) const { return scales ? scales + t * groups : nullptr; }
+  const int64_t* pages = nullptr;
+  int32_t page_shift = 0;
+  int64_t page_rows = 0;  // rows between one page's head and the next page's (n_kv * page size)
+  int64_t row(int64_t t) const {
+    if (!pages) return t;
+    return pages[t >> page_shift] * page_rows + (t & ((int64_t{1} << page_shift) - 1));
+  }
+  const void* codes(int64_t t) const { return data + row(t) * row_bytes; }
+  const uint16_t* scales_of(int64_t t) const { return scales ? scales + row(t) * groups : nullptr; }
 };
 
 // exp(x) for x <= 0 (softmax after the max is subtracted): Cody-Waite reduction and a degree-6

@@ -32,17 +32,23 @@ struct LayerArgs {
   const float* k_norm;
   const float* cos;  // [max_len, rotary_dim], laid out as models/base.py RotaryTable
   const float* sin;
-  void* keys;  // this layer's codes [slots, n_kv, max_len, row] in kv_type (kv_formats.h)
+  // This layer's codes in kv_type (kv_formats.h): [slots, n_kv, max_len, row], or paged
+  // (page_shift > 0) [pages, n_kv, 2^page_shift, row]; fp16 scales likewise [..., head_dim / 32]
+  // (quantized types), else null.
+  void* keys;
   void* values;
-  uint16_t* key_scales;  // this layer's fp16 scales [slots, n_kv, max_len, head_dim / 32], or null
+  uint16_t* key_scales;
   uint16_t* value_scales;
-  const int64_t* slots;      // [batch]: each row's cache slot
-  const int64_t* positions;  // [batch]: where each row's new token goes
+  const int64_t* slots;        // [batch]: each row's cache slot (slot layout)
+  const int64_t* positions;    // [batch]: where each row's new token goes
+  const int64_t* page_tables;  // [batch, table_width]: each row's pages in order (paged layout)
   int64_t batch, hidden, n_q, n_kv, head_dim, inter, rotary_dim, max_len, window;  // window 0: none
+  int64_t table_width;
   float eps;
   int32_t interleaved;  // RoPE pairs (2i, 2i+1) instead of (i, i + rotary_dim/2)
   int32_t threads;
-  int32_t kv_type;  // tl::KVType
+  int32_t kv_type;     // tl::KVType
+  int32_t page_shift;  // 0: the slot layout; else log2 of a page's positions
 };
 
 // out = x * rsqrt(mean(x^2) + eps) * w over n values (torch's F.rms_norm order).
@@ -87,17 +93,28 @@ inline void attend_head(const LayerArgs& a, const float* qkv, int64_t b, int64_t
   rope(k, cs, sn, a.rotary_dim, a.interleaved);
   const int32_t type = a.kv_type;
   const int64_t row_bytes = kv_code_bytes(type, D), groups_per_row = kv_quantized(type) ? D / kKVGroup : 0;
-  const int64_t head_row = (slot * a.n_kv + kvh) * a.max_len;  // the head's first position
+  const bool paged = a.page_shift > 0;
+  // The head's first row: of its slot (slot layout) or of page 0 (paged).
+  const int64_t head_row = paged ? kvh << a.page_shift : (slot * a.n_kv + kvh) * a.max_len;
   char* kc = static_cast<char*>(a.keys) + head_row * row_bytes;
   char* vc = static_cast<char*>(a.values) + head_row * row_bytes;
   uint16_t* ks = a.key_scales ? a.key_scales + head_row * groups_per_row : nullptr;
   uint16_t* vs = a.value_scales ? a.value_scales + head_row * groups_per_row : nullptr;
+  StoredRows keys{type, kc, ks, row_bytes, groups_per_row}, values{type, vc, vs, row_bytes, groups_per_row};
+  if (paged) {
+    for (StoredRows* rows : {&keys, &values}) {
+      rows->pages = a.page_tables + b * a.table_width;
+      rows->page_shift = a.page_shift;
+      rows->page_rows = a.n_kv << a.page_shift;
+    }
+  }
   // The group's first head writes the new key/value; the others read only earlier positions,
   // so no head waits for another. The new position is read from each head's own copy of what
   // the cache holds for it (the row as stored, then read back), so every head sees the same.
   if (hq % groups == 0) {
-    kv_store(type, k, D, kc + pos * row_bytes, ks ? ks + pos * groups_per_row : nullptr);
-    kv_store(type, v, D, vc + pos * row_bytes, vs ? vs + pos * groups_per_row : nullptr);
+    const int64_t at = keys.row(pos);
+    kv_store(type, k, D, kc + at * row_bytes, ks ? ks + at * groups_per_row : nullptr);
+    kv_store(type, v, D, vc + at * row_bytes, vs ? vs + at * groups_per_row : nullptr);
   }
   std::vector<float> fresh(2 * D);
   float *k_new = fresh.data(), *v_new = k_new + D;
@@ -113,7 +130,6 @@ inline void attend_head(const LayerArgs& a, const float* qkv, int64_t b, int64_t
     std::memcpy(v_new, v, D * sizeof(float));
   }
   const int64_t start = a.window > 0 ? std::max<int64_t>(0, pos - a.window + 1) : 0;
-  const StoredRows keys{type, kc, ks, row_bytes, groups_per_row}, values{type, vc, vs, row_bytes, groups_per_row};
   attend_stored(keys, values, q, D, start, pos, k_new, v_new, scores, out);
 }
 
