@@ -5,7 +5,8 @@ CPU decode step: its attention reads every cached position each step, so it grow
 Run one format per process, e.g. interleaved A/B against another checkout:
 `.venv/bin/python benchmarks/bench_long_context_decode.py --kv-cache q8_0 --context 4000`;
 PYTHONPATH=<other checkout> runs that checkout's tierlm (and its native library) instead.
-Prints one JSON line: format, context, decode tok/s, ms per step.
+Prints one JSON line: format, context, decode tok/s, ms per step. `--paged`: the cache is the
+server's (kv/paged.py: a page table over a pool of 16-position pages) instead of a contiguous one.
 
 `--kernel`: the decode step's attention alone (the native `kv_attend`: one query head over N
 stored rows of 64 values, the embedded model's head), ns per position for every format.
@@ -26,6 +27,7 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=4000, help="tokens prefilled before the timed steps")
     parser.add_argument("--steps", type=int, default=64)
     parser.add_argument("--kernel", action="store_true", help="time the attention kernel alone, every format")
+    parser.add_argument("--paged", action="store_true", help="a paged cache (the server's) instead of a contiguous one")
     args = parser.parse_args()
     if args.kernel:
         return kernel(args.context)
@@ -39,7 +41,7 @@ def main() -> None:
     loaded = load_model(model_dir, device="cpu", dtype=torch.float32, context_length=args.context + args.steps + 1,
                         kv_cache=args.kv_cache)  # fmt: skip
     ids = prompt_ids(Tokenizer.from_dir(model_dir), args.context)
-    cache = loaded.new_cache()
+    cache = loaded.new_paged_cache(1, 1).slot(0) if args.paged else loaded.new_cache()
     with torch.inference_mode():
         for start in range(0, len(ids), 512):
             logits = loaded.model.forward(torch.tensor([ids[start : start + 512]]), cache)
@@ -48,7 +50,7 @@ def main() -> None:
         for _ in range(args.steps):
             token = int(loaded.model.forward(torch.tensor([[token]]), cache)[0, -1].argmax())
         elapsed = time.perf_counter() - started
-    print(json.dumps({"kv_cache": args.kv_cache, "context": args.context, "tok_s": round(args.steps / elapsed, 2),
+    print(json.dumps({"kv_cache": args.kv_cache, "paged": args.paged, "context": args.context, "tok_s": round(args.steps / elapsed, 2),
                       "ms_per_step": round(1000 * elapsed / args.steps, 2)}))
 
 

@@ -9,12 +9,14 @@ zero-padded, masked span, so SDPA sums in a different order; observed ~1e-6), gr
 
 from __future__ import annotations
 
+import random
+
 import pytest
 import torch
 
 from tests.tiers import quick
 from tests.tiny import DECODE_CASES, decode_steps, scattered_slot_prompts, make_model
-from tierlm.kv.cache import SlotKVCache
+from tierlm.kv.paged import PagedKVCache
 from tierlm.device.graphs import GraphUnavailable, RecordedGraph, graph_kind
 from tierlm.models import graph_decode
 from tierlm.models.graph_decode import GraphedDecode
@@ -106,12 +108,14 @@ def test_graphed_decode_matches_eager_batch_1(loaded):
 
 def test_graphed_batched_decode_matches_eager_over_slots_of_different_lengths(loaded):
     """forward_batch over scattered slots (lengths 11, 3, 7: past the window of the window case),
-    NaN in every never-written position, slot sets changing between steps."""
+    NaN in every never-written position, slot sets changing between steps; the paged cache's
+    pages of 4 positions come from a shuffled pool, read through each row's table in the graph."""
     steps = 6
     prompts, slots = scattered_slot_prompts(loaded.config.vocab_size)
 
     def run():
-        cache = SlotKVCache.for_model(loaded.config, loaded.max_len, 4)
+        cache = PagedKVCache.for_model(loaded.config, loaded.max_len, 4, 48, page_tokens=4)
+        random.Random(0).shuffle(cache.pool._free)
         cache.keys.fill_(float("nan"))
         cache.values.fill_(float("nan"))
         current = [loaded.model.forward(torch.tensor([p]), cache.slot(s))[0, -1] for p, s in zip(prompts, slots)]

@@ -23,7 +23,6 @@ from tests.test_fused_decode import _eager, fused_calls  # noqa: F401 - fused_ca
 from tests.tiny import DECODE_CASES, checkpoint_maker, decode_steps, scattered_slot_prompts
 from tierlm.errors import TierlmError
 from tierlm.kv import codec
-from tierlm.kv.cache import SlotKVCache
 from tierlm.kv.formats import FORMATS, check_kv_cache
 from tierlm.models import fused_decode
 from tierlm.offload.sizes import kv_cache_bytes
@@ -224,7 +223,7 @@ def test_fused_step_reads_each_format_as_eager_does(case, name, checkpoints, mon
 
 @pytest.mark.parametrize("name", quick(QUANTIZED, fast=["q8_0"]))
 def test_batched_slots_read_quantized_pages_as_eager_does(name, checkpoints, monkeypatch, fused_calls):
-    """forward_batch over scattered slots of one quantized SlotKVCache (gathered rows, a window)."""
+    """forward_batch over scattered slots of one quantized paged cache (a window)."""
     if fused_decode.native_library() is None:
         pytest.skip("no native library here (no C++ compiler): decode runs the eager path only")
     folder = checkpoints("mistral-window-3-head-dim-32")
@@ -233,7 +232,7 @@ def test_batched_slots_read_quantized_pages_as_eager_does(name, checkpoints, mon
 
     def run(model, forced=None):
         """Logits of prefills then 6 batched steps; `forced` [7, 3]: the tokens each step takes."""
-        cache = model.new_slot_cache(4)
+        cache = model.new_paged_cache(4, 4)
         current = [model.model.forward(torch.tensor([p]), cache.slot(s))[0, -1] for p, s in zip(prompts, slots)]
         out = [torch.stack(current)]
         for step in range(6):
@@ -262,8 +261,7 @@ def test_a_cache_allocates_what_the_planner_charges(name, checkpoints):
 
     loaded = _load(checkpoints("qwen3-qk-norm"), name)
     profile = replace(load_profile("8gb"), kv_cache=name, context_length=64, batch_size=3)
-    assert loaded.new_slot_cache(3).nbytes == kv_cache_bytes(loaded.config, profile, accelerator=False)
-    assert isinstance(loaded.new_slot_cache(3), SlotKVCache)
+    assert loaded.new_paged_cache(6, 3).nbytes == kv_cache_bytes(loaded.config, profile, accelerator=False)
 
 
 def test_a_session_holds_the_context_and_kv_format_its_flags_ask_for(tmp_path):

@@ -13,8 +13,7 @@ import pytest
 import torch
 
 from tests.tiers import quick
-from tests.tiny import MOE_CASES, greedy, make_case, make_model, prompt
-from tierlm.kv.cache import SlotKVCache
+from tests.tiny import MOE_CASES, greedy, make_case, make_model, prompt, paged_cache
 from tierlm.runtime.loader import load_model
 
 LLAMA3_ROPE = {
@@ -142,7 +141,7 @@ def test_batched_decode_matches_each_sequence_alone(pairs, case):
             logits = loaded.model.forward(torch.tensor([[int(logits.argmax())]]), cache)[0, -1]
         expected.append(rows)
     slots = [2, 0, 3]
-    cache = SlotKVCache.for_model(loaded.config, loaded.max_len, 4)
+    cache = paged_cache(loaded.config, loaded.max_len, 4)
     current = [loaded.model.forward(torch.tensor([p]), cache.slot(s))[0, -1] for p, s in zip(prompts, slots)]
     for step in range(steps):
         for i, logits in enumerate(current):

@@ -15,9 +15,8 @@ import pytest
 import torch
 
 from tests.cli_runner import run_tierlm
-from tests.tiny import MOE_CASES, greedy, make_case, make_model, prompt, scattered_slot_prompts
+from tests.tiny import MOE_CASES, greedy, make_case, make_model, prompt, scattered_slot_prompts, paged_cache
 from tierlm.blocks import expert_of
-from tierlm.kv.cache import SlotKVCache
 from tierlm.errors import TierlmError
 from tierlm.models import config_from_dict, family_class
 from tierlm.runtime.loader import load_model
@@ -173,7 +172,7 @@ def test_each_chosen_expert_is_borrowed_once_per_layer_per_step(checkpoints, cas
     assert sorted(got) == list(sparse) and all(set(c.values()) == {1} for c in got.values())
     # A batched decode step over scattered slots: each expert once, the union of the rows' own.
     prompts, slots = scattered_slot_prompts(loaded.config.vocab_size)
-    cache = SlotKVCache.for_model(loaded.config, loaded.max_len, 4)
+    cache = paged_cache(loaded.config, loaded.max_len, 4)
     tokens = [int(loaded.model.forward(torch.tensor([p]), cache.slot(s))[0, -1].argmax()) for p, s in zip(prompts, slots)]
     store.experts_by_layer()
     loaded.model.forward_batch(torch.tensor([[t] for t in tokens]), cache.batch(slots))

@@ -94,7 +94,7 @@ def test_engine_and_batch_runner_end_every_sequence_alike(model):
     assert len(expected["max-new-tokens-1"][2]) == 1 and expected["max-new-tokens-1"][1] == "length"
     assert len(expected["context-nearly-full"][2]) == 4 and expected["context-nearly-full"][1] == "length"
 
-    runner = BatchRunner(loaded, tokenizer, slots=len(settings))
+    runner = BatchRunner(loaded, tokenizer, contexts=len(settings), parallel=len(settings), slots=len(settings))
     jobs = {name: Job(prompt, params, deadline=None, loop=ImmediateLoop())
             for name, (prompt, params) in settings.items()}
     sequences = {name: runner.admit(job) for name, job in jobs.items()}

@@ -20,8 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.tiny import DECODE_CASES, MOE_CASES, checkpoint_maker, make_model, scattered_slot_prompts, write_profile
-from tierlm.kv.cache import SlotKVCache
+from tests.tiny import DECODE_CASES, MOE_CASES, checkpoint_maker, make_model, scattered_slot_prompts, write_profile, paged_cache
 from tierlm.models import read_config
 from tierlm.distributed.launch import GroupSettings, start_group
 from tierlm.distributed.pipeline import load_pipeline, stage_loads
@@ -75,7 +74,7 @@ def batch_one(loaded, ids: torch.Tensor):
 def batched(loaded, prompts, slots):
     """Each prompt prefilled alone into its slot (two chunks), then STEPS decode steps of all
     rows together, as the server's batch runner runs them: (logits [STEPS + 1, rows, V], tokens)."""
-    cache = SlotKVCache.for_model(loaded.config, CONTEXT, 4, dtype=loaded.dtype)
+    cache = paged_cache(loaded.config, CONTEXT, 4, dtype=loaded.dtype)
     last = []
     for prompt, slot in zip(prompts, slots):
         half = max(len(prompt) // 2, 1)

@@ -7,8 +7,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from tests.tiny import make_model
-from tierlm.kv.cache import KVCache, SlotKVCache
+from tests.tiny import make_model, paged_cache
+from tierlm.kv.cache import KVCache
 from tierlm.runtime.engine import Engine
 from tierlm.runtime.loader import load_model
 from tierlm.runtime.sampling import SamplingParams
@@ -49,7 +49,7 @@ def test_batched_decode_matches_each_sequence_alone(loaded):
     prompts = [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in (5, 13, 2, 9)]
     steps = 12
     expected = [alone(loaded, p, steps) for p in prompts]
-    cache = SlotKVCache.for_model(loaded.config, loaded.max_len, 5)
+    cache = paged_cache(loaded.config, loaded.max_len, 5)
     # Never-written memory may hold anything: a batched step must not let it leak in.
     cache.keys.fill_(float("nan"))
     cache.values.fill_(float("nan"))
@@ -81,16 +81,16 @@ def test_batched_decode_matches_each_sequence_alone(loaded):
 
 
 def test_slot_views_keep_the_kvcache_interface(loaded):
-    cache = SlotKVCache.for_model(loaded.config, 16, 2)
+    cache = paged_cache(loaded.config, 16, 2)
     view = cache.slot(1)
     assert (view.offset, view.max_len) == (0, 16)
     loaded.model.forward(torch.tensor([[1, 2, 3]]), view)
-    assert view.offset == 3 and cache.lengths == [0, 3]
+    assert view.offset == 3 and cache.lengths == (0, 3)
     view.trim(1)
-    assert cache.lengths == [0, 1]
+    assert cache.lengths == (0, 1)
     cache.free(1)
-    assert cache.lengths == [0, 0]
-    cache.lengths[0] = 16
+    assert cache.lengths == (0, 0) and cache.pool.used == 0
+    loaded.model.forward(torch.tensor([list(range(16))]), cache.slot(0))
     with pytest.raises(ValueError, match="full"):
         cache.batch([0])
 
@@ -132,9 +132,7 @@ def chat_model(tmp_path_factory):
     return loaded, Tokenizer.from_dir(model_dir)
 
 
-def test_runner_gives_each_job_what_the_engine_gives_it_alone(chat_model):
-    loaded, tokenizer = chat_model
-    engine = Engine(loaded, tokenizer)
+def _four_jobs(tokenizer):
     texts = ["the quick brown fox", "hello world, how are you?", "lazy dog", "jumps over the"]
     settings = [
         SamplingParams(temperature=0, max_new_tokens=20),
@@ -142,28 +140,61 @@ def test_runner_gives_each_job_what_the_engine_gives_it_alone(chat_model):
         SamplingParams(temperature=0.8, top_k=40, seed=1, max_new_tokens=12, stop=("ump",)),
         SamplingParams(temperature=0, repetition_penalty=1.3, max_new_tokens=30),
     ]
-    prompts = [tokenizer.encode_chat([{"role": "user", "content": t}]) for t in texts]
-    expected = [reference(engine, p, s) for p, s in zip(prompts, settings)]
-    runner = BatchRunner(loaded, tokenizer, slots=3)  # fewer slots than jobs: the 4th waits
-    jobs = [Job(p, s, deadline=None, loop=ImmediateLoop()) for p, s in zip(prompts, settings)]
+    return [tokenizer.encode_chat([{"role": "user", "content": t}]) for t in texts], settings
+
+
+def _run_all(runner, jobs) -> tuple[dict, list[int]]:
+    """Admit `jobs` as room allows and step until all end: (each job's sequence, batch sizes)."""
     waiting, sequences, batches = list(jobs), {}, []
     while waiting or runner.active:
         while waiting and runner.has_room:
             job = waiting.pop(0)
             sequences[job] = runner.admit(job)
         batches.append(runner.step().batch)
+    return sequences, batches
+
+
+def test_runner_gives_each_job_what_the_engine_gives_it_alone(chat_model):
+    loaded, tokenizer = chat_model
+    engine = Engine(loaded, tokenizer)
+    prompts, settings = _four_jobs(tokenizer)
+    expected = [reference(engine, p, s) for p, s in zip(prompts, settings)]
+    # Room for three whole contexts and three sequences at once: the 4th waits, nothing is preempted.
+    runner = BatchRunner(loaded, tokenizer, contexts=3, parallel=3, slots=3)
+    jobs = [Job(p, s, deadline=None, loop=ImmediateLoop()) for p, s in zip(prompts, settings)]
+    sequences, batches = _run_all(runner, jobs)
     assert max(batches) == 3
     for job, (ids, text, reason) in zip(jobs, expected):
         assert sequences[job].token_ids == ids
         assert drain(job) == (text, reason)
         assert job.completion_tokens == len(ids)
+    assert (runner.counts.preempted, runner.counts.reclaimed) == (0, 0)
     # Each slot keeps what its last sequence left (for a later prompt sharing its prefix).
     assert not runner.active and all(runner.cache.lengths) and runner.has_room
 
 
+def test_sequences_preempted_for_pages_answer_as_computed_alone(chat_model):
+    """A pool of one context (8 pages of 16) for four sequences of 40-70 positions, three at
+    once: pages run out mid-decode, idle slots give theirs back and the youngest sequences are
+    preempted and computed again, and every reply still equals the engine's alone."""
+    loaded, tokenizer = chat_model
+    engine = Engine(loaded, tokenizer)
+    prompts, settings = _four_jobs(tokenizer)
+    expected = [reference(engine, p, s) for p, s in zip(prompts, settings)]
+    runner = BatchRunner(loaded, tokenizer, contexts=1, parallel=3)
+    assert runner.cache.pool.size == 8
+    jobs = [Job(p, s, deadline=None, loop=ImmediateLoop()) for p, s in zip(prompts, settings)]
+    sequences, batches = _run_all(runner, jobs)
+    assert runner.counts.preempted >= 1 and max(batches) >= 2
+    for job, (ids, text, reason) in zip(jobs, expected):
+        assert sequences[job].token_ids == ids
+        assert drain(job) == (text, reason)
+    assert runner.cache.pool.used <= runner.cache.pool.size
+
+
 def test_runner_deadline_keeps_text_so_far_and_frees_the_slot(chat_model):
     loaded, tokenizer = chat_model
-    runner = BatchRunner(loaded, tokenizer, slots=1)
+    runner = BatchRunner(loaded, tokenizer, parallel=1, slots=1)
     prompt = tokenizer.encode_chat([{"role": "user", "content": "the quick brown fox"}])
     job = Job(prompt, SamplingParams(temperature=0, max_new_tokens=50), deadline=None, loop=ImmediateLoop())
     seq = runner.admit(job)
@@ -201,7 +232,7 @@ def test_batched_decode_over_a_tiered_store_shares_each_streamed_block(tmp_path)
         if not batched:
             return [alone(SimpleNamespace(model=model, new_cache=lambda: KVCache.for_model(config, 64)), p, steps)[0]
                     for p in prompts]
-        cache = SlotKVCache.for_model(config, 64, len(prompts))
+        cache = paged_cache(config, 64, len(prompts))
         logits = [model.forward(torch.tensor([p]), cache.slot(i))[0, -1] for i, p in enumerate(prompts)]
         out: list[list[int]] = [[] for _ in prompts]
         for _ in range(steps):

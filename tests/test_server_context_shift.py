@@ -164,12 +164,16 @@ def test_stats_show_the_prefix_hit_rate_and_what_each_slot_holds(session):
         # One slot holds the conversation's prompt and reply (bar the last token, never fed); the other nothing.
         slots = stats["kv_cache"]["slots"]
         assert stats["kv_cache"]["format"] == "f32" and stats["kv_cache"]["context"] == CONTEXT
-        assert stats["kv_cache"]["reserved_bytes"] == session.loaded.new_slot_cache(2).nbytes
+        assert stats["kv_cache"]["reserved_bytes"] == session.loaded.new_paged_cache(1, session.profile.batch_size).nbytes
         placement = session.loaded.placement  # idle conversations may take the room the plan leaves
         spill = stats["kv_cache"]["spill"]
         room = placement.budgets["device"] - placement.total("device")
         assert 0 < spill["capacity_bytes"] <= room and spill["capacity_bytes"] >= min(room, 256 << 20)
         assert spill["spilled"] == spill["restored"] == 0 == metric(client, "tierlm_kv_spilled_total")
         held = usages[1]["prompt_tokens"] + usages[1]["completion_tokens"] - 1
-        assert sorted(s["tokens"] for s in slots) == [0, held] and not any(s["active"] for s in slots)
-        assert sorted(metric(client, f'tierlm_slot_tokens_held{{slot="{n}"}}') for n in (0, 1)) == [0, held]
+        assert sorted(s["tokens"] for s in slots if s["tokens"]) == [held] and not any(s["active"] for s in slots)
+        readings = [metric(client, f'tierlm_slot_tokens_held{{slot="{n}"}}') for n in range(len(slots))]
+        assert sorted(r for r in readings if r) == [held]
+        pages = stats["kv_cache"]["pages"]  # the conversation's pages stay, kept for its next turn
+        assert pages["used"] == pages["idle"] == -(-held // pages["page_tokens"]) and pages["running"] == 0
+        assert pages["used"] + pages["free"] == pages["total"] == metric(client, 'tierlm_kv_pages{state="free"}') + pages["used"]

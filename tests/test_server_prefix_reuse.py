@@ -69,7 +69,7 @@ def turns(tokenizer, *said: str, replies: list[str]) -> list[int]:
 
 def test_a_later_turn_prefills_only_what_is_new_and_answers_as_from_scratch(model):
     loaded, tokenizer = model
-    runner = BatchRunner(loaded, tokenizer, slots=1)
+    runner = BatchRunner(loaded, tokenizer, parallel=1, slots=1)
     first_prompt = turns(tokenizer, "the quick brown fox", replies=[])
     first = job(first_prompt)
     run(runner, first)
@@ -87,7 +87,7 @@ def test_a_later_turn_prefills_only_what_is_new_and_answers_as_from_scratch(mode
 
 def test_the_same_prompt_again_reuses_all_but_its_last_token(model):
     loaded, tokenizer = model
-    runner = BatchRunner(loaded, tokenizer, slots=2)
+    runner = BatchRunner(loaded, tokenizer, contexts=2, parallel=2, slots=2)
     prompt = turns(tokenizer, "hello world, how are you?", replies=[])
     sampled = SamplingParams(temperature=1.1, top_p=0.9, seed=3, max_new_tokens=10)
     expected = fresh(model, prompt, sampled)
@@ -100,7 +100,7 @@ def test_the_same_prompt_again_reuses_all_but_its_last_token(model):
 
 def test_interleaved_conversations_each_keep_their_own_slot(model):
     loaded, tokenizer = model
-    runner = BatchRunner(loaded, tokenizer, slots=2)
+    runner = BatchRunner(loaded, tokenizer, contexts=2, parallel=2, slots=2)
     said = {"a": ["the quick brown fox"], "b": ["lazy dog sleeps"]}
     replies: dict[str, list[str]] = {"a": [], "b": []}
     previous: dict[str, list[int]] = {}
@@ -120,7 +120,7 @@ def test_interleaved_conversations_each_keep_their_own_slot(model):
 
 def test_two_prompts_sharing_a_system_message_run_together_exactly(model):
     loaded, tokenizer = model
-    runner = BatchRunner(loaded, tokenizer, slots=2)
+    runner = BatchRunner(loaded, tokenizer, contexts=2, parallel=2, slots=2)
     system = {"role": "system", "content": "You answer briefly and politely, always."}
     prompts = [tokenizer.encode_chat([system, {"role": "user", "content": text}]) for text in ("hi there", "bye now")]
     run(runner, job(prompts[0]))  # leaves the system prompt's keys and values in a slot
@@ -133,7 +133,7 @@ def test_two_prompts_sharing_a_system_message_run_together_exactly(model):
 
 def test_a_sequence_that_failed_leaves_nothing_to_reuse(model, monkeypatch):
     loaded, tokenizer = model
-    runner = BatchRunner(loaded, tokenizer, slots=1)
+    runner = BatchRunner(loaded, tokenizer, parallel=1, slots=1)
     prompt = turns(tokenizer, "the quick brown fox", replies=[])
     broken = job(prompt)
     seq = runner.admit(broken)
@@ -141,7 +141,7 @@ def test_a_sequence_that_failed_leaves_nothing_to_reuse(model, monkeypatch):
     while runner.active:
         runner.step()
     assert broken.error and "injected" in broken.error
-    assert runner.cache.lengths == [0]
+    assert runner.cache.lengths == (0,)
     monkeypatch.undo()
     after = job(prompt)
     run(runner, after)
@@ -156,7 +156,7 @@ def test_a_new_conversation_copies_a_shared_system_prompt_from_another_slot(mode
     first one's rows of the common prefix instead of computing them, while the first still runs,
     and answers as computed from scratch."""
     loaded, tokenizer = model
-    runner = BatchRunner(loaded, tokenizer, slots=2)
+    runner = BatchRunner(loaded, tokenizer, contexts=2, parallel=2, slots=2)
 
     def prompt(question: str) -> list[int]:
         return tokenizer.encode_chat([{"role": "system", "content": SHARED_SYSTEM}, {"role": "user", "content": question}])
@@ -178,7 +178,7 @@ def test_a_new_conversation_copies_a_shared_system_prompt_from_another_slot(mode
 
 def test_a_prefix_is_copied_only_from_a_slot_of_the_same_variant_and_not_for_a_few_tokens(model):
     loaded, tokenizer = model
-    runner = BatchRunner(loaded, tokenizer, slots=2)
+    runner = BatchRunner(loaded, tokenizer, contexts=2, parallel=2, slots=2)
     base = tokenizer.encode_chat([{"role": "system", "content": SHARED_SYSTEM}, {"role": "user", "content": "hi"}])
     run(runner, job(base))
     other = Job(base, GREEDY, deadline=None, loop=ImmediateLoop(), variant="v")
@@ -194,8 +194,8 @@ def test_a_conversation_whose_slot_was_taken_comes_back_from_host_ram_or_disk(mo
     when RAM has no room) and back when it returns, so its next turn prefills only what is new,
     and answers as computed from scratch. With nowhere to keep them it computes its history again."""
     loaded, tokenizer = model
-    disk = DiskSpill(tmp_path / "spill", 64 << 20, model_identity(loaded, loaded.new_slot_cache(1))) if where == "disk" else None
-    runner = BatchRunner(loaded, tokenizer, slots=1, spill_bytes=64 << 20 if where == "host-ram" else 0, spill_disk=disk)
+    disk = DiskSpill(tmp_path / "spill", 64 << 20, model_identity(loaded, loaded.new_cache())) if where == "disk" else None
+    runner = BatchRunner(loaded, tokenizer, parallel=1, slots=1, spill_bytes=64 << 20 if where == "host-ram" else 0, spill_disk=disk)
     first = turns(tokenizer, "the quick brown fox", replies=[])
     one = job(first)
     run(runner, one)
@@ -216,7 +216,7 @@ def test_a_conversation_whose_slot_was_taken_comes_back_from_host_ram_or_disk(mo
 
 def test_a_failing_spill_or_restore_costs_a_recomputation_never_the_request(model, monkeypatch):
     loaded, tokenizer = model
-    runner = BatchRunner(loaded, tokenizer, slots=1, spill_bytes=64 << 20)
+    runner = BatchRunner(loaded, tokenizer, parallel=1, slots=1, spill_bytes=64 << 20)
     run(runner, job(turns(tokenizer, "the quick brown fox", replies=[])))
 
     def broken(*_):

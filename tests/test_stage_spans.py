@@ -1,7 +1,7 @@
 """Pipeline stages in one process (issue 16): a model split by `even_split` into 2 and 3 stages, each
 its own `load_model(stage=...)` with its own KV cache, chained by hand (the ids into the first stage,
 each stage's hidden states into the next), gives the whole model's logits for prefill, decode and a
-batched SlotBatch step, on tiny random models of every family and on the embedded SmolLM2.
+batched PagedBatch step, on tiny random models of every family and on the embedded SmolLM2.
 
 The reference is the same loader's whole-model run: the stages run the same ops on the same
 tensors in the same order, so the logits are equal bit for bit (not merely close). Each stage's
@@ -97,7 +97,7 @@ def prefill_and_decode(stages: list, ids: torch.Tensor) -> list[torch.Tensor]:
 def batched_steps(stages: list, vocab: int) -> list[torch.Tensor]:
     """Three prompts prefilled into scattered slots, then two batched decode steps over them."""
     prompts, slots = scattered_slot_prompts(vocab)
-    caches = [loaded.new_slot_cache(4) for loaded in stages]
+    caches = [loaded.new_paged_cache(4, 4) for loaded in stages]
     out = [chain(stages, torch.tensor([p]), [c.slot(s) for c in caches]) for p, s in zip(prompts, slots)]
     tokens = torch.tensor([[3], [7], [1]])
     for _ in range(2):

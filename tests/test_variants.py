@@ -12,9 +12,8 @@ import pytest
 import torch
 
 from tests.test_lora_merge import save_adapter
-from tests.tiny import make_model, prompt
+from tests.tiny import make_model, prompt, paged_cache
 from tierlm.cache.convert import ConversionRequest, ensure_artifact
-from tierlm.kv.cache import SlotKVCache
 from tierlm.errors import TierlmError
 from tierlm.lora.adapter import LoraAdapter
 from tierlm.lora.merge import LoraMerger
@@ -76,7 +75,7 @@ def mixed_run(loaded, store: VariantStore, rows: list[str | None]) -> tuple[list
     """Each row's prompt prefilled alone (its variant selected), then STEPS decode steps with every
     row in one batch: per step the logits [rows, V], and each row's greedy tokens."""
     model = type(loaded.model)(loaded.config, store, loaded.max_len, loaded.device, loaded.dtype)
-    cache = SlotKVCache.for_model(loaded.config, loaded.max_len, len(rows))
+    cache = paged_cache(loaded.config, loaded.max_len, len(rows))
     last = []
     for slot, (name, ids) in enumerate(zip(rows, prompts())):
         store.select([name])

@@ -325,3 +325,10 @@ def scattered_slot_prompts(vocab: int) -> tuple[list[list[int]], list[int]]:
     slots [2, 0, 3] of a 4-slot cache they go to, for batched decode tests."""
     gen = torch.Generator().manual_seed(4)
     return [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in (11, 3, 7)], [2, 0, 3]
+
+
+def paged_cache(config, max_len: int, slots: int, **options):
+    """A PagedKVCache (the server's) of `slots` page tables whose pool holds each a whole context."""
+    from tierlm.kv.paged import PagedKVCache, pages_for
+
+    return PagedKVCache.for_model(config, max_len, slots, slots * pages_for(max_len), **options)

@@ -634,7 +634,12 @@ def serve(
         help="Require `Authorization: Bearer KEY` on every route but /health and the chat page at /",
     ),
     batch_size: Optional[int] = typer.Option(
-        None, "--batch-size", min=1, help="Requests decoded together (default: the profile's batch_size)"
+        None, "--batch-size", min=1,
+        help="Whole contexts the KV cache holds (default: the profile's batch_size); the planner charges them",
+    ),
+    parallel: Optional[int] = typer.Option(
+        None, "--parallel", min=1, show_default=False,
+        help="Most requests decoded at once while their KV pages fit (default: 4 per --batch-size)",
     ),
     max_queue: int = typer.Option(64, "--max-queue", min=0, help="Requests waiting for a slot before 429"),
     timeout: float = typer.Option(600.0, "--timeout", min=0.0, help="Default request deadline in seconds (0 = none)"),
@@ -702,6 +707,7 @@ def serve(
         model_id=model_name,
         aliases=tuple(alias or ()),
         api_key=api_key,
+        parallel=parallel,
         max_queue=max_queue,
         default_timeout=timeout or None,
         stall_timeout=stall_timeout,

@@ -22,7 +22,7 @@ from tierlm.distributed.launch import GroupSettings, start_group
 from tierlm.distributed.stage_load import StageLoad, load_stage
 from tierlm.distributed.wire import CONTIGUOUS, LOAD, RELEASE, SLOT_BATCH, SLOT_VIEW, StepHeader, control
 from tierlm.errors import TierlmError
-from tierlm.kv.cache import SlotBatch, SlotView
+from tierlm.kv.paged import PagedBatch, PagedView
 from tierlm.models import read_config
 from tierlm.runtime.loader import context_for
 from tierlm.stages import StageSpan, even_split
@@ -77,7 +77,7 @@ class PipelineModel:
         return out
 
     def forward_batch(self, ids: torch.Tensor, batch) -> torch.Tensor:
-        """One decode step over a SlotBatch: ids [B, 1] -> logits [B, V], in micro-batches: the
+        """One decode step over a PagedBatch: ids [B, 1] -> logits [B, V], in micro-batches: the
         rows split into min(B, stages) groups, each sent on while the next is computed."""
         rows = ids.shape[0]
         groups = [g for g in torch.arange(rows).tensor_split(min(rows, self.world)) if len(g)]
@@ -113,15 +113,15 @@ class PipelineModel:
 
     def _header(self, cache, rows: int, length: int, all_logits: bool) -> StepHeader:
         """Where `rows` x `length` new tokens go in `cache`: each row's length before the step."""
-        root = cache.parent if isinstance(cache, (SlotView, SlotBatch)) else cache
+        root = cache.parent if isinstance(cache, (PagedView, PagedBatch)) else cache
         cache_id = self._cache_id(root)
         dropped, self._dropped = tuple(self._dropped), []
         common = dict(cache_id=cache_id, rows=rows, length=length, all_logits=all_logits, dtype=self.dtype,
                       max_len=root.max_len, dropped=dropped)  # fmt: skip
-        if isinstance(cache, SlotBatch):
+        if isinstance(cache, PagedBatch):
             lengths = tuple(root.lengths[s] for s in cache.slots)
             return StepHeader(kind=SLOT_BATCH, cache_rows=root.slots, slots=tuple(cache.slots), lengths=lengths, **common)
-        if isinstance(cache, SlotView):
+        if isinstance(cache, PagedView):
             return StepHeader(kind=SLOT_VIEW, cache_rows=root.slots, slot=cache.index, offset=cache.offset, **common)
         return StepHeader(kind=CONTIGUOUS, cache_rows=root.keys.shape[1], offset=cache.offset, **common)
 

@@ -10,7 +10,8 @@ from pathlib import Path
 import torch
 
 from tierlm.device.cpu import apply_threads
-from tierlm.kv.cache import KVCache, SlotKVCache
+from tierlm.kv.cache import KVCache
+from tierlm.kv.paged import PagedKVCache, pages_for
 from tierlm.runtime.loader import load_model
 from tierlm.stages import StageSpan
 
@@ -46,9 +47,11 @@ def load_stage(load: StageLoad, progress=None, *, set_threads: bool = True):
 
 def stage_cache(loaded, slotted: bool, rows: int, max_len: int):
     """A KV cache for `loaded`'s stage alone (its layers only), the twin of one of rank 0's: a
-    SlotKVCache of `rows` slots, or a KVCache of batch `rows`, `max_len` positions long, in the
-    stage's KV format (its profile's kv_cache)."""
+    PagedKVCache of `rows` page tables, or a KVCache of batch `rows`, `max_len` positions long,
+    in the stage's KV format (its profile's kv_cache). The twin's pool could hold every slot's
+    whole context, but it takes pages only as rank 0's lengths grow (no pipeline shares pages),
+    so it touches no more memory than rank 0's pool holds."""
     common = dict(device=loaded.device, dtype=loaded.dtype, layers=len(loaded.span.layers), kv_format=loaded.kv_format)
     if slotted:
-        return SlotKVCache.for_model(loaded.config, max_len, rows, **common)
+        return PagedKVCache.for_model(loaded.config, max_len, rows, rows * pages_for(max_len), **common)
     return KVCache.for_model(loaded.config, max_len, batch=rows, **common)

@@ -42,7 +42,7 @@ class StepHeader:
     length: int
     all_logits: bool
     dtype: torch.dtype
-    cache_rows: int  # a KVCache's batch, a SlotKVCache's slots
+    cache_rows: int  # a KVCache's batch, a PagedKVCache's slots (page tables)
     max_len: int
     slot: int = 0
     offset: int = 0

@@ -123,10 +123,10 @@ class StageWorker:
             cache.offset = step.offset
             return cache
         if step.kind == wire.SLOT_VIEW:
-            cache.lengths[step.slot] = step.offset
+            cache.set_length(step.slot, step.offset)
             return cache.slot(step.slot)
         for slot, length in zip(step.slots, step.lengths):
-            cache.lengths[slot] = length
+            cache.set_length(slot, length)
         return cache.batch(list(step.slots))
 
     def prune_sends(self) -> None:

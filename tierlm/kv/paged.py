@@ -8,10 +8,11 @@ context. A page may be in several slots' tables (`share_rows`: a prefix another 
 computed): the pool counts its holders, and a slot about to write into a page it shares gets
 its own copy first (copy on write), so shared rows are never written twice.
 
-The interface is SlotKVCache's (kv/cache.py): `slot(i)` a single-sequence view for prefill,
-`batch(slots)` one decode step over several slots, `lengths`, `rows_of`, `free`. The fused CPU
-decode step reads pages in place through each row's table (csrc/fused_decode.h); the eager
-path gathers a layer's pages into a contiguous span per call.
+`slot(i)` is a single-sequence view with KVCache's interface (kv/cache.py), for prefill;
+`batch(slots)` one decode step over several slots. The fused CPU decode step reads pages in
+place through each row's table (csrc/fused_decode.h), a device graph gathers them by table
+inside the graph (models/graph_decode.py), and the eager path gathers a layer's pages into a
+contiguous span per call.
 """
 
 from __future__ import annotations
@@ -98,6 +99,7 @@ class PagedKVCache(_Storage):
         self.page_tokens = page_tokens
         self.max_len = max_len
         self.pool = PagePool(pages)
+        self._fresh = [True] * pages  # never taken: `torch.empty` may have left NaN in it
         self.tables: list[list[int]] = [[] for _ in range(slots)]
         self._lengths = [0] * slots
 
@@ -155,7 +157,13 @@ class PagedKVCache(_Storage):
                 pool.drop(table[index])
                 table[index] = copy
         while len(table) < pages_for(end, size):
-            table.append(pool.take())
+            table.append(self._take())
+
+    def pages_needed(self, slot: int, end: int) -> int:
+        """Pages `reserve(slot, end)` would take from the pool."""
+        table, size = self.tables[slot], self.page_tokens
+        shared = range(self._lengths[slot] // size, min(len(table), pages_for(end, size)))
+        return max(0, pages_for(end, size) - len(table)) + sum(self.pool.shared(table[i]) for i in shared)
 
     def share_rows(self, source: int, target: int, length: int) -> None:
         """Make slot `target` hold slot `source`'s first `length` positions: its full pages are
@@ -174,9 +182,20 @@ class PagedKVCache(_Storage):
             table.append(self._clone_page(self.tables[source][full]))
         self._lengths[target] = length
 
+    def _take(self) -> int:
+        """A page from the pool; zeroed on its first use, so that a step reading past a sequence's
+        own rows (masked: a batch's span, a padded table) never meets a NaN (0 * NaN is NaN)."""
+        page = self.pool.take()
+        if self._fresh[page]:
+            for part in (self.keys, self.values, self.key_scales, self.value_scales):
+                if part is not None:
+                    part[:, page].zero_()
+            self._fresh[page] = False
+        return page
+
     def _clone_page(self, page: int) -> int:
         """A new page (one holder) holding `page`'s rows, every layer."""
-        copy = self.pool.take()
+        copy = self._take()
         for part in (self.keys, self.values, self.key_scales, self.value_scales):
             if part is not None:
                 part[:, copy].copy_(part[:, page])
@@ -198,10 +217,10 @@ class PagedKVCache(_Storage):
 
     def _read(self, layer: int, tables: list[list[int]], end: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values of each table's first `end` positions in the compute dtype
-        [len(tables), kv_heads, end, D] (a gathered copy; tables shorter than `end` are padded
-        with page 0, whose rows the caller masks)."""
+        [len(tables), kv_heads, end, D] (a gathered copy; a table shorter than `end` is padded
+        with its own last page, whose rows the caller masks)."""
         count = pages_for(end, self.page_tokens)
-        index = torch.tensor([(t + [0] * count)[:count] for t in tables], dtype=torch.long, device=self.device)
+        index = torch.tensor([(t + t[-1:] * count)[:count] for t in tables], dtype=torch.long, device=self.device)
         out = []
         for codes, scales in ((self.keys, self.key_scales), (self.values, self.value_scales)):
             spans = [self._span(p[layer] if p is not None else None, index, end) for p in (codes, scales)]
@@ -228,6 +247,11 @@ class PagedKVCache(_Storage):
                 rows = pages.transpose(1, 2).reshape(part.shape[0], part.shape[2], count * self.page_tokens, -1)
                 out.append(rows[:, :, :length].contiguous())
         return out
+
+    def empty_rows(self, length: int) -> list[torch.Tensor]:
+        """Uninitialised host tensors shaped as `rows_of(slot, length)` gives them (to read into)."""
+        parts = (self.keys, self.values, self.key_scales, self.value_scales)
+        return [torch.empty((p.shape[0], p.shape[2], length, p.shape[4]), dtype=p.dtype) for p in parts if p is not None]
 
     def write_rows(self, slot: int, rows: list[torch.Tensor], length: int) -> None:
         """Make `slot` hold `rows` (as `rows_of` gives them) as its first `length` positions."""
@@ -320,14 +344,10 @@ class PagedBatch:
 
     def update(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Store keys/values [n, 1, kv_heads, D] at each slot's position; return [n, kv_heads, S, D]
-        (positions past a slot's own are zeros: the mask gives them no weight, and 0 * NaN would
-        not be 0)."""
+        (positions past a slot's own hold finite leftovers, which the mask gives no weight)."""
         parent = self.parent
         parent._store(layer, self._where, keys[:, 0], values[:, 0])
-        k, v = parent._read(layer, [parent.tables[s] for s in self.slots], self.key_len)
-        written = torch.arange(self.key_len, device=k.device)[None, :] <= self.positions[:, None]
-        keep = written[:, None, :, None]
-        return k.masked_fill(~keep, 0), v.masked_fill(~keep, 0)
+        return parent._read(layer, [parent.tables[s] for s in self.slots], self.key_len)
 
     def decode_rows(self) -> DecodeRows:
         return self.parent.decode_rows_of(self.slots, [self.parent.lengths[s] for s in self.slots])

@@ -1,8 +1,9 @@
 """A decode step's decoder layers as one native call each, instead of ~15 eager torch ops.
 
 `LlamaModel.forward` asks `step_for` whether this step can be fused: one token per row (T == 1,
-batch 1 or a server `SlotBatch`), fp32 activations on the CPU, a KV cache of CPU buffers in any
-of kv/formats.py's formats (read as stored: csrc/kv_formats.h), and the native library loaded
+batch 1 or a server `PagedBatch`), fp32 activations on the CPU, a KV cache of CPU buffers in any
+of kv/formats.py's formats (read as stored: csrc/kv_formats.h; a paged cache through each row's
+page table), and the native library loaded
 (csrc/fused_decode.h). Then each layer whose weights are INT8
 (`Int8Weight`, any group size, symmetric or not), INT4 (`Int4Weight`: packed nibbles with fp16
 scales, symmetric or not, read as stored) or fp32 tensors on the CPU, in any mix, runs as

@@ -70,45 +70,57 @@ def streamed_refusal(store) -> str | None:
 class StaticRows:
     """The KV cache as a captured step sees it (the `update` that `LlamaModel.attention` calls).
 
-    keys/values [layers, rows, kv_heads, max_len, D] are the cache's buffers; `slots` [B] and
-    `positions` [B] (long, on the device) say where each row's new token goes. `gather`: the
-    step's rows are not the whole buffer, so they are read with index_select (a copy).
+    keys/values are the cache's buffers: a KVCache's [layers, rows, kv_heads, max_len, D] (every
+    row in the step), or paged (kv/paged.py) [layers, pages, kv_heads, page_tokens, D];
+    `slots` [B] and `positions` [B] (long, on the device) say where each row's new token goes,
+    and a paged cache's `tables` [B, span / page_tokens] which pages hold each row's span (read
+    with index_select: a copy).
     """
 
-    def __init__(self, keys, values, slots, positions, span: int, gather: bool):
+    def __init__(self, keys, values, slots, positions, span: int, tables=None):
         self.keys, self.values = keys, values
-        self.slots, self.positions = slots, positions
-        self.span, self.gather = span, gather
+        self.slots, self.positions, self.tables = slots, positions, tables
+        self.span = span
         self.heads = torch.arange(keys.shape[2], device=keys.device)
 
     def update(self, layer: int, keys: torch.Tensor, values: torch.Tensor):
         """Write keys/values [B, 1, kv_heads, D] at each row's (slot, position); return the
         rows' keys/values over the span [B, kv_heads, span, D]."""
-        where = (self.slots[:, None], self.heads[None, :], self.positions[:, None])
+        if self.tables is not None:
+            size = self.keys.shape[3]
+            page = self.tables.gather(1, torch.div(self.positions, size, rounding_mode="floor")[:, None])
+            where = (page, self.heads[None, :], torch.remainder(self.positions, size)[:, None])
+        else:
+            where = (self.slots[:, None], self.heads[None, :], self.positions[:, None])
         self.keys[layer].index_put_(where, keys[:, 0])
         self.values[layer].index_put_(where, values[:, 0])
         return self._read(self.keys[layer]), self._read(self.values[layer])
 
     def _read(self, buffer: torch.Tensor) -> torch.Tensor:
-        spanned = buffer[:, :, : self.span]
-        return spanned.index_select(0, self.slots) if self.gather else spanned
+        if self.tables is not None:  # each row's pages in order: [B, count, kv_heads, P, D] -> [B, kv_heads, span, D]
+            rows, count = self.tables.shape
+            pages = buffer.index_select(0, self.tables.reshape(-1)).reshape(rows, count, *buffer.shape[1:])
+            return pages.transpose(1, 2).reshape(rows, buffer.shape[1], self.span, buffer.shape[-1])
+        return buffer[:, :, : self.span]
 
 
 class StaticStep:
     """One captured shape: its static inputs (hidden, slots, positions), output and graph. The
     output is the logits [B, 1, V] on the last pipeline stage, else the hidden states [B, 1, H]."""
 
-    def __init__(self, model, rows: int, span: int, keys, values, gather: bool, graph: DecodeGraph):
+    def __init__(self, model, rows: int, span: int, keys, values, graph: DecodeGraph, page_tokens: int = 0):
         cfg, device = model.config, model.device
         self.model = model
         self.hidden = torch.zeros(rows, 1, cfg.hidden_size, dtype=model.dtype, device=device)
         self.slots = torch.zeros(rows, dtype=torch.long, device=device)
         self.positions = torch.zeros(rows, dtype=torch.long, device=device)
+        tables = torch.zeros(rows, span // page_tokens, dtype=torch.long, device=device) if page_tokens else None
+        self.tables = tables
         if model.span.is_last:
             self.output = torch.zeros(rows, 1, cfg.vocab_size, dtype=torch.float32, device=device)
         else:
             self.output = torch.zeros(rows, 1, cfg.hidden_size, dtype=model.dtype, device=device)
-        self.rows = StaticRows(keys, values, self.slots, self.positions, span, gather)
+        self.rows = StaticRows(keys, values, self.slots, self.positions, span, tables)
         self.graph = graph
         self.captured = False
 
@@ -130,11 +142,16 @@ class StaticStep:
         with model.store.block(HEAD) as w:
             self.output.copy_(base.linear(x, w["head"]))
 
-    def run(self, hidden: torch.Tensor, slots: list[int], positions: list[int]) -> torch.Tensor:
-        """Copy the inputs in, replay (capturing on first use); the static output."""
+    def run(self, hidden: torch.Tensor, slots: list[int], positions: list[int], tables=None) -> torch.Tensor:
+        """Copy the inputs in (`tables`: each row's pages, paged), replay (capturing on first
+        use); the static output."""
         self.hidden.copy_(hidden)
         self.slots.copy_(torch.tensor(slots, dtype=torch.long))
         self.positions.copy_(torch.tensor(positions, dtype=torch.long))
+        if self.tables is not None:  # padded with each row's last page: past its position, masked
+            width = self.tables.shape[1]
+            padded = [(t + t[-1:] * width)[:width] for t in tables]
+            self.tables.copy_(torch.tensor(padded, dtype=torch.long))
         if not self.captured:
             self.graph.capture(self)
             self.captured = True
@@ -168,16 +185,20 @@ class GraphedDecode:
             return None  # a graph writes and reads keys in the compute dtype: other formats run eagerly
         if max(positions) >= cache.max_len:  # what cache.rope raises on the eager path
             raise ValueError(f"{max(positions) + 1} positions exceed the KV cache ({cache.max_len})")
+        paged = rows.page_tokens
         span = self.span_for(max(positions) + 1, cache.max_len)
-        step = self._step(len(slots), span, keys, values, gather=slots != list(range(keys.shape[1])))
-        self._make_finite(cache, keys, values, slots, positions, span)
+        if paged:  # whole pages (a paged cache has no uninitialised rows to zero: kv/paged.py)
+            span = -(-span // paged) * paged
+        step = self._step(len(slots), span, keys, values, paged)
+        if not paged:
+            self._make_finite(cache, keys, values, slots, positions, span)
         model = self.model
         model.store.note_forward(x.shape[0])
         if model.span.is_first:
             with model.store.block(EMBED) as w:
                 x = base.embed(w["embed"], x)
         try:
-            output = step.run(x, slots, positions)
+            output = step.run(x, slots, positions, rows.page_tables)
         except GraphUnavailable as err:
             self.failed = str(err)
             logging.getLogger("tierlm.graphs").warning("decode graphs off: %s", err)
@@ -193,21 +214,17 @@ class GraphedDecode:
             span *= 2
         return min(span, max_len)
 
-    def _step(self, rows: int, span: int, keys, values, gather: bool) -> StaticStep:
+    def _step(self, rows: int, span: int, keys, values, page_tokens: int) -> StaticStep:
         if self.buffers is None or self.buffers[0] is not keys or self.buffers[1] is not values:
             self.steps.clear()  # a new cache: graphs over the old buffers would write into them
             self.buffers, self.zeroed = (keys, values), 0
-        key = (rows, span, gather)
+        key = (rows, span, bool(page_tokens))  # a paged step reads through page tables
         if key not in self.steps:
-            self.steps[key] = StaticStep(self.model, rows, span, keys, values, gather, self.new_graph())
+            self.steps[key] = StaticStep(self.model, rows, span, keys, values, self.new_graph(), page_tokens)
         return self.steps[key]
 
     def _make_finite(self, cache, keys, values, slots, positions, span: int) -> None:
         """Zero the positions in the span no sequence has written (torch.empty may hold NaN)."""
-        parent = getattr(cache, "parent", None)
-        if parent is not None:  # a SlotKVCache tracks this per slot
-            parent.make_finite(slots, span)
-            return
         start = max(self.zeroed, min(positions))  # past the offset nothing belongs to the sequence
         if start < span:
             keys[:, :, :, start:span].zero_()

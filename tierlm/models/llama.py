@@ -56,9 +56,9 @@ class LlamaModel(LlamaFamily):
         hidden states [B, T, H] of every position, which the next stage needs whatever `logits` says.
         The whole model is the one-stage case. One path for prefill, decode and batched decode:
         `cache` (kv/cache.py, holding this stage's layers only) supplies the positions (as cos/sin)
-        and the mask and writes the new keys/values. A `KVCache` or `SlotView` puts T tokens after
-        its offset; a `SlotBatch` puts one token per slot at that slot's own length, and each row
-        gets what it would get alone.
+        and the mask and writes the new keys/values. A `KVCache` or `PagedView` puts T tokens after
+        its offset; a `PagedBatch` (kv/paged.py) puts one token per slot at that slot's own length,
+        and each row gets what it would get alone.
         """
         rows, length = x.shape[0], x.shape[1]
         if self.graphs is not None and length == 1:
@@ -107,7 +107,7 @@ class LlamaModel(LlamaFamily):
         return cos, sin, cache.mask(length, groups, self.config.sliding_window)
 
     def forward_batch(self, x: torch.Tensor, batch) -> torch.Tensor:
-        """One decode step over a `SlotBatch`: x [B, 1] ids (or [B, 1, H] hidden states) -> logits
+        """One decode step over a `PagedBatch`: x [B, 1] ids (or [B, 1, H] hidden states) -> logits
         [B, V] on the last stage, hidden states [B, 1, H] on any other; `forward` does the work."""
         out = self.forward(x, batch)
         return out[:, -1] if self.span.is_last else out

@@ -20,7 +20,8 @@ from tierlm.cache.convert import ConversionRequest, ensure_artifact
 from tierlm.config import ModelConfig
 from tierlm.device.resolve import compute_dtype, resolve_device
 from tierlm.errors import TierlmError
-from tierlm.kv.cache import KVCache, SlotKVCache, as_format
+from tierlm.kv.cache import KVCache, as_format
+from tierlm.kv.paged import PagedKVCache, pages_for
 from tierlm.kv.formats import KVFormat, model_format
 from tierlm.models import family_class
 from tierlm.models.llama import LlamaModel
@@ -98,10 +99,12 @@ class LoadedModel:
         return KVCache.for_model(self.config, self.max_len, batch=batch, device=self.device, dtype=dtype or self.dtype,
                                  layers=len(self.span.layers), kv_format=None if dtype else self.kv_format)  # fmt: skip
 
-    def new_slot_cache(self, slots: int, dtype=None):
-        """A SlotKVCache of `slots` sequences for this stage's layers (the server's batches)."""
-        return SlotKVCache.for_model(self.config, self.max_len, slots, device=self.device, dtype=dtype or self.dtype,
-                                     layers=len(self.span.layers), kv_format=None if dtype else self.kv_format)  # fmt: skip
+    def new_paged_cache(self, slots: int, contexts: int):
+        """A PagedKVCache of `slots` page tables over a pool of `contexts` whole contexts for this
+        stage's layers (the server's batches; the planner charges the pool as `contexts` sequences)."""
+        return PagedKVCache.for_model(self.config, self.max_len, slots, contexts * pages_for(self.max_len),
+                                      device=self.device, dtype=self.dtype, layers=len(self.span.layers),
+                                      kv_format=self.kv_format)  # fmt: skip
 
 
 def load_model(model_dir: Path, *, device=None, quant: str | None = None, adapters: tuple[tuple[Path, float], ...] = (),

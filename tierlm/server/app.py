@@ -105,7 +105,7 @@ def create_app(session, options: ServerOptions) -> FastAPI:
         session.loaded,
         session.tokenizer,
         WorkerSettings(state.slots, options.max_queue, options.stall_timeout, options.restart_backoff,
-                       spill_disk_bytes=options.kv_spill_disk),
+                       spill_disk_bytes=options.kv_spill_disk, parallel=options.parallel),
         on_step=metrics.step,
         on_restart=lambda _problem: metrics.restarts.inc(),
         pipeline=_pipeline_supervisor(session, options),
@@ -157,6 +157,12 @@ def _live(state) -> dict[str, float]:
         readings['tierlm_kv_cache_bytes{state="reserved"}'], readings['tierlm_kv_cache_bytes{state="used"}'] = kv
     for slot, held in enumerate(worker.slots_held() or []):
         readings[f'tierlm_slot_tokens_held{{slot="{slot}"}}'] = held["tokens"]
+    pages = worker.page_stats()
+    if pages is not None:
+        for state_name in ("used", "free", "shared", "idle"):
+            readings[f'tierlm_kv_pages{{state="{state_name}"}}'] = pages[state_name]
+        readings["tierlm_kv_preempted_total"] = pages["preempted"]
+        readings["tierlm_kv_reclaimed_total"] = pages["reclaimed"]
     spill = worker.spill_stats()
     if spill is not None:
         readings["tierlm_kv_spill_bytes"] = spill["bytes"]

@@ -1,8 +1,17 @@
 """Continuous batching over one model: each sequence in its own KV slot, decoded together.
 
+The KV cache is paged (kv/paged.py): every slot is a page table over one pool sized by the
+memory plan (the profile's batch_size contexts), so up to `parallel` sequences run at once as
+long as their pages fit, and a slot holds only the pages its positions need. Before a step
+takes pages, the runner makes room: first from slots no sequence runs in (their conversation's
+rows spilled to host RAM first, oldest first), then by preempting the youngest running
+sequence (its pages freed; it computes its prompt and tokens so far again when room returns,
+and goes on with the same state). A prefill that finds no room waits, and no new sequence is
+admitted meanwhile.
+
 A new sequence is prefilled alone into its slot (one chunk per step, so running sequences
 keep decoding meanwhile), then joins the shared decode step: one forward over ids [n, 1] at
-each sequence's own position (`LlamaModel.forward` over a `SlotBatch`, via `forward_batch`).
+each sequence's own position (`LlamaModel.forward` over a `PagedBatch`, via `forward_batch`).
 Each sequence carries its LoRA variant (None: the base); before each forward the runner tells
 a variant store (store/variants.py) the variant of every row, so rows of different variants
 share one decode step. A plain store has no variants and is not told.
@@ -16,9 +25,9 @@ prefix with its prompt and prefills only the rest, as the engine reuses its cach
 a chat client resending the whole conversation each turn pays for the new turn only. With no
 prefix to share it takes the slot used longest ago, so several conversations keep their own.
 When another slot, free or running, holds a longer prefix of the prompt (a system prompt every
-conversation of a chat app starts with), its rows are copied into the job's slot instead of
-being computed again: rows below a running sequence's length are final, so copying them between
-steps is safe, and a copy costs a memory read where the prefill costs a forward. When a slot
+conversation of a chat app starts with), its pages are shared into the job's slot instead of
+being computed again: rows below a running sequence's length are final, a shared page is held
+by both tables and copied before either writes into it, so a prefix costs no memory twice. When a slot
 is taken from a conversation, its rows are copied out to a host-RAM store first (kv/spill.py,
 within the room the memory plan leaves free) and copied back when that conversation returns.
 
@@ -37,6 +46,7 @@ from typing import Callable
 
 import torch
 
+from tierlm.kv.paged import pages_for
 from tierlm.kv.spill import HeldRows, SpillStore
 from tierlm.runtime.sampling import Sampler
 from tierlm.runtime.sequence import PREFILL_CHUNK, SequenceState
@@ -51,17 +61,24 @@ class ActiveSequence:
     job: Job
     slot: int
     state: SequenceState  # sampling, stops and limits: the decisions
-    prefilled: int = 0  # prompt tokens already in the slot (reused from its last sequence, then computed)
+    admitted: int = 0  # admission order: the youngest is preempted first
+    prefilled: int = 0  # ids of `prefill_ids` already in the slot (reused from its last sequence, then computed)
     pending: int | None = None  # the newest token, to be fed by the next decode step
     intact: bool = True  # False once a failure may have left the slot's keys and values half written
+    resume: list[int] | None = None  # after a preemption: every id fed so far, computed again
+    resume_token: int | None = None  # and the token to feed after them
 
     @property
     def variant(self) -> str | None:
         return self.job.variant
 
     @property
+    def prefill_ids(self) -> list[int]:
+        return self.resume if self.resume is not None else self.job.prompt_ids
+
+    @property
     def prefilling(self) -> bool:
-        return self.prefilled < len(self.job.prompt_ids)
+        return self.prefilled < len(self.prefill_ids)
 
     @property
     def token_ids(self) -> list[int]:
@@ -80,19 +97,28 @@ class StepReport:
 
 
 class BatchRunner:
-    """Up to `slots` sequences over one model and one SlotKVCache."""
+    """Up to `parallel` sequences over one model and one paged KV cache of `contexts` full contexts."""
 
-    def __init__(self, loaded, tokenizer, slots: int, spill_bytes: int = 0, spill_disk=None):
-        """`spill_bytes`: host RAM for the rows of conversations whose slot was taken (0: none);
-        `spill_disk`: a kv/spill.py DiskSpill where they go on to (None: dropped)."""
+    def __init__(self, loaded, tokenizer, contexts: int = 1, spill_bytes: int = 0, spill_disk=None, *,
+                 parallel: int | None = None, slots: int | None = None):  # fmt: skip
+        """`contexts`: the pool's size in full contexts (the profile's batch_size: what the plan
+        charges); `parallel`: the most sequences run at once (default PARALLEL_PER_CONTEXT per
+        context); `slots`: page tables, running or keeping an idle conversation's rows (default
+        twice `parallel`); `spill_bytes`: host RAM for the rows of conversations whose pages were
+        taken (0: none); `spill_disk`: a kv/spill.py DiskSpill where they go on to (None: dropped)."""
         self.loaded = loaded
         self.model = loaded.model
         self.tokenizer = tokenizer
-        self.cache = loaded.new_slot_cache(slots)  # a pipeline stage's layers only
+        self.parallel = sequences_at_once(contexts, parallel)
+        tables = slots or 2 * self.parallel
+        self.cache = loaded.new_paged_cache(tables, contexts)  # this stage's layers
         self.active: list[ActiveSequence] = []
-        self._free = list(range(slots))
-        self._held = [HeldRows() for _ in range(slots)]
+        self._free = list(range(tables))
+        self._held = [HeldRows() for _ in range(tables)]
         self._sampled = 0
+        self._admissions = 0
+        self._starved = False  # a prefill waits for pages: admit nothing more until it runs
+        self.counts = PageCounts()
         # A pipeline's other stages keep twins of each slot that only ever compute their rows.
         self._copies_rows = getattr(loaded, "pipeline", None) is None
         self.spill = SpillStore(spill_bytes, spill_disk) if self._copies_rows else SpillStore(0)
@@ -103,7 +129,18 @@ class BatchRunner:
 
     @property
     def has_room(self) -> bool:
-        return bool(self._free)
+        return len(self.active) < self.parallel and bool(self._free) and not self._starved
+
+    def page_stats(self) -> dict:
+        """The KV pool's pages: in use (and of those, shared by several slots or kept only for
+        idle conversations), free, and what was taken back (idle slots, preempted sequences)."""
+        cache, pool = self.cache, self.cache.pool
+        running = {s.slot for s in self.active}
+        held_by_running = {page for slot in running for page in cache.tables[slot]}
+        return {"page_tokens": cache.page_tokens, "total": pool.size, "used": pool.used, "free": pool.free,
+                "shared": sum(1 for n in pool.holders if n > 1), "idle": pool.used - len(held_by_running),
+                "parallel": self.parallel, "running": len(running), "reclaimed": self.counts.reclaimed,
+                "preempted": self.counts.preempted}  # fmt: skip
 
     def jobs(self) -> list[Job]:
         return [s.job for s in list(self.active)]
@@ -122,6 +159,7 @@ class BatchRunner:
             return None
         self._free.remove(slot)
         self._spill_out(slot, reused)
+        self.cache.set_length(slot, reused)  # the rest of its pages go back to the pool
         try:
             reused = max(reused, self._copy_prefix(job, slot, reused))
         except Exception:  # noqa: BLE001 - the rows may be half copied: compute them all instead
@@ -130,6 +168,10 @@ class BatchRunner:
         # The last prompt token always runs: its logits pick the first new token.
         seq.prefilled = job.cached_tokens = min(reused, len(job.prompt_ids) - 1)
         self.cache.slot(slot).trim(seq.prefilled)
+        self._admissions += 1
+        seq.admitted = self._admissions
+        self.counts.prompt_tokens += len(job.prompt_ids)
+        self.counts.reused_tokens += seq.prefilled
         self.active.append(seq)
         return seq
 
@@ -162,14 +204,15 @@ class BatchRunner:
         kept = min(kept, self.context_length)
         if not self._copies_rows or max(shared.get(donor, 0), kept) < reused + MIN_COPIED_ROWS:
             return reused
-        if kept > shared.get(donor, 0):  # the conversation's own rows, back from host RAM or disk
-            if self.spill.take(spilled, self.cache.rows_of(slot, kept), kept):
-                self.cache.lengths[slot] = kept
-                self.cache.finite[slot] = max(self.cache.finite[slot], kept)
+        if kept > shared.get(donor, 0) and self._room(pages_for(kept), keep={slot}):
+            # The conversation's own rows, back from host RAM or disk.
+            rows = self.cache.empty_rows(kept)
+            if self.spill.take(spilled, rows, kept):
+                self.cache.write_rows(slot, rows, kept)
                 return kept
-            if shared.get(donor, 0) < reused + MIN_COPIED_ROWS:  # a damaged file: computed again
-                return reused
-        self.cache.copy_rows(donor, slot, shared[donor])
+        if shared.get(donor, 0) < reused + MIN_COPIED_ROWS or not self._room(1, keep={slot, donor}):
+            return reused  # a damaged file, or no page for the copy: computed again
+        self.cache.share_rows(donor, slot, shared[donor])
         return shared[donor]
 
     def _spill_out(self, slot: int, kept: int) -> None:
@@ -193,13 +236,17 @@ class BatchRunner:
         every sequence that has a token to feed."""
         report = StepReport()
         sampled_before = self._sampled
+        self._starved = False
         prefilling = next((s for s in self.active if s.prefilling), None)
         if prefilling is not None:
+            end = min(len(prefilling.prefill_ids), prefilling.prefilled + PREFILL_CHUNK)
+            self._starved = not self._room(self.cache.pages_needed(prefilling.slot, end), prefilling)
+        if prefilling is not None and not self._starved and prefilling in self.active:
             started = time.perf_counter()
             # A prefill writes only its own slot, so its failure is that sequence's alone.
             report.prefill_tokens = self._contained(prefilling, self._prefill_chunk) or 0
             report.prefill_s = time.perf_counter() - started
-        ready = [s for s in self.active if s.pending is not None]
+        ready = self._ready()
         if ready:
             started = time.perf_counter()
             self._decode(ready)
@@ -248,18 +295,59 @@ class BatchRunner:
             return None
 
     def _prefill_chunk(self, seq: ActiveSequence) -> int:
-        prompt = seq.job.prompt_ids
-        chunk = prompt[seq.prefilled : seq.prefilled + PREFILL_CHUNK]
+        chunk = seq.prefill_ids[seq.prefilled : seq.prefilled + PREFILL_CHUNK]
         ids = torch.tensor([chunk], dtype=torch.long, device=self.loaded.device)
         self._select([seq.variant])
         logits = self.model.forward(ids, self.cache.slot(seq.slot), logits="last")
         seq.prefilled += len(chunk)
-        if not seq.prefilling:
+        if not seq.prefilling and seq.resume is not None:  # back where it was preempted
+            seq.pending, seq.resume, seq.resume_token = seq.resume_token, None, None
+        elif not seq.prefilling:
             self._accept(seq, logits[0, -1])
         return len(chunk)
 
+    # -- pages -----------------------------------------------------------------------------
+
+    def _ready(self) -> list[ActiveSequence]:
+        """The sequences with a token to feed whose next page is there: oldest first, each one's
+        room made from idle slots and younger sequences (preempted); one that finds none is
+        preempted itself."""
+        for seq in sorted(self.active, key=lambda s: s.admitted):
+            if seq.pending is not None and seq in self.active:
+                needed = self.cache.pages_needed(seq.slot, self.cache.lengths[seq.slot] + 1)
+                if not self._room(needed, seq):
+                    self._preempt(seq)
+        return [s for s in self.active if s.pending is not None]
+
+    def _room(self, pages: int, seq: ActiveSequence | None = None, keep: set[int] = frozenset()) -> bool:
+        """Whether `pages` pages are free, after taking the pages of idle slots (but `keep`),
+        least recently used first, and then (for `seq`) preempting sequences younger than it."""
+        pool = self.cache.pool
+        idle = sorted((s for s in self._free if s not in keep and self.cache.tables[s]), key=lambda s: self._held[s].used_at)
+        for slot in idle:
+            if pool.free >= pages:
+                return True
+            self._spill_out(slot, 0)
+            self.cache.free(slot)
+            self._held[slot] = HeldRows(used_at=self._held[slot].used_at)
+            self.counts.reclaimed += 1
+        for other in sorted(self.active, key=lambda s: -s.admitted):
+            if pool.free >= pages or seq is None or other.admitted <= seq.admitted:
+                break
+            self._preempt(other)
+        return pool.free >= pages
+
+    def _preempt(self, seq: ActiveSequence) -> None:
+        """Free `seq`'s pages; it computes every id fed so far again when there is room, then goes
+        on with the token it was about to feed (its state is untouched)."""
+        if seq.pending is not None:
+            seq.resume, seq.resume_token = [*seq.job.prompt_ids, *seq.token_ids[:-1]], seq.pending
+            seq.pending = None
+        seq.prefilled = 0
+        self.cache.free(seq.slot)
+        self.counts.preempted += 1
+
     def _decode(self, ready: list[ActiveSequence]) -> None:
-        ready.sort(key=lambda s: s.slot)  # adjacent slots read the cache as a view
         ids = torch.tensor([[s.pending] for s in ready], dtype=torch.long, device=self.loaded.device)
         self._select([s.variant for s in ready])
         logits = self.model.forward_batch(ids, self.cache.batch([s.slot for s in ready]))
@@ -320,6 +408,23 @@ class BatchRunner:
 # Fewer rows than this are computed rather than copied from another slot (a chat template's
 # first tokens, which every prompt shares, are not worth a copy of every layer's rows).
 MIN_COPIED_ROWS = 16
+# Sequences run at once per context the pool holds: most replies use a fraction of the context.
+PARALLEL_PER_CONTEXT = 4
+
+
+def sequences_at_once(contexts: int, parallel: int | None) -> int:
+    """The most sequences a runner decodes together: `parallel`, else PARALLEL_PER_CONTEXT per context."""
+    return parallel or PARALLEL_PER_CONTEXT * contexts
+
+
+@dataclass
+class PageCounts:
+    """What the runner did with pages, for /stats and /metrics."""
+
+    prompt_tokens: int = 0
+    reused_tokens: int = 0  # prompt tokens whose rows were taken, not computed
+    reclaimed: int = 0  # idle slots whose pages were taken for another sequence
+    preempted: int = 0  # running sequences whose pages were taken (computed again later)
 
 
 def _weak(overlay):

@@ -19,6 +19,8 @@ class ServerOptions:
     # Sequences decoded together; default the profile's batch_size. (`serve --batch-size` sets the
     # profile's instead, so the planner reserves KV memory for that many.)
     batch_size: int | None = None
+    # The most sequences decoded at once, as long as their pages fit the KV pool (None: 4 per batch_size).
+    parallel: int | None = None
     max_queue: int = 64  # requests waiting for a slot before new ones get 429
     default_timeout: float | None = 600.0  # a request's deadline in seconds unless it sends `timeout`
     stall_timeout: float = 60.0  # seconds without a worker heartbeat before it is restarted
@@ -36,6 +38,8 @@ class ServerOptions:
     def __post_init__(self):
         if self.batch_size is not None and self.batch_size < 1:
             raise TierlmError("--batch-size must be at least 1")
+        if self.parallel is not None and self.parallel < 1:
+            raise TierlmError("--parallel must be at least 1")
         if self.max_queue < 0:
             raise TierlmError("--max-queue must not be negative")
         if self.default_timeout is not None and self.default_timeout <= 0:

@@ -38,7 +38,8 @@ def server_stats(state) -> dict:
         "placement": _placement(placement),
         "kv_cache": None if kv is None else {"format": loaded.kv_format.name, "context": state.context,
                                              "reserved_bytes": kv[0], "used_bytes": kv[1],
-                                             "slots": worker.slots_held() or [], "spill": worker.spill_stats()},
+                                             "slots": worker.slots_held() or [], "pages": worker.page_stats(),
+                                             "spill": worker.spill_stats()},
         "prefix_reuse": _prefix_reuse(state.metrics),
         "context_shift": {
             "enabled": state.options.context_shift,

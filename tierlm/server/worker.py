@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from tierlm.distributed.health import StageFailed
-from tierlm.server.batch import BatchRunner, StepReport
+from tierlm.server.batch import BatchRunner, StepReport, sequences_at_once
 from tierlm.server.jobs import Job
 
 IDLE_WAIT_S = 0.1  # an idle worker still beats this often
@@ -56,12 +56,13 @@ class WorkerKilled(BaseException):
 
 @dataclass(frozen=True)
 class WorkerSettings:
-    slots: int  # sequences decoded together (KV slots)
+    slots: int  # full contexts the KV pool holds (the profile's batch_size)
     max_queue: int  # jobs waiting for a slot; more are refused (429)
     stall_timeout: float = 60.0  # seconds without a heartbeat before the worker counts as dead
     restart_backoff: float = 1.0  # seconds between declaring it dead and starting a new one
     watchdog_interval: float = 0.25
     spill_disk_bytes: int = 0  # disk for idle conversations' rows past host RAM's room (0: none)
+    parallel: int | None = None  # the most sequences decoded together (None: batch.py's default)
 
 
 class Worker:
@@ -168,6 +169,11 @@ class Worker:
         runner = self._runner
         return (runner.cache.nbytes, runner.cache.used_bytes) if runner else None
 
+    def page_stats(self) -> dict | None:
+        """The paged KV pool's figures (server/batch.py page_stats); None between workers."""
+        runner = self._runner
+        return runner.page_stats() if runner is not None else None
+
     def spill_stats(self) -> dict | None:
         """The host-RAM store of idle conversations' rows (kv/spill.py); None between workers."""
         runner = self._runner
@@ -204,6 +210,7 @@ class Worker:
                 "queue_depth": len(self._queue),
                 "active": self.active,
                 "slots": self.settings.slots,
+                "parallel": sequences_at_once(self.settings.slots, self.settings.parallel),
                 "peak_batch": self.peak_batch,
             }
         if self.pipeline is not None:
@@ -262,7 +269,7 @@ class Worker:
             from tierlm.runtime.saved_chat import model_identity
 
             def identity():  # at the first write: it may hash a checkpoint loaded as stored
-                return model_identity(self.loaded, self.loaded.new_slot_cache(1))  # the layout and format
+                return model_identity(self.loaded, self.loaded.new_cache())  # the layout and format
 
             try:
                 self._spill_disk = DiskSpill(cache_root() / "kv-spill", self.settings.spill_disk_bytes, identity)
@@ -276,7 +283,7 @@ class Worker:
 
     def _loop(self, generation: int) -> None:
         runner = BatchRunner(self.loaded, self.tokenizer, self.settings.slots, spill_bytes=spill_room(self.loaded),
-                             spill_disk=self._disk_for_spills())  # fmt: skip
+                             spill_disk=self._disk_for_spills(), parallel=self.settings.parallel)  # fmt: skip
         with self._cond:
             if not self._current(generation):
                 return
