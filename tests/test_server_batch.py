@@ -173,16 +173,27 @@ def test_runner_gives_each_job_what_the_engine_gives_it_alone(chat_model):
     assert not runner.active and all(runner.cache.lengths) and runner.has_room
 
 
-def test_sequences_preempted_for_pages_answer_as_computed_alone(chat_model):
+@pytest.mark.parametrize("fused", ["1", "0"], ids=["fused", "eager"])
+def test_sequences_preempted_for_pages_answer_as_computed_alone(chat_model, fused, monkeypatch):
     """A pool of one context (8 pages of 16) for four sequences of 40-70 positions, three at
     once: pages run out mid-decode, idle slots give theirs back and the youngest sequences are
-    preempted and computed again, and every reply still equals the engine's alone."""
+    preempted and computed again, and every reply still equals the engine's alone. Eager, a
+    step's rows are split so that rows x span stays within the pool's 128 positions."""
+    monkeypatch.setenv("TIERLM_FUSED", fused)
     loaded, tokenizer = chat_model
     engine = Engine(loaded, tokenizer)
     prompts, settings = _four_jobs(tokenizer)
     expected = [reference(engine, p, s) for p, s in zip(prompts, settings)]
     runner = BatchRunner(loaded, tokenizer, contexts=1, parallel=3)
     assert runner.cache.pool.size == 8
+    spans = []
+    decode = runner._decode
+
+    def recording(group):
+        spans.append(len(group) * (max(runner.cache.lengths[s.slot] for s in group) + 1))
+        decode(group)
+
+    monkeypatch.setattr(runner, "_decode", recording)
     jobs = [Job(p, s, deadline=None, loop=ImmediateLoop()) for p, s in zip(prompts, settings)]
     sequences, batches = _run_all(runner, jobs)
     assert runner.counts.preempted >= 1 and max(batches) >= 2
@@ -190,6 +201,23 @@ def test_sequences_preempted_for_pages_answer_as_computed_alone(chat_model):
         assert sequences[job].token_ids == ids
         assert drain(job) == (text, reason)
     assert runner.cache.pool.used <= runner.cache.pool.size
+    steps = sum(1 for n in batches if n)
+    assert max(spans) <= 128 if fused == "0" else len(spans) == steps  # fused: one forward per step
+
+
+def test_an_eager_step_is_split_so_rows_times_span_stays_within_the_pool(chat_model, monkeypatch):
+    """Rows of 60, 20, 20 and 5 positions in a pool of 128: an eager step gathers every row over
+    the longest row's span, so the 60 goes alone and the rest together (3 x 21 <= 128); the fused
+    step reads pages in place and runs them all at once."""
+    loaded, tokenizer = chat_model
+    runner = BatchRunner(loaded, tokenizer, contexts=1, parallel=4)
+    rows = [SimpleNamespace(slot=slot) for slot in range(4)]
+    for row, length in zip(rows, (60, 20, 20, 5)):
+        runner.cache._lengths[row.slot] = length
+    monkeypatch.setenv("TIERLM_FUSED", "0")
+    assert [[r.slot for r in group] for group in runner._decode_groups(rows)] == [[3, 1, 2], [0]]
+    monkeypatch.setenv("TIERLM_FUSED", "1")
+    assert runner._decode_groups(rows) == [rows]
 
 
 def test_runner_deadline_keeps_text_so_far_and_frees_the_slot(chat_model):

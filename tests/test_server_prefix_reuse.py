@@ -231,3 +231,26 @@ def test_a_failing_spill_or_restore_costs_a_recomputation_never_the_request(mode
     again = job(other)
     run(runner, again)
     assert again.cached_tokens == 0 and drain(again)[0] == fresh(model, other)[1]
+
+
+def test_an_idle_conversation_whose_pages_are_taken_is_spilled_and_comes_back(model):
+    """A pool of one context (256 positions) and two page tables: a second long conversation
+    needs the pages the first one's idle slot keeps, so they are copied to host RAM and given
+    back; when the first conversation returns its rows come back from RAM, and it answers as
+    computed from scratch."""
+    loaded, tokenizer = model
+    runner = BatchRunner(loaded, tokenizer, contexts=1, parallel=1, slots=2, spill_bytes=64 << 20)
+    story = "the quick brown fox jumps over the lazy dog " * 14
+    first = turns(tokenizer, story, replies=[])
+    one = job(first)
+    run(runner, one)
+    reply = drain(one)[0]
+    held = list(runner._held[runner.cache.lengths.index(max(runner.cache.lengths))].ids)
+    run(runner, job(turns(tokenizer, "write a title for this: " + story, replies=[])))
+    assert runner.counts.reclaimed == 1 and runner.spill.spilled == 1
+    assert runner.cache.pool.used <= runner.cache.pool.size
+    again = turns(tokenizer, story, "and then?", replies=[reply])
+    back = job(again)
+    run(runner, back)
+    assert back.cached_tokens == shared(again, held) >= len(first) and runner.spill.restored == 1
+    assert drain(back)[0] == fresh(model, again)[1]

@@ -110,6 +110,7 @@ class BatchRunner:
         self.model = loaded.model
         self.tokenizer = tokenizer
         self.parallel = sequences_at_once(contexts, parallel)
+        self.contexts = contexts
         tables = slots or 2 * self.parallel
         self.cache = loaded.new_paged_cache(tables, contexts)  # this stage's layers
         self.active: list[ActiveSequence] = []
@@ -249,7 +250,8 @@ class BatchRunner:
         ready = self._ready()
         if ready:
             started = time.perf_counter()
-            self._decode(ready)
+            for group in self._decode_groups(ready):
+                self._decode(group)
             report.batch = len(ready)
             report.decode_s = time.perf_counter() - started
         report.sampled = self._sampled - sampled_before
@@ -346,6 +348,30 @@ class BatchRunner:
         seq.prefilled = 0
         self.cache.free(seq.slot)
         self.counts.preempted += 1
+
+    def _decode_groups(self, ready: list[ActiveSequence]) -> list[list[ActiveSequence]]:
+        """`ready` as the decode steps to run: one, where the step reads the pages in place (the
+        fused CPU step); else (an eager or graphed step gathers every row's keys and values over
+        the longest row's span) groups of rows of similar length whose span, summed over rows,
+        stays within the pool's positions: the read-back the plan charges a step for."""
+        if self._reads_in_place():
+            return [ready]
+        budget = self.contexts * self.cache.max_len
+        groups: list[list[ActiveSequence]] = [[]]
+        for seq in sorted(ready, key=lambda s: self.cache.lengths[s.slot]):
+            if groups[-1] and (len(groups[-1]) + 1) * (self.cache.lengths[seq.slot] + 1) > budget:
+                groups.append([])
+            groups[-1].append(seq)
+        return groups
+
+    def _reads_in_place(self) -> bool:
+        """Whether a decode step reads the cache's pages where they are (models/fused_decode.py)."""
+        from tierlm.device.cpu import fused_decode_enabled
+        from tierlm.models.fused_decode import native_library
+
+        loaded = self.loaded
+        cpu = loaded.device.type == "cpu" and loaded.dtype == torch.float32
+        return cpu and fused_decode_enabled() and native_library() is not None
 
     def _decode(self, ready: list[ActiveSequence]) -> None:
         ids = torch.tensor([[s.pending] for s in ready], dtype=torch.long, device=self.loaded.device)
