@@ -9,7 +9,9 @@ Prints one JSON line: format, context, decode tok/s, ms per step. `--paged`: the
 server's (kv/paged.py: a page table over a pool of 16-position pages) instead of a contiguous one.
 
 `--kernel`: the decode step's attention alone (the native `kv_attend`: one query head over N
-stored rows of 64 values, the embedded model's head), ns per position for every format.
+stored rows of 64 values, the embedded model's head), ns per position for every format, rows
+contiguous, on pages of 16 in order and on pages in shuffled order (median of 5 interleaved
+rounds).
 """
 
 from __future__ import annotations
@@ -63,15 +65,24 @@ def kernel(positions: int, reps: int = 200) -> None:
     native = load_native()
     gen = torch.Generator().manual_seed(0)
     keys, values, q = torch.randn(positions, 64, generator=gen), torch.randn(positions, 64, generator=gen), torch.randn(64, generator=gen)
+    pages = torch.arange(-(-positions // 16), dtype=torch.long)  # in order, as a fresh pool hands them out
+    scattered = pages[torch.randperm(len(pages), generator=gen)]  # a long-running pool's, in any order
     for name, fmt in FORMATS.items():
         parts = [*codec.encode(fmt, keys), *codec.encode(fmt, values)]
-        for _ in range(5):
-            native.kv_attend(KV_TYPES[name], q, *parts)
-        started = time.perf_counter()
-        for _ in range(reps):
-            native.kv_attend(KV_TYPES[name], q, *parts)
-        per_call = (time.perf_counter() - started) / reps
-        print(json.dumps({"kv_cache": name, "positions": positions, "ns_per_position": round(per_call / positions * 1e9, 2)}))
+        calls = {"contiguous": lambda: native.kv_attend(KV_TYPES[name], q, *parts),
+                 "paged": lambda: native.kv_attend(KV_TYPES[name], q, *parts, pages=pages, page_tokens=16),
+                 "scattered": lambda: native.kv_attend(KV_TYPES[name], q, *parts, pages=scattered, page_tokens=16)}  # fmt: skip
+        timings: dict[str, list[float]] = {layout: [] for layout in calls}
+        for _ in range(5):  # interleaved rounds: both layouts see the same load
+            for layout, call in calls.items():
+                call()
+                started = time.perf_counter()
+                for _ in range(reps // 5):
+                    call()
+                timings[layout].append((time.perf_counter() - started) / (reps // 5))
+        print(json.dumps({"kv_cache": name, "positions": positions,
+                          **{f"{layout}_ns_per_position": round(sorted(t)[2] / positions * 1e9, 2)
+                             for layout, t in timings.items()}}))  # fmt: skip
 
 
 if __name__ == "__main__":

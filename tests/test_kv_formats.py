@@ -162,6 +162,32 @@ def test_native_attention_reads_stored_rows_as_their_values(build, name):
         torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("name", list(FORMATS))
+def test_native_attention_reads_paged_rows_as_it_reads_contiguous_ones(build, name):
+    """The same rows scattered over pages of 16 in shuffled order (a page table, kv/paged.py's
+    head-major region) give the contiguous result bit for bit: a page's rows are read as a run."""
+    fmt, gen = FORMATS[name], torch.Generator().manual_seed(2)
+    for rows in (1, 37, 100):
+        keys, values, q = torch.randn(rows, 64, generator=gen), torch.randn(rows, 64, generator=gen), torch.randn(64, generator=gen)
+        parts = [*codec.encode(fmt, keys), *codec.encode(fmt, values)]
+        count = -(-rows // 16)
+        pages = torch.randperm(count + 3, generator=gen)[:count]  # a region of count + 3 pages
+        paged = []
+        for part in parts:
+            if part is None:
+                paged.append(None)
+                continue
+            region = torch.zeros((count + 3) * 16, part.shape[1], dtype=part.dtype)
+            for index, page in enumerate(pages.tolist()):
+                taken = part[index * 16 : (index + 1) * 16]
+                region[page * 16 : page * 16 + len(taken)] = taken
+            paged.append(region)
+        contiguous = build.kv_attend(fused_decode.KV_TYPES[name], q, *parts)
+        out = build.kv_attend(fused_decode.KV_TYPES[name], q, *paged, pages=pages.contiguous(), page_tokens=16,
+                              positions=rows)  # fmt: skip
+        assert torch.equal(out, contiguous), rows
+
+
 # -- the fused step reads each format as eager attention does -------------------------------------
 
 # Cases with heads of 32 (the quantized formats' block), a sliding window among them.

@@ -16,7 +16,7 @@ class DecodeRows(NamedTuple):
     """What a fused or captured decode step needs of a cache: the storage of every layer
     (codes [layers, rows, kv_heads, max_len, width]; fp16 scales [..., D / 32] or None), each
     row's slot and the position its new token goes to. A paged cache (kv/paged.py) holds
-    [layers, pages, kv_heads, page_tokens, width] and gives each row's pages instead of a slot."""
+    [layers, kv_heads, pages, page_tokens, width] and gives each row's pages instead of a slot."""
 
     keys: torch.Tensor
     values: torch.Tensor
@@ -30,15 +30,17 @@ class DecodeRows(NamedTuple):
 
 
 class _Storage:
-    """Keys and values of every layer in one format: codes `keys`/`values` [layers, rows,
-    kv_heads, max_len, width] and, quantized, fp16 `key_scales`/`value_scales` [..., D / 32],
+    """Keys and values of every layer in one format: codes `keys`/`values` (KVCache: [layers,
+    rows, kv_heads, max_len, width]) and, quantized, fp16 `key_scales`/`value_scales` [..., D / 32],
     left uninitialised (`torch.empty`: memory is touched only as positions fill). Written in
     `format`, read back in `dtype` (the compute dtype)."""
 
-    def _allocate(self, layers, rows, kv_heads, head_dim, max_len, device, dtype, kv_format):
+    def _allocate(self, dims: tuple[int, int, int, int], head_dim, device, dtype, kv_format):
+        """Codes (and scales) of shape [*dims, width]: KVCache's dims are (layers, rows, kv_heads,
+        max_len), a paged cache's (layers, kv_heads, pages, page_tokens)."""
         fmt = as_format(kv_format, dtype)
         self.format, self.dtype, self.head_dim = fmt, dtype, head_dim
-        shape = (layers, rows, kv_heads, max_len, codec.code_width(fmt, head_dim))
+        shape = (*dims, codec.code_width(fmt, head_dim))
         code = codec.code_dtype(fmt)
         self.keys = torch.empty(shape, device=device, dtype=code)
         self.values = torch.empty(shape, device=device, dtype=code)
@@ -49,27 +51,12 @@ class _Storage:
             self.value_scales = torch.empty(scale_shape, device=device, dtype=torch.float16)
 
     def _store(self, layer: int, where: tuple, keys: torch.Tensor, values: torch.Tensor) -> None:
-        """Write keys/values [..., D] at `where` (an index into one layer's [rows, kv_heads, max_len])."""
+        """Write keys/values [..., D] at `where` (an index into one layer's codes, all but the width)."""
         for codes, scales, x in ((self.keys, self.key_scales, keys), (self.values, self.value_scales, values)):
             encoded, scale = codec.encode(self.format, x)
             codes[layer][where] = encoded
             if scales is not None:
                 scales[layer][where] = scale
-
-    def _load(self, layer: int, rows, end: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values of `rows` over positions [0, end) in the compute dtype [n, kv_heads, end, D]
-        (views of the cache when it holds the compute dtype)."""
-        out = []
-        for codes, scales in ((self.keys, self.key_scales), (self.values, self.value_scales)):
-            part = scales[layer][rows, :, :end] if scales is not None else None
-            out.append(codec.decode(self.format, codes[layer][rows, :, :end], part, self.dtype))
-        return out[0], out[1]
-
-    def rows_of(self, row: int, length: int) -> list[torch.Tensor]:
-        """Row `row`'s storage over its first `length` positions, every layer: keys, values and
-        (quantized) their scales, each [layers, kv_heads, length, ...] (what a saved session holds)."""
-        parts = (self.keys, self.values, self.key_scales, self.value_scales)
-        return [p[:, row, :, :length] for p in parts if p is not None]
 
     @property
     def nbytes(self) -> int:
@@ -129,7 +116,7 @@ class KVCache(_Contiguous, _Storage):
     ):
         """`dtype`: the compute dtype keys are read back in; `kv_format`: how they are held
         (None: in `dtype`)."""
-        self._allocate(layers, batch, kv_heads, head_dim, max_len, device, dtype, kv_format)
+        self._allocate((layers, batch, kv_heads, max_len), head_dim, device, dtype, kv_format)
         self.max_len = max_len
         self.offset = 0
 
@@ -151,6 +138,21 @@ class KVCache(_Contiguous, _Storage):
         where = (slice(None), slice(None), slice(self.offset, end))
         self._store(layer, where, keys.transpose(1, 2), values.transpose(1, 2))
         return self._load(layer, slice(None), end)
+
+    def _load(self, layer: int, rows, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of `rows` over positions [0, end) in the compute dtype [n, kv_heads, end, D]
+        (views of the cache when it holds the compute dtype)."""
+        out = []
+        for codes, scales in ((self.keys, self.key_scales), (self.values, self.value_scales)):
+            part = scales[layer][rows, :, :end] if scales is not None else None
+            out.append(codec.decode(self.format, codes[layer][rows, :, :end], part, self.dtype))
+        return out[0], out[1]
+
+    def rows_of(self, row: int, length: int) -> list[torch.Tensor]:
+        """Row `row`'s storage over its first `length` positions, every layer: keys, values and
+        (quantized) their scales, each [layers, kv_heads, length, ...] (what a saved session holds)."""
+        parts = (self.keys, self.values, self.key_scales, self.value_scales)
+        return [p[:, row, :, :length] for p in parts if p is not None]
 
     def decode_rows(self) -> DecodeRows:
         """For a fused one-token step: the storage, each row's slot and position."""

@@ -1,7 +1,8 @@
 """A paged KV cache: one pool of fixed-size pages, and per sequence slot a page table.
 
-Storage is [layers, pages, kv_heads, page_tokens, width] (codes of kv/formats.py's format, and
-fp16 scales when quantized), allocated once with `torch.empty`. A slot's context is the list
+Storage is [layers, kv_heads, pages, page_tokens, width] (codes of kv/formats.py's format, and
+fp16 scales when quantized), allocated once with `torch.empty`: head-major, so one head's pages
+lie in their own region and a sequence on consecutive pages reads each head's rows as one run. A slot's context is the list
 of pages holding its positions in order, taken from the pool as it grows and given back when
 it shrinks or is freed, so sequences share one budget instead of each reserving the whole
 context. A page may be in several slots' tables (`share_rows`: a prefix another sequence
@@ -95,7 +96,7 @@ class PagedKVCache(_Storage):
     ):
         if page_tokens < 4 or page_tokens & (page_tokens - 1) or page_tokens % 4:
             raise ValueError(f"a page holds a power of two positions, at least 4 (not {page_tokens})")
-        self._allocate(layers, pages, kv_heads, head_dim, page_tokens, device, dtype, kv_format)
+        self._allocate((layers, kv_heads, pages, page_tokens), head_dim, device, dtype, kv_format)
         self.page_tokens = page_tokens
         self.max_len = max_len
         self.pool = PagePool(pages)
@@ -189,7 +190,7 @@ class PagedKVCache(_Storage):
         if self._fresh[page]:
             for part in (self.keys, self.values, self.key_scales, self.value_scales):
                 if part is not None:
-                    part[:, page].zero_()
+                    part[:, :, page].zero_()
             self._fresh[page] = False
         return page
 
@@ -198,7 +199,7 @@ class PagedKVCache(_Storage):
         copy = self._take()
         for part in (self.keys, self.values, self.key_scales, self.value_scales):
             if part is not None:
-                part[:, copy].copy_(part[:, page])
+                part[:, :, copy].copy_(part[:, :, page])
         return copy
 
     # -- reading and writing ---------------------------------------------------------------
@@ -213,7 +214,7 @@ class PagedKVCache(_Storage):
     def _write(self, layer: int, slot: int, start: int, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Store keys/values [T, kv_heads, D] at positions start.. of `slot` (its pages reserved)."""
         pages, rows = self._where(slot, start, start + keys.shape[0])
-        self._store(layer, (pages, slice(None), rows), keys, values)
+        self._store(layer, (slice(None), pages, rows), keys.transpose(0, 1), values.transpose(0, 1))
 
     def _read(self, layer: int, tables: list[list[int]], end: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values of each table's first `end` positions in the compute dtype
@@ -228,12 +229,12 @@ class PagedKVCache(_Storage):
         return out[0], out[1]
 
     def _span(self, part: torch.Tensor | None, index: torch.Tensor, end: int) -> torch.Tensor | None:
-        """One layer's `part` [pages, kv_heads, P, w] gathered to [n, kv_heads, end, w]."""
+        """One layer's `part` [kv_heads, pages, P, w] gathered to [n, kv_heads, end, w]."""
         if part is None:
             return None
         n, count = index.shape
-        pages = part[index.reshape(-1)].reshape(n, count, *part.shape[1:])  # [n, count, kv_heads, P, w]
-        return pages.transpose(1, 2).reshape(n, part.shape[1], count * self.page_tokens, part.shape[-1])[:, :, :end]
+        pages = part[:, index]  # [kv_heads, n, count, P, w]
+        return pages.transpose(0, 1).reshape(n, part.shape[0], count * self.page_tokens, part.shape[-1])[:, :, :end]
 
     def rows_of(self, slot: int, length: int) -> list[torch.Tensor]:
         """Copies of `slot`'s first `length` positions, every layer: keys, values and (quantized)
@@ -243,15 +244,15 @@ class PagedKVCache(_Storage):
         out = []
         for part in (self.keys, self.values, self.key_scales, self.value_scales):
             if part is not None:
-                pages = part[:, index]  # [layers, count, kv_heads, P, w]
-                rows = pages.transpose(1, 2).reshape(part.shape[0], part.shape[2], count * self.page_tokens, -1)
+                pages = part[:, :, index]  # [layers, kv_heads, count, P, w]
+                rows = pages.reshape(part.shape[0], part.shape[1], count * self.page_tokens, part.shape[-1])
                 out.append(rows[:, :, :length].contiguous())
         return out
 
     def empty_rows(self, length: int) -> list[torch.Tensor]:
         """Uninitialised host tensors shaped as `rows_of(slot, length)` gives them (to read into)."""
         parts = (self.keys, self.values, self.key_scales, self.value_scales)
-        return [torch.empty((p.shape[0], p.shape[2], length, p.shape[4]), dtype=p.dtype) for p in parts if p is not None]
+        return [torch.empty((p.shape[0], p.shape[1], length, p.shape[4]), dtype=p.dtype) for p in parts if p is not None]
 
     def write_rows(self, slot: int, rows: list[torch.Tensor], length: int) -> None:
         """Make `slot` hold `rows` (as `rows_of` gives them) as its first `length` positions."""
@@ -260,8 +261,7 @@ class PagedKVCache(_Storage):
         pages, offsets = self._where(slot, 0, length)
         parts = [p for p in (self.keys, self.values, self.key_scales, self.value_scales) if p is not None]
         for part, held in zip(parts, rows, strict=True):
-            # part[:, pages, :, offsets] is [length, layers, kv_heads, w] (advanced indices first)
-            part[:, pages, :, offsets] = held[:, :, :length].permute(2, 0, 1, 3).to(part.dtype)
+            part[:, :, pages, offsets] = held[:, :, :length].to(part.dtype)  # [layers, kv_heads, length, w]
         self._lengths[slot] = length
 
     def decode_rows_of(self, slots: list[int], positions: list[int]) -> DecodeRows:
@@ -332,7 +332,7 @@ class PagedBatch:
         size = parent.page_tokens
         pages = [parent.tables[s][n // size] for s, n in zip(self.slots, lengths)]
         rows = torch.tensor([n % size for n in lengths], dtype=torch.long, device=parent.device)
-        self._where = (torch.tensor(pages, dtype=torch.long, device=parent.device), slice(None), rows)
+        self._where = (slice(None), torch.tensor(pages, dtype=torch.long, device=parent.device), rows)
 
     def rope(self, table, length: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
         if length != 1:
@@ -346,7 +346,7 @@ class PagedBatch:
         """Store keys/values [n, 1, kv_heads, D] at each slot's position; return [n, kv_heads, S, D]
         (positions past a slot's own hold finite leftovers, which the mask gives no weight)."""
         parent = self.parent
-        parent._store(layer, self._where, keys[:, 0], values[:, 0])
+        parent._store(layer, self._where, keys[:, 0].transpose(0, 1), values[:, 0].transpose(0, 1))
         return parent._read(layer, [parent.tables[s] for s in self.slots], self.key_len)
 
     def decode_rows(self) -> DecodeRows:

@@ -90,7 +90,8 @@ def step_for(model, cache, x: torch.Tensor) -> FusedStep | None:
         return None
     cfg = model.config
     layout = (len(model.span.layers), cfg.num_key_value_heads, cfg.head_dim)  # a stage caches its layers only
-    if (keys.shape[0], keys.shape[2], rows.format.row_bytes(cfg.head_dim)) != (*layout[:2], _row_bytes(rows)):
+    heads = keys.shape[1] if rows.page_tables is not None else keys.shape[2]  # paged: head-major
+    if (keys.shape[0], heads, rows.format.row_bytes(cfg.head_dim)) != (*layout[:2], _row_bytes(rows)):
         return None  # the native code trusts the cache layout: anything else runs eagerly
     if rows.page_tables is None and not all(0 <= s < keys.shape[1] for s in slots):
         return None
@@ -142,6 +143,8 @@ class FusedStep:
         a.batch, a.hidden = len(slots), cfg.hidden_size
         a.n_q, a.n_kv, a.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         a.inter, a.rotary_dim, a.max_len = cfg.intermediate_size, rotary.rotary_dim, keys.shape[3]
+        if rows.page_tables is not None:  # one head's region: every page's positions
+            a.max_len = keys.shape[2] * keys.shape[3]
         a.window = cfg.sliding_window or 0
         a.eps, a.interleaved = cfg.rms_norm_eps, int(rotary.interleaved)
         a.threads = torch.get_num_threads()

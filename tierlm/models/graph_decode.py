@@ -71,7 +71,7 @@ class StaticRows:
     """The KV cache as a captured step sees it (the `update` that `LlamaModel.attention` calls).
 
     keys/values are the cache's buffers: a KVCache's [layers, rows, kv_heads, max_len, D] (every
-    row in the step), or paged (kv/paged.py) [layers, pages, kv_heads, page_tokens, D];
+    row in the step), or paged (kv/paged.py) [layers, kv_heads, pages, page_tokens, D];
     `slots` [B] and `positions` [B] (long, on the device) say where each row's new token goes,
     and a paged cache's `tables` [B, span / page_tokens] which pages hold each row's span (read
     with index_select: a copy).
@@ -81,7 +81,7 @@ class StaticRows:
         self.keys, self.values = keys, values
         self.slots, self.positions, self.tables = slots, positions, tables
         self.span = span
-        self.heads = torch.arange(keys.shape[2], device=keys.device)
+        self.heads = torch.arange(keys.shape[1 if tables is not None else 2], device=keys.device)
 
     def update(self, layer: int, keys: torch.Tensor, values: torch.Tensor):
         """Write keys/values [B, 1, kv_heads, D] at each row's (slot, position); return the
@@ -89,7 +89,7 @@ class StaticRows:
         if self.tables is not None:
             size = self.keys.shape[3]
             page = self.tables.gather(1, torch.div(self.positions, size, rounding_mode="floor")[:, None])
-            where = (page, self.heads[None, :], torch.remainder(self.positions, size)[:, None])
+            where = (self.heads[None, :], page, torch.remainder(self.positions, size)[:, None])
         else:
             where = (self.slots[:, None], self.heads[None, :], self.positions[:, None])
         self.keys[layer].index_put_(where, keys[:, 0])
@@ -97,10 +97,10 @@ class StaticRows:
         return self._read(self.keys[layer]), self._read(self.values[layer])
 
     def _read(self, buffer: torch.Tensor) -> torch.Tensor:
-        if self.tables is not None:  # each row's pages in order: [B, count, kv_heads, P, D] -> [B, kv_heads, span, D]
+        if self.tables is not None:  # each row's pages in order: [kv_heads, B, count, P, D] -> [B, kv_heads, span, D]
             rows, count = self.tables.shape
-            pages = buffer.index_select(0, self.tables.reshape(-1)).reshape(rows, count, *buffer.shape[1:])
-            return pages.transpose(1, 2).reshape(rows, buffer.shape[1], self.span, buffer.shape[-1])
+            pages = buffer.index_select(1, self.tables.reshape(-1)).reshape(buffer.shape[0], rows, count, *buffer.shape[2:])
+            return pages.transpose(0, 1).reshape(rows, buffer.shape[0], self.span, buffer.shape[-1])
         return buffer[:, :, : self.span]
 
 

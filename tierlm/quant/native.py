@@ -87,7 +87,7 @@ class NativeKernel:
         lib.tierlm_decode_args_size.restype = i64
         lib.tierlm_kv_store.argtypes = [ctypes.c_int32, ptr, i64, i64, ptr, ptr]
         lib.tierlm_kv_store.restype = ctypes.c_int
-        lib.tierlm_kv_attend.argtypes = [ctypes.c_int32, ptr, ptr, ptr, ptr, ptr, i64, i64, ptr]
+        lib.tierlm_kv_attend.argtypes = [ctypes.c_int32, ptr, ptr, ptr, ptr, ptr, ptr, ctypes.c_int32, i64, i64, ptr]
         lib.tierlm_kv_attend.restype = ctypes.c_int
         self.lib = lib
         self.library = library
@@ -161,14 +161,20 @@ class NativeKernel:
             raise ValueError(f"KV type {kv_type} cannot hold rows of {d} values")
         return codes, scales
 
-    def kv_attend(self, kv_type: int, q, keys, key_scales, values, value_scales):
-        """out [D]: the decode step's attention of q [D] over n stored rows (codes [n, row], fp16
-        scales [n, D / 32] or None, as `kv_store` writes them). All contiguous, on the CPU."""
-        n, d = keys.shape[0], q.shape[0]
+    def kv_attend(self, kv_type: int, q, keys, key_scales, values, value_scales, pages=None, page_tokens: int = 0,
+                  positions: int | None = None):  # fmt: skip
+        """out [D]: the decode step's attention of q [D] over stored rows (codes [rows, row], fp16
+        scales [rows, D / 32] or None, as `kv_store` writes them). All contiguous, on the CPU.
+        Position t is row t, or with `pages` (int64 [count]) of `page_tokens` rows each (a power of
+        two), row pages[t // page_tokens] * page_tokens + t % page_tokens; `positions` (default:
+        every row) says how many."""
+        n, d = positions if positions is not None else keys.shape[0], q.shape[0]
         out = torch.empty(d, dtype=torch.float32)
         pointer = lambda t: t.data_ptr() if t is not None else None  # noqa: E731
+        shift = page_tokens.bit_length() - 1 if pages is not None else 0
         done = self.lib.tierlm_kv_attend(kv_type, q.data_ptr(), keys.data_ptr(), pointer(key_scales),
-                                         values.data_ptr(), pointer(value_scales), n, d, out.data_ptr())  # fmt: skip
+                                         values.data_ptr(), pointer(value_scales), pointer(pages), shift, n, d,
+                                         out.data_ptr())  # fmt: skip
         if done != 0:
             raise ValueError(f"KV type {kv_type} cannot hold rows of {d} values")
         return out

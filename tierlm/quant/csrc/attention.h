@@ -18,25 +18,55 @@
 
 namespace tl {
 
-// One KV head's rows as a cache holds them. Contiguous (`pages` null): position t's codes at
-// data + t * row_bytes, its scales (quantized types) at scales + t * groups. Paged: position t
-// lies in page pages[t >> page_shift] at row t & (2^page_shift - 1), a page being page_rows
-// rows of every head (data and scales point at this head's first row of page 0).
-struct StoredRows {
+// A run of one KV head's rows stored one after another: position t's codes at
+// data + t * row_bytes, its scales (quantized types) at scales + t * groups. The loops below
+// read runs, so their address arithmetic has no branch.
+struct RowRun {
   int32_t type;
   const char* data;
   const uint16_t* scales;
   int64_t row_bytes, groups;
+  const void* codes(int64_t t) const { return data + t * row_bytes; }
+  const uint16_t* scales_of(int64_t t) const { return scales ? scales + t * groups : nullptr; }
+};
+
+// One KV head's rows as a cache holds them: one run (`pages` null), or paged: position t lies
+// in page pages[t >> page_shift] at row t & (2^page_shift - 1), i.e. row
+// pages[t >> page_shift] * 2^page_shift + that of the head's region (`run` points at its row 0:
+// the cache is head-major, kv/paged.py).
+struct StoredRows {
+  RowRun run;
   const int64_t* pages = nullptr;
   int32_t page_shift = 0;
-  int64_t page_rows = 0;  // rows between one page's head and the next page's (n_kv * page size)
+  int32_t type() const { return run.type; }
   int64_t row(int64_t t) const {
     if (!pages) return t;
-    return pages[t >> page_shift] * page_rows + (t & ((int64_t{1} << page_shift) - 1));
+    return (pages[t >> page_shift] << page_shift) + (t & ((int64_t{1} << page_shift) - 1));
   }
-  const void* codes(int64_t t) const { return data + row(t) * row_bytes; }
-  const uint16_t* scales_of(int64_t t) const { return scales ? scales + row(t) * groups : nullptr; }
+  const void* codes(int64_t t) const { return run.codes(row(t)); }
+  const uint16_t* scales_of(int64_t t) const { return run.scales_of(row(t)); }
 };
+
+// body(run, first, a, b) for the positions [t0, t1) in runs of rows stored one after another
+// (one run for unpaged rows; paged, a run per stretch of consecutively numbered pages, which a
+// pool hands out in order): position t is the run's row t - first.
+template <typename Body>
+inline void for_runs(const StoredRows& rows, int64_t t0, int64_t t1, Body body) {
+  if (!rows.pages) return body(rows.run, int64_t{0}, t0, t1);
+  const int32_t shift = rows.page_shift;
+  const int64_t size = int64_t{1} << shift;
+  for (int64_t a = t0; a < t1;) {
+    const int64_t first = a & ~(size - 1);
+    int64_t b = std::min(t1, first + size);
+    while (b < t1 && rows.pages[b >> shift] == rows.pages[(b - 1) >> shift] + 1) b = std::min(t1, b + size);
+    const int64_t row = rows.pages[a >> shift] << shift;
+    RowRun run = rows.run;
+    run.data += row * run.row_bytes;
+    if (run.scales) run.scales += row * run.groups;
+    body(run, first, a, b);
+    a = b;
+  }
+}
 
 // exp(x) for x <= 0 (softmax after the max is subtracted): Cody-Waite reduction and a degree-6
 // polynomial, within 1e-7 relative of exp over [-87, 0]; 0 below. Plain arithmetic (rounding by
@@ -72,7 +102,7 @@ inline Vec::reg load_values(const void* codes, int64_t d) {
 
 // scores[i] = q . row(t0 + i) * scale for i < N (N rows at once: N independent chains).
 template <int32_t T, int N>
-inline void dot_rows(const StoredRows& k, const float* q, int64_t D, int64_t t0, float scale, float* scores) {
+inline void dot_rows(const RowRun& k, const float* q, int64_t D, int64_t t0, float scale, float* scores) {
   constexpr int L = Vec::lanes;
   Vec::reg acc[N];
   for (int i = 0; i < N; ++i) acc[i] = Vec::zero();
@@ -97,7 +127,7 @@ inline void dot_rows(const StoredRows& k, const float* q, int64_t D, int64_t t0,
 
 // out[d0, d0 + R * lanes) += sum over t in [t0, t1) of p[t - t0] * row(t) (float formats).
 template <int32_t T, int R>
-inline void sum_block(const StoredRows& v, const float* p, int64_t t0, int64_t t1, int64_t d0, float* out) {
+inline void sum_block(const RowRun& v, const float* p, int64_t t0, int64_t t1, int64_t d0, float* out) {
   constexpr int L = Vec::lanes;
   Vec::reg acc[R];
   for (int r = 0; r < R; ++r) acc[r] = Vec::load(out + d0 + r * L);
@@ -111,7 +141,7 @@ inline void sum_block(const StoredRows& v, const float* p, int64_t t0, int64_t t
 
 // The same for G quantized groups from group g0 (their 32 * G values held in registers).
 template <int32_t T, int G>
-inline void sum_groups(const StoredRows& v, const float* p, int64_t t0, int64_t t1, int64_t g0, float* out) {
+inline void sum_groups(const RowRun& v, const float* p, int64_t t0, int64_t t1, int64_t g0, float* out) {
   constexpr int L = Vec::lanes, per_group = kKVGroup / L;
   Vec::reg acc[G * per_group];
   float* base = out + g0 * kKVGroup;
@@ -130,7 +160,7 @@ inline void sum_groups(const StoredRows& v, const float* p, int64_t t0, int64_t 
 // The head's values in blocks of at most 8 registers, the widest first, so a head of 64 values
 // with 16 lanes is one pass of 4 registers over the positions, not four passes of one.
 template <int32_t T, int R>
-inline int64_t sum_blocks(const StoredRows& v, const float* p, int64_t D, int64_t t0, int64_t t1, int64_t d, float* out) {
+inline int64_t sum_blocks(const RowRun& v, const float* p, int64_t D, int64_t t0, int64_t t1, int64_t d, float* out) {
   constexpr int L = Vec::lanes;
   for (; d + R * L <= D; d += R * L) sum_block<T, R>(v, p, t0, t1, d, out);
   if constexpr (R > 1) return sum_blocks<T, R / 2>(v, p, D, t0, t1, d, out);
@@ -138,7 +168,7 @@ inline int64_t sum_blocks(const StoredRows& v, const float* p, int64_t D, int64_
 }
 
 template <int32_t T, int G>
-inline int64_t sum_group_blocks(const StoredRows& v, const float* p, int64_t groups, int64_t t0, int64_t t1,
+inline int64_t sum_group_blocks(const RowRun& v, const float* p, int64_t groups, int64_t t0, int64_t t1,
                                 int64_t g, float* out) {
   for (; g + G <= groups; g += G) sum_groups<T, G>(v, p, t0, t1, g, out);
   if constexpr (G > 1) return sum_group_blocks<T, G / 2>(v, p, groups, t0, t1, g, out);
@@ -146,7 +176,7 @@ inline int64_t sum_group_blocks(const StoredRows& v, const float* p, int64_t gro
 }
 
 template <int32_t T>
-inline void weighted_sum(const StoredRows& v, const float* p, int64_t D, int64_t t0, int64_t t1, float* out) {
+inline void weighted_sum(const RowRun& v, const float* p, int64_t D, int64_t t0, int64_t t1, float* out) {
   constexpr int L = Vec::lanes;
   if constexpr (T == kKVQ8 || T == kKVQ4) {
     // Up to 8 registers of accumulators: 4 groups of 16 lanes, 2 of 8, 1 of 4.
@@ -174,9 +204,11 @@ inline void attend_typed(const StoredRows& keys, const StoredRows& values, const
     hadamard(turned, D);
     qs = turned;
   }
-  int64_t t = start;
-  for (; t + 4 <= pos; t += 4) dot_rows<T, 4>(keys, qs, D, t, scale, scores + (t - start));
-  for (; t < pos; ++t) dot_rows<T, 1>(keys, qs, D, t, scale, scores + (t - start));
+  for_runs(keys, start, pos, [&](const RowRun& run, int64_t first, int64_t a, int64_t b) {
+    int64_t t = a;
+    for (; t + 4 <= b; t += 4) dot_rows<T, 4>(run, qs, D, t - first, scale, scores + (t - start));
+    for (; t < b; ++t) dot_rows<T, 1>(run, qs, D, t - first, scale, scores + (t - start));
+  });
   scores[pos - start] = dot(q, k_new, D) * scale;
   const int64_t n = pos - start + 1;
   float top = -INFINITY;
@@ -186,7 +218,9 @@ inline void attend_typed(const StoredRows& keys, const StoredRows& values, const
   float total = 0.0f;
   for (int64_t i = 0; i < n; ++i) total += scores[i];
   std::fill(out, out + D, 0.0f);
-  weighted_sum<T>(values, scores, D, start, pos, out);
+  for_runs(values, start, pos, [&](const RowRun& run, int64_t first, int64_t a, int64_t b) {
+    weighted_sum<T>(run, scores + (a - start), D, a - first, b - first, out);
+  });
   if constexpr (rotated) hadamard(out, D);
   const float last = scores[pos - start], inv = 1.0f / total;
   for (int64_t d = 0; d < D; ++d) out[d] = (out[d] + last * v_new[d]) * inv;
@@ -199,14 +233,14 @@ inline void attend_any(const StoredRows& keys, const StoredRows& values, const f
   const float scale = 1.0f / std::sqrt(static_cast<float>(D));
   float top = -INFINITY;
   for (int64_t t = start; t <= pos; ++t) {
-    const float s = (t == pos ? dot(q, k_new, D) : kv_dot(keys.type, q, keys.codes(t), keys.scales_of(t), D)) * scale;
+    const float s = (t == pos ? dot(q, k_new, D) : kv_dot(keys.type(), q, keys.codes(t), keys.scales_of(t), D)) * scale;
     scores[t - start] = s;
     top = std::max(top, s);
   }
   float total = 0.0f;
   for (int64_t t = start; t <= pos; ++t) total += scores[t - start] = exp_nonpositive(scores[t - start] - top);
   std::fill(out, out + D, 0.0f);
-  for (int64_t t = start; t < pos; ++t) kv_axpy(values.type, scores[t - start], values.codes(t), values.scales_of(t), D, out);
+  for (int64_t t = start; t < pos; ++t) kv_axpy(values.type(), scores[t - start], values.codes(t), values.scales_of(t), D, out);
   const float last = scores[pos - start], inv = 1.0f / total;
   for (int64_t d = 0; d < D; ++d) out[d] = (out[d] + last * v_new[d]) * inv;
 }
@@ -215,7 +249,7 @@ inline void attend_stored(const StoredRows& keys, const StoredRows& values, cons
                           int64_t start, int64_t pos, const float* k_new, const float* v_new, float* scores,
                           float* out) {
   if (D % Vec::lanes) return attend_any(keys, values, q, D, start, pos, k_new, v_new, scores, out);
-  switch (keys.type) {
+  switch (keys.type()) {
     case kKVF32: return attend_typed<kKVF32>(keys, values, q, D, start, pos, k_new, v_new, scores, out);
     case kKVF16: return attend_typed<kKVF16>(keys, values, q, D, start, pos, k_new, v_new, scores, out);
     case kKVBF16: return attend_typed<kKVBF16>(keys, values, q, D, start, pos, k_new, v_new, scores, out);

@@ -33,8 +33,8 @@ struct LayerArgs {
   const float* cos;  // [max_len, rotary_dim], laid out as models/base.py RotaryTable
   const float* sin;
   // This layer's codes in kv_type (kv_formats.h): [slots, n_kv, max_len, row], or paged
-  // (page_shift > 0) [pages, n_kv, 2^page_shift, row]; fp16 scales likewise [..., head_dim / 32]
-  // (quantized types), else null.
+  // (page_shift > 0) [n_kv, pages, 2^page_shift, row] with max_len = pages * 2^page_shift (one
+  // head's positions); fp16 scales likewise [..., head_dim / 32] (quantized types), else null.
   void* keys;
   void* values;
   uint16_t* key_scales;
@@ -94,18 +94,17 @@ inline void attend_head(const LayerArgs& a, const float* qkv, int64_t b, int64_t
   const int32_t type = a.kv_type;
   const int64_t row_bytes = kv_code_bytes(type, D), groups_per_row = kv_quantized(type) ? D / kKVGroup : 0;
   const bool paged = a.page_shift > 0;
-  // The head's first row: of its slot (slot layout) or of page 0 (paged).
-  const int64_t head_row = paged ? kvh << a.page_shift : (slot * a.n_kv + kvh) * a.max_len;
+  // The head's first row: of its slot (slot layout) or of its region's page 0 (paged).
+  const int64_t head_row = (paged ? kvh : slot * a.n_kv + kvh) * a.max_len;
   char* kc = static_cast<char*>(a.keys) + head_row * row_bytes;
   char* vc = static_cast<char*>(a.values) + head_row * row_bytes;
   uint16_t* ks = a.key_scales ? a.key_scales + head_row * groups_per_row : nullptr;
   uint16_t* vs = a.value_scales ? a.value_scales + head_row * groups_per_row : nullptr;
-  StoredRows keys{type, kc, ks, row_bytes, groups_per_row}, values{type, vc, vs, row_bytes, groups_per_row};
+  StoredRows keys{{type, kc, ks, row_bytes, groups_per_row}}, values{{type, vc, vs, row_bytes, groups_per_row}};
   if (paged) {
     for (StoredRows* rows : {&keys, &values}) {
       rows->pages = a.page_tables + b * a.table_width;
       rows->page_shift = a.page_shift;
-      rows->page_rows = a.n_kv << a.page_shift;
     }
   }
   // The group's first head writes the new key/value; the others read only earlier positions,

@@ -137,17 +137,20 @@ int tierlm_kv_store(int32_t type, const float* x, int64_t n, int64_t D, void* co
   return 0;
 }
 
-// out[D] = single-query attention of q[D] over n stored rows (keys, values: codes [n, row bytes]
-// and fp16 scales [n, D / 32] or null, as tierlm_kv_store writes them), the decode step's own
-// read path; the last row is read back as floats first, as the step reads its new token.
+// out[D] = single-query attention of q[D] over n stored rows (keys, values: codes [rows, row
+// bytes] and fp16 scales [rows, D / 32] or null, as tierlm_kv_store writes them), the decode
+// step's own read path; the last row is read back as floats first, as the step reads its new
+// token. `pages` null: position t is row t; else paged (attention.h StoredRows): position t is
+// row (pages[t >> page_shift] << page_shift) + (t & (2^page_shift - 1)).
 int tierlm_kv_attend(int32_t type, const float* q, const void* keys, const uint16_t* key_scales,
-                     const void* values, const uint16_t* value_scales, int64_t n, int64_t D, float* out) {
+                     const void* values, const uint16_t* value_scales, const int64_t* pages, int32_t page_shift,
+                     int64_t n, int64_t D, float* out) {
   if (type < tl::kKVF32 || type > tl::kKVQ4 || n <= 0 || D <= 0 ||
       (tl::kv_quantized(type) && (D % tl::kKVGroup || !key_scales || !value_scales)))
     return -1;
   const int64_t row = tl::kv_code_bytes(type, D), groups = tl::kv_quantized(type) ? D / tl::kKVGroup : 0;
-  const tl::StoredRows k{type, static_cast<const char*>(keys), key_scales, row, groups};
-  const tl::StoredRows v{type, static_cast<const char*>(values), value_scales, row, groups};
+  const tl::StoredRows k{{type, static_cast<const char*>(keys), key_scales, row, groups}, pages, page_shift};
+  const tl::StoredRows v{{type, static_cast<const char*>(values), value_scales, row, groups}, pages, page_shift};
   std::vector<float> last(2 * D), scores(n);
   tl::kv_load(type, k.codes(n - 1), k.scales_of(n - 1), D, last.data());
   tl::kv_load(type, v.codes(n - 1), v.scales_of(n - 1), D, last.data() + D);
