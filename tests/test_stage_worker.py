@@ -4,6 +4,8 @@ what the worker sends back is checked. tests/test_pipeline.py runs real worker p
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import torch
 
 from tests.tiny import DECODE_CASES, make_case, prompt
@@ -76,3 +78,43 @@ def test_the_last_stage_loads_steps_and_sends_rank_0_the_whole_models_logits(tmp
     assert back == 0 and logits.shape == expected.shape
     torch.testing.assert_close(logits, expected, atol=1e-4, rtol=0)
     assert torch.get_num_threads() == threads
+
+
+def test_a_stage_frees_the_pages_of_slots_rank_0_cut_shorter(tmp_path):
+    """Rank 0's paged cache records the slots it cut shorter (a conversation's pages taken for
+    another); the next step's header carries them and the stage's twin gives the same pages back,
+    so a stage never holds more pages than rank 0's pool."""
+    from tierlm.distributed.pipeline import PipelineModel
+    from tierlm.kv.paged import pages_for
+
+    model_dir = tmp_path / "model"
+    make_case(model_dir, dict(DECODE_CASES["llama-gqa"], layers=4))
+    options = dict(device="cpu", dtype=torch.float32, context_length=CONTEXT)
+    spans = even_split(4, 2)
+    threads = torch.get_num_threads()
+    loads = [StageLoad(str(model_dir), span, threads=threads, **options) for span in spans]
+    first = load_model(model_dir, stage=spans[0], **options)
+    root = first.new_paged_cache(2, 2)  # rank 0's cache: 2 slots
+    ids = prompt(first.config.vocab_size, 20)
+    messages = []
+    for slot in (0, 1):
+        view = root.slot(slot)
+        header = PipelineModel._header(SimpleNamespace(_cache_ids={root: 0}, _dropped=[], dtype=torch.float32,
+                                                       _cache_id=lambda r: 0), view, 1, 20, False)  # fmt: skip
+        hidden = first.model.forward(ids, view, logits="all")
+        if slot == 0:
+            root.free(0)  # e.g. its pages were taken for slot 1's sequence
+        messages.append((header, hidden))
+    assert messages[0][0].shrunk == () and messages[1][0].shrunk == ((0, 0),)  # told with slot 1's step
+    inbox = [wire.control(wire.LOAD, "cpu"), loads]
+    for header, hidden in messages:
+        encoded, extra = header.encode("cpu")
+        inbox += [encoded, *([extra] if extra is not None else []), hidden]
+    worker = StageWorker(1, 2)
+    worker.link = ScriptedLink(inbox)
+    for _ in range(3):
+        header = worker.link.recv((wire.HEADER_FIELDS,), torch.long, 0)
+        (worker.load if int(header[0]) == wire.LOAD else worker.step)(header)
+    twin = worker.caches[0]
+    assert twin.lengths == root.lengths == (0, 20)
+    assert twin.tables[0] == [] and twin.pool.used == pages_for(20) == root.pool.used

@@ -118,6 +118,8 @@ class PipelineModel:
         dropped, self._dropped = tuple(self._dropped), []
         common = dict(cache_id=cache_id, rows=rows, length=length, all_logits=all_logits, dtype=self.dtype,
                       max_len=root.max_len, dropped=dropped)  # fmt: skip
+        if isinstance(cache, (PagedView, PagedBatch)):
+            common["shrunk"], root.shrunk = tuple(sorted(root.shrunk.items())), {}
         if isinstance(cache, PagedBatch):
             lengths = tuple(root.lengths[s] for s in cache.slots)
             return StepHeader(kind=SLOT_BATCH, cache_rows=root.slots, slots=tuple(cache.slots), lengths=lengths, **common)

@@ -26,15 +26,18 @@ STEP, LOAD, RELEASE, SHUTDOWN = 1, 2, 3, 4
 CONTIGUOUS, SLOT_VIEW, SLOT_BATCH = 0, 1, 2
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
-# op, cache_id, kind, rows, length, all_logits, dtype, cache_rows, max_len, slot, offset, n_slots, n_dropped
-HEADER_FIELDS = 13
+# op, cache_id, kind, rows, length, all_logits, dtype, cache_rows, max_len, slot, offset, n_slots, n_dropped,
+# n_shrunk
+HEADER_FIELDS = 14
 
 
 @dataclass(frozen=True)
 class StepHeader:
     """One forward step as a stage sees it. `slots`/`lengths`: a slot batch's rows; `slot`,
     `offset`: a single sequence's slot (SLOT_VIEW) and its length before the step (else the
-    contiguous cache's offset). `dropped`: ids of rank 0's caches gone since the last step."""
+    contiguous cache's offset). `dropped`: ids of rank 0's caches gone since the last step;
+    `shrunk`: (slot, length) pairs of slots rank 0 cut shorter since (their twins free those
+    pages too, so a stage holds no more pages than rank 0's pool)."""
 
     cache_id: int
     kind: int
@@ -49,28 +52,31 @@ class StepHeader:
     slots: tuple[int, ...] = ()
     lengths: tuple[int, ...] = ()
     dropped: tuple[int, ...] = ()
+    shrunk: tuple[tuple[int, int], ...] = ()
 
     def encode(self, device) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(header, extra or None) as the tensors that go on the wire."""
         fields = [STEP, self.cache_id, self.kind, self.rows, self.length, int(self.all_logits),
                   DTYPES.index(self.dtype), self.cache_rows, self.max_len, self.slot, self.offset,
-                  len(self.slots), len(self.dropped)]  # fmt: skip
-        extra = [*self.slots, *self.lengths, *self.dropped]
+                  len(self.slots), len(self.dropped), len(self.shrunk)]  # fmt: skip
+        extra = [*self.slots, *self.lengths, *self.dropped, *(n for pair in self.shrunk for n in pair)]
         header = torch.tensor(fields, dtype=torch.long, device=device)
         return header, (torch.tensor(extra, dtype=torch.long, device=device) if extra else None)
 
     @staticmethod
     def decode(header: list[int], extra: list[int]) -> "StepHeader":
-        n_slots = header[11]
+        n_slots, n_dropped = header[11], header[12]
+        shrunk = extra[2 * n_slots + n_dropped :]
         return StepHeader(
             cache_id=header[1], kind=header[2], rows=header[3], length=header[4], all_logits=bool(header[5]),
             dtype=DTYPES[header[6]], cache_rows=header[7], max_len=header[8], slot=header[9], offset=header[10],
-            slots=tuple(extra[:n_slots]), lengths=tuple(extra[n_slots : 2 * n_slots]), dropped=tuple(extra[2 * n_slots :]),
+            slots=tuple(extra[:n_slots]), lengths=tuple(extra[n_slots : 2 * n_slots]),
+            dropped=tuple(extra[2 * n_slots : 2 * n_slots + n_dropped]), shrunk=tuple(zip(shrunk[::2], shrunk[1::2])),
         )  # fmt: skip
 
     @staticmethod
     def extra_count(header: list[int]) -> int:
-        return 2 * header[11] + header[12]
+        return 2 * header[11] + header[12] + 2 * header[13]
 
 
 def control(op: int, device) -> torch.Tensor:

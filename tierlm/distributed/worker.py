@@ -122,6 +122,8 @@ class StageWorker:
         if step.kind == wire.CONTIGUOUS:
             cache.offset = step.offset
             return cache
+        for slot, length in step.shrunk:  # rank 0 gave these pages back: so does its twin
+            cache.set_length(slot, min(length, cache.lengths[slot]))
         if step.kind == wire.SLOT_VIEW:
             cache.set_length(step.slot, step.offset)
             return cache.slot(step.slot)

@@ -103,6 +103,8 @@ class PagedKVCache(_Storage):
         self._fresh = [True] * pages  # never taken: `torch.empty` may have left NaN in it
         self.tables: list[list[int]] = [[] for _ in range(slots)]
         self._lengths = [0] * slots
+        # Slots cut shorter since a pipeline last told its other stages (their twins free pages too).
+        self.shrunk: dict[int, int] = {}
 
     @classmethod
     def for_model(cls, config, max_len: int, slots: int, pages: int, *, device="cpu", dtype=torch.float32,
@@ -136,6 +138,8 @@ class PagedKVCache(_Storage):
         pipeline's other stage mirrors rank 0's lengths); pages past them go back to the pool."""
         length = max(0, length)
         table = self.tables[slot]
+        if length < self._lengths[slot]:
+            self.shrunk[slot] = min(length, self.shrunk.get(slot, length))
         for page in table[pages_for(length, self.page_tokens) :]:
             self.pool.drop(page)
         del table[pages_for(length, self.page_tokens) :]
