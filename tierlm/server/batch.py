@@ -6,8 +6,8 @@ long as their pages fit, and a slot holds only the pages its positions need. Bef
 takes pages, the runner makes room: first from slots no sequence runs in (their conversation's
 rows spilled to host RAM first, oldest first), then by preempting the youngest running
 sequence (its pages freed; it computes its prompt and tokens so far again when room returns,
-and goes on with the same state). A prefill that finds no room waits, and no new sequence is
-admitted meanwhile.
+and goes on with the same state). A prefill starts only when its whole prompt and a page for
+each decoding sequence fit; until then it waits, and no new sequence is admitted.
 
 A new sequence is prefilled alone into its slot (one chunk per step, so running sequences
 keep decoding meanwhile), then joins the shared decode step: one forward over ids [n, 1] at
@@ -240,8 +240,11 @@ class BatchRunner:
         self._starved = False
         prefilling = next((s for s in self.active if s.prefilling), None)
         if prefilling is not None:
-            end = min(len(prefilling.prefill_ids), prefilling.prefilled + PREFILL_CHUNK)
-            self._starved = not self._room(self.cache.pages_needed(prefilling.slot, end), prefilling)
+            # Room for the rest of its prompt and a page for each sequence decoding: a prefill that
+            # would soon be preempted again by the older sequences' growth waits instead.
+            decoding = sum(1 for s in self.active if s.pending is not None)
+            needed = self.cache.pages_needed(prefilling.slot, len(prefilling.prefill_ids)) + decoding
+            self._starved = not self._room(needed, prefilling)
         if prefilling is not None and not self._starved and prefilling in self.active:
             started = time.perf_counter()
             # A prefill writes only its own slot, so its failure is that sequence's alone.
@@ -323,9 +326,15 @@ class BatchRunner:
 
     def _room(self, pages: int, seq: ActiveSequence | None = None, keep: set[int] = frozenset()) -> bool:
         """Whether `pages` pages are free, after taking the pages of idle slots (but `keep`),
-        least recently used first, and then (for `seq`) preempting sequences younger than it."""
-        pool = self.cache.pool
-        idle = sorted((s for s in self._free if s not in keep and self.cache.tables[s]), key=lambda s: self._held[s].used_at)
+        least recently used first, and then (for `seq`) preempting sequences younger than it,
+        youngest first. Nothing is taken when all of that would still not be enough."""
+        pool, tables = self.cache.pool, self.cache.tables
+        idle = sorted((s for s in self._free if s not in keep and tables[s]), key=lambda s: self._held[s].used_at)
+        younger = [o for o in sorted(self.active, key=lambda o: -o.admitted)
+                   if seq is not None and o.admitted > seq.admitted and tables[o.slot]]  # fmt: skip
+        held = [*idle, *(o.slot for o in younger)]
+        if pool.free + sum(self._own_pages(s) for s in held) < pages:
+            return pool.free >= pages
         for slot in idle:
             if pool.free >= pages:
                 return True
@@ -333,11 +342,15 @@ class BatchRunner:
             self.cache.free(slot)
             self._held[slot] = HeldRows(used_at=self._held[slot].used_at)
             self.counts.reclaimed += 1
-        for other in sorted(self.active, key=lambda s: -s.admitted):
-            if pool.free >= pages or seq is None or other.admitted <= seq.admitted:
+        for other in younger:
+            if pool.free >= pages:
                 break
             self._preempt(other)
         return pool.free >= pages
+
+    def _own_pages(self, slot: int) -> int:
+        """Pages freeing `slot` gives back (those no other table holds)."""
+        return sum(1 for page in self.cache.tables[slot] if not self.cache.pool.shared(page))
 
     def _preempt(self, seq: ActiveSequence) -> None:
         """Free `seq`'s pages; it computes every id fed so far again when there is room, then goes
