@@ -225,11 +225,24 @@ class PagedKVCache(_Storage):
         [len(tables), kv_heads, end, D] (a gathered copy; a table shorter than `end` is padded
         with its own last page, whose rows the caller masks)."""
         count = pages_for(end, self.page_tokens)
+        first = tables[0][0] if len(tables) == 1 and tables[0] else None
+        if first is not None and tables[0][:count] == list(range(first, first + count)):
+            return self._read_run(layer, first, count, end)  # consecutive pages: views, no gather
         index = torch.tensor([(t + t[-1:] * count)[:count] for t in tables], dtype=torch.long, device=self.device)
         out = []
         for codes, scales in ((self.keys, self.key_scales), (self.values, self.value_scales)):
             spans = [self._span(p[layer] if p is not None else None, index, end) for p in (codes, scales)]
             out.append(codec.decode(self.format, spans[0], spans[1], self.dtype))
+        return out[0], out[1]
+
+    def _read_run(self, layer: int, first: int, count: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """`_read` of one table whose first `count` pages are `first`, `first` + 1, ...: each head's
+        rows lie in one run, read as a view (decoded in place where the format is the compute dtype)."""
+        out = []
+        for codes, scales in ((self.keys, self.key_scales), (self.values, self.value_scales)):
+            runs = [None if p is None else p[layer][:, first : first + count].flatten(1, 2)[None, :, :end]
+                    for p in (codes, scales)]  # fmt: skip
+            out.append(codec.decode(self.format, runs[0], runs[1], self.dtype))
         return out[0], out[1]
 
     def _span(self, part: torch.Tensor | None, index: torch.Tensor, end: int) -> torch.Tensor | None:
