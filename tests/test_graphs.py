@@ -9,13 +9,11 @@ zero-padded, masked span, so SDPA sums in a different order; observed ~1e-6), gr
 
 from __future__ import annotations
 
-import random
-
 import pytest
 import torch
 
 from tests.tiers import quick
-from tests.tiny import DECODE_CASES, decode_steps, scattered_slot_prompts, make_model
+from tests.tiny import DECODE_CASES, decode_steps, make_model, scatter_pages, scattered_slot_prompts
 from tierlm.kv.paged import PagedKVCache
 from tierlm.device.graphs import GraphUnavailable, RecordedGraph, graph_kind
 from tierlm.models import graph_decode
@@ -115,7 +113,7 @@ def test_graphed_batched_decode_matches_eager_over_slots_of_different_lengths(lo
 
     def run():
         cache = PagedKVCache.for_model(loaded.config, loaded.max_len, 4, 48, page_tokens=4)
-        random.Random(0).shuffle(cache.pool._free)
+        scatter_pages(cache)
         cache.keys.fill_(float("nan"))
         cache.values.fill_(float("nan"))
         current = [loaded.model.forward(torch.tensor([p]), cache.slot(s))[0, -1] for p, s in zip(prompts, slots)]

@@ -9,13 +9,11 @@ full pool fails before anything is written.
 
 from __future__ import annotations
 
-import random
-
 import pytest
 import torch
 
 from tests.tiers import quick
-from tests.tiny import DECODE_CASES, MOE_CASES, checkpoint_maker, scattered_slot_prompts
+from tests.tiny import DECODE_CASES, MOE_CASES, checkpoint_maker, scatter_pages, scattered_slot_prompts
 from tierlm.kv.cache import KVCache
 from tierlm.kv.paged import PagedKVCache, PoolFull
 from tierlm.models import fused_decode
@@ -40,7 +38,7 @@ def _loaded(checkpoint, case: str, **options):
 
 def _paged(loaded, pages: int = 48, page_tokens: int = PAGE, **options) -> PagedKVCache:
     cache = PagedKVCache.for_model(loaded.config, loaded.max_len, 4, pages, page_tokens=page_tokens, **options)
-    random.Random(0).shuffle(cache.pool._free)  # no sequence's pages adjacent or in order
+    scatter_pages(cache)  # no sequence's pages adjacent or in order
     return cache
 
 
@@ -168,3 +166,23 @@ def test_rows_written_back_equal_the_rows_taken_out(checkpoint):
     assert all(torch.equal(a, b) for a, b in zip(cache.rows_of(3, 13), rows))
     out = loaded.model.forward_batch(torch.tensor([[5], [5]]), cache.batch([0, 3]))
     torch.testing.assert_close(out[0], out[1], atol=0, rtol=0)
+
+
+def test_the_pool_keeps_each_sequences_pages_in_runs():
+    """A sequence's next page is the one after its last; a new sequence starts in the middle of
+    the longest free run (the whole pool's start for the first), so sequences growing side by
+    side each keep consecutive pages."""
+    from tierlm.kv.paged import PagePool
+
+    pool = PagePool(64)
+    first = [pool.take()]
+    second = [pool.take()]
+    for _ in range(10):  # the two grow in turns
+        first.append(pool.take(first[-1]))
+        second.append(pool.take(second[-1]))
+    assert first == list(range(0, 11)) and second == list(range(32, 43))
+    third = pool.take()
+    assert third == 11 + (32 - 11) // 2  # the middle of 11..31, the longest run left
+    for page in first:
+        pool.drop(page)
+    assert pool.take() == 0 and pool.used == 11 + 1 + 1

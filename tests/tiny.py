@@ -332,3 +332,23 @@ def paged_cache(config, max_len: int, slots: int, **options):
     from tierlm.kv.paged import PagedKVCache, pages_for
 
     return PagedKVCache.for_model(config, max_len, slots, slots * pages_for(max_len), **options)
+
+
+def scatter_pages(cache, seed: int = 0) -> None:
+    """Make a PagedKVCache's pool hand out free pages in random order, so that no sequence's pages
+    are consecutive (the pool itself keeps them in runs where it can)."""
+    import random
+
+    from tierlm.kv.paged import PoolFull
+
+    pool, rng = cache.pool, random.Random(seed)
+
+    def take(after=None):
+        if not pool._free:
+            raise PoolFull("full")
+        page = rng.choice(sorted(pool._free))
+        pool._free.remove(page)
+        pool.holders[page] = 1
+        return page
+
+    pool.take = take

@@ -34,11 +34,16 @@ class PoolFull(Exception):
 
 
 class PagePool:
-    """Which pages are free, and how many page tables hold each (torch-free bookkeeping)."""
+    """Which pages are free, and how many page tables hold each (torch-free bookkeeping).
+
+    Pages are handed out so that a sequence's pages tend to be consecutive (its next page is the
+    one after its last, when free; a first page is taken in the middle of the longest free run,
+    leaving room for the sequence before it to grow too): consecutive pages are read as one run
+    (csrc/attention.h, `PagedKVCache._read`)."""
 
     def __init__(self, pages: int):
         self.holders = [0] * pages
-        self._free = list(range(pages - 1, -1, -1))  # taken from the end: the lowest page first
+        self._free = set(range(pages))
 
     @property
     def size(self) -> int:
@@ -52,12 +57,25 @@ class PagePool:
     def used(self) -> int:
         return self.size - self.free
 
-    def take(self) -> int:
+    def take(self, after: int | None = None) -> int:
+        """A free page (one holder): the one after page `after` if it is free."""
         if not self._free:
             raise PoolFull(f"all {self.size} KV pages are in use")
-        page = self._free.pop()
+        page = after + 1 if after is not None and after + 1 in self._free else self._roomiest()
+        self._free.remove(page)
         self.holders[page] = 1
         return page
+
+    def _roomiest(self) -> int:
+        """The first page of the longest free run starting the pool, else the middle of the longest."""
+        free = sorted(self._free)
+        best, longest, start = free[0], 0, free[0]
+        for page, following in zip(free, [*free[1:], None]):
+            if following != page + 1:
+                if page - start + 1 > longest:
+                    best, longest = start, page - start + 1
+                start = following
+        return best if best == 0 else best + longest // 2
 
     def hold(self, page: int) -> None:
         self.holders[page] += 1
@@ -65,7 +83,7 @@ class PagePool:
     def drop(self, page: int) -> None:
         self.holders[page] -= 1
         if self.holders[page] == 0:
-            self._free.append(page)
+            self._free.add(page)
 
     def shared(self, page: int) -> bool:
         return self.holders[page] > 1
@@ -162,7 +180,7 @@ class PagedKVCache(_Storage):
                 pool.drop(table[index])
                 table[index] = copy
         while len(table) < pages_for(end, size):
-            table.append(self._take())
+            table.append(self._take(table[-1] if table else None))
 
     def pages_needed(self, slot: int, end: int) -> int:
         """Pages `reserve(slot, end)` would take from the pool."""
@@ -187,10 +205,11 @@ class PagedKVCache(_Storage):
             table.append(self._clone_page(self.tables[source][full]))
         self._lengths[target] = length
 
-    def _take(self) -> int:
-        """A page from the pool; zeroed on its first use, so that a step reading past a sequence's
-        own rows (masked: a batch's span, a padded table) never meets a NaN (0 * NaN is NaN)."""
-        page = self.pool.take()
+    def _take(self, after: int | None = None) -> int:
+        """A page from the pool (the one after page `after` if free); zeroed on its first use, so
+        that a step reading past a sequence's own rows (masked: a batch's span, a padded table)
+        never meets a NaN (0 * NaN is NaN)."""
+        page = self.pool.take(after)
         if self._fresh[page]:
             for part in (self.keys, self.values, self.key_scales, self.value_scales):
                 if part is not None:
