@@ -171,8 +171,6 @@ class BatchRunner:
         self.cache.slot(slot).trim(seq.prefilled)
         self._admissions += 1
         seq.admitted = self._admissions
-        self.counts.prompt_tokens += len(job.prompt_ids)
-        self.counts.reused_tokens += seq.prefilled
         self.active.append(seq)
         return seq
 
@@ -245,7 +243,7 @@ class BatchRunner:
             decoding = sum(1 for s in self.active if s.pending is not None)
             needed = self.cache.pages_needed(prefilling.slot, len(prefilling.prefill_ids)) + decoding
             self._starved = not self._room(needed, prefilling)
-        if prefilling is not None and not self._starved and prefilling in self.active:
+        if prefilling is not None and not self._starved:
             started = time.perf_counter()
             # A prefill writes only its own slot, so its failure is that sequence's alone.
             report.prefill_tokens = self._contained(prefilling, self._prefill_chunk) or 0
@@ -354,11 +352,12 @@ class BatchRunner:
 
     def _preempt(self, seq: ActiveSequence) -> None:
         """Free `seq`'s pages; it computes every id fed so far again when there is room, then goes
-        on with the token it was about to feed (its state is untouched)."""
+        on with the token it was about to feed (its state is untouched). Its prompt then counts
+        as computed, not reused."""
         if seq.pending is not None:
             seq.resume, seq.resume_token = [*seq.job.prompt_ids, *seq.token_ids[:-1]], seq.pending
             seq.pending = None
-        seq.prefilled = 0
+        seq.prefilled = seq.job.cached_tokens = 0
         self.cache.free(seq.slot)
         self.counts.preempted += 1
 
@@ -460,8 +459,6 @@ def sequences_at_once(contexts: int, parallel: int | None) -> int:
 class PageCounts:
     """What the runner did with pages, for /stats and /metrics."""
 
-    prompt_tokens: int = 0
-    reused_tokens: int = 0  # prompt tokens whose rows were taken, not computed
     reclaimed: int = 0  # idle slots whose pages were taken for another sequence
     preempted: int = 0  # running sequences whose pages were taken (computed again later)
 
