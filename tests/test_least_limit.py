@@ -71,9 +71,11 @@ def test_the_server_runs_more_requests_than_its_pool_holds_within_the_least_limi
 
     warm = tierlm_in(None, "bench", "--profile", "4gb", "--prompt-tokens", "8", "--tokens", "2", "--runs", "1")
     assert warm.returncode == 0, warm.stderr[-2000:]
-    with memory_cgroup(330 * MiB) as group:
-        refused = tierlm_in(group, "plan", "--profile", "4gb")
-    least = int(re.search(r"needs at least (\d+) MiB of RAM", refused.stderr).group(1)) * MiB
+    with memory_cgroup(330 * MiB) as group:  # the server's own refusal: its baseline is not bench's
+        refused = tierlm_in(group, "serve", "--profile", "4gb", "--parallel", "4", "--port", "0")
+    found = re.search(r"needs at least (\d+) MiB of RAM", refused.stderr)
+    assert refused.returncode == 1 and found, refused.stderr[-2000:]
+    least = int(found.group(1)) * MiB
     stories = ["the quick brown fox jumps over the lazy dog", "a cat sat on the warm mat by the door",
                "rain fell on the old town all night long", "ships sailed past the harbour light at dawn"]  # fmt: skip
     with memory_cgroup(least) as group, _server_in(group, "--profile", "4gb", "--parallel", "4") as url:
