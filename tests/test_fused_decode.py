@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from tests.tiers import quick
-from tests.tiny import DECODE_CASES, MOE_CASES, decode_steps, make_case, scattered_slot_prompts, paged_cache
+from tests.tiny import DECODE_CASES, MOE_CASES, decode_slots, decode_steps, make_case, paged_cache, scattered_slot_prompts
 from tierlm.models import fused_decode
 from tierlm.paths import kernels_root
 from tierlm.quant.int8 import Int8Weight
@@ -93,13 +93,7 @@ def test_fused_batched_decode_matches_eager_over_slots_of_different_lengths(load
     prompts, slots = scattered_slot_prompts(loaded.config.vocab_size)
 
     def run():
-        cache = paged_cache(loaded.config, loaded.max_len, 4)
-        current = [loaded.model.forward(torch.tensor([p]), cache.slot(s))[0, -1] for p, s in zip(prompts, slots)]
-        out = [torch.stack(current)]
-        for _ in range(steps):
-            ids = torch.tensor([[int(logits.argmax())] for logits in out[-1]])
-            out.append(loaded.model.forward_batch(ids, cache.batch(slots)))
-        return torch.stack(out)
+        return decode_slots(loaded, paged_cache(loaded.config, loaded.max_len, 4), prompts, slots, steps)
 
     expected = _eager(monkeypatch, run)
     actual = run()

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from tests.tiers import quick
-from tests.tiny import MOE_CASES, greedy, make_case, make_model, prompt, paged_cache
+from tests.tiny import MOE_CASES, greedy, make_case, make_model, paged_cache, prompt
 from tierlm.runtime.loader import load_model
 
 LLAMA3_ROPE = {

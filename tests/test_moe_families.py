@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from tests.cli_runner import run_tierlm
-from tests.tiny import MOE_CASES, greedy, make_case, make_model, prompt, scattered_slot_prompts, paged_cache
+from tests.tiny import MOE_CASES, greedy, make_case, make_model, paged_cache, prompt, scattered_slot_prompts
 from tierlm.blocks import expert_of
 from tierlm.errors import TierlmError
 from tierlm.models import config_from_dict, family_class

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from tests.tiers import quick
-from tests.tiny import DECODE_CASES, MOE_CASES, checkpoint_maker, scatter_pages, scattered_slot_prompts
+from tests.tiny import DECODE_CASES, MOE_CASES, checkpoint_maker, decode_slots, scatter_pages, scattered_slot_prompts
 from tierlm.kv.cache import KVCache
 from tierlm.kv.paged import PagedKVCache, PoolFull
 from tierlm.models import fused_decode
@@ -42,14 +42,8 @@ def _paged(loaded, pages: int = 48, page_tokens: int = PAGE, **options) -> Paged
     return cache
 
 
-def _decode(loaded, cache, prompts, slots, steps: int = STEPS) -> torch.Tensor:
-    """Logits [steps + 1, rows, V]: each prompt prefilled into its slot, then `steps` batched steps."""
-    current = [loaded.model.forward(torch.tensor([p]), cache.slot(s))[0, -1] for p, s in zip(prompts, slots)]
-    out = [torch.stack(current)]
-    for _ in range(steps):
-        ids = torch.tensor([[int(logits.argmax())] for logits in out[-1]])
-        out.append(loaded.model.forward_batch(ids, cache.batch(slots)))
-    return torch.stack(out)
+def _decode(loaded, cache, prompts, slots) -> torch.Tensor:
+    return decode_slots(loaded, cache, prompts, slots, STEPS)
 
 
 def _alone(loaded, prompts, tokens: torch.Tensor, **options) -> torch.Tensor:

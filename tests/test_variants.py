@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from tests.test_lora_merge import save_adapter
-from tests.tiny import make_model, prompt, paged_cache
+from tests.tiny import make_model, paged_cache, prompt
 from tierlm.cache.convert import ConversionRequest, ensure_artifact
 from tierlm.errors import TierlmError
 from tierlm.lora.adapter import LoraAdapter

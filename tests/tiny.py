@@ -352,3 +352,14 @@ def scatter_pages(cache, seed: int = 0) -> None:
         return page
 
     pool.take = take
+
+
+def decode_slots(loaded, cache, prompts: list[list[int]], slots: list[int], steps: int) -> torch.Tensor:
+    """Logits [steps + 1, rows, V]: each prompt prefilled into its slot of a paged `cache`, then
+    `steps` batched greedy steps over those slots."""
+    current = [loaded.model.forward(torch.tensor([p]), cache.slot(s))[0, -1] for p, s in zip(prompts, slots)]
+    out = [torch.stack(current)]
+    for _ in range(steps):
+        ids = torch.tensor([[int(logits.argmax())] for logits in out[-1]])
+        out.append(loaded.model.forward_batch(ids, cache.batch(slots)))
+    return torch.stack(out)
