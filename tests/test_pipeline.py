@@ -20,7 +20,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.tiny import DECODE_CASES, MOE_CASES, checkpoint_maker, make_model, paged_cache, scattered_slot_prompts, write_profile
+from tests.tiny import (DECODE_CASES, MOE_CASES, checkpoint_maker, make_model, paged_cache, scattered_slot_prompts,
+                        write_profile)
 from tierlm.models import read_config
 from tierlm.distributed.launch import GroupSettings, start_group
 from tierlm.distributed.pipeline import load_pipeline, stage_loads
