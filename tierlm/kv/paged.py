@@ -2,10 +2,10 @@
 
 Storage is [layers, kv_heads, pages, page_tokens, width] (codes of kv/formats.py's format, and
 fp16 scales when quantized), allocated once with `torch.empty`: head-major, so one head's pages
-lie in their own region and a sequence on consecutive pages reads each head's rows as one run. A slot's context is the list
-of pages holding its positions in order, taken from the pool as it grows and given back when
-it shrinks or is freed, so sequences share one budget instead of each reserving the whole
-context. A page may be in several slots' tables (`share_rows`: a prefix another sequence
+lie in their own region and a sequence on consecutive pages reads each head's rows as one run.
+A slot's context is the list of pages holding its positions in order, taken from the pool as
+it grows and given back when it shrinks or is freed, so sequences share one budget instead of
+each reserving the whole context. A page may be in several slots' tables (`share_rows`: a prefix another sequence
 computed): the pool counts its holders, and a slot about to write into a page it shares gets
 its own copy first (copy on write), so shared rows are never written twice.
 
@@ -288,7 +288,7 @@ class PagedKVCache(_Storage):
     def empty_rows(self, length: int) -> list[torch.Tensor]:
         """Uninitialised host tensors shaped as `rows_of(slot, length)` gives them (to read into)."""
         parts = (self.keys, self.values, self.key_scales, self.value_scales)
-        return [torch.empty((p.shape[0], p.shape[1], length, p.shape[4]), dtype=p.dtype) for p in parts if p is not None]
+        return [torch.empty((*p.shape[:2], length, p.shape[4]), dtype=p.dtype) for p in parts if p is not None]
 
     def write_rows(self, slot: int, rows: list[torch.Tensor], length: int) -> None:
         """Make `slot` hold `rows` (as `rows_of` gives them) as its first `length` positions."""

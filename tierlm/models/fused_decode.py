@@ -137,7 +137,8 @@ class FusedStep:
         a.slots, a.positions = ctypes.addressof(self._slots), ctypes.addressof(self._positions)
         if rows.page_tables is not None:  # paged: each row's pages, padded to one width
             width = max(len(t) for t in rows.page_tables)
-            self._tables = (_c_i64 * (width * len(slots)))(*[p for t in rows.page_tables for p in t + [0] * (width - len(t))])
+            padded = [page for table in rows.page_tables for page in table + [0] * (width - len(table))]
+            self._tables = (_c_i64 * len(padded))(*padded)
             a.page_tables, a.table_width = ctypes.addressof(self._tables), width
             a.page_shift = rows.page_tokens.bit_length() - 1
         a.batch, a.hidden = len(slots), cfg.hidden_size

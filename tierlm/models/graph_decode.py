@@ -99,7 +99,8 @@ class StaticRows:
     def _read(self, buffer: torch.Tensor) -> torch.Tensor:
         if self.tables is not None:  # each row's pages in order: [kv_heads, B, count, P, D] -> [B, kv_heads, span, D]
             rows, count = self.tables.shape
-            pages = buffer.index_select(1, self.tables.reshape(-1)).reshape(buffer.shape[0], rows, count, *buffer.shape[2:])
+            pages = buffer.index_select(1, self.tables.reshape(-1))
+            pages = pages.reshape(buffer.shape[0], rows, count, *buffer.shape[2:])
             return pages.transpose(0, 1).reshape(rows, buffer.shape[0], self.span, buffer.shape[-1])
         return buffer[:, :, : self.span]
 
