@@ -101,7 +101,7 @@ def test_root_serves_the_page_without_the_key_and_stats_with_it(session):
     assert stats["memory"]["resident_bytes"] > 0
     assert stats["memory"]["ram_budget_bytes"] == placement.budgets["device"]  # CPU: one RAM tier
     assert stats["speed"]["decode_tokens_per_s"] > 0  # the reply above ran decode steps
-    assert stats["requests"] == {"active": 0, "queued": 0, "slots": 2}
+    assert stats["requests"] == {"active": 0, "queued": 0, "slots": 2, "parallel": 8}
 
 
 # ---- the page in a browser ----
@@ -244,7 +244,7 @@ def test_stats_are_shown_and_refreshed(browser, server):
     assert "of" in js(browser, "return document.getElementById('stat-memory').textContent")  # vs the budget
     wait(browser, lambda d: js(d, read)[0] != first, "/stats to be read again")
     # Prefix reuse and what each slot holds, as /stats says (no request runs meanwhile: the figures stay put).
-    reuse, slots = stats["prefix_reuse"], [str(slot["tokens"]) for slot in stats["kv_cache"]["slots"]]
+    reuse, held = stats["prefix_reuse"], [str(slot["tokens"]) for slot in stats["kv_cache"]["slots"] if slot["tokens"]]
     assert reuse["reused_tokens"] > 0
     percent = int(100 * reuse["hit_rate"] + 0.5)  # as Math.round
     shown = f"{percent}% ({reuse['reused_tokens']} of {reuse['prompt_tokens']} prompt tokens)"
@@ -252,7 +252,14 @@ def test_stats_are_shown_and_refreshed(browser, server):
     kv = js(browser, "return document.getElementById('stat-kv').textContent")
     spill = stats["kv_cache"]["spill"]
     idle = spill["conversations"] + (spill["disk"]["conversations"] if spill["disk"] else 0)
-    assert re.search(rf"; {idle} idle conversations kept \([\d.]+ [KMG]?i?B\); slots hold {', '.join(slots)} tokens$", kv), kv
+    pages = stats["kv_cache"]["pages"]
+    pool = (f"; {pages['used']} of {pages['total']} pages of 16 tokens in use ({pages['shared']} shared, "
+            f"{pages['idle']} kept for idle conversations)")
+    assert re.search(rf"; {idle} idle conversations kept \([\d.]+ [KMG]?i?B\){re.escape(pool)}; conversations hold "
+                     rf"{', '.join(held)} tokens$", kv), kv
+    assert pages["used"] > 0 and held
+    requests = js(browser, "return document.getElementById('stat-requests').textContent")
+    assert requests == f"0 active (up to {stats['requests']['parallel']} at once), 0 queued"
     assert kv.startswith(f"{stats['kv_cache']['format']}, {stats['kv_cache']['context']} tokens of context: ")
 
 

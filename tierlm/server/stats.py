@@ -10,6 +10,7 @@ when asked; the counts are the metrics' (metrics.py).
 from __future__ import annotations
 
 from tierlm.device.memory import read_memory
+from tierlm.server.batch import sequences_at_once
 
 
 def server_stats(state) -> dict:
@@ -46,7 +47,8 @@ def server_stats(state) -> dict:
             "requests": int(_sample(state.metrics, "tierlm_context_shifted_requests_total")),
             "dropped_messages": int(_sample(state.metrics, "tierlm_context_shift_dropped_messages_total")),
         },
-        "requests": {"active": worker.active, "queued": worker.queue_depth, "slots": state.slots},
+        "requests": {"active": worker.active, "queued": worker.queue_depth, "slots": state.slots,
+                     "parallel": sequences_at_once(state.slots, state.options.parallel)},
     }
 
 
