@@ -72,3 +72,38 @@ def avx512_library() -> Path:
     if not library.exists():
         _build(compiler, flags, library)
     return library
+
+
+def _cpu_has(flag: str) -> bool:
+    import re
+
+    try:
+        return re.search(rf"\b{flag}\b", open("/proc/cpuinfo").read()) is not None
+    except OSError:
+        return False
+
+
+@pytest.fixture(scope="module", params=[("x86-64-v3", 256, ("avx2", "f16c")), ("x86-64-v2", 0, ())],
+                ids=["avx2", "portable"])  # fmt: skip
+def native_build(request):
+    """The native library built for AVX2 (`-march=x86-64-v3`) and for portable vector extensions
+    (`-march=x86-64-v2`), loaded (each runs here; the default build is `-march=native`). Skips off
+    x86, where this CPU lacks the ISA, or without a C++ compiler."""
+    import platform
+
+    from tierlm.paths import kernels_root
+    from tierlm.quant.kernel_api import KernelUnavailable
+    from tierlm.quant.native import FLAGS, load_native
+
+    march, isa, needs = request.param
+    if platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("x86 -march flags")
+    for flag in needs:
+        if not _cpu_has(flag):
+            pytest.skip(f"this CPU has no {flag}")
+    try:
+        kernel = load_native(kernels_root(), tuple(f"-march={march}" if f == "-march=native" else f for f in FLAGS))
+    except KernelUnavailable as err:
+        pytest.skip(str(err))
+    assert kernel.isa == isa
+    return kernel

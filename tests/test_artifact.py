@@ -70,7 +70,7 @@ def test_same_inputs_same_key_and_adapter_byte_changes_key(base_dir, tmp_path):
     assert key != artifact_key(request, _merger(request.adapters))
 
 
-@pytest.mark.parametrize("quant", ["int8", "int8-g32", "int8-g32-asym", "fp16"])
+@pytest.mark.parametrize("quant", ["int8", "int8-g32", "q8_0", "int8-g32-asym", "fp16"])
 def test_block_ranges_read_back_exactly_their_tensors(base_dir, quant):
     from tierlm.models import family_class, read_config
     from tierlm.weights.checkpoint import Checkpoint

@@ -187,7 +187,7 @@ def test_auto_keeps_a_quantized_grid_and_gives_floats_int8():
 
     assert auto_quant({"F32": 61, "Q4_1": 210, "Q8_0": 1}) == "mixed-source"  # 4-bit tensors stay 4-bit
     assert auto_quant({"F32": 10, "Q4_0": 20}) == "mixed-source"
-    assert auto_quant({"F32": 10, "Q8_0": 20}) == "int8-g32-asym"
+    assert auto_quant({"F32": 10, "Q8_0": 20}) == "mixed-source"  # Q8_0 tensors carried as q8_0
     assert auto_quant({"F32": 10, "Q5_1": 20}) == "int8-g32-asym"
     assert auto_quant({"F32": 10, "F16": 20}) == "int8"
     assert auto_quant() == "int8"
@@ -200,14 +200,16 @@ def test_auto_resolves_from_the_import_record_and_artifacts(tmp_path):
 
     imported = tmp_path / "imported"
     imported.mkdir()
-    (imported / RECORD_NAME).write_text(json.dumps({"format": 2, "tensor_types": {"F32": 3, "Q8_0": 7}}))
+    (imported / RECORD_NAME).write_text(json.dumps({"format": 2, "tensor_types": {"F32": 3, "Q5_1": 7}}))
     assert resolve_auto("auto", imported) == "int8-g32-asym"
     assert resolve_quant("AUTO", False, imported).group_size == 32
+    (imported / RECORD_NAME).write_text(json.dumps({"format": 2, "tensor_types": {"F32": 3, "Q8_0": 7}}))
+    assert resolve_auto("auto", imported) == "mixed-source"
     (imported / RECORD_NAME).write_text(json.dumps({"format": 2, "tensor_types": {"F32": 3, "Q4_1": 7}}))
     assert resolve_auto("auto", imported) == "mixed-source" and resolve_quant("auto", False, imported).mixed
     assert resolve_auto("auto", tmp_path) == "int8"  # no record: a float checkpoint
     assert resolve_auto("fp16", imported) == "fp16" and resolve_auto("none", imported) == "none"
-    with pytest.raises(TierlmError, match="auto, int8, int8-g128, int8-g32-asym, int4-g32, int4-g32-asym, int4-g128, "
+    with pytest.raises(TierlmError, match="auto, int8, int8-g128, q8_0, int8-g32-asym, int4-g32, int4-g32-asym, int4-g128, "
                                           "mixed:SIZE, fp16, bf16, fp32, none"):  # fmt: skip
         resolve_auto("int4", imported)
 

@@ -184,8 +184,9 @@ def gguf_writer(path: Path, arch: str, config, name: str):
 
 
 def write_tiny_gguf(path: Path, model, config, *, arch: str = "llama", matrix_dtype=np.float32,
-                    tokenizer: str = "gpt2", pre: str = "smollm") -> dict[str, np.ndarray]:
-    """Write `model` as llama.cpp would (permuted Q/K for llama); returns the HF tensors written."""
+                    tokenizer: str = "gpt2", pre: str = "smollm", matrix_qtype=None) -> dict[str, np.ndarray]:
+    """Write `model` as llama.cpp would (permuted Q/K for llama); returns the HF tensors written
+    (as the file holds them). `matrix_qtype`: a GGMLQuantizationType for every 2-D tensor."""
     writer = gguf_writer(path, arch, config, "tiny test model")
     if arch == "llama":
         writer.add_rope_dimension_count(config.head_dim)
@@ -221,6 +222,14 @@ def write_tiny_gguf(path: Path, model, config, *, arch: str = "llama", matrix_dt
             array = llama_cpp_permute(array, config.num_attention_heads)
         elif arch == "llama" and ".k_proj." in name:
             array = llama_cpp_permute(array, config.num_key_value_heads)
+        if matrix_qtype is not None and array.ndim == 2:
+            from gguf.quants import dequantize, quantize
+
+            raw = quantize(array, matrix_qtype)
+            written[name] = quantize(written[name], matrix_qtype)  # permuting rows moves whole blocks
+            written[name] = dequantize(written[name], matrix_qtype).astype(np.float32)
+            writer.add_tensor(gguf_name(name), raw, raw_dtype=matrix_qtype)
+            continue
         writer.add_tensor(gguf_name(name), array)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
@@ -273,8 +282,9 @@ def test_embedded_logits_match_transformers_gguf_loader(smollm_dir, reference_gg
 @pytest.mark.slow
 def test_embedded_auto_artifact_keeps_q4_at_4_bits_and_matches_transformers(smollm_cache, reference_gguf_model):
     """`auto` on the 4-bit embedded GGUF: mixed:source carries every Q4_1 tensor as int4-g32-asym
-    and the Q8_0 embedding as int8-g32-asym, bit for bit, so its logits are transformers' GGUF
-    loader's (the same dequantized weights), at ~60% of the int8 artifact's bytes."""
+    and the Q8_0 embedding as q8_0, bit for bit, so its logits are transformers' GGUF loader's
+    (the same dequantized weights), at ~60% of the int8 artifact's bytes."""
+    from tierlm.cache.encodings import record_mode
     from tierlm.cache.artifact import Artifact
     from tierlm.runtime.loader import load_model
 
@@ -286,7 +296,7 @@ def test_embedded_auto_artifact_keeps_q4_at_4_bits_and_matches_transformers(smol
     assert artifact.manifest["quant"] == "mixed-source"
     layer_records = [t for name, b in artifact.blocks.items() if name.startswith("layers.") for t in b.tensors.values()]
     assert {r.encoding for r in layer_records} == {"int4", "plain"}
-    assert artifact.blocks["embed"].tensors["embed"].encoding == "int8"
+    assert record_mode(artifact.blocks["embed"].tensors["embed"]) == "q8_0"
     assert (loaded.artifact_dir / "weights.bin").stat().st_size < 0.65 * 164 * 2**20
     prompt = torch.tensor([[1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 2, 198, 1, 4093, 198, 6004, 2, 198]])
     with torch.no_grad():
@@ -377,6 +387,44 @@ def test_tiny_gguf_imports_to_the_original_tensors(tmp_path, arch, tied, matrix_
         prompt = torch.tensor([[1, 70, 80, 90, 259, 260, 5]])
         with torch.no_grad():
             torch.testing.assert_close(reloaded(prompt).logits, model(prompt).logits, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_q8_0_gguf_is_carried_at_its_own_size_and_matches_transformers(tmp_path, tied, monkeypatch):
+    """A Q8_0 GGUF under `auto`: every 2-D tensor is carried as q8_0 (the file's codes and fp16
+    scales), so the artifact's weight bytes are the GGUF's tensor bytes and its logits are those
+    of transformers' GGUF loader (which dequantizes with the `gguf` package)."""
+    import gguf
+    import transformers
+
+    from tierlm.cache.artifact import Artifact
+    from tierlm.cache.encodings import record_mode
+    from tierlm.runtime.loader import load_model
+
+    tokens, _, _ = byte_level_vocab()
+    model, config = tiny_hf_model("llama", tied, vocab_size=len(tokens))
+    path = tmp_path / "tiny-q8_0.gguf"
+    write_tiny_gguf(path, model, config, matrix_qtype=gguf.GGMLQuantizationType.Q8_0)
+    gguf_bytes = sum(int(t.n_bytes) for t in gguf.GGUFReader(str(path)).tensors)
+    out = import_gguf(path, tmp_path / "out")
+    monkeypatch.setenv("TIERLM_CACHE", str(tmp_path / "cache"))
+    loaded = load_model(out, device="cpu", dtype=torch.float32, quant="auto")
+    artifact = Artifact.open(loaded.artifact_dir)
+    records = [r for block in artifact.blocks.values() for r in block.tensors.values()]
+    assert artifact.manifest["quant"] == "mixed-source"
+    assert {record_mode(r) for r in records if r.encoding != "plain"} == {"q8_0"}
+    stored = sum(int(np.prod(p.shape)) * np.dtype(p.dtype).itemsize for r in records for p in r.parts.values())
+    assert abs(stored - gguf_bytes) <= 0.03 * gguf_bytes, (stored, gguf_bytes)
+
+    reference = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=path.name,
+                                                                  dtype=torch.float32).eval()  # fmt: skip
+    prompt = torch.tensor([[1, 70, 80, 90, 259, 260, 5, 44, 45, 46, 100, 3]])
+    with torch.no_grad():
+        expected = reference(prompt).logits
+    got = loaded.model.forward(prompt, loaded.new_cache(), logits="all")
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-4)
+    assert torch.equal(got.argmax(-1), expected.argmax(-1))
+    loaded.close()
 
 
 def test_llama3_rope_freqs_become_rope_scaling(tmp_path):

@@ -192,13 +192,15 @@ def test_mixed_source_keeps_each_tensor_on_the_smallest_exact_grid():
 
     values = (np.random.default_rng(5).standard_normal((32, 128)) * 0.02).astype(np.float32)
     source = parse_quant_mode("mixed:source")
-    expected = {"Q4_0": ("int4", False), "Q4_1": ("int4", True), "Q8_0": ("int8", True)}
+    # Q8_0 is carried as q8_0 (int8 with fp16 scales, no offsets); Q5_1 on int8-g32-asym's grid.
+    expected = {"Q4_0": ("int4", False), "Q4_1": ("int4", True), "Q8_0": ("int8", False), "Q5_1": ("int8", True)}
     for kind, (encoding, with_offsets) in expected.items():
         qtype = getattr(gguf.GGMLQuantizationType, kind)
         stored = quants.dequantize(quants.quantize(values, qtype), qtype).astype(np.float32)
         weight = torch.from_numpy(np.ascontiguousarray(stored))
         got, parts, meta = codec.encode(weight, source, "wo")
         assert (got, "offsets" in parts, meta["group_size"]) == (encoding, with_offsets, 32), kind
+        assert parts["scales"].dtype == (torch.float32 if got == "int8" and with_offsets else torch.float16), kind
         from tierlm.quant.int8 import Int8Weight
 
         restored = (Int4Weight.from_tensors(parts, 32) if got == "int4" else Int8Weight.from_tensors(parts, 32)).dequantize()

@@ -28,10 +28,7 @@ import torch.nn.functional as F
 
 from tests.tiny import decode_steps
 from tierlm.models import fused_decode
-from tierlm.paths import kernels_root
 from tierlm.quant.int4 import Int4Weight, dequantize4, quantize_int4
-from tierlm.quant.kernel_api import KernelUnavailable
-from tierlm.quant.native import FLAGS, load_native
 from tierlm.runtime.loader import load_model
 
 X86 = platform.machine() in ("x86_64", "AMD64")
@@ -45,32 +42,10 @@ SHAPES = [(33, 256, 32), (33, 256, 64), (33, 256, 128), (7, 576, 128), (1, 64, 3
           (9, 352, 32), (5, 1088, 64), (3, 2144, 128)]  # fmt: skip
 
 
-def _flags(march: str) -> tuple[str, ...]:
-    return tuple(f"-march={march}" if f == "-march=native" else f for f in FLAGS)
-
-
-def _cpu_has(flag: str) -> bool:
-    try:
-        return re.search(rf"\b{flag}\b", open("/proc/cpuinfo").read()) is not None
-    except OSError:
-        return False
-
-
-@pytest.fixture(scope="module", params=[("x86-64-v3", 256, ("avx2", "f16c")), ("x86-64-v2", 0, ())],
-                ids=["avx2", "portable"])  # fmt: skip
-def build(request):
-    march, isa, needs = request.param
-    if not X86:
-        pytest.skip("x86 -march flags")
-    for flag in needs:
-        if not _cpu_has(flag):
-            pytest.skip(f"this CPU has no {flag}")
-    try:
-        kernel = load_native(kernels_root(), _flags(march))
-    except KernelUnavailable as err:
-        pytest.skip(str(err))
-    assert kernel.isa == isa
-    return kernel
+@pytest.fixture
+def build(native_build):
+    """conftest's `native_build`: the AVX2 and portable builds, each loaded."""
+    return native_build
 
 
 def _weight(out_features, in_features, seed):

@@ -25,9 +25,10 @@ def _random_candidates(seed: int, count: int = 4) -> list[Candidate]:
         scale = rng.uniform(0.1, 10)
         sizes = {"int4-g128": elements // 2 + elements // 64, "int4-g64": elements // 2 + elements // 32,
                  "int4-g32": elements // 2 + elements // 16, "int4-g32-asym": elements // 2 + elements // 8,
-                 "int8": elements + 4 * 64, "int8-g32-asym": elements + elements // 4}  # fmt: skip
+                 "int8": elements + 4 * 64, "q8_0": elements + elements // 16,
+                 "int8-g32-asym": elements + elements // 4}  # fmt: skip
         base = {"int4-g128": 1.0, "int4-g64": 0.85, "int4-g32": 0.7, "int4-g32-asym": 0.55, "int8": 0.01,
-                "int8-g32-asym": 0.003}  # fmt: skip
+                "q8_0": 0.004, "int8-g32-asym": 0.003}  # fmt: skip
         damage = {m: elements * scale * base[m] * rng.uniform(0.9, 1.1) for m in OPTIONS}
         out.append(Candidate(f"t{i}", sizes, damage))
     return out

@@ -110,7 +110,9 @@ def test_tensors_round_trip_without_copy_and_fp16_scales():
     assert again.nbytes == qw.qweight.nbytes + qw.scales.nbytes
     half_parts = {"qweight": parts["qweight"], "scales": parts["scales"].half()}
     half = Int8Weight.from_tensors(half_parts, 128)
-    assert half.scales.dtype == torch.float16 and half.scales_2d.dtype == torch.float32
+    # Symmetric fp16 scales (q8_0's form) reach the kernels as stored: no fp32 copy.
+    assert half.scales.dtype == torch.float16 and half.scales_2d.data_ptr() == half.scales.data_ptr()
+    assert torch.equal(half.dequantize(), qw.qweight.float() * parts["scales"].half().float().repeat_interleave(128, 1)[:, :ODD[1]])
     with pytest.raises(ValueError, match="scales must be"):
         Int8Weight.from_tensors(parts)  # grouped scales read as per-channel
 
@@ -316,7 +318,7 @@ def test_parse_quant_mode():
     assert parse_quant_mode("fp32").weight_dtype == "float32"
 
 
-@pytest.mark.parametrize("name", ["int4", "int8-g", "int8-g100", "int8-g0", "q8_0", ""])
+@pytest.mark.parametrize("name", ["int4", "int8-g", "int8-g100", "int8-g0", "q8_1", ""])
 def test_parse_quant_mode_errors(name):
     with pytest.raises(TierlmError) as err:
         parse_quant_mode(name)

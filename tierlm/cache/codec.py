@@ -22,10 +22,12 @@ from tierlm.cache.encodings import (  # noqa: F401
     record_mode,
 )
 from tierlm.quant.int4 import Int4Weight, int4_on_source_grid, quantize_int4
-from tierlm.quant.int8 import Int8Weight, quantize_int8
+from tierlm.quant.int8 import Int8Weight, q8_0_on_source_grid, quantize_int8, quantize_q8_0
 from tierlm.quant.modes import GRID_SOURCE_MODE, MIXED_SOURCE, QuantMode, int4_fits, parse_quant_mode
 
-CODEC_VERSION = 2  # bump when the same inputs would encode to different bytes (2: asym modes carry Q4_0/Q5_x grids exactly)
+# Bump when the same inputs would encode to different bytes (2: asym modes carry Q4_0/Q5_x grids
+# exactly; 3: mixed:source carries Q8_0 tensors as q8_0).
+CODEC_VERSION = 3
 
 parse_mode = parse_quant_mode
 
@@ -44,6 +46,8 @@ def encode(tensor, mode: QuantMode, name: str | None = None) -> tuple[str, dict[
             weight = quantize_int4(tensor, mode.group_size, asymmetric=mode.asymmetric)
             return "int4", weight.tensors(), {"group_size": mode.group_size}
         mode = int4_fallback(mode)
+    if mode.half_scales:
+        return "int8", quantize_q8_0(tensor).tensors(), {"group_size": mode.group_size}
     if mode.quantized:
         weight = quantize_int8(tensor, mode.group_size, asymmetric=mode.asymmetric)
         return "int8", weight.tensors(), {"group_size": mode.group_size}
@@ -52,12 +56,15 @@ def encode(tensor, mode: QuantMode, name: str | None = None) -> tuple[str, dict[
 
 def _encode_on_source_grid(tensor):
     """mixed:source: int4-g32 where it holds the tensor exactly (a GGUF Q4_0 source), else
-    int4-g32-asym where that does (Q4_1), else int8-g32-asym (exact for Q5_x and Q8_0 sources,
-    the closest 8-bit grid for anything else)."""
+    int4-g32-asym where that does (Q4_1), else q8_0 where that does (Q8_0), else int8-g32-asym
+    (exact for Q5_x sources, the closest 8-bit grid for anything else)."""
     for asymmetric in (False, True):
         weight = int4_on_source_grid(tensor, asymmetric=asymmetric)
         if weight is not None:
             return "int4", weight.tensors(), {"group_size": 32}
+    carried = q8_0_on_source_grid(tensor)
+    if carried is not None:
+        return "int8", carried.tensors(), {"group_size": carried.group_size}
     return encode(tensor, parse_quant_mode(GRID_SOURCE_MODE))
 
 

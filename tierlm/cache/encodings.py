@@ -10,7 +10,7 @@ validated with these rules alone; tierlm/cache/codec.py encodes and decodes the 
 
 from __future__ import annotations
 
-from tierlm.quant.modes import QuantMode, int4_fits, parse_quant_mode
+from tierlm.quant.modes import Q8_0, Q8_0_GROUP, QuantMode, int4_fits, parse_quant_mode
 
 FLOAT_DTYPES = ("float32", "float16", "bfloat16")
 # encoding -> (parts it must have, parts it may have)
@@ -49,7 +49,8 @@ def part_bytes(shape: tuple[int, ...], mode: QuantMode, name: str | None = None)
     if not mode.quantized:
         return [elements * _FLOAT_BYTES[mode.weight_dtype]]
     groups = 1 if mode.group_size is None else -(-in_features // mode.group_size)
-    return [elements, *[out_features * groups * 4] * (2 if mode.asymmetric else 1)]  # int8, fp32 scales
+    scale_bytes = 2 if mode.half_scales else 4  # q8_0: fp16 scales
+    return [elements, *[out_features * groups * scale_bytes] * (2 if mode.asymmetric else 1)]
 
 
 def int4_fallback(mode: QuantMode) -> QuantMode:
@@ -61,6 +62,8 @@ def record_mode(record) -> str:
     """The concrete quant mode a quantized record was stored in ("int4-g32-asym", "int8", ...)."""
     group = record.meta.get("group_size")
     asym = "-asym" if "offsets" in record.parts else ""
+    if record.encoding == "int8" and group == Q8_0_GROUP and not asym and record.parts["scales"].dtype == "float16":
+        return Q8_0  # int8-g32 with fp16 scales
     if record.encoding in ("int4", "int8"):
         return f"{record.encoding}{'' if group is None else f'-g{group}'}{asym}"
     return record.parts["data"].dtype

@@ -40,8 +40,8 @@ KV_TYPES = {"f32": 0, "f16": 1, "bf16": 2, "q8_0": 3, "q4_0": 4}
 
 
 class WeightArg(ctypes.Structure):
-    """tl::Weight (csrc/gemv.h): `kind` is KIND_FP32, KIND_INT8 (fp32 scales) or KIND_INT4
-    (packed nibbles, `half` = 1: fp16 scales and offsets)."""
+    """tl::Weight (csrc/gemv.h): `kind` is KIND_FP32, KIND_INT8 (fp32 scales, or fp16 with
+    `half` = 1) or KIND_INT4 (packed nibbles, `half` = 1: fp16 scales and offsets)."""
 
     _fields_ = [("data", _c_ptr), ("scales", _c_ptr), ("offsets", _c_ptr), ("bias", _c_ptr),
                 ("rows", _c_i64), ("cols", _c_i64), ("group", _c_i64), ("kind", _c_i32),
@@ -224,8 +224,11 @@ def _weight_words(weight, bias, shape: tuple[int, int], keep: list) -> tuple | N
         return None
     offsets = weight.offsets_2d
     offsets_ptr = offsets.data_ptr() if offsets is not None else 0
-    scales_ptr = weight.scales_2d.data_ptr()
-    return qweight.data_ptr(), scales_ptr, offsets_ptr, bias_ptr, rows, cols, weight.group, KIND_INT8, 0
+    scales = weight.scales_2d  # fp32, or fp16 (symmetric: GGUF Q8_0's form)
+    half = int(scales.dtype == torch.float16)
+    if half and offsets is not None:
+        return None
+    return qweight.data_ptr(), scales.data_ptr(), offsets_ptr, bias_ptr, rows, cols, weight.group, KIND_INT8, half
 
 
 def _int4_words(weight, bias_ptr: int, rows: int, cols: int) -> tuple | None:

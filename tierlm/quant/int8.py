@@ -35,10 +35,12 @@ import torch
 from tierlm.quant.dispatch import kernel_choice
 from tierlm.quant.grids import gcd_steps, sorted_rows
 from tierlm.quant.kernel_api import group_count
+from tierlm.quant.modes import Q8_0_GROUP
 from tierlm.quant.torch_kernels import dequantize_into
 
 # Rows quantized per step: bounds the fp32 temporaries for big matrices (a 150k-row embedding).
 _QUANTIZE_ROWS = 4096
+_FP16_MAX = 65504.0
 
 
 class Int8Weight:
@@ -48,7 +50,7 @@ class Int8Weight:
     `dtype` is what `rows()` returns by default (fp32 on CPUs, bf16/fp16 on accelerators).
     `kernels` pins a `dispatch.KernelChoice`; None uses the choice calibrated for x's device.
     The tensors are used as given when contiguous, so buffers mapped from an artifact are not
-    copied; only fp16 scales get an fp32 copy ([out, G], small) for the kernels.
+    copied; only fp16 scales with offsets get an fp32 copy ([out, G]) for the kernels.
     """
 
     def __init__(
@@ -84,9 +86,11 @@ class Int8Weight:
         self.group_size = group_size
         self.dtype = dtype
         self.kernels = kernels
-        # The kernels' view of the scales: fp32 [out, G] (G = 1 per channel).
+        # The kernels' view of the scales: [out, G] (G = 1 per channel), fp32, or fp16 as stored
+        # when symmetric (GGUF Q8_0's form: every kernel widens them as it reads).
         self.group = group
-        self.scales_2d = scales.float().reshape(out_features, -1).contiguous()
+        kept = scales.dtype == torch.float16 and offsets is None
+        self.scales_2d = (scales if kept else scales.float()).reshape(out_features, -1).contiguous()
         self.offsets_2d = (
             None if offsets is None else offsets.float().reshape(out_features, -1).contiguous()
         )
@@ -225,6 +229,53 @@ def quantize_int8(
         scales = scales[:, 0].contiguous()
         offsets = None if offsets is None else offsets[:, 0].contiguous()
     return Int8Weight(qweight, scales, group_size, offsets=offsets)
+
+
+def quantize_q8_0(weight: torch.Tensor) -> Int8Weight:
+    """GGUF's Q8_0 of weight [out, in]: per 32 input columns d = max|w| / 127, codes
+    roundf(w / d) (halves away from zero, as llama.cpp's reference `quantize_row_q8_0` and the
+    `gguf` package round, multiplying by 1 / d in fp32) and d stored as fp16. A short last
+    group (in not a multiple of 32) is quantized on its own. ValueError for inf/NaN weights or
+    a scale beyond fp16's range."""
+    if weight.dim() != 2 or not weight.is_floating_point():
+        raise ValueError(f"expected a 2-D float weight [out, in], got {weight.dtype} {tuple(weight.shape)}")
+    out_features, in_features = weight.shape
+    group, groups = _groups(in_features, Q8_0_GROUP)
+    pad = groups * group - in_features
+    qweight = torch.empty(out_features, in_features, dtype=torch.int8, device=weight.device)
+    scales = torch.empty(out_features, groups, dtype=torch.float16, device=weight.device)
+    for start in range(0, out_features, _QUANTIZE_ROWS):
+        stop = min(out_features, start + _QUANTIZE_ROWS)
+        rows = weight[start:stop].float()
+        if pad:  # padded with zeros: they change no group's max|w|
+            rows = torch.nn.functional.pad(rows, (0, pad))
+        block = rows.unflatten(1, (groups, group))
+        d = block.abs().amax(dim=-1, keepdim=True) / 127
+        if not torch.isfinite(d).all() or (d > _FP16_MAX).any():
+            raise ValueError(f"weight rows {start}..{stop - 1} hold inf, NaN or values beyond fp16 "
+                             f"scales' range; cannot quantize to q8_0")  # fmt: skip
+        inverse = torch.where(d == 0, torch.zeros_like(d), 1 / d)
+        q = _roundf(block * inverse)
+        qweight[start:stop] = q.flatten(1)[:, :in_features].to(torch.int8)
+        scales[start:stop] = d.squeeze(-1).to(torch.float16)
+    return Int8Weight(qweight, scales, Q8_0_GROUP)
+
+
+def q8_0_on_source_grid(weight: torch.Tensor) -> Int8Weight | None:
+    """`quantize_q8_0(weight)` where it reproduces every value exactly (a GGUF Q8_0 source, whose
+    values are d * q with d fp16 and max|q| = 127 in every group: max|w| / 127 is d again), else None."""
+    try:
+        quantized = quantize_q8_0(weight)
+    except ValueError:
+        return None
+    return quantized if torch.equal(quantized.dequantize(), weight.float()) else None
+
+
+def _roundf(x: torch.Tensor) -> torch.Tensor:
+    """C's roundf (halves away from zero; torch.round rounds them to even), exactly."""
+    a = x.abs()
+    floored = a.floor()
+    return torch.sign(x) * (floored + (2 * (a - floored)).floor())
 
 
 def _closest_of_candidates(block, q_sym, scale_sym):

@@ -50,7 +50,8 @@ class Int8Kernel(Protocol):
         bias: torch.Tensor | None = None,
         offsets: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """x [M, K] fp32, qweight [N, K] int8, scales [N, G] fp32, bias [N] -> [M, N] fp32.
+        """x [M, K] fp32, qweight [N, K] int8, scales [N, G] fp32 (or fp16 when there are no
+        offsets: GGUF Q8_0's form), bias [N] -> [M, N] fp32.
 
         `group` is the number of input columns one scale covers (K for per-channel);
         G = ceil(K / group). `offsets` [N, G] fp32 (asymmetric weights) add to every weight of

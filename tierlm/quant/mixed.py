@@ -26,15 +26,16 @@ from dataclasses import dataclass
 from tierlm.errors import TierlmError
 
 # Smallest first. int4 groups are the packed chunks' multiples; per-channel int8 is the cheap 8-bit
-# option (the fastest int8 kernel, its error ~100x below int4's), int8-g32-asym the exact one
-# (it reproduces a GGUF Q5/Q8 source, e.g. a Q8_0 embedding, bit for bit).
-OPTIONS = ("int4-g128", "int4-g64", "int4-g32", "int4-g32-asym", "int8", "int8-g32-asym")
+# option (the fastest int8 kernel, its error ~100x below int4's), q8_0 (GGUF's Q8_0, 8.5 bits)
+# nearly halves its error and carries a Q8_0 source exactly, int8-g32-asym the exact one for
+# Q5 sources.
+OPTIONS = ("int4-g128", "int4-g64", "int4-g32", "int4-g32-asym", "int8", "q8_0", "int8-g32-asym")
 # Bump when the same weights and size would be given other modes (artifact keys include it).
-ALLOCATOR_VERSION = 2  # 2: int8-g32-asym among the options
+ALLOCATOR_VERSION = 3  # 2: int8-g32-asym among the options; 3: q8_0 too
 # Mean squared error relative to the weight's mean square, measured on N(0, 1) weights [1024 x 4096]
 # with this package's quantizers: the damage estimate when no weights are at hand.
-GAUSSIAN_ERROR = {"int4-g128": 1.07e-2, "int4-g64": 8.98e-3, "int4-g32": 7.23e-3,
-                  "int4-g32-asym": 5.88e-3, "int8": 7.55e-5, "int8-g32-asym": 2.07e-5}  # fmt: skip
+GAUSSIAN_ERROR = {"int4-g128": 1.07e-2, "int4-g64": 8.98e-3, "int4-g32": 7.23e-3, "int4-g32-asym": 5.88e-3,
+                  "int8": 7.55e-5, "q8_0": 2.87e-5, "int8-g32-asym": 2.07e-5}  # fmt: skip
 
 
 @dataclass(frozen=True)

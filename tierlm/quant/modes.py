@@ -2,6 +2,8 @@
 
     int8          int8 weights, one fp32 scale per output channel (row)
     int8-g<N>     int8 weights, one fp32 scale per group of N input columns (e.g. int8-g128)
+    q8_0          GGUF's Q8_0: int8 weights, one fp16 scale per 32 input columns, symmetric
+                  (8.5 bits a weight); rounds as llama.cpp does and carries a Q8_0 source as is
     int8-asym, int8-g<N>-asym   the same with a float offset per row/group (zero point): the
                   256 levels span [min, max] instead of [-max|w|, max|w|]. Costs 4 more bytes per
                   group; reproduces GGUF Q4_0/Q4_1/Q5_0/Q5_1/Q8_0 sources (groups of 32) bit for bit.
@@ -12,7 +14,7 @@
     mixed:SIZE    int8 or int4 chosen per tensor so the weights fit SIZE (e.g. mixed:5.2GiB), the
                   most sensitive tensors kept at 8 bits (tierlm/quant/mixed.py)
     mixed:source  each tensor on the smallest grid that holds its source exactly: a GGUF Q4_0
-                  tensor int4-g32, Q4_1 int4-g32-asym, anything else int8-g32-asym
+                  tensor int4-g32, Q4_1 int4-g32-asym, Q8_0 q8_0, anything else int8-g32-asym
     fp16 / bf16 / fp32   no quantization: weights stored in that float dtype
     none          the checkpoint's weights as stored, in the compute dtype (`concrete_mode`)
     auto          a concrete mode chosen per model and device by `auto_quant` (the profiles'
@@ -34,10 +36,11 @@ from tierlm.units import parse_size
 AUTO = "auto"
 AS_STORED = "none"
 # The names offered in help and errors; any int8-g<N>[-asym] (N a multiple of 16) parses too.
-MODE_NAMES = (AUTO, "int8", "int8-g128", "int8-g32-asym", "int4-g32", "int4-g32-asym", "int4-g128",
+MODE_NAMES = (AUTO, "int8", "int8-g128", "q8_0", "int8-g32-asym", "int4-g32", "int4-g32-asym", "int4-g128",
               "mixed:SIZE", "fp16", "bf16", "fp32", AS_STORED)
 # Canonical names use "-" (artifact names are BASE:QUANT); "mixed:" is how users write them.
 MIXED_SOURCE = "mixed-source"
+Q8_0, Q8_0_GROUP = "q8_0", 32  # GGUF's Q8_0: int8 and an fp16 scale per 32 columns
 
 _FLOATS = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
 _INT8 = re.compile(r"int8(?:-g(\d+))?(-asym)?")
@@ -53,7 +56,8 @@ class QuantMode:
     a float dtype name (torch's spelling).
 
     `group_size` is None for per-channel int8, for float and mixed modes; `asymmetric` adds
-    offsets; `target_bytes` is a mixed mode's size target (None: mixed:source).
+    offsets; `target_bytes` is a mixed mode's size target (None: mixed:source); `half_scales`:
+    int8 with fp16 scales (q8_0), else fp32.
     """
 
     name: str
@@ -61,6 +65,7 @@ class QuantMode:
     group_size: int | None = None
     asymmetric: bool = False
     target_bytes: int | None = None
+    half_scales: bool = False
 
     @property
     def quantized(self) -> bool:
@@ -82,6 +87,8 @@ def parse_quant_mode(name: str) -> QuantMode:
     text = name.strip().lower()
     if text in _FLOATS:
         return QuantMode(text, _FLOATS[text])
+    if text == Q8_0:
+        return QuantMode(Q8_0, "int8", Q8_0_GROUP, half_scales=True)
     if text.startswith(("mixed:", "mixed-")):
         return _mixed_mode(name, text)
     int4 = _INT4.fullmatch(text)
@@ -183,6 +190,9 @@ FLOAT_SOURCE_TYPES = frozenset({"F64", "F32", "F16", "BF16"})
 GRID_SOURCE_MODE = "int8-g32-asym"
 # A source with 4-bit tensors (GGUF Q4_0/Q4_1) keeps them at 4 bits, each tensor on its own grid.
 FOUR_BIT_SOURCE_TYPES = frozenset({"Q4_0", "Q4_1"})
+# GGUF types mixed:source carries at their own size (Q8_0 as q8_0); `auto` picks mixed:source
+# for a source holding any of them.
+CARRIED_SOURCE_TYPES = FOUR_BIT_SOURCE_TYPES | {"Q8_0"}
 # Float sources: per-channel int8. In RESULTS.md it is the only int8 mode measured to meet the
 # speed targets (decode 0.76x llama.cpp Q8_0, 2.12x tierlm fp32; int8-g32-asym: 0.50x, 1.40x) and
 # its perplexity cost (+0.42%) is well inside the +1.5% target. int8-g128 halves that cost (+0.20%)
@@ -194,12 +204,15 @@ ACCELERATOR_MODE = "int8"
 
 def source_grid_mode(source_types: Iterable[str]) -> str:
     """mixed:source's mode for a weight made of tensors stored as `source_types` (GGUF type names,
-    "" where unknown): int4-g32 for Q4_0 alone, int4-g32-asym for Q4_0/Q4_1, else int8-g32-asym."""
+    "" where unknown): int4-g32 for Q4_0 alone, int4-g32-asym for Q4_0/Q4_1, q8_0 for Q8_0,
+    else int8-g32-asym."""
     kinds = {kind.upper() for kind in source_types}
     if kinds == {"Q4_0"}:
         return "int4-g32"
     if kinds and kinds <= FOUR_BIT_SOURCE_TYPES:
         return "int4-g32-asym"
+    if kinds == {"Q8_0"}:
+        return Q8_0
     return GRID_SOURCE_MODE
 
 
@@ -209,7 +222,7 @@ def auto_quant(source_types: Iterable[str] = (), *, accelerator: bool = False) -
     if accelerator:
         return ACCELERATOR_MODE
     kinds = {kind.upper() for kind in source_types}
-    if kinds & FOUR_BIT_SOURCE_TYPES:
+    if kinds & CARRIED_SOURCE_TYPES:
         return MIXED_SOURCE
     if kinds - FLOAT_SOURCE_TYPES:
         return GRID_SOURCE_MODE

@@ -72,9 +72,9 @@ class NativeKernel:
     def __init__(self, library: Path):
         lib = ctypes.CDLL(str(library))
         ptr, i64 = ctypes.c_void_p, ctypes.c_int64
-        lib.tierlm_i8_matmul.argtypes = [ptr, i64, i64, ptr, ptr, ptr, i64, i64, ptr, ptr, ctypes.c_int]
+        lib.tierlm_i8_matmul.argtypes = [ptr, i64, i64, ptr, ptr, ptr, i64, i64, ptr, ptr, ctypes.c_int, ctypes.c_int]
         lib.tierlm_i8_matmul.restype = ctypes.c_int
-        lib.tierlm_i8_dequant.argtypes = [ptr, ptr, ptr, i64, i64, i64, ptr, ctypes.c_int]
+        lib.tierlm_i8_dequant.argtypes = [ptr, ptr, ptr, i64, i64, i64, ptr, ctypes.c_int, ctypes.c_int]
         lib.tierlm_i8_dequant.restype = ctypes.c_int
         lib.tierlm_i4_matmul.argtypes = [ptr, i64, i64, ptr, ptr, ptr, i64, i64, ptr, ptr, ctypes.c_int]
         lib.tierlm_i4_matmul.restype = ctypes.c_int
@@ -97,15 +97,17 @@ class NativeKernel:
     def matmul(self, x, qweight, scales, group, bias=None, offsets=None):
         """x [M, K] fp32 @ dequantized qweight [N, K].T (+ bias [N]) -> [M, N] fp32.
 
-        All inputs contiguous, on the CPU; scales (and offsets) fp32 [N, G], G = ceil(K / group).
+        All inputs contiguous, on the CPU; scales fp32 or fp16 [N, G], G = ceil(K / group);
+        offsets fp32 [N, G] (with fp32 scales only).
         """
         m, k = x.shape
         n = qweight.shape[0]
         y = torch.empty(m, n, dtype=torch.float32)
+        half = _half_scales(scales, offsets)
         self.lib.tierlm_i8_matmul(
             x.data_ptr(), m, k, qweight.data_ptr(), scales.data_ptr(),
             offsets.data_ptr() if offsets is not None else None, n, group,
-            bias.data_ptr() if bias is not None else None, y.data_ptr(), torch.get_num_threads(),
+            bias.data_ptr() if bias is not None else None, y.data_ptr(), torch.get_num_threads(), half,
         )  # fmt: skip
         return y
 
@@ -116,7 +118,7 @@ class NativeKernel:
         self.lib.tierlm_i8_dequant(
             qweight.data_ptr(), scales.data_ptr(), offsets.data_ptr() if offsets is not None else None,
             n, k, group, out.data_ptr(),
-            torch.get_num_threads(),
+            torch.get_num_threads(), _half_scales(scales, offsets),
         )  # fmt: skip
         return out
 
@@ -178,6 +180,16 @@ class NativeKernel:
         if done != 0:
             raise ValueError(f"KV type {kv_type} cannot hold rows of {d} values")
         return out
+
+
+def _half_scales(scales, offsets) -> int:
+    """1 for fp16 scales (GGUF Q8_0's form, symmetric only), 0 for fp32; ValueError otherwise."""
+    if scales.dtype == torch.float32:
+        return 0
+    if scales.dtype == torch.float16 and offsets is None:
+        return 1
+    raise ValueError(f"int8 scales must be fp32, or fp16 without offsets; got {scales.dtype}"
+                     f"{' with offsets' if offsets is not None else ''}")  # fmt: skip
 
 
 def load_native(build_root: Path | None = None, flags: tuple[str, ...] = FLAGS) -> NativeKernel:

@@ -33,14 +33,14 @@ class NumbaKernel:
         self._set_threads = set_threads
 
     def matmul(self, x, qweight, scales, group, bias=None, offsets=None):
-        """x [M, K] fp32, qweight [N, K] int8, scales [N, G] fp32 -> [M, N] fp32 (+ bias).
+        """x [M, K] fp32, qweight [N, K] int8, scales [N, G] fp32 (or fp16) -> [M, N] fp32 (+ bias).
 
         Asymmetric offsets are added after the compiled loop (torch ops): numba is the fallback
         kernel, kept simple rather than fastest.
         """
         y = torch.empty(x.shape[0], qweight.shape[0], dtype=torch.float32)
         self._set_threads(torch.get_num_threads())
-        self._matmul(x.numpy(), qweight.numpy(), scales.numpy(), group, y.numpy())
+        self._matmul(x.numpy(), qweight.numpy(), scales.float().numpy(), group, y.numpy())  # fp16: widened
         if offsets is not None:
             y.add_(offset_term(x, offsets, group))
         return y.add_(bias) if bias is not None else y

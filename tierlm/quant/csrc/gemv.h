@@ -33,10 +33,11 @@ enum WeightKind : int32_t { kFp32 = 0, kInt8 = 1, kInt4 = 4 };
 // A weight matrix [rows, cols]:
 //   kFp32  float data [rows, cols]; scales and offsets null.
 //   kInt8  int8 data [rows, cols], fp32 scales [rows, G] (G = ceil(cols / group)) and, for
-//          asymmetric modes, fp32 offsets of that shape (else null).
+//          asymmetric modes, fp32 offsets of that shape (else null); or, symmetric only, fp16
+//          scales (`half`: GGUF Q8_0's form, int8 with an fp16 scale per 32 columns).
 //   kInt4  uint8 data [rows, cols / 2] packed as int4.py says (cols and group multiples of
 //          32), fp16 scales [rows, G] and fp16 offsets [rows, G] or null (symmetric: -8 s).
-// `half` says the scales (and offsets) are fp16: 1 for kInt4, 0 otherwise (`supported()`).
+// `half` says the scales (and offsets) are fp16: 1 for kInt4, either for kInt8 (`supported()`).
 // The layout is mirrored by `WeightArg` in tierlm/models/fused_decode.py.
 struct Weight {
   const void* data;
@@ -51,7 +52,7 @@ struct Weight {
   // The combinations the kernels implement; anything else must be refused before a call.
   bool supported() const {
     if (kind == kFp32) return !scales && !offsets;
-    if (kind == kInt8) return !half && scales && group > 0;
+    if (kind == kInt8) return scales && group > 0 && !(half && offsets);
     if (kind == kInt4) return half && scales && group > 0 && group % 32 == 0 && cols % 32 == 0;
     return false;
   }
@@ -62,10 +63,14 @@ inline void prefetch(const T* p) {
   __builtin_prefetch(p, 0, 2);
 }
 
+// A stored scale as fp32: fp32 as is, fp16 (uint16_t bits) widened.
+inline float scale_value(float s) { return s; }
+inline float scale_value(uint16_t s) { return half_to_float(s); }
+
 // out[m][r] = sum_k x[m * ldx + k] * w[r * K + k] * s[r * G + k / group] (s null: unscaled).
 // GS > 0: groups of exactly GS columns (K a multiple of GS), stepped with a compile-time count.
-template <int R, int MB, bool GROUPED, int GS, typename WT>
-inline void tile(const float* x, int64_t ldx, const WT* w, int64_t K, const float* s, int64_t G,
+template <int R, int MB, bool GROUPED, int GS, typename WT, typename ST = float>
+inline void tile(const float* x, int64_t ldx, const WT* w, int64_t K, const ST* s, int64_t G,
                  int64_t group, float (&out)[MB][R]) {
   using reg = Vec::reg;
   constexpr int L = Vec::lanes;
@@ -113,7 +118,7 @@ inline void tile(const float* x, int64_t ldx, const WT* w, int64_t K, const floa
     }
     if constexpr (GROUPED) {
       for (int r = 0; r < R; ++r) {
-        const float sg = s[r * G + g];
+        const float sg = scale_value(s[r * G + g]);
         const reg sv = Vec::set1(sg);
         for (int m = 0; m < MB; ++m) total[r][m] = Vec::fma(acc[r][m], sv, total[r][m]);
         if (ragged)
@@ -130,7 +135,7 @@ inline void tile(const float* x, int64_t ldx, const WT* w, int64_t K, const floa
         out[m][r] = Vec::sum(total[r][m]) + tail_total[r][m];
       } else {
         const float v = Vec::sum(acc[r][m]) + tail[r][m];
-        out[m][r] = s ? v * s[r] : v;
+        out[m][r] = s ? v * scale_value(s[r]) : v;
       }
     }
 }
@@ -232,6 +237,17 @@ inline int rows_per_tile(int64_t M) {
 #endif
 }
 
+// An int8 tile of R rows from row n (w at row n), scales `s` of any stored type (all rows').
+template <int R, int MB, typename ST>
+inline void int8_tile(const Weight& W, const float* x, int64_t ldx, const int8_t* w, const ST* s,
+                      int64_t n, float (&out)[MB][R]) {
+  const int64_t K = W.cols, G = W.groups();
+  if (G == 1) tile<R, MB, false, 0>(x, ldx, w, K, s + n, 1, K, out);
+  else if (W.group == 32 && K % 32 == 0)  // int8-g32 and q8_0 (GGUF sources): unrolled groups
+    tile<R, MB, true, 32>(x, ldx, w, K, s + n * G, G, 32, out);
+  else tile<R, MB, true, 0>(x, ldx, w, K, s + n * G, G, W.group, out);
+}
+
 // One tile of R rows starting at n for activation rows [0, MB) of x: finished outputs
 // (scale, asymmetric offsets, bias) stored into, or added to, y[m * ldy + r].
 template <int R, int MB>
@@ -251,14 +267,14 @@ inline void block(const Weight& W, const float* x, int64_t ldx, const float* xs,
         out[m][r] += o ? dot_half(o + (n + r) * G, xs + m * G, G)
                        : -8.0f * dot_half(s + r * G, xs + m * G, G);
   } else if (W.kind == kFp32) {
-    tile<R, MB, false, 0>(x, ldx, static_cast<const float*>(W.data) + n * K, K, nullptr, 1, K, out);
+    const float* unscaled = nullptr;
+    tile<R, MB, false, 0>(x, ldx, static_cast<const float*>(W.data) + n * K, K, unscaled, 1, K, out);
+  } else if (W.half) {
+    int8_tile<R, MB>(W, x, ldx, static_cast<const int8_t*>(W.data) + n * K,
+                     static_cast<const uint16_t*>(W.scales), n, out);
   } else {
-    const int8_t* w = static_cast<const int8_t*>(W.data) + n * K;
-    const float* s = static_cast<const float*>(W.scales);
-    if (G == 1) tile<R, MB, false, 0>(x, ldx, w, K, s + n, 1, K, out);
-    else if (W.group == 32 && K % 32 == 0)  // int8-g32 (GGUF sources): unrolled groups
-      tile<R, MB, true, 32>(x, ldx, w, K, s + n * G, G, 32, out);
-    else tile<R, MB, true, 0>(x, ldx, w, K, s + n * G, G, W.group, out);
+    int8_tile<R, MB>(W, x, ldx, static_cast<const int8_t*>(W.data) + n * K,
+                     static_cast<const float*>(W.scales), n, out);
   }
   const float* offsets8 = W.kind == kInt8 ? static_cast<const float*>(W.offsets) : nullptr;
   for (int m = 0; m < MB; ++m)

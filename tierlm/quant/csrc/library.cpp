@@ -14,24 +14,29 @@ extern "C" {
 int tierlm_i8_isa() { return TIERLM_ISA; }
 
 // y[M, N] = x[M, K] @ (w[N, K] * s[N, G] (+ o[N, G])).T (+ bias[N]); all row-major and
-// contiguous; o may be null (symmetric weights).
-int tierlm_i8_matmul(const float* x, int64_t M, int64_t K, const int8_t* w, const float* s,
+// contiguous; o may be null (symmetric weights). `half`: s is fp16 (then o must be null).
+// Returns -1 (nothing written) for fp16 scales with offsets.
+int tierlm_i8_matmul(const float* x, int64_t M, int64_t K, const int8_t* w, const void* s,
                      const float* o, int64_t N, int64_t group, const float* bias, float* y,
-                     int threads) {
-  const tl::Weight W{w, s, o, bias, N, K, group, tl::kInt8, 0};
+                     int threads, int half) {
+  const tl::Weight W{w, s, o, bias, N, K, group, tl::kInt8, half};
+  if (!W.supported()) return -1;
   const std::vector<float> xs = tl::group_sums(W, x, K, M);
   tl::gemv(W, x, K, M, xs.data(), y, N, false, threads);
   return 0;
 }
 
-// out[N, K] = w[N, K] * s[N, G] (+ o[N, G]), broadcast over each group of `group` columns.
-int tierlm_i8_dequant(const int8_t* w, const float* s, const float* o, int64_t N, int64_t K,
-                      int64_t group, float* out, int threads) {
+// out[N, K] = w[N, K] * s[N, G] (+ o[N, G]), broadcast over each group of `group` columns;
+// `half`: s is fp16.
+int tierlm_i8_dequant(const int8_t* w, const void* s, const float* o, int64_t N, int64_t K,
+                      int64_t group, float* out, int threads, int half) {
   const int64_t G = (K + group - 1) / group;
+  const float* s32 = static_cast<const float*>(s);
+  const uint16_t* s16 = static_cast<const uint16_t*>(s);
   tl::parallel_for(N, 16, threads, [&](int64_t n0, int64_t n1) {
     for (int64_t n = n0; n < n1; ++n)
       for (int64_t g = 0; g < G; ++g) {
-        const float sg = s[n * G + g];
+        const float sg = half ? tl::half_to_float(s16[n * G + g]) : s32[n * G + g];
         const float og = o ? o[n * G + g] : 0.0f;
         const int64_t k1 = std::min(K, (g + 1) * group);
 #pragma omp simd
