@@ -5,11 +5,12 @@ drift on a shared machine hits all alike):
 - quiet, 2 threads: tierlm int8 (fused decode, the default), int8 with `TIERLM_FUSED=0` (the
   eager path: before/after the fused step in one run), int8-g32-asym, fp32, and the 4-bit rows
   int4-g32-asym and auto (= mixed:source: the Q4_1 layers at 4 bits bit for bit, the Q8_0
-  embedding at 8); llama.cpp Q8_0 and Q4_1 (`-t 2`);
+  embedding as q8_0); tierlm auto on llama.cpp's Q8_0 file (every tensor carried as q8_0, the
+  same bytes llama.cpp reads); llama.cpp Q8_0 and Q4_1 (`-t 2`);
 - 1 thread: tierlm int8 `--threads 1`, llama.cpp Q8_0 `-t 1`;
 - one core busy: a sibling process spins (`python3 -c "while True: pass"`) for the duration of
-  these rows only; tierlm int8 at its default thread count (fused and eager), llama.cpp Q8_0
-  `-t 2`.
+  these rows only; tierlm int8 at its default thread count (fused and eager) and auto on the Q8_0
+  file, llama.cpp Q8_0 `-t 2`.
 
 llama.cpp is measured with its own `llama-bench` (prompt processing of `--prompt` tokens and
 generation of `--gen` tokens, `--reps` repetitions), on the package's Q4_1 GGUF and on a Q8_0
@@ -87,15 +88,17 @@ from tierlm.cli.bench import run_bench
 from tierlm.profile import load_profile
 from tierlm.runtime.session import open_session
 quant, threads, prompt, gen, runs = sys.argv[1], int(sys.argv[2]) or None, *map(int, sys.argv[3:6])
-with open_session(None, load_profile("24gb"), device="cpu", quant=quant, threads=threads) as s:
+model = sys.argv[6] or None
+with open_session(model, load_profile("24gb"), device="cpu", quant=quant, threads=threads) as s:
     print(json.dumps(run_bench(s, prompt, gen, runs)))
 """
 
 
-def tierlm_bench(quant: str, threads: int, prompt: int, gen: int, runs: int, env: dict | None = None) -> dict:
+def tierlm_bench(quant: str, threads: int, prompt: int, gen: int, runs: int, env: dict | None = None,
+                 model: Path | None = None) -> dict:
     """`tierlm bench` figures in a fresh process (each configuration loads alone); threads 0:
-    tierlm's default (the CPUs this process may use)."""
-    argv = [sys.executable, "-c", TIERLM_CHILD, quant, str(threads), str(prompt), str(gen), str(runs)]
+    tierlm's default (the CPUs this process may use); model None: the embedded one."""
+    argv = [sys.executable, "-c", TIERLM_CHILD, quant, str(threads), str(prompt), str(gen), str(runs), str(model or "")]
     out = subprocess.run(argv, capture_output=True, text=True, timeout=1800, env={**os.environ, **(env or {})})
     if out.returncode != 0:
         raise RuntimeError(f"tierlm {quant} ({threads} threads) failed: {out.stderr.strip()[-1500:]}")
@@ -151,8 +154,8 @@ def main() -> None:
     p, g, runs = args.prompt, args.gen, args.runs
     eager = {"TIERLM_FUSED": "0"}
 
-    def tierlm(quant, threads, env=None):
-        return lambda: tierlm_bench(quant, threads, p, g, runs, env)
+    def tierlm(quant, threads, env=None, model=None):
+        return lambda: tierlm_bench(quant, threads, p, g, runs, env, model)
 
     configs = [
         Config(QUIET, "tierlm int8 (fused)", "2", tierlm("int8", 2)),
@@ -172,11 +175,15 @@ def main() -> None:
         q8 = scratch / "smollm2-q8_0.gguf"
         subprocess.run([str(quantize), "--allow-requantize", str(q4), str(q8), "Q8_0"],
                        capture_output=True, check=True, timeout=600)  # fmt: skip
+        tierlm_bench("auto", 2, 8, 2, 1, model=q8)  # import and convert it before anything is timed
 
         def peer(gguf, threads):
             return lambda: llama_bench(bench, gguf, p, g, threads, args.reps)
 
         configs += [
+            # The same Q8_0 file for both: tierlm's auto carries every tensor as q8_0.
+            Config(QUIET, "tierlm auto on the Q8_0 file (= q8_0, fused)", "2", tierlm("auto", 2, model=q8)),
+            Config(BUSY, "tierlm auto on the Q8_0 file (= q8_0, fused)", "default", tierlm("auto", 0, model=q8)),
             Config(QUIET, PEER, "2", peer(q8, 2)),
             Config(QUIET, PEER4, "2", peer(q4, 2)),
             Config(ONE_THREAD, PEER, "1", peer(q8, 1)),

@@ -591,6 +591,69 @@ def test_truncated_or_corrupt_gguf_is_a_clear_error(tmp_path, keep):
     assert not (tmp_path / "out").exists()
 
 
+def _with_tensor_type(source: Path, target: Path, tensor: str, type_id: int) -> Path:
+    """`source` with the type id of 1-D `tensor` set to `type_id` in its header (the data stays)."""
+    data = bytearray(source.read_bytes())
+    name = tensor.encode()
+    at = data.index(len(name).to_bytes(8, "little") + name) + 8 + len(name)
+    assert int.from_bytes(data[at : at + 4], "little") == 1  # one dimension, then its size
+    data[at + 12 : at + 16] = type_id.to_bytes(4, "little")
+    target.write_bytes(bytes(data))
+    return target
+
+
+def test_a_tensor_type_outside_the_list_is_refused_by_name(tmp_path):
+    import gguf
+
+    tokens, _, _ = byte_level_vocab()
+    model, config = tiny_hf_model("llama", False, vocab_size=len(tokens))
+    write_tiny_gguf(tmp_path / "whole.gguf", model, config)
+    q8_1 = _with_tensor_type(tmp_path / "whole.gguf", tmp_path / "q8_1.gguf", "output_norm.weight",
+                             gguf.GGMLQuantizationType.Q8_1.value)  # fmt: skip
+    with pytest.raises(TierlmError, match="output_norm.weight is stored as Q8_1") as err:
+        import_gguf(q8_1, tmp_path / "out")
+    assert "Q4_K" in err.value.hint and "IQ4_XS" in err.value.hint
+    unknown = _with_tensor_type(tmp_path / "whole.gguf", tmp_path / "unknown.gguf", "output_norm.weight", 99)
+    with pytest.raises(TierlmError, match="tensor output_norm.weight has the unknown GGUF type id 99"):
+        import_gguf(unknown, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_rows_that_are_no_whole_blocks_of_their_type_name_the_tensor(tmp_path):
+    import gguf
+
+    tokens, _, _ = byte_level_vocab()
+    model, config = tiny_hf_model("llama", False, vocab_size=len(tokens))
+    write_tiny_gguf(tmp_path / "whole.gguf", model, config, matrix_qtype=gguf.GGMLQuantizationType.Q8_0)
+    data = bytearray((tmp_path / "whole.gguf").read_bytes())
+    name = b"blk.0.ffn_up.weight"
+    at = data.index(len(name).to_bytes(8, "little") + name) + 8 + len(name)
+    assert int.from_bytes(data[at : at + 4], "little") == 2 and int.from_bytes(data[at + 4 : at + 12], "little") == 64
+    data[at + 4 : at + 20] = (48).to_bytes(8, "little") + (128).to_bytes(8, "little")  # same bytes, rows of 48
+    (tmp_path / "bad.gguf").write_bytes(bytes(data))
+    with pytest.raises(TierlmError, match=r"tensor blk.0.ffn_up.weight has rows of 48 values, not whole Q8_0 "
+                                          r"blocks of 32"):  # fmt: skip
+        import_gguf(tmp_path / "bad.gguf", tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_nan_scale_in_a_quantized_tensor_is_refused_and_nothing_is_cached(tmp_path):
+    import gguf
+
+    tokens, _, _ = byte_level_vocab()
+    model, config = tiny_hf_model("llama", False, vocab_size=len(tokens))
+    write_tiny_gguf(tmp_path / "whole.gguf", model, config, matrix_qtype=gguf.GGMLQuantizationType.Q8_0)
+    reader = gguf.GGUFReader(str(tmp_path / "whole.gguf"))
+    target = next(t for t in reader.tensors if t.name == "blk.1.ffn_up.weight")
+    data = bytearray((tmp_path / "whole.gguf").read_bytes())
+    block = int(target.data_offset) + 5 * 34  # the sixth Q8_0 block's fp16 scale
+    data[block : block + 2] = np.array([np.nan], dtype=np.float16).tobytes()
+    (tmp_path / "nan.gguf").write_bytes(bytes(data))
+    with pytest.raises(TierlmError, match=r"tensor blk\.1\.ffn_up\.weight \(Q8_0\) holds NaN or Inf"):
+        import_gguf(tmp_path / "nan.gguf", tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
 def test_missing_file_and_unsupported_tokenizer(tmp_path):
     with pytest.raises(TierlmError, match="not found"):
         import_gguf_to_cache(tmp_path / "nope.gguf")

@@ -49,6 +49,10 @@ from tierlm.weights.gguf_tokenizer import SUPPORTED_TOKENIZERS, build_tokenizer 
 from tierlm.weights.import_record import IMPORT_FORMAT_VERSION, RECORD_NAME, gguf_content_key, read_import_record
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen2moe", "qwen3moe")
+# The GGUF tensor types people download (floats, llama.cpp's legacy and K-quants, IQ4): any other
+# (IQ1-IQ3, ternary, ...) is refused by name rather than widened.
+SUPPORTED_TENSOR_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K",
+                          "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS")  # fmt: skip
 # Shards are flushed at this size so a big model never sits in RAM as float32 all at once.
 SHARD_BYTES = 2 * 1024**3
 
@@ -570,6 +574,11 @@ def _dequantize(item: _Planned, path: Path):
             f"{path}: cannot dequantize tensor {item.tensor.name} ({item.tensor.tensor_type.name}): {err}",
             hint="the file may be corrupt, or use a quantization type gguf-py supports",
         ) from None
+    if not np.isfinite(array).all():  # a NaN/Inf scale or value: refused before anything is cached
+        raise TierlmError(
+            f"{path}: tensor {item.tensor.name} ({item.tensor.tensor_type.name}) holds NaN or Inf values",
+            hint="the file is corrupt; download or convert it again",
+        )
     if item.unpermute_heads:
         array = np.ascontiguousarray(unpermute_rope_rows(array, item.unpermute_heads))
     return array
@@ -627,6 +636,18 @@ def _sampling_settings(meta: GgufMetadata, generation: dict[str, Any]) -> dict[s
     return taken
 
 
+def _check_tensor_types(path: Path, tensors) -> None:
+    """Refuse, before anything is written, a tensor stored in a type outside
+    SUPPORTED_TENSOR_TYPES (named, with the list), rather than widen it silently."""
+    for tensor in tensors:
+        kind = tensor.tensor_type.name
+        if kind not in SUPPORTED_TENSOR_TYPES:
+            raise TierlmError(
+                f"{path}: tensor {tensor.name} is stored as {kind}, a GGUF type tierlm does not import",
+                hint=f"use a file quantized to one of: {', '.join(SUPPORTED_TENSOR_TYPES)}",
+            )
+
+
 def _tensor_types(plan: list[_Planned]) -> dict[str, int]:
     """How many GGUF tensors (a merged expert tensor counts once) each type held: the dequantized
     floats keep that grid."""
@@ -656,6 +677,7 @@ def _write_model_dir(gguf_path: Path, out: Path, key: str, progress: Progress | 
             hint=f"tierlm imports GGUF architectures: {', '.join(SUPPORTED_ARCHITECTURES)}",
         )
     tensors = {t.name: t for t in reader.tensors}
+    _check_tensor_types(gguf_path, tensors.values())
     config = _build_config(meta, family, tensors)
     plan = _plan_tensors(meta, family, tensors, config)
 
