@@ -118,8 +118,7 @@ def stored(variant: str, calibration: Calibration, layer: int, offset: int, keys
     if variant == "f32, key mean":
         return keys, values
     if variant == "key mean + query-weighted rounding":
-        rounded = weighted_round(codec.rotate(keys).transpose(1, 2), calibration.moment[layer]).transpose(1, 2)
-        return codec.rotate(rounded), fake_q8_0(values)
+        return codec.rotate(weighted_round(codec.rotate(keys), calibration.moment[layer])), fake_q8_0(values)
     new_keys = keys if variant == "keys exact" else fake_q8_0(keys, 16 if variant == "keys g16" else 32)
     new_values = values if variant == "values exact" else fake_q8_0(values)
     if variant == "sink exact" and offset == 0:
