@@ -178,8 +178,10 @@ def hidden_leftovers(cache: Path) -> list[str]:
 def test_full_disk_during_import_is_one_line_and_leaves_nothing(cache, tiny_gguf, monkeypatch):
     from tierlm.weights import gguf_import
 
-    # After the first shard is written, as its data is flushed: the disk is full.
-    monkeypatch.setattr(gguf_import, "fsync_file", no_space)
+    # Config and tokenizer written; the receipt, written last, finds the disk full.
+    write_json = gguf_import.write_json
+    monkeypatch.setattr(gguf_import, "write_json", lambda path, doc: (no_space() if path.name == RECORD_NAME
+                                                                       else write_json(path, doc)))  # fmt: skip
     with pytest.raises(TierlmError) as caught:
         embedded.import_gguf_to_cache(tiny_gguf)
     message = str(caught.value)
@@ -230,10 +232,14 @@ def mount_namespaces_work() -> bool:
 
 @pytest.mark.e2e
 @pytest.mark.skipif(not mount_namespaces_work(), reason="needs root and mount namespaces to mount a small tmpfs")
-def test_a_really_full_disk_during_import(tmp_path, tiny_gguf):
+def test_a_really_full_disk_during_import(tmp_path, tiny_gguf, monkeypatch):
+    # A disk with room for half of what the import writes (config, tokenizer, receipt; no weights).
+    monkeypatch.setenv("TIERLM_CACHE", str(tmp_path / "measure"))
+    needed = sum(p.stat().st_size for p in embedded.import_gguf_to_cache(tiny_gguf).iterdir())
+    size_kib = max(4, needed // 2 // 4096 * 4)
     mount = tmp_path / "small-disk"
     mount.mkdir()
-    script = ('mount -t tmpfs -o size=96k tmpfs "$1" && cd "$1" || exit 99; '
+    script = (f'mount -t tmpfs -o size={size_kib}k tmpfs "$1" && cd "$1" || exit 99; '
               '"$2" -m tierlm import-gguf "$3"; rc=$?; ls -a "$1"/models >&2; exit $rc')  # fmt: skip
     done = subprocess.run(
         ["unshare", "-m", "sh", "-c", script, "sh", str(mount), sys.executable, str(tiny_gguf)],

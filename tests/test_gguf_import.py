@@ -248,23 +248,36 @@ def sentencepiece_vocab() -> tuple[list[str], list[float], list[int]]:
     return tokens, scores, types
 
 
-def load_safetensors(model_dir: Path) -> dict[str, np.ndarray]:
-    from safetensors.numpy import load_file
+def load_imported(model_dir: Path) -> dict[str, np.ndarray]:
+    """An import's tensors as tierlm's checkpoint reads them (dequantized from its GGUF)."""
+    from tierlm.weights.checkpoint import open_checkpoint
 
-    tensors = {}
-    for file in sorted(model_dir.glob("*.safetensors")):
-        tensors.update(load_file(str(file)))
-    return tensors
+    checkpoint = open_checkpoint(model_dir)
+    return {name: checkpoint.get(name).numpy() for name in checkpoint.names()}
+
+
+def hf_copy_of_import(model_dir: Path, to: Path) -> Path:
+    """The import as a plain HF directory for transformers to load: its config and tokenizer files
+    beside the tensors tierlm's checkpoint reads, saved as safetensors."""
+    from safetensors.numpy import save_file
+
+    to.mkdir(parents=True)
+    for file in model_dir.glob("*.json"):
+        if file.name != RECORD_NAME:
+            (to / file.name).write_bytes(file.read_bytes())
+    save_file(load_imported(model_dir), str(to / "model.safetensors"), metadata={"format": "pt"})
+    return to
 
 
 # ----------------------------------------------------------------------------- 1. embedded model parity
 
 
 @pytest.mark.slow
-def test_embedded_logits_match_transformers_gguf_loader(smollm_dir, reference_gguf_model):
+def test_embedded_logits_match_transformers_gguf_loader(smollm_dir, reference_gguf_model, tmp_path):
     from transformers import LlamaForCausalLM
 
-    ours = LlamaForCausalLM.from_pretrained(smollm_dir, dtype=torch.float32).eval()
+    assert not list(smollm_dir.glob("*.safetensors"))  # no float copy: the GGUF is the checkpoint
+    ours = LlamaForCausalLM.from_pretrained(hf_copy_of_import(smollm_dir, tmp_path / "hf"), dtype=torch.float32).eval()
     assert ours.config.tie_word_embeddings and ours.config.num_key_value_heads == 3
     prompt = torch.tensor([[1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 2, 198, 1, 4093, 198, 6004, 2, 198]])
     with torch.no_grad():
@@ -369,7 +382,7 @@ def test_tiny_gguf_imports_to_the_original_tensors(tmp_path, arch, tied, matrix_
     seen = []
     out = import_gguf(tmp_path / "tiny.gguf", tmp_path / "out", progress=lambda done, total: seen.append((done, total)))
 
-    imported = load_safetensors(out)
+    imported = load_imported(out)
     assert set(imported) == set(written)
     for name, original in written.items():
         assert imported[name].dtype == np.float32
@@ -382,7 +395,7 @@ def test_tiny_gguf_imports_to_the_original_tensors(tmp_path, arch, tied, matrix_
     assert saved["tie_word_embeddings"] is tied
     assert saved["num_key_value_heads"] == 2 and saved["rms_norm_eps"] == 1e-6
     cls = transformers.LlamaForCausalLM if arch == "llama" else transformers.Qwen2ForCausalLM
-    reloaded = cls.from_pretrained(out, dtype=torch.float32).eval()
+    reloaded = cls.from_pretrained(hf_copy_of_import(out, tmp_path / "hf"), dtype=torch.float32).eval()
     if matrix_dtype == np.float32:  # same weights, so the same logits as the model we started from
         prompt = torch.tensor([[1, 70, 80, 90, 259, 260, 5]])
         with torch.no_grad():
@@ -466,8 +479,9 @@ def test_llama3_rope_freqs_become_rope_scaling(tmp_path):
     saved = json.loads((out / "config.json").read_text())
     assert saved["rope_scaling"] == {k: v for k, v in rope.items() if k != "rope_theta"}
     assert saved["rope_theta"] == rope["rope_theta"]
-    assert "rope_freqs.weight" not in load_safetensors(out)
-    reloaded = transformers.LlamaForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    assert "rope_freqs.weight" not in load_imported(out)
+    reloaded = transformers.LlamaForCausalLM.from_pretrained(hf_copy_of_import(out, tmp_path / "hf"),
+                                                             dtype=torch.float32).eval()  # fmt: skip
     prompt = torch.arange(3, 40).unsqueeze(0)
     with torch.no_grad():  # unscaled RoPE would differ by ~1e-4 here
         torch.testing.assert_close(reloaded(prompt).logits, model(prompt).logits, rtol=0, atol=1e-6)
@@ -555,9 +569,9 @@ def test_killed_import_leaves_no_model_dir(tmp_path, monkeypatch):
 
     out = import_gguf_to_cache(gguf_file)
     assert out.parent == models and out.name.startswith("tiny-model.q0-")  # the catalogue name
-    assert (out / RECORD_NAME).is_file() and (out / "model.safetensors").is_file()
+    assert (out / RECORD_NAME).is_file() and not list(out.glob("*.safetensors"))
     assert list(models.glob(".*.partial-*")) == []  # the killed run's leftovers are gone
-    assert set(load_safetensors(out)) == set(model.state_dict())
+    assert set(load_imported(out)) == set(model.state_dict())
 
 
 # ----------------------------------------------------------------------------- 5. errors

@@ -16,12 +16,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from safetensors.numpy import load_file
 
-from tests.test_gguf_import import byte_level_vocab, gguf_writer, llama_cpp_permute, load_safetensors
+from tests.test_gguf_import import byte_level_vocab, gguf_writer, hf_copy_of_import, llama_cpp_permute, load_imported
 from tests.tiers import quick
 from tests.tiny import MOE_CASES, make_model
 from tierlm.errors import TierlmError
-from tierlm.weights import gguf_import
 from tierlm.weights.gguf_import import RECORD_NAME, import_gguf
 
 VOCAB = len(byte_level_vocab()[0])
@@ -62,7 +62,7 @@ def source_model(tmp_path: Path, case: str, **overrides):
     args = {**MOE_CASES[case], **overrides}
     family = args.pop("family")
     model = make_model(tmp_path / "hf", family, vocab=VOCAB, with_tokenizer=False, **args)
-    return model, load_safetensors(tmp_path / "hf")
+    return model, {k: v for f in sorted((tmp_path / "hf").glob("*.safetensors")) for k, v in load_file(str(f)).items()}
 
 
 def gguf_tensors(family: str, config, saved: dict[str, np.ndarray], split_experts: bool = False):
@@ -165,7 +165,7 @@ def test_moe_gguf_imports_to_the_source_model(tmp_path, case):
     seen = []
     out = import_gguf(tmp_path / "moe.gguf", tmp_path / "out", progress=lambda done, total: seen.append((done, total)))
 
-    imported = load_safetensors(out)
+    imported = load_imported(out)
     assert set(imported) == set(saved)
     for name, original in saved.items():
         np.testing.assert_array_equal(imported[name], original, err_msg=name)
@@ -173,7 +173,8 @@ def test_moe_gguf_imports_to_the_source_model(tmp_path, case):
 
     config = json.loads((out / "config.json").read_text())
     assert config["architectures"] == [HF_CLASS[family]] and config["model_type"] == family
-    reloaded = getattr(transformers, HF_CLASS[family]).from_pretrained(out, dtype=torch.float32).eval()
+    reloaded = getattr(transformers, HF_CLASS[family]).from_pretrained(hf_copy_of_import(out, tmp_path / "hf-copy"),
+                                                                       dtype=torch.float32).eval()  # fmt: skip
     ref, got = model.config, reloaded.config
     assert got.num_experts_per_tok == ref.num_experts_per_tok
     assert getattr(got, "num_local_experts", None) or got.num_experts == (
@@ -213,8 +214,8 @@ def test_written_gguf_is_what_transformers_gguf_reader_expects(tmp_path, case):
     widths = {k: getattr(model.config, k) for k in ("moe_intermediate_size", "shared_expert_intermediate_size",
                                                      "norm_topk_prob") if hasattr(model.config, k)}
     reader = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file="moe.gguf", dtype=torch.float32, **widths)
-    imported = AutoModelForCausalLM.from_pretrained(import_gguf(tmp_path / "moe.gguf", tmp_path / "out"),
-                                                    dtype=torch.float32)
+    out = import_gguf(tmp_path / "moe.gguf", tmp_path / "out")
+    imported = AutoModelForCausalLM.from_pretrained(hf_copy_of_import(out, tmp_path / "hf-copy"), dtype=torch.float32)
     ids = torch.randint(3, VOCAB, (1, 9), generator=torch.Generator().manual_seed(1))
     torch.testing.assert_close(logits(reader.eval(), ids), logits(model, ids), rtol=0, atol=1e-6)
     torch.testing.assert_close(logits(imported.eval(), ids), logits(reader, ids), rtol=0, atol=1e-5)
@@ -224,7 +225,7 @@ def test_split_expert_mixtral_gguf(tmp_path):
     """Mixtral GGUFs from before llama.cpp merged the experts hold `blk.N.ffn_gate.E.weight`."""
     model, saved = source_model(tmp_path, "mixtral")
     write_moe_gguf(tmp_path / "old.gguf", "mixtral", model.config, saved, split_experts=True)
-    imported = load_safetensors(import_gguf(tmp_path / "old.gguf", tmp_path / "out"))
+    imported = load_imported(import_gguf(tmp_path / "old.gguf", tmp_path / "out"))
     assert set(imported) == set(saved)
     for name, original in saved.items():
         np.testing.assert_array_equal(imported[name], original, err_msg=name)
@@ -244,7 +245,7 @@ def test_quantized_expert_tensors(tmp_path, case, quant):
     family = model.config.model_type
     written = write_moe_gguf(tmp_path / "q.gguf", family, model.config, saved, quant=quant)
     out = import_gguf(tmp_path / "q.gguf", tmp_path / "out")
-    imported = load_safetensors(out)
+    imported = load_imported(out)
     reader = gguf.GGUFReader(tmp_path / "q.gguf")
     module, projections = EXPERT_PROJECTIONS[family]
     checked = 0
@@ -264,7 +265,8 @@ def test_quantized_expert_tensors(tmp_path, case, quant):
     assert checked == sum(1 for k in saved if ".experts." in k)
     counted = json.loads((out / RECORD_NAME).read_text())["tensor_types"]
     assert counted.get(quant) == sum(1 for t in reader.tensors if t.tensor_type.name == quant)
-    reloaded = getattr(transformers, HF_CLASS[family]).from_pretrained(out, dtype=torch.float32).eval()
+    reloaded = getattr(transformers, HF_CLASS[family]).from_pretrained(hf_copy_of_import(out, tmp_path / "hf-copy"),
+                                                                       dtype=torch.float32).eval()  # fmt: skip
     ids = torch.randint(3, VOCAB, (1, 9), generator=torch.Generator().manual_seed(2))
     got, want = logits(reloaded, ids), logits(model, ids)
     assert (got - want).abs().max() < 0.05 * want.abs().max()
@@ -274,9 +276,12 @@ def test_quantized_expert_tensors(tmp_path, case, quant):
 
 
 @pytest.mark.slow
-def test_experts_are_dequantized_one_at_a_time(tmp_path, monkeypatch):
-    """Peak Python-heap memory of an import stays near one expert's fp32 slice, far below the
-    merged tensor, when the shard size is small: slices are dequantized one by one and flushed."""
+def test_experts_are_read_one_at_a_time_and_no_float_copy_is_written(tmp_path):
+    """The import writes no weights (kilobytes beside a 64 MiB GGUF), and reading its checkpoint
+    tensor by tensor, as a conversion does, holds one expert's fp32 slice at a time: peak
+    Python-heap memory far below one merged tensor."""
+    from tierlm.weights.checkpoint import open_checkpoint
+
     # 64 experts of [256, 512]: each merged tensor is 32 MiB as fp32, one expert 0.5 MiB.
     model, saved = source_model(tmp_path, "qwen3-moe-dense-and-sparse", hidden=256, layers=2, heads=4,
                                 kv_heads=2, num_experts=64, moe_intermediate_size=512, decoder_sparse_step=1,
@@ -284,23 +289,21 @@ def test_experts_are_dequantized_one_at_a_time(tmp_path, monkeypatch):
     write_moe_gguf(tmp_path / "big.gguf", "qwen3_moe", model.config, saved, quant="F16")
     del saved
     merged = 64 * 256 * 512 * 4
-    monkeypatch.setattr(gguf_import, "SHARD_BYTES", merged // 16)
-    write_weights, peaks = gguf_import._write_weights, []
-
-    def measured(*args):  # the weights alone: the content key's read buffer is not the experts'
-        tracemalloc.reset_peak()
-        write_weights(*args)
-        peaks.append(tracemalloc.get_traced_memory()[1])
-
-    monkeypatch.setattr(gguf_import, "_write_weights", measured)
+    out = import_gguf(tmp_path / "big.gguf", tmp_path / "out")
+    written = sum(p.stat().st_size for p in out.iterdir())
+    assert not list(out.glob("*.safetensors")) and written < 2**20 < (tmp_path / "big.gguf").stat().st_size / 32
+    checkpoint = open_checkpoint(out)
+    names = [n for n in checkpoint.names() if ".experts." in n]
+    assert len(names) == 2 * 3 * 64
     tracemalloc.start()
     try:
-        out = import_gguf(tmp_path / "big.gguf", tmp_path / "out")
+        for name in names:
+            assert tuple(checkpoint.get(name).shape) in ((512, 256), (256, 512))
+        peak = tracemalloc.get_traced_memory()[1]
     finally:
         tracemalloc.stop()
-    assert len(list(out.glob("model-*.safetensors"))) > 16
-    # A shard (2 MiB) plus one expert in flight; dequantizing a merged tensor whole would be 32 MiB.
-    assert peaks[0] < merged / 8, f"peak {peaks[0] / 2**20:.1f} MiB against a {merged / 2**20:.0f} MiB merged tensor"
+    # One expert in flight (0.5 MiB as fp32, its F16 bytes, gguf's temporaries); a merged tensor is 32 MiB.
+    assert peak < merged / 8, f"peak {peak / 2**20:.1f} MiB against a {merged / 2**20:.0f} MiB merged tensor"
 
 
 # ----------------------------------------------------------------------------- 4. errors

@@ -42,7 +42,7 @@ from tierlm.progress import ProgressFactory
 from tierlm.quant.modes import quant_text
 from tierlm.weights import embedded
 from tierlm.weights.embedded import FreshImport
-from tierlm.weights.import_record import IMPORT_FORMAT_VERSION, read_import_record
+from tierlm.weights.import_record import IMPORT_FORMAT_VERSION, read_import_record, weights_in_gguf
 from tierlm.weights.safetensors_index import checkpoint_entries
 
 # Older import directories end in `-<12 hex digits of the content key>`; names drop it.
@@ -398,7 +398,11 @@ def list_models(entries: list[Entry] | None = None) -> list[ModelRow]:
 
 
 def parameter_count(model_dir: Path) -> int | None:
-    """Parameters of the checkpoint in `model_dir`, from its safetensors headers (no weights read)."""
+    """Parameters of the checkpoint in `model_dir`, from its safetensors headers (no weights read);
+    a GGUF import's receipt counts them."""
+    record = read_import_record(model_dir)
+    if weights_in_gguf(record):
+        return record.get("parameters") if isinstance(record.get("parameters"), int) else None
     try:
         return sum(math.prod(e.shape) for e in checkpoint_entries(Path(model_dir)).values())
     except (TierlmError, OSError):

@@ -38,7 +38,7 @@ from tierlm.models import family_description, read_config
 from tierlm.progress import Progress, ProgressFactory
 from tierlm.quant.mixed import ALLOCATOR_VERSION, OPTIONS
 from tierlm.quant.modes import mode_text
-from tierlm.weights.checkpoint import Checkpoint, check_finite
+from tierlm.weights.checkpoint import check_finite, open_checkpoint
 
 # Files besides the weights that make an artifact directory a complete model for the runtime.
 MODEL_FILES = (
@@ -127,7 +127,7 @@ def _sources(model_dir: Path, config: ModelConfig, merger):
     adapters are validated against the checkpoint first."""
     family = family_description(config)
     layout, shapes = family.checkpoint_layout(config), family.canonical_shapes(config)
-    checkpoint = Checkpoint(model_dir)
+    checkpoint = open_checkpoint(model_dir)
     if merger is not None:
         merger.validate(checkpoint, tied=config.tie_word_embeddings)
 

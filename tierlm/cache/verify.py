@@ -3,9 +3,10 @@
 An artifact of an older format version is reported as outdated, not corrupt: no current tierlm
 reads it (its key differs, so it is rebuilt beside it), and `cache rm` frees its space.
 
-Imported models carry no checksums (their safetensors come from a GGUF import or a download);
-for them the whole header of every file is validated and config.json read, which catches
-truncation and malformed headers but not flipped bits inside a tensor.
+Models carry no checksums of their own: a directory of safetensors gets the whole header of every
+file validated and config.json read, which catches truncation and malformed headers but not
+flipped bits inside a tensor; a GGUF import is checked against its GGUF, which must still be where
+it was imported from with the same content (sha256) and header.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from tierlm.cache.catalog import catalog, entry_dir_name
 from tierlm.cache.entries import CacheEntry, cache_entries
 from tierlm.errors import TierlmError
 from tierlm.models import read_config
+from tierlm.weights.import_record import read_import_record, weights_in_gguf
 from tierlm.weights.safetensors_index import checkpoint_entries
 
 
@@ -98,4 +100,10 @@ def _verify_artifact(entry: CacheEntry) -> None:
 
 def _verify_model(entry: CacheEntry) -> None:
     read_config(entry.path)
-    checkpoint_entries(entry.path)
+    record = read_import_record(entry.path)
+    if weights_in_gguf(record):  # its weights are the GGUF's: still there, the same content, readable
+        from tierlm.weights.gguf_checkpoint import GgufCheckpoint
+
+        GgufCheckpoint(entry.path, record)
+    else:
+        checkpoint_entries(entry.path)

@@ -50,7 +50,7 @@ from tierlm.store.calibration import activation_stats
 from tierlm.store.expert_cache import POLICIES
 from tierlm.store.resident import load_resident, load_resident_artifact
 from tierlm.store.tiered import TieredStore
-from tierlm.weights.checkpoint import Checkpoint
+from tierlm.weights.checkpoint import open_checkpoint
 from tierlm.weights.store import WeightStore
 
 # What a load imports besides what the caller holds, imported before the baseline is measured so
@@ -238,7 +238,7 @@ def open_store(source: WeightSource, placement, device, dtype, *, span=None, rea
         return _artifact_store(source, placement, device, dtype, span, read_delay_s, progress)
     layout = source.family.checkpoint_layout(source.config)
     layout = {block: layout[block] for block in stage_blocks(source.config, span, list(layout))}
-    store = load_resident(Checkpoint(source.directory), layout, device=device, dtype=dtype, progress=progress)
+    store = load_resident(open_checkpoint(source.directory), layout, device=device, dtype=dtype, progress=progress)
     check_shapes(source.config, store, source.family)  # conversion checks artifacts as it writes them
     return store
 

@@ -36,7 +36,7 @@ from tierlm.runtime.source import is_artifact, requested_quant, resolve_model_di
 from tierlm.runtime.tokenizer import Tokenizer
 from tierlm.store.calibration import activation_stats
 from tierlm.store.variants import VariantStore, overlay_for
-from tierlm.weights.checkpoint import Checkpoint
+from tierlm.weights.checkpoint import open_checkpoint
 
 # How a session loads its resolved source: runtime/loader.py `load_source` in this process, or a
 # pipeline of stages (distributed/pipeline.py `pipeline_load`), with load_source's keywords.
@@ -93,7 +93,7 @@ class Session:
         """Check a variant's `adapters` [(path, weight)] against the base checkpoint; a TierlmError
         names the first misfit. Reads the adapters and the checkpoint's headers; writes nothing (the server's 400)."""
         merger = LoraMerger([(LoraAdapter.load(Path(path)), weight) for path, weight in adapters])
-        merger.validate(Checkpoint(self._checkpoint_dir()), tied=self.loaded.config.tie_word_embeddings)
+        merger.validate(open_checkpoint(self._checkpoint_dir()), tied=self.loaded.config.tie_word_embeddings)
 
     def add_variant(self, name: str, adapters, progress: ProgressFactory | None = None):
         """Build the variant `name` (its `adapters` [(path, weight)] on top of the served base,

@@ -38,7 +38,7 @@ from tierlm.lora.merge import LoraMerger
 from tierlm.models import family_description, read_config
 from tierlm.models.base import embed, linear
 from tierlm.store.calibration import activation_stats
-from tierlm.weights.checkpoint import Checkpoint
+from tierlm.weights.checkpoint import open_checkpoint
 from tierlm.weights.store import WeightStore
 
 MERGED, UNMERGED = "merged", "unmerged"
@@ -516,7 +516,7 @@ def overlay_for(
     config = read_config(model_dir)
     layout = family_description(config).checkpoint_layout(config)
     merger = LoraMerger([(LoraAdapter.load(Path(p)), w) for p, w in adapters])
-    checkpoint = Checkpoint(model_dir)
+    checkpoint = open_checkpoint(model_dir)
     merger.validate(checkpoint, tied=config.tie_word_embeddings)
     touched = merger.touched_names()
     changed = {

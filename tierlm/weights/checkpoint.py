@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from tierlm.errors import TierlmError
+from tierlm.weights.import_record import read_import_record, weights_in_gguf
 from tierlm.weights.safetensors_index import (
     CHECKPOINT_HINT,
     DTYPES,
@@ -26,6 +27,17 @@ from tierlm.weights.safetensors_index import (
 # Largest finite float16. Adapter factors and merged weights beyond it overflow half-precision
 # compute, and no trained weight comes near it.
 MAX_WEIGHT = 65504.0
+
+
+def open_checkpoint(model_dir: Path):
+    """The checkpoint in `model_dir`: its safetensors, or for a GGUF import the GGUF it reads
+    (tierlm/weights/gguf_checkpoint.py); both offer names, entry, get and read_concat."""
+    record = read_import_record(model_dir)
+    if weights_in_gguf(record):
+        from tierlm.weights.gguf_checkpoint import GgufCheckpoint
+
+        return GgufCheckpoint(model_dir, record)
+    return Checkpoint(model_dir)
 
 
 class Checkpoint:

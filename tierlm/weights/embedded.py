@@ -17,16 +17,17 @@ another format and the GGUF is imported afresh.
 from __future__ import annotations
 
 import importlib.util
+import json
 import re
 from pathlib import Path
 from types import MappingProxyType
 from typing import Callable, Mapping
 
-from tierlm.atomic import directory_lock, make_dirs
+from tierlm.atomic import directory_lock, make_dirs, replace_file
 from tierlm.errors import TierlmError
 from tierlm.paths import cache_root
 from tierlm.progress import Progress
-from tierlm.weights.import_record import IMPORT_FORMAT_VERSION, gguf_content_key, read_import_record
+from tierlm.weights.import_record import IMPORT_FORMAT_VERSION, RECORD_NAME, gguf_content_key, read_import_record
 
 EMBEDDED_MODEL_NAME = "SmolLM2-135M-Instruct"
 # What the embedded model answers to on the command line (`tierlm chat smollm2`).
@@ -156,16 +157,33 @@ def _import_cached(gguf_path: Path, progress: Progress | None, on_fresh: FreshIm
     # Fast path without a lock: the receipt is written last and the directory renamed in whole.
     found = find_import(key)
     if found is not None:
-        return found
+        return _follow_moved_source(found, gguf_path)
     models = make_dirs(cache_root() / "models")  # a read-only cache: one line naming TIERLM_CACHE
     # One lock per content, so two routes importing the same bytes at once build one directory.
     with directory_lock(models / key[:KEY_CHARS]):
         found = find_import(key)
         if found is not None:
-            return found
+            return _follow_moved_source(found, gguf_path)
         from tierlm.weights import gguf_import  # numpy and gguf: only a real import loads them, `tierlm list` never
 
         model_dir = gguf_import.import_gguf(gguf_path, _new_import_dir(gguf_path, key), progress)
     if on_fresh is not None:  # complete now: what it replaces (the file edited in place) can go
         on_fresh(model_dir)
     return model_dir
+
+
+def _follow_moved_source(model_dir: Path, gguf_path: Path) -> Path:
+    """An import whose GGUF is no longer where it was imported from reads the same content at
+    `gguf_path` from now on (its weights are read from the GGUF). The receipt is rewritten
+    atomically; what it keys (the content) is unchanged, so its artifacts stay valid."""
+    record = read_import_record(model_dir) or {}
+    recorded = Path(str(record.get("source_path", "")))
+    here = str(Path(gguf_path).resolve())
+    still_there = recorded.is_file() and recorded.stat().st_size == record.get("source_bytes")
+    if record and record.get("source_path") != here and not still_there:
+        try:
+            replace_file(model_dir / RECORD_NAME, json.dumps({**record, "source_path": here}, indent=2) + "\n")
+        except OSError:
+            pass  # a read-only cache: its artifacts still run; a new conversion names the missing GGUF
+    return model_dir
+

@@ -5,17 +5,20 @@ llama-family models permuted into llama.cpp's interleaved-RoPE order, and descri
 as metadata. `import_gguf` turns one into what transformers and tierlm's own loader read:
 
     config.json              Llama / Qwen2 / Mixtral / Qwen2-MoE / Qwen3-MoE config, float32
-    model.safetensors        HF tensor names, dequantized to float32 (sharded above ~2 GB, with
-                             model.safetensors.index.json); a mixture-of-experts GGUF's merged
-                             `ffn_*_exps` tensors [experts, rows, cols] become one HF tensor per
-                             expert, dequantized one expert at a time
     tokenizer.json           built from the GGUF vocabulary (byte-level BPE or SentencePiece BPE)
     tokenizer_config.json    special tokens, add_bos_token, chat_template
     generation_config.json   bos/eos ids, and the sampling settings the GGUF recommends
                              (general.sampling.*: temperature, top_k, top_p, min_p,
                              repetition_penalty, repeat_last_n)
-    tierlm-import.json       what was imported from, incl. the GGUF tensor types the weights were
-                             stored in, per HF tensor too (written last; the directory's receipt)
+    tierlm-import.json       what was imported from (the GGUF's path and content key), incl. the
+                             GGUF tensor types the weights are stored in, per HF tensor too
+                             (written last; the directory's receipt)
+
+No weights are written: the directory's checkpoint is the GGUF itself, read tensor by tensor
+(one expert of a merged MoE tensor at a time) and dequantized when a conversion asks
+(tierlm/weights/gguf_checkpoint.py; `read_plan` says where each HF tensor lies), so an import costs
+kilobytes of disk, never a float copy of the model. The import reads every tensor's scales once,
+to refuse NaN/Inf before anything is cached.
 
 The directory appears atomically (tierlm.atomic): it is built under a temporary name beside
 `out_dir` and renamed into place only when complete, under a per-directory lock, so a killed import
@@ -35,10 +38,8 @@ from typing import Any
 
 import numpy as np
 from gguf import Keys
-from gguf.quants import dequantize
-from safetensors.numpy import save_file
 
-from tierlm.atomic import atomic_directory, directory_lock, fsync_file, make_dirs, write_json
+from tierlm.atomic import atomic_directory, directory_lock, make_dirs, write_json
 from tierlm.config import LIMITS, MAX_ROPE_THETA, shown_value
 from tierlm.errors import TierlmError
 from tierlm.models import config_from_dict
@@ -46,15 +47,20 @@ from tierlm.progress import Progress
 from tierlm.weights.gguf_reader import GgufMetadata, open_gguf
 # SUPPORTED_TOKENIZERS is re-exported: it is part of this module's public API.
 from tierlm.weights.gguf_tokenizer import SUPPORTED_TOKENIZERS, build_tokenizer  # noqa: F401
-from tierlm.weights.import_record import IMPORT_FORMAT_VERSION, RECORD_NAME, gguf_content_key, read_import_record
+from tierlm.weights.gguf_tensors import PlannedTensor, check_finite_scales, parameter_count
+from tierlm.weights.import_record import (
+    IMPORT_FORMAT_VERSION,
+    RECORD_NAME,
+    WEIGHTS_IN_GGUF,
+    gguf_content_key,
+    read_import_record,
+)
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen2moe", "qwen3moe")
 # The GGUF tensor types people download (floats, llama.cpp's legacy and K-quants, IQ4): any other
 # (IQ1-IQ3, ternary, ...) is refused by name rather than widened.
 SUPPORTED_TENSOR_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K",
                           "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS")  # fmt: skip
-# Shards are flushed at this size so a big model never sits in RAM as float32 all at once.
-SHARD_BYTES = 2 * 1024**3
 
 
 @dataclass(frozen=True)
@@ -142,20 +148,6 @@ def import_gguf(gguf_path: Path, out_dir: Path, progress: Progress | None = None
         with atomic_directory(out_dir) as tmp:
             _write_model_dir(gguf_path, tmp, key, progress)
     return out_dir
-
-
-def unpermute_rope_rows(weight, n_head: int):
-    """Undo llama.cpp's Q/K permutation: rows [n_head*head_dim, ...] back to HF's half-split order.
-
-    llama.cpp's convert_hf_to_gguf.py views rows as (n_head, 2, head_dim/2) and swaps the two inner
-    axes, so each head's rotary pairs sit next to each other (interleaved RoPE); the inverse views rows
-    as (n_head, head_dim/2, 2) and swaps back. Works for 2-D weights and 1-D biases.
-    """
-    rows = weight.shape[0]
-    if rows % (2 * n_head):
-        raise TierlmError(f"cannot un-permute a tensor with {rows} rows into {n_head} rotary heads")
-    grouped = weight.reshape(n_head, rows // n_head // 2, 2, *weight.shape[1:])
-    return grouped.swapaxes(1, 2).reshape(weight.shape)
 
 
 # ----------------------------------------------------------------------------- reusing a finished import
@@ -437,28 +429,7 @@ def _llama3_scaling_from_freqs(meta: GgufMetadata, freqs_tensor, head_dim: int) 
 # ----------------------------------------------------------------------------- weights
 
 
-@dataclass(frozen=True)
-class _Planned:
-    """One GGUF tensor and where it goes in the safetensors output."""
-
-    tensor: Any  # gguf ReaderTensor
-    hf_name: str
-    hf_shape: tuple[int, ...]
-    unpermute_heads: int  # 0: copy as is; n: undo llama.cpp's Q/K permutation over n heads
-    # A merged MoE tensor [experts, rows, cols] is read one slice at a time: this one's index.
-    expert: int | None = None
-    slices: int = 1  # how many planned items share `tensor` (its experts)
-
-    @property
-    def out_bytes(self) -> int:
-        return 4 * math.prod(self.hf_shape)
-
-    @property
-    def source_bytes(self) -> int:
-        return int(self.tensor.n_bytes) // self.slices
-
-
-def _plan_tensors(meta: GgufMetadata, family: _Family, tensors: dict, config: dict) -> list[_Planned]:
+def _plan_tensors(meta: GgufMetadata, family: _Family, tensors: dict, config: dict) -> list[PlannedTensor]:
     """Map every GGUF tensor to its HF name; unknown tensors are an error, not silently dropped."""
     plan = []
     n_layers = config["num_hidden_layers"]
@@ -473,7 +444,7 @@ def _plan_tensors(meta: GgufMetadata, family: _Family, tensors: dict, config: di
             layer, part, expert = int(split[1]), split[2], int(split[3])
             if layer >= n_layers or expert >= _expert_count(config):
                 raise _unknown_tensor(meta, name)
-            plan.append(_Planned(tensor, _expert_name(family, layer, expert, part), hf_shape, 0))
+            plan.append(PlannedTensor(tensor, _expert_name(family, layer, expert, part), hf_shape, 0))
             continue
         if match and family.moe_module and match[3] == "weight" and (part := _expert_part(match[2])):
             plan.extend(_expert_slices(meta, family, tensor, int(match[1]), part, config))
@@ -493,7 +464,7 @@ def _plan_tensors(meta: GgufMetadata, family: _Family, tensors: dict, config: di
             if base not in _GLOBAL_TENSORS or kind != "weight":
                 raise _unknown_tensor(meta, name)
             hf_name = f"{_GLOBAL_TENSORS[base]}.weight"
-        plan.append(_Planned(tensor, hf_name, hf_shape, unpermute))
+        plan.append(PlannedTensor(tensor, hf_name, hf_shape, unpermute))
     return plan
 
 
@@ -525,7 +496,7 @@ def _expert_name(family: _Family, layer: int, expert: int, part: str) -> str:
     return f"model.layers.{layer}.{family.moe_module}.experts.{expert}.{projection}.weight"
 
 
-def _expert_slices(meta: GgufMetadata, family: _Family, tensor, layer: int, part: str, config: dict) -> list[_Planned]:
+def _expert_slices(meta: GgufMetadata, family: _Family, tensor, layer: int, part: str, config: dict) -> list[PlannedTensor]:
     """One planned item per expert of a merged `ffn_{part}_exps` tensor [experts, rows, cols]."""
     experts = _expert_count(config)
     shape = tuple(int(d) for d in reversed(tensor.shape))
@@ -535,7 +506,7 @@ def _expert_slices(meta: GgufMetadata, family: _Family, tensor, layer: int, part
             hint="the GGUF's expert_count does not match its expert tensors; the file is damaged",
         )
     return [
-        _Planned(tensor, _expert_name(family, layer, expert, part), shape[1:], 0, expert=expert, slices=experts)
+        PlannedTensor(tensor, _expert_name(family, layer, expert, part), shape[1:], 0, expert=expert, slices=experts)
         for expert in range(experts)
     ]
 
@@ -547,69 +518,22 @@ def _unknown_tensor(meta: GgufMetadata, name: str) -> TierlmError:
     )
 
 
-def _shards(plan: list[_Planned]) -> list[list[_Planned]]:
-    """Group tensors into consecutive shards of at most SHARD_BYTES (one shard if it all fits)."""
-    shards: list[list[_Planned]] = [[]]
-    size = 0
-    for item in plan:
-        if shards[-1] and size + item.out_bytes > SHARD_BYTES:
-            shards.append([])
-            size = 0
-        shards[-1].append(item)
-        size += item.out_bytes
-    return shards
+def _check_scales(plan: list[PlannedTensor], path: Path, progress: Progress | None) -> None:
+    """Every GGUF tensor's scales checked for NaN/Inf (a merged expert tensor once), with progress
+    in source bytes; announced before the first tensor, which may be the largest."""
+    tensors = list({item.tensor.name: item.tensor for item in plan}.values())
+    total, done = sum(int(t.n_bytes) for t in tensors), 0
 
+    def advance(count: int) -> None:
+        nonlocal done
+        done += count
+        if progress is not None:
+            progress(done, total)
 
-def _dequantize(item: _Planned, path: Path):
-    """One tensor as a contiguous float32 array in HF shape and row order."""
-    # One expert's slice of a merged MoE tensor (a view of the memory map): only it is dequantized.
-    data = item.tensor.data if item.expert is None else item.tensor.data[item.expert]
-    try:
-        array = dequantize(data, item.tensor.tensor_type)
-        array = np.ascontiguousarray(array, dtype=np.float32).reshape(item.hf_shape)
-    except TierlmError:
-        raise
-    except Exception as err:  # unsupported quant type or damaged data
-        raise TierlmError(
-            f"{path}: cannot dequantize tensor {item.tensor.name} ({item.tensor.tensor_type.name}): {err}",
-            hint="the file may be corrupt, or use a quantization type gguf-py supports",
-        ) from None
-    if not np.isfinite(array).all():  # a NaN/Inf scale or value: refused before anything is cached
-        raise TierlmError(
-            f"{path}: tensor {item.tensor.name} ({item.tensor.tensor_type.name}) holds NaN or Inf values",
-            hint="the file is corrupt; download or convert it again",
-        )
-    if item.unpermute_heads:
-        array = np.ascontiguousarray(unpermute_rope_rows(array, item.unpermute_heads))
-    return array
-
-
-def _write_weights(plan: list[_Planned], out: Path, source: Path, progress: Progress | None) -> None:
-    """Dequantize tensor by tensor and write shard by shard; only one shard is held in memory."""
-    shards = _shards(plan)
-    total = sum(item.source_bytes for item in plan)
-    done = 0
     if progress is not None:
-        progress(0, total)  # announced before the first tensor, which may be the largest
-    weight_map: dict[str, str] = {}
-    for index, shard in enumerate(shards, start=1):
-        filename = "model.safetensors" if len(shards) == 1 else f"model-{index:05d}-of-{len(shards):05d}.safetensors"
-        arrays = {}
-        for item in shard:
-            arrays[item.hf_name] = _dequantize(item, source)
-            weight_map[item.hf_name] = filename
-            done += item.source_bytes
-            if progress is not None:
-                progress(done, total)
-        save_file(arrays, str(out / filename), metadata={"format": "pt"})
-        del arrays
-        fsync_file(out / filename)
-    if len(shards) > 1:
-        index_doc = {
-            "metadata": {"total_size": sum(item.out_bytes for item in plan)},
-            "weight_map": dict(sorted(weight_map.items())),
-        }
-        write_json(out / "model.safetensors.index.json", index_doc)
+        progress(0, total)
+    for tensor in tensors:
+        check_finite_scales(tensor, path, advance)
 
 
 # llama.cpp's sampling keys a GGUF may carry, and the generation_config.json fields they become
@@ -648,7 +572,7 @@ def _check_tensor_types(path: Path, tensors) -> None:
             )
 
 
-def _tensor_types(plan: list[_Planned]) -> dict[str, int]:
+def _tensor_types(plan: list[PlannedTensor]) -> dict[str, int]:
     """How many GGUF tensors (a merged expert tensor counts once) each type held: the dequantized
     floats keep that grid."""
     sources = {item.tensor.name: item.tensor.tensor_type.name for item in plan}
@@ -658,9 +582,21 @@ def _tensor_types(plan: list[_Planned]) -> dict[str, int]:
 # ----------------------------------------------------------------------------- assembling the directory
 
 
-def _write_model_dir(gguf_path: Path, out: Path, key: str, progress: Progress | None) -> None:
-    """Write every file of the imported model into `out` (the temporary directory)."""
+@dataclass(frozen=True)
+class GgufPlan:
+    """What a GGUF holds, as an HF model: its metadata, config.json and where each HF tensor lies."""
+
+    meta: GgufMetadata
+    config: dict[str, Any]
+    plan: list[PlannedTensor]
+
+
+def read_plan(gguf_path: Path) -> GgufPlan:
+    """Parse `gguf_path`'s header (no tensor data is read) into config and tensor plan; every
+    check on architecture, metadata, tensor names, types and shapes is made here."""
     reader = open_gguf(gguf_path)
+    if reader.byte_order != "I":
+        raise TierlmError(f"{gguf_path} is a big-endian GGUF", hint="tierlm reads little-endian GGUF files only")
     meta = GgufMetadata(reader, gguf_path)
     split_count = meta.get("split.count")
     if split_count and int(split_count) > 1:
@@ -679,11 +615,16 @@ def _write_model_dir(gguf_path: Path, out: Path, key: str, progress: Progress | 
     tensors = {t.name: t for t in reader.tensors}
     _check_tensor_types(gguf_path, tensors.values())
     config = _build_config(meta, family, tensors)
-    plan = _plan_tensors(meta, family, tensors, config)
+    return GgufPlan(meta, config, _plan_tensors(meta, family, tensors, config))
 
-    # The tokenizer is built before the slow weight conversion so its errors come early.
+
+def _write_model_dir(gguf_path: Path, out: Path, key: str, progress: Progress | None) -> None:
+    """Write every file of the imported model into `out` (the temporary directory)."""
+    read = read_plan(gguf_path)
+    meta, config, plan = read.meta, read.config, read.plan
+    # The tokenizer is built before the pass over the weights so its errors come early.
     built = build_tokenizer(meta)
-    _write_weights(plan, out, gguf_path, progress)
+    _check_scales(plan, gguf_path, progress)
     write_json(out / "config.json", config)
     generation: dict[str, Any] = {"_from_model_config": False}
     for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
@@ -707,6 +648,8 @@ def _write_model_dir(gguf_path: Path, out: Path, key: str, progress: Progress | 
             "source_path": str(gguf_path.resolve()),  # an import of other content from here replaces this one
             "source_bytes": gguf_path.stat().st_size,
             "source_key": key,
+            "weights": WEIGHTS_IN_GGUF,  # the checkpoint is the GGUF itself (tierlm/weights/gguf_checkpoint.py)
+            "parameters": parameter_count(plan),
             "architecture": meta.arch,
             "general_name": meta.get("general.name"),
             "sampling_keys": sampling_keys,  # field -> the GGUF key it came from (`tierlm show` names it)

@@ -19,8 +19,10 @@ from tierlm.errors import TierlmError
 # 2: the receipt records the source tensor types (`--quant auto` keeps a quantized grid).
 # 3: the content key is a sha256 of the whole file (it sampled regions, so an edit between them
 #    returned the stale import). Older imports are listed as another format and imported afresh.
-IMPORT_FORMAT_VERSION = 3
+# 4: no float copy: the weights are read from the GGUF itself ("weights": WEIGHTS_IN_GGUF).
+IMPORT_FORMAT_VERSION = 4
 RECORD_NAME = "tierlm-import.json"
+WEIGHTS_IN_GGUF = "gguf"
 
 
 def read_import_record(model_dir: Path) -> dict[str, Any] | None:
@@ -29,6 +31,11 @@ def read_import_record(model_dir: Path) -> dict[str, Any] | None:
         return json.loads((Path(model_dir) / RECORD_NAME).read_text())
     except (OSError, ValueError):
         return None
+
+
+def weights_in_gguf(record: dict[str, Any] | None) -> bool:
+    """Whether an import's weights are read from its GGUF (no safetensors in the directory)."""
+    return bool(record) and record.get("weights") == WEIGHTS_IN_GGUF
 
 
 def source_tensor_types(model_dir: Path) -> dict[str, int]:
