@@ -169,3 +169,26 @@ def test_a_gguf_changed_after_its_import_is_refused(tmp_path, monkeypatch):
     with pytest.raises(TierlmError, match=r"which has changed since"):
         ensure_artifact(ConversionRequest(out, (), "int8"))
 
+
+def test_show_and_plan_state_the_bytes_of_each_carried_type(tmp_path, monkeypatch):
+    """The receipt lists each GGUF type's bytes (`tierlm show`), and the artifact's per-mode bytes
+    (`tierlm plan`) show the Q8_0 tensors carried at the same size."""
+    import gguf
+
+    from tierlm.cache.convert import ConversionRequest, ensure_artifact
+    from tierlm.models import read_config
+    from tierlm.offload.sizes import resolve_auto, sizes_from_artifact, sizes_from_config
+    from tierlm.quant.mixed import mode_bytes
+
+    _, path, out = _import(tmp_path, monkeypatch, tied=False)
+    reader = gguf.GGUFReader(path)
+    by_type = {}
+    for tensor in reader.tensors:
+        by_type[tensor.tensor_type.name] = by_type.get(tensor.tensor_type.name, 0) + int(tensor.n_bytes)
+    assert json.loads((out / RECORD_NAME).read_text())["tensor_type_bytes"] == by_type
+    assert resolve_auto("auto", out) == "mixed-source"  # what `auto` carries a Q8_0 GGUF as
+    artifact = sizes_from_artifact(ensure_artifact(ConversionRequest(out, (), "mixed-source")))
+    predicted = sizes_from_config(read_config(out), "mixed-source", model_dir=out)
+    for sizes in (artifact, predicted):
+        assert dict(mode_bytes(sizes.tensor_modes, sizes.tensor_bytes)) == {"q8_0": by_type["Q8_0"]}
+

@@ -194,6 +194,8 @@ def test_plan_shows_the_mixed_choice_and_suggests_a_size_that_fits(tmp_path):
     assert report["weights_bytes"] <= 4.5 * 2**30
     modes = report["weight_modes"]
     assert sum(modes.values()) == 32 * 4 + 2 and any(m.startswith("int4") for m in modes) and "int8" in modes
+    stored = report["weight_mode_bytes"]  # the 2-D weights: all of the model's bytes but its norms
+    assert set(stored) == set(modes) and 0.99 * report["weights_bytes"] < sum(stored.values()) <= report["weights_bytes"]
     # int8 streams part of the model from disk under 8gb: the plan names the mixed size that would not.
     text = plan("--quant", "int8", "--profile", "8gb")
     assert text.returncode == 0, text.stderr

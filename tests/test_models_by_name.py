@@ -228,6 +228,7 @@ def test_chat_takes_the_model_as_its_first_argument(cache, ggufs, pinned_bandwid
 
 def test_list_is_a_table_with_a_total(cache, ggufs, tmp_path):
     from tests.tiny import make_model
+    from tierlm.profile import format_size
 
     model_dir = embedded.import_gguf_to_cache(ggufs["tiny"])
     artifact = build_int8(model_dir)
@@ -238,15 +239,16 @@ def test_list_is_a_table_with_a_total(cache, ggufs, tmp_path):
     listing = tierlm("list")
     assert listing.returncode == 0, listing.stderr
     lines = listing.stdout.splitlines()
-    assert lines[0].split() == ["NAME", "FAMILY", "PARAMETERS", "SOURCE", "VARIANTS", "SIZE", "LAST", "USED"]
+    assert lines[0].split() == ["NAME", "FAMILY", "PARAMETERS", "SOURCE", "GGUF", "VARIANTS", "SIZE", "LAST", "USED"]
     rows = {line.split()[0]: line for line in lines[1:-1]}
     assert set(rows) == {TINY, "outside-model"}
     tiny_params = catalog.parameter_count(model_dir)
     assert 90_000 < tiny_params < 100_000
-    assert re.search(rf"^{re.escape(TINY)}\s+llama\s+{tiny_params / 1e3:.1f}K\s+gguf Tiny-Chat.Q8_0.gguf\s+int8\s", rows[TINY])
-    assert rows[TINY].endswith("never") and f"dir {outside}" in rows["outside-model"]
+    gguf_size = re.escape(format_size(ggufs["tiny"].stat().st_size))
+    assert re.search(rf"^{re.escape(TINY)}\s+llama\s+{tiny_params / 1e3:.1f}K\s+gguf Tiny-Chat.Q8_0.gguf\s+{gguf_size}\s+int8\s",
+                     rows[TINY])  # fmt: skip
+    assert rows[TINY].endswith("never") and re.search(rf"dir {re.escape(str(outside))}\s+-\s+int8", rows["outside-model"])
     total = sum(sum(f.stat().st_size for f in p.rglob("*") if f.is_file()) for p in (model_dir, artifact, outside_artifact))
-    from tierlm.profile import format_size
 
     assert lines[-1] == f"2 models, 2 variants, {format_size(total)} in {cache}"
 
@@ -261,6 +263,8 @@ def test_list_on_an_empty_cache_says_how_to_add_a_model(cache):
 
 
 def test_show_prints_config_template_artifacts_and_plan(cache, ggufs, pinned_bandwidths):
+    import gguf
+
     model_dir = embedded.import_gguf_to_cache(ggufs["tiny"])
     artifact = build_int8(model_dir)
     shown = tierlm("show", TINY, "--device", "cpu")
@@ -269,6 +273,7 @@ def test_show_prints_config_template_artifacts_and_plan(cache, ggufs, pinned_ban
     for expected in (f"name        {TINY}\n", "family      llama\n", "layers      2\n", "hidden      64 (intermediate 96)\n",
                      "heads       4 query, 2 key/value, head_dim 16\n", f"vocab       {len(byte_level_vocab()[0])}\n",
                      "context     256\n", "template    chat template present:\n  {% for m in messages %}",
+                     f"gguf        F32 x {len(gguf.GGUFReader(ggufs['tiny']).tensors)} (",
                      f"  {TINY}:int8", artifact.name, "plan under the 24gb profile:", "layers.0-1", "decode"):  # fmt: skip
         assert expected in out, expected
     missing = tierlm("show", "nope")

@@ -88,6 +88,7 @@ class ModelRow:
     last_used: float | None
     path: Path
     duplicate_of: str | None = None  # another directory holding the same GGUF content
+    gguf_bytes: int | None = None  # the GGUF file an import reads its weights from
 
 
 # ----------------------------------------------------------------------------- names
@@ -391,10 +392,16 @@ def list_models(entries: list[Entry] | None = None) -> list[ModelRow]:
         result.append(
             ModelRow(
                 parameters=parameter_count(row["path"]), last_used=max(used) if used else None,
+                gguf_bytes=_gguf_bytes(row["path"]),
                 **{**row, "variants": tuple(dict.fromkeys(row["variants"]))},
             )
         )  # fmt: skip
     return sorted(result, key=lambda r: (r.name, str(r.path)))
+
+
+def _gguf_bytes(model_dir: Path) -> int | None:
+    size = (read_import_record(model_dir) or {}).get("source_bytes")
+    return size if isinstance(size, int) and not isinstance(size, bool) else None
 
 
 def parameter_count(model_dir: Path) -> int | None:

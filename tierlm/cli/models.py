@@ -9,7 +9,8 @@ from pathlib import Path
 
 from tierlm.errors import TierlmError
 
-LIST_COLUMNS = ("NAME", "FAMILY", "PARAMETERS", "SOURCE", "VARIANTS", "SIZE", "LAST USED")
+# GGUF: the file an import reads; SIZE: what the model takes in the cache (import and artifacts).
+LIST_COLUMNS = ("NAME", "FAMILY", "PARAMETERS", "SOURCE", "GGUF", "VARIANTS", "SIZE", "LAST USED")
 
 
 def pick_model(positional: str | None, option: str | None) -> str | None:
@@ -51,6 +52,7 @@ def render_list() -> str:
             row.family or "-",
             format_parameters(row.parameters),
             row.source,
+            format_size(row.gguf_bytes) if row.gguf_bytes is not None else "-",
             ", ".join(row.variants) or "-",
             format_size(row.nbytes),
             age(now - row.last_used) if row.last_used is not None else "never",
@@ -267,6 +269,7 @@ def render_show(spec: str, profile_name: str, device: str | None) -> str:
         f"vocab       {config.vocab_size}",
         f"context     {config.max_position_embeddings}",
     ]
+    lines += _gguf_lines(base_dir)
     lines += _template_lines(model_dir)
     lines += _sampling_lines(model_dir)
     variants = [e for e in entries if e.kind == "artifact" and e.base_dir.resolve() == base_dir]
@@ -274,6 +277,22 @@ def render_show(spec: str, profile_name: str, device: str | None) -> str:
     lines += [f"  {e.name:30} {format_size(e.nbytes):>10}  {e.path.name}" for e in variants]
     lines += ["", f"plan under the {profile_name} profile:", plan_text(model_dir, profile_name, device)]
     return "\n".join(line.rstrip() for line in lines)
+
+
+def _gguf_lines(base_dir: Path) -> list[str]:
+    """For a GGUF import: its tensor types, each with its count and bytes, and the file's size."""
+    from tierlm.profile import format_size
+    from tierlm.weights.import_record import read_import_record
+
+    record = read_import_record(base_dir) or {}
+    counts, stored = record.get("tensor_types") or {}, record.get("tensor_type_bytes") or {}
+    if not counts:
+        return []
+    order = sorted(counts, key=lambda kind: (-stored.get(kind, 0), kind))
+    types = ", ".join(f"{kind} x {counts[kind]}" + (f" ({format_size(stored[kind])})" if kind in stored else "")
+                      for kind in order)  # fmt: skip
+    size = record.get("source_bytes")
+    return [f"gguf        {types}" + (f"; a {format_size(size)} file" if isinstance(size, int) else "")]
 
 
 # GenerationDefaults field -> the flag that overrides it, as `tierlm show` names it.

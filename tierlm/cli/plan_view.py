@@ -205,7 +205,9 @@ def describe(placement) -> str:
     lines += _expert_lines(placement)
     lines += _variant_lines(placement)
     if placement.weight_modes:
-        lines.append("weights  " + ", ".join(f"{mode} x {count}" for mode, count in placement.weight_modes))
+        stored = dict(placement.weight_mode_bytes)
+        lines.append("weights  " + ", ".join(f"{mode} x {count}" + (f" ({format_size(stored[mode])})" if mode in stored else "")
+                                             for mode, count in placement.weight_modes))  # fmt: skip
     lines.append("")
     for tier, items in placement.charges.items():
         budget = placement.budgets.get(tier)

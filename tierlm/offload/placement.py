@@ -112,6 +112,7 @@ class Placement:
     variants: tuple[VariantPlacement, ...] = ()  # LoRA variants beside the base, in the order given
     # A mixed mode's choice: (mode, weights in it) most first; empty for a single mode.
     weight_modes: tuple[tuple[str, int], ...] = ()
+    weight_mode_bytes: tuple[tuple[str, int], ...] = ()  # the same modes' stored bytes, same order
     # The largest mixed:SIZE (bytes) that would hold every block on the device; 0: not asked.
     resident_mixed_bytes: int = 0
     # The figures the decode prediction rests on, the binding limit's first, with their sources.
@@ -180,6 +181,7 @@ def placement_to_dict(placement: Placement) -> dict:
         "variants": [{"name": v.name, "mode": v.mode, "nbytes": v.nbytes, "tier": v.tier} for v in placement.variants],
         "weights_bytes": sum(b.nbytes for b in placement.blocks),
         "weight_modes": dict(placement.weight_modes),
+        "weight_mode_bytes": dict(placement.weight_mode_bytes),
         "resident_mixed_bytes": placement.resident_mixed_bytes,
         "decode_sources": [vars(f) for f in placement.decode_sources],
         "context_room": dict(placement.context_room),

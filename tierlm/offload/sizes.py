@@ -100,6 +100,8 @@ class BlockSizes:
     source: str = "config"
     # "block/tensor" -> the concrete mode of each 2-D weight, where a mixed mode chose per weight
     tensor_modes: Mapping[str, str] = field(default_factory=dict)
+    # "block/tensor" -> its stored bytes, for the same weights as `tensor_modes`
+    tensor_bytes: Mapping[str, int] = field(default_factory=dict)
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -177,11 +179,13 @@ def sizes_from_artifact(directory: Path) -> BlockSizes:
     embed = blocks[EMBED].tensors["embed"]
     row_bytes = sum(part.nbytes // part.shape[0] for part in embed.parts.values())
     quant = str(manifest.get("quant", "unknown"))
-    modes = {}
+    modes, stored = {}, {}
     if quant.startswith("mixed"):
-        modes = {f"{name}/{tensor}": record_mode(record) for name, block in blocks.items()
-                 for tensor, record in block.tensors.items() if record.encoding != "plain"}  # fmt: skip
-    return BlockSizes(quant, nbytes, params, aliases, row_bytes, str(directory), modes)
+        quantized = {f"{name}/{tensor}": record for name, block in blocks.items()
+                     for tensor, record in block.tensors.items() if record.encoding != "plain"}  # fmt: skip
+        modes = {key: record_mode(record) for key, record in quantized.items()}
+        stored = {key: sum(part.nbytes for part in record.parts.values()) for key, record in quantized.items()}
+    return BlockSizes(quant, nbytes, params, aliases, row_bytes, str(directory), modes, stored)
 
 
 def _stored_blocks(directory: Path, manifest: Mapping) -> dict[str, BlockRecord]:
@@ -249,7 +253,11 @@ def sizes_from_config(
         params[HEAD] = params[EMBED]
     row_bytes = sum(part // vocab for part in part_bytes((vocab, hidden), modes.get(f"{EMBED}/embed", mode)))
     chosen = {key: m.name for key, m in modes.items()}
-    return BlockSizes(mode.name, nbytes, params, aliases, row_bytes, "config", chosen)
+    stored = {}
+    for key, m in modes.items():
+        block, tensor = key.split("/", 1)
+        stored[key] = sum(part_bytes(blocks[block][tensor], m, tensor))
+    return BlockSizes(mode.name, nbytes, params, aliases, row_bytes, "config", chosen, stored)
 
 
 def predicted_modes(config: ModelConfig, blocks, mode: QuantMode, model_dir: Path | None = None) -> dict[str, QuantMode]:

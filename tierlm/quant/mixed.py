@@ -122,6 +122,14 @@ def mode_counts(choices: Mapping[str, str]) -> tuple[tuple[str, int], ...]:
     return tuple(sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])))
 
 
+def mode_bytes(choices: Mapping[str, str], stored: Mapping[str, int]) -> tuple[tuple[str, int], ...]:
+    """(mode, bytes its weights store) for a per-weight choice, in `mode_counts`' order."""
+    totals: dict[str, int] = {}
+    for key, mode in choices.items():
+        totals[mode] = totals.get(mode, 0) + stored.get(key, 0)
+    return tuple((mode, totals[mode]) for mode, _ in mode_counts(choices))
+
+
 def summary(choices: Mapping[str, str]) -> str:
     """"int4-g128 x 150, int8 x 61": how many weights each mode holds, most first."""
     return ", ".join(f"{mode} x {n}" for mode, n in mode_counts(choices))

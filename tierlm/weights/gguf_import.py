@@ -579,6 +579,14 @@ def _tensor_types(plan: list[PlannedTensor]) -> dict[str, int]:
     return dict(sorted(Counter(sources.values()).items()))
 
 
+def _tensor_type_bytes(plan: list[PlannedTensor]) -> dict[str, int]:
+    """The GGUF bytes each tensor type holds (what `tierlm show` lists beside the counts)."""
+    totals: Counter = Counter()
+    for item in plan:
+        totals[item.source_type] += item.source_bytes
+    return dict(sorted(totals.items()))
+
+
 # ----------------------------------------------------------------------------- assembling the directory
 
 
@@ -654,6 +662,7 @@ def _write_model_dir(gguf_path: Path, out: Path, key: str, progress: Progress | 
             "general_name": meta.get("general.name"),
             "sampling_keys": sampling_keys,  # field -> the GGUF key it came from (`tierlm show` names it)
             "tensor_types": _tensor_types(plan),
+            "tensor_type_bytes": _tensor_type_bytes(plan),
             "tensor_type_of": {item.hf_name: item.tensor.tensor_type.name for item in plan},
         },
     )

@@ -41,7 +41,7 @@ from tierlm.offload.planner.context_room import context_room
 from tierlm.offload.planner.variants import _place_variants
 from tierlm.offload.sizes import PREFILL_CHUNK, BlockSizes, context_tokens, largest_mixed_size, sizes_from_config
 from tierlm.profile import Profile
-from tierlm.quant.mixed import mode_counts
+from tierlm.quant.mixed import mode_bytes, mode_counts
 from tierlm.quant.modes import quant_text
 
 
@@ -200,6 +200,7 @@ def _placement(ctx: _Context, tiers, computes, split: "_Split", charges, variant
         expert_layers=_expert_layers(ctx, split),
         variants=tuple(variants),
         weight_modes=mode_counts(sizes.tensor_modes),
+        weight_mode_bytes=mode_bytes(sizes.tensor_modes, sizes.tensor_bytes),
         decode_sources=figure_sources(ctx, {b: tiers[b] for b in ctx.dense}, decode_terms, decode_limit),
         context_room=context_room(ctx, dict(charges[DEVICE])),
         context_limit=ctx.config.max_position_embeddings,
