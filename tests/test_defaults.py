@@ -188,7 +188,9 @@ def test_auto_keeps_a_quantized_grid_and_gives_floats_int8():
     assert auto_quant({"F32": 61, "Q4_1": 210, "Q8_0": 1}) == "mixed-source"  # 4-bit tensors stay 4-bit
     assert auto_quant({"F32": 10, "Q4_0": 20}) == "mixed-source"
     assert auto_quant({"F32": 10, "Q8_0": 20}) == "mixed-source"  # Q8_0 tensors carried as q8_0
-    assert auto_quant({"F32": 10, "Q5_1": 20}) == "int8-g32-asym"
+    assert auto_quant({"F32": 10, "Q5_1": 20}) == "mixed-source"  # every type it carries exactly
+    assert auto_quant({"F32": 10, "Q4_K": 20, "Q6_K": 5}) == "mixed-source"
+    assert auto_quant({"F32": 10, "IQ2_XXS": 20}) == "int8-g32-asym"  # a grid it does not carry
     assert auto_quant({"F32": 10, "F16": 20}) == "int8"
     assert auto_quant() == "int8"
     assert auto_quant({"Q4_1": 1}, accelerator=True) == "int8"  # the accelerator rule stays
@@ -200,7 +202,7 @@ def test_auto_resolves_from_the_import_record_and_artifacts(tmp_path):
 
     imported = tmp_path / "imported"
     imported.mkdir()
-    (imported / RECORD_NAME).write_text(json.dumps({"format": 2, "tensor_types": {"F32": 3, "Q5_1": 7}}))
+    (imported / RECORD_NAME).write_text(json.dumps({"format": 2, "tensor_types": {"F32": 3, "IQ3_S": 7}}))
     assert resolve_auto("auto", imported) == "int8-g32-asym"
     assert resolve_quant("AUTO", False, imported).group_size == 32
     (imported / RECORD_NAME).write_text(json.dumps({"format": 2, "tensor_types": {"F32": 3, "Q8_0": 7}}))

@@ -26,8 +26,9 @@ from tierlm.quant.int8 import Int8Weight, q8_0_on_source_grid, quantize_int8, qu
 from tierlm.quant.modes import GRID_SOURCE_MODE, MIXED_SOURCE, QuantMode, int4_fits, parse_quant_mode
 
 # Bump when the same inputs would encode to different bytes (2: asym modes carry Q4_0/Q5_x grids
-# exactly; 3: mixed:source carries Q8_0 tensors as q8_0).
-CODEC_VERSION = 3
+# exactly; 3: mixed:source carries Q8_0 tensors as q8_0; 4: mixed:source carries every GGUF
+# type's codes exactly, read from its blocks: tierlm/weights/gguf_carry.py).
+CODEC_VERSION = 4
 
 parse_mode = parse_quant_mode
 

@@ -113,9 +113,11 @@ def convert(request: ConversionRequest, out_dir: Path, key: str, merger=None, pr
         modes = {key: codec.parse_mode(name) for key, name in choice.modes.items()}
         header["mixed"] = {"target_bytes": mode.target_bytes, "sensitivity": choice.sensitivity,
                            "tensor_modes": dict(choice.modes)}  # fmt: skip
+    carried = _carried_reader(model_dir, config) if mode.name == codec.MIXED_SOURCE and merger is None else None
     writer = ArtifactWriter(out_dir)
     try:
-        write_layout(writer, layout, tensor_for, mode, progress(f"converting {name} ({why})", "blocks") if progress else None, modes)
+        write_layout(writer, layout, tensor_for, mode, progress(f"converting {name} ({why})", "blocks") if progress else None, modes,
+                     carried)  # fmt: skip
         writer.finish(header)
     finally:
         writer.close()
@@ -145,6 +147,32 @@ def _sources(model_dir: Path, config: ModelConfig, merger):
         return tensor
 
     return layout, tensor_for
+
+
+def _carried_reader(model_dir: Path, config: ModelConfig):
+    """mixed:source on a GGUF import: (block, name, sources) -> the int8 encoding that holds the
+    GGUF's blocks exactly, read from them (tierlm/weights/gguf_carry.py), or None where the float
+    path carries the weight (int4 for Q4_0/Q4_1, floats, any checkpoint but a GGUF's)."""
+    checkpoint = open_checkpoint(model_dir)
+    read = getattr(checkpoint, "read_carried", None)
+    if read is None:
+        return None
+    shapes = family_description(config).canonical_shapes(config)
+
+    def carried(block: str, name: str, sources: tuple[str, ...]):
+        if codec.keeps_float(name, shapes[name]):
+            return None
+        weight = read(sources)
+        if weight is None:
+            return None
+        if tuple(weight.qweight.shape) != shapes[name]:
+            raise TierlmError(
+                f"weight {block}.{name} has shape {tuple(weight.qweight.shape)}, config.json implies {shapes[name]}",
+                "the checkpoint does not match its config.json",
+            )
+        return "int8", weight.tensors(), {"group_size": weight.group_size}
+
+    return carried
 
 
 def _header(key: str, config: ModelConfig, model_dir: Path, mode, adapters) -> dict:
@@ -249,9 +277,10 @@ def write_variant(out_dir: Path, base_dir: Path, layout, tensor_for, touched: se
 
 
 def write_layout(writer: ArtifactWriter, layout, tensor_for, mode, progress: Progress | None = None,
-                 modes=None) -> None:  # fmt: skip
+                 modes=None, carried=None) -> None:  # fmt: skip
     """Append every block of `layout` to `writer`, one encoded tensor per distinct source tuple.
-    `modes` ("block/tensor" -> QuantMode) overrides `mode` per tensor (a mixed:SIZE choice).
+    `modes` ("block/tensor" -> QuantMode) overrides `mode` per tensor (a mixed:SIZE choice);
+    `carried(block, name, sources)`: a weight's encoding read from its GGUF blocks, or None.
 
     `tensor_for(block, name, sources)` makes the fp32 tensor; entries whose sources were already
     written (a tied head) become aliases. Each tensor is released once encoded, so at most one
@@ -268,7 +297,10 @@ def write_layout(writer: ArtifactWriter, layout, tensor_for, mode, progress: Pro
                 writer.add_alias(name, *written[sources])
                 continue
             chosen = modes.get(f"{block}/{name}", mode) if modes else mode
-            writer.add_tensor(name, *_encode_finite(block, name, tensor_for(block, name, sources), chosen))
+            encoded = carried(block, name, sources) if carried is not None else None
+            if encoded is not None:
+                _check_parts(block, name, encoded[1], chosen)
+            writer.add_tensor(name, *(encoded or _encode_finite(block, name, tensor_for(block, name, sources), chosen)))
             written[sources] = (block, name)
             report(done, len(layout))  # still running: a large block's tensors take a while each
         writer.end_block()
@@ -281,10 +313,14 @@ def _encode_finite(block: str, name: str, tensor, mode):
     what = f"{block}.{name}"
     check_finite(tensor, f"weight {what}", "the source weights are damaged; nothing was cached")
     encoding, parts, meta = codec.encode(tensor, mode, name)
-    for part, data in parts.items():
-        check_finite(data, f"weight {what} stored as {mode.name} ({part})",
-                     f"its values overflow {mode.name}; use a wider quant mode (int8, bf16 or fp32)")
+    _check_parts(block, name, parts, mode)
     return encoding, parts, meta
+
+
+def _check_parts(block: str, name: str, parts, mode) -> None:
+    for part, data in parts.items():
+        check_finite(data, f"weight {block}.{name} stored as {mode.name} ({part})",
+                     f"its values overflow {mode.name}; use a wider quant mode (int8, bf16 or fp32)")
 
 
 def _merger(adapters: Sequence[tuple[Path, float]]):

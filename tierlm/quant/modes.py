@@ -29,6 +29,7 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass
+from types import MappingProxyType
 
 from tierlm.errors import TierlmError
 from tierlm.units import parse_size
@@ -190,9 +191,30 @@ FLOAT_SOURCE_TYPES = frozenset({"F64", "F32", "F16", "BF16"})
 GRID_SOURCE_MODE = "int8-g32-asym"
 # A source with 4-bit tensors (GGUF Q4_0/Q4_1) keeps them at 4 bits, each tensor on its own grid.
 FOUR_BIT_SOURCE_TYPES = frozenset({"Q4_0", "Q4_1"})
-# GGUF types mixed:source carries at their own size (Q8_0 as q8_0); `auto` picks mixed:source
-# for a source holding any of them.
-CARRIED_SOURCE_TYPES = FOUR_BIT_SOURCE_TYPES | {"Q8_0"}
+
+
+@dataclass(frozen=True)
+class Int8Form:
+    """How a GGUF type's values are int8 codes times a scale (plus an offset) per `group`
+    columns, exactly: every product of its fp16 scale, sub-scale and code fits fp32's 24 bits, so
+    q * s (+ o) is bit for bit the `gguf` package's dequantization (tierlm/weights/gguf_carry.py)."""
+
+    group: int
+    asymmetric: bool
+    half_scales: bool  # the scale is the block's own fp16 d (q8_0's form)
+
+
+# GGUF types mixed:source carries exactly as int8 codes (the 4-bit Q4_0/Q4_1 alone stay int4):
+# Q8_0, Q5_0 and IQ4_NL at q8_0's 8.5 bits; the K-quants and IQ4_XS with fp32 scales per
+# sub-block, until their own kernels read the super-block scales as stored.
+INT8_FORMS = MappingProxyType({
+    "Q8_0": Int8Form(32, False, True), "Q5_0": Int8Form(32, False, True), "IQ4_NL": Int8Form(32, False, True),
+    "Q4_0": Int8Form(32, False, True), "Q4_1": Int8Form(32, True, False), "Q5_1": Int8Form(32, True, False),
+    "Q4_K": Int8Form(32, True, False), "Q5_K": Int8Form(32, True, False), "IQ4_XS": Int8Form(32, False, False),
+    "Q6_K": Int8Form(16, False, False), "Q3_K": Int8Form(16, False, False), "Q2_K": Int8Form(16, True, False),
+})  # fmt: skip
+# GGUF types mixed:source carries exactly; `auto` picks mixed:source for a source holding any.
+CARRIED_SOURCE_TYPES = frozenset(INT8_FORMS)
 # Float sources: per-channel int8. In RESULTS.md it is the only int8 mode measured to meet the
 # speed targets (decode 0.76x llama.cpp Q8_0, 2.12x tierlm fp32; int8-g32-asym: 0.50x, 1.40x) and
 # its perplexity cost (+0.42%) is well inside the +1.5% target. int8-g128 halves that cost (+0.20%)
@@ -204,16 +226,31 @@ ACCELERATOR_MODE = "int8"
 
 def source_grid_mode(source_types: Iterable[str]) -> str:
     """mixed:source's mode for a weight made of tensors stored as `source_types` (GGUF type names,
-    "" where unknown): int4-g32 for Q4_0 alone, int4-g32-asym for Q4_0/Q4_1, q8_0 for Q8_0,
-    else int8-g32-asym."""
+    "" where unknown): int4-g32 for Q4_0 alone, int4-g32-asym for Q4_0/Q4_1, for other carried
+    types the int8 form that holds them all exactly (`combined_form`), else int8-g32-asym."""
     kinds = {kind.upper() for kind in source_types}
     if kinds == {"Q4_0"}:
         return "int4-g32"
     if kinds and kinds <= FOUR_BIT_SOURCE_TYPES:
         return "int4-g32-asym"
-    if kinds == {"Q8_0"}:
-        return Q8_0
+    if kinds and kinds <= CARRIED_SOURCE_TYPES:
+        return form_mode(combined_form(kinds))
     return GRID_SOURCE_MODE
+
+
+def combined_form(kinds: Iterable[str]) -> Int8Form:
+    """The int8 form that holds tensors of all these carried types exactly once fused by rows: the
+    finest group, offsets if any has them, fp16 scales only if every one's are its fp16 d."""
+    forms = [INT8_FORMS[kind.upper()] for kind in kinds]
+    return Int8Form(min(f.group for f in forms), any(f.asymmetric for f in forms),
+                    all(f.half_scales and f.group == forms[0].group for f in forms))  # fmt: skip
+
+
+def form_mode(form: Int8Form) -> str:
+    """The concrete mode name an int8 form is stored as (q8_0 for fp16 scales per 32)."""
+    if form.half_scales:
+        return Q8_0
+    return f"int8-g{form.group}{'-asym' if form.asymmetric else ''}"
 
 
 def auto_quant(source_types: Iterable[str] = (), *, accelerator: bool = False) -> str:

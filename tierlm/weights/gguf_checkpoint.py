@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from tierlm.errors import TierlmError
@@ -79,6 +80,30 @@ class GgufCheckpoint:
                 row += item.hf_shape[0]
         check_finite(out, f"GGUF tensor {'+'.join(names)!r} of {self.source}", "the file is corrupt")
         return out
+
+    def read_carried(self, names: tuple[str, ...]):
+        """The tensors `names` fused by rows as an Int8Weight holding their GGUF codes, scales and
+        offsets exactly (tierlm/weights/gguf_carry.py), or None where mixed:source carries them
+        otherwise: a type outside INT8_FORMS, or only Q4_0/Q4_1 (kept at 4 bits as int4)."""
+        from tierlm.quant.int8 import Int8Weight
+        from tierlm.quant.modes import CARRIED_SOURCE_TYPES, FOUR_BIT_SOURCE_TYPES, combined_form
+        from tierlm.weights.gguf_carry import as_form, carry_rows
+        from tierlm.weights.gguf_tensors import read_raw, unpermute_rope_rows
+
+        items = [self._item(n) for n in names]
+        kinds = {item.source_type for item in items}
+        if not kinds <= CARRIED_SOURCE_TYPES or kinds <= FOUR_BIT_SOURCE_TYPES or len(items[0].hf_shape) != 2:
+            return None
+        form = combined_form(kinds)
+        pieces = []
+        for item in items:
+            rows = as_form(carry_rows(item.source_type, read_raw(item, self.source), item.hf_shape[1]), form)
+            parts = [rows.codes, rows.scales] + ([rows.offsets] if rows.offsets is not None else [])
+            if item.unpermute_heads:  # rows move whole: codes, scales and offsets alike
+                parts = [unpermute_rope_rows(p, item.unpermute_heads) for p in parts]
+            pieces.append(parts)
+        fused = [torch.from_numpy(np.ascontiguousarray(np.concatenate(column))) for column in zip(*pieces)]
+        return Int8Weight(fused[0], fused[1], form.group, offsets=fused[2] if form.asymmetric else None)
 
     def parameters(self) -> int:
         return sum(math.prod(item.hf_shape) for item in self._planned.values())

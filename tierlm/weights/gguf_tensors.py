@@ -65,8 +65,7 @@ def read_tensor(item: PlannedTensor, path: Path) -> np.ndarray:
     The tensor's bytes are read with plain reads (no mapping of the file stays resident) and
     dequantized by the `gguf` package, the reference transformers' GGUF loader uses too.
     """
-    start, end = item.byte_range
-    raw = _read_bytes(path, start, end)
+    raw = read_raw(item, path).reshape(-1)
     kind = item.tensor.tensor_type
     try:
         if item.source_type == "F32":
@@ -85,6 +84,12 @@ def read_tensor(item: PlannedTensor, path: Path) -> np.ndarray:
     if item.unpermute_heads:
         array = np.ascontiguousarray(unpermute_rope_rows(array, item.unpermute_heads))
     return array
+
+
+def read_raw(item: PlannedTensor, path: Path) -> np.ndarray:
+    """`item`'s bytes as stored, uint8 [rows, bytes per row] (rows: every dimension but the last)."""
+    start, end = item.byte_range
+    return _read_bytes(path, start, end).reshape(-1, row_bytes(item))
 
 
 def row_bytes(item: PlannedTensor) -> int:

@@ -1,0 +1,178 @@
+"""mixed:source carries every GGUF quantized type exactly: codes, scales and offsets read from the
+blocks (tierlm/weights/gguf_carry.py), so the artifact dequantizes bit for bit to what the `gguf`
+package gives, and a model's logits are those of transformers' GGUF loader.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from tests.test_gguf_import import byte_level_vocab, gguf_name, gguf_writer
+from tierlm.quant.int8 import Int8Weight
+from tierlm.quant.modes import INT8_FORMS, combined_form, form_mode, source_grid_mode
+from tierlm.weights.gguf_carry import as_form, carry_rows
+from tierlm.weights.gguf_tensors import SCALE_FIELDS
+
+KINDS = sorted(INT8_FORMS)
+
+
+def random_blocks(kind: str, rows: int, cols: int, rng, *, spread: float | None = None) -> np.ndarray:
+    """Random blocks of GGUF type `kind`, uint8 [rows, row bytes]: every byte random but the fp16
+    scale fields, which are finite; `spread`: their d and dmin scaled so the values' standard
+    deviation is about that."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    qtype = getattr(GGMLQuantizationType, kind)
+    block, size = GGML_QUANT_SIZES[qtype]
+    raw = rng.integers(0, 256, size=(rows, cols // block * size), dtype=np.uint8)
+    blocks = raw.reshape(-1, size)
+    fields = SCALE_FIELDS[kind]
+    for offset in fields:
+        blocks[:, offset : offset + 2] = rng.uniform(-2, 2, size=(len(blocks), 1)).astype(np.float16).view(np.uint8)
+    if spread is not None:
+        factor = spread / float(dequantize(raw, qtype).std())
+        for offset in fields:
+            scaled = blocks[:, offset : offset + 2].copy().view(np.float16).astype(np.float32) * factor
+            blocks[:, offset : offset + 2] = scaled.astype(np.float16).view(np.uint8)
+    return raw
+
+
+def dequantized_by_tierlm(rows) -> np.ndarray:
+    offsets = None if rows.offsets is None else torch.from_numpy(rows.offsets)
+    weight = Int8Weight(torch.from_numpy(rows.codes), torch.from_numpy(rows.scales), rows.form.group, offsets=offsets)
+    return weight.dequantize().numpy()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_each_type_is_carried_bit_for_bit(kind):
+    """Random blocks, plus edge blocks: zero scales, the largest fp16 scales with the largest
+    sub-scales and codes (products at the edge of fp32's exact range), all-equal bytes."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    qtype = getattr(GGMLQuantizationType, kind)
+    rng = np.random.default_rng(3)
+    cols = 512
+    raw = random_blocks(kind, 8, cols, rng)
+    size = GGML_QUANT_SIZES[qtype][1]
+    edge = raw[:4].reshape(-1, size)
+    for offset in SCALE_FIELDS[kind]:
+        edge[0::3, offset : offset + 2] = np.zeros(1, dtype=np.float16).view(np.uint8)  # zero scales
+        edge[1::3, offset : offset + 2] = np.array([65504.0], dtype=np.float16).view(np.uint8)  # largest
+        edge[2::3, offset : offset + 2] = np.array([-6.1e-5], dtype=np.float16).view(np.uint8)  # tiny, negative
+    fields = {o + i for o in SCALE_FIELDS[kind] for i in (0, 1)}
+    codes = [i for i in range(size) if i not in fields]
+    edge[1::3][:, codes] = 0xFF  # every sub-scale and code at its largest
+    edge[2::3][:, codes] = 0x00
+    with np.errstate(over="ignore", invalid="ignore"):
+        expected = dequantize(raw, qtype).reshape(8, cols)
+    carried = carry_rows(kind, raw, cols)
+    assert carried.form == INT8_FORMS[kind] and carried.codes.dtype == np.int8
+    got = dequantized_by_tierlm(carried)
+    finite = np.isfinite(expected)
+    assert finite[4:].all()
+    np.testing.assert_array_equal(got[finite], expected[finite])
+    assert not np.isfinite(got[~finite]).any()  # 65504 x the largest sub-scale overflows alike
+
+
+def test_fused_types_share_the_finest_exact_form():
+    """Q4_K rows fused with Q6_K and Q8_0 rows (as a wqkv whose v is Q6_K): one int8-g16-asym form
+    holds them all exactly."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    rng = np.random.default_rng(4)
+    kinds = ["Q4_K", "Q6_K", "Q8_0"]
+    form = combined_form(kinds)
+    assert form_mode(form) == source_grid_mode(kinds) == "int8-g16-asym"
+    assert source_grid_mode(["Q8_0", "Q5_0", "Q4_0"]) == "q8_0"  # all fp16 d per 32
+    pieces, expected = [], []
+    for kind in kinds:
+        raw = random_blocks(kind, 4, 256, rng)
+        pieces.append(as_form(carry_rows(kind, raw, 256), form))
+        expected.append(dequantize(raw, getattr(GGMLQuantizationType, kind)).reshape(4, 256))
+    fused = type(pieces[0])(*(np.concatenate(parts) for parts in zip(*[(p.codes, p.scales, p.offsets) for p in pieces])),
+                            form)  # fmt: skip
+    np.testing.assert_array_equal(dequantized_by_tierlm(fused), np.concatenate(expected))
+
+
+def write_quantized_gguf(path, kinds_of, rng):
+    """A Llama-shaped GGUF (hidden 256, so K-quants' 256-value blocks fit every row) whose 2-D
+    tensors are random blocks of the type `kinds_of(gguf name)`; norms F32."""
+    import transformers
+    from gguf import GGMLQuantizationType
+
+    tokens, types, merges = byte_level_vocab()
+    config = transformers.LlamaConfig(vocab_size=len(tokens), hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                                      max_position_embeddings=256, rms_norm_eps=1e-6, tie_word_embeddings=False)  # fmt: skip
+    writer = gguf_writer(path, "llama", config, "tiny quantized")
+    writer.add_rope_dimension_count(64)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("smollm")
+    writer.add_token_list(tokens)
+    writer.add_token_types(types)
+    writer.add_token_merges(merges)
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    model = transformers.LlamaForCausalLM(config)
+    for name, tensor in model.state_dict().items():
+        if tensor.dim() == 1:
+            writer.add_tensor(gguf_name(name), (1.0 + 0.1 * rng.standard_normal(tensor.shape)).astype(np.float32))
+            continue
+        kind = kinds_of(gguf_name(name))
+        rows, cols = tensor.shape
+        raw = random_blocks(kind, rows, cols, rng, spread=0.05)
+        writer.add_tensor(gguf_name(name), raw, raw_dtype=getattr(GGMLQuantizationType, kind))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+@pytest.mark.parametrize("mix", ["Q4_K_M-like", *KINDS])
+def test_quantized_gguf_logits_are_transformers_gguf_loaders(tmp_path, monkeypatch, mix):
+    """Under `auto` every weight is carried in its type's exact form (Q4_K_M-like: Q4_K with Q6_K
+    for ffn_down, attn_v and the head, as llama.cpp mixes them), and the logits equal those of
+    transformers' GGUF loader, which dequantizes with the `gguf` package."""
+    import transformers
+
+    from tierlm.cache.artifact import Artifact
+    from tierlm.cache.encodings import record_mode
+    from tierlm.runtime.loader import load_model
+    from tierlm.weights.gguf_import import import_gguf
+
+    def kinds_of(name: str) -> str:
+        if mix != "Q4_K_M-like":
+            return mix
+        return "Q6_K" if name.startswith(("output", )) or "ffn_down" in name or "attn_v" in name else "Q4_K"
+
+    path = tmp_path / "tiny.gguf"
+    write_quantized_gguf(path, kinds_of, np.random.default_rng(5))
+    out = import_gguf(path, tmp_path / "out")
+    monkeypatch.setenv("TIERLM_CACHE", str(tmp_path / "cache"))
+    loaded = load_model(out, device="cpu", dtype=torch.float32, quant="auto")
+    artifact = Artifact.open(loaded.artifact_dir)
+    assert artifact.manifest["quant"] == "mixed-source"
+    modes = {f"{b}/{t}": record_mode(r) for b, block in artifact.blocks.items() for t, r in block.tensors.items()
+             if r.encoding != "plain"}  # fmt: skip
+    if mix == "Q4_K_M-like":
+        assert modes["layers.0/w13"] == "int8-g32-asym" and modes["layers.0/w2"] == "int8-g16"
+        assert modes["layers.0/wqkv"] == "int8-g16-asym" and modes["head/head"] == "int8-g16"
+    else:
+        expected = "int4-g32" if mix == "Q4_0" else "int4-g32-asym" if mix == "Q4_1" else source_grid_mode([mix])
+        assert set(modes.values()) == {expected}
+    artifact.close()
+
+    reference = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=path.name,
+                                                                  dtype=torch.float32).eval()  # fmt: skip
+    prompt = torch.tensor([[1, 70, 80, 90, 259, 260, 5, 44, 45, 46, 100, 3]])
+    with torch.no_grad():
+        expected_logits = reference(prompt).logits
+    got = loaded.model.forward(prompt, loaded.new_cache(), logits="all")
+    loaded.close()
+    torch.testing.assert_close(got, expected_logits, rtol=0, atol=1e-4)
+    assert torch.equal(got.argmax(-1), expected_logits.argmax(-1))
