@@ -160,11 +160,18 @@ def test_quantized_gguf_logits_are_transformers_gguf_loaders(tmp_path, monkeypat
     modes = {f"{b}/{t}": record_mode(r) for b, block in artifact.blocks.items() for t, r in block.tensors.items()
              if r.encoding != "plain"}  # fmt: skip
     if mix == "Q4_K_M-like":
-        assert modes["layers.0/w13"] == "int8-g32-asym" and modes["layers.0/w2"] == "int8-g16"
+        assert modes["layers.0/w13"] == modes["layers.0/wo"] == "q4_k" and modes["layers.0/w2"] == "int8-g16"
         assert modes["layers.0/wqkv"] == "int8-g16-asym" and modes["head/head"] == "int8-g16"
     else:
         expected = "int4-g32" if mix == "Q4_0" else "int4-g32-asym" if mix == "Q4_1" else source_grid_mode([mix])
         assert set(modes.values()) == {expected}
+    if mix in ("Q4_K", "Q8_0", "Q4_0", "Q4_1"):  # carried at their own size: within 3 % of the file's bytes
+        import gguf
+
+        quantized = sum(int(t.n_bytes) for t in gguf.GGUFReader(path).tensors if t.tensor_type.name == mix)
+        stored = sum(int(np.prod(p.shape)) * np.dtype(p.dtype).itemsize for block in artifact.blocks.values()
+                     for r in block.tensors.values() if r.encoding != "plain" for p in r.parts.values())  # fmt: skip
+        assert quantized <= stored <= 1.03 * quantized, (stored, quantized)
     artifact.close()
 
     reference = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=path.name,
@@ -176,3 +183,58 @@ def test_quantized_gguf_logits_are_transformers_gguf_loaders(tmp_path, monkeypat
     loaded.close()
     torch.testing.assert_close(got, expected_logits, rtol=0, atol=1e-4)
     assert torch.equal(got.argmax(-1), expected_logits.argmax(-1))
+
+
+def test_q4_k_decodes_in_the_fused_step_as_eagerly(tmp_path, monkeypatch):
+    """A decode step over Q4_K weights runs natively (the fused step reads the super-blocks as
+    stored) and gives the eager path's logits."""
+    from tierlm.models import fused_decode
+    from tierlm.runtime.loader import load_model
+    from tierlm.weights.gguf_import import import_gguf
+
+    path = tmp_path / "tiny.gguf"
+    write_quantized_gguf(path, lambda name: "Q4_K", np.random.default_rng(6))
+    monkeypatch.setenv("TIERLM_CACHE", str(tmp_path / "cache"))
+    kinds = []
+    words = fused_decode._weight_words
+    monkeypatch.setattr(fused_decode, "_weight_words", lambda *a: kinds.append((w := words(*a)) and w[7]) or w)
+    steps = {}
+    for fused in ("1", "0"):
+        monkeypatch.setenv("TIERLM_FUSED", fused)
+        loaded = load_model(import_gguf(path, tmp_path / "out"), device="cpu", dtype=torch.float32, quant="auto")
+        cache = loaded.new_cache()
+        loaded.model.forward(torch.tensor([[1, 70, 80, 90]]), cache)
+        steps[fused] = loaded.model.forward(torch.tensor([[259]]), cache)
+        loaded.close()
+    assert fused_decode.KIND_INT4K in kinds
+    torch.testing.assert_close(steps["1"], steps["0"], rtol=0, atol=1e-4)
+
+
+@pytest.mark.parametrize("rows", [1, 7, 37])
+def test_q4_k_kernels_on_each_isa_path(native_build, rows):
+    """The Q4_K kernels built for AVX2 and for portable vectors (the default build, AVX-512 where
+    the CPU has it, runs everywhere else): dequantization exactly gguf's, products within fp32
+    summation error of it, for 1-5 activation rows and row counts that leave partial tiles."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    from tierlm.quant.q4k import from_gguf_blocks
+
+    cols = 768
+    raw = random_blocks("Q4_K", rows, cols, np.random.default_rng(rows))
+    expected = dequantize(raw, GGMLQuantizationType.Q4_K).reshape(rows, cols)
+    weight = from_gguf_blocks(torch.from_numpy(raw))
+    np.testing.assert_array_equal(weight.dequantize().numpy(), expected)
+    out = torch.empty(rows, cols)
+    np.testing.assert_array_equal(native_build.dequantize4k_into(weight.packed, weight.superblocks, out).numpy(),
+                                  expected)  # fmt: skip
+    reference = torch.from_numpy(expected).double()
+    for m in range(1, 6):
+        x = torch.randn(m, cols, generator=torch.Generator().manual_seed(m))
+        bias = torch.randn(rows)
+        got = native_build.matmul4k(x, weight.packed, weight.superblocks, bias)
+        want = x.double() @ reference.T + bias.double()
+        scale = (x.double().abs() @ reference.abs().T).max()
+        assert float((got.double() - want).abs().max()) <= 1e-5 * float(scale)
+    with pytest.raises(ValueError, match="multiple of 256"):
+        native_build.matmul4k(torch.randn(1, 32), weight.packed[:, :16], weight.superblocks[:, :0])

@@ -23,11 +23,12 @@ from tierlm.cache.encodings import (  # noqa: F401
 )
 from tierlm.quant.int4 import Int4Weight, int4_on_source_grid, quantize_int4
 from tierlm.quant.int8 import Int8Weight, q8_0_on_source_grid, quantize_int8, quantize_q8_0
+from tierlm.quant.q4k import Q4KWeight
 from tierlm.quant.modes import GRID_SOURCE_MODE, MIXED_SOURCE, QuantMode, int4_fits, parse_quant_mode
 
 # Bump when the same inputs would encode to different bytes (2: asym modes carry Q4_0/Q5_x grids
 # exactly; 3: mixed:source carries Q8_0 tensors as q8_0; 4: mixed:source carries every GGUF
-# type's codes exactly, read from its blocks: tierlm/weights/gguf_carry.py).
+# type's codes exactly, read from its blocks: tierlm/weights/gguf_carry.py, Q4_K as q4_k).
 CODEC_VERSION = 4
 
 parse_mode = parse_quant_mode
@@ -42,6 +43,8 @@ def encode(tensor, mode: QuantMode, name: str | None = None) -> tuple[str, dict[
         return _encode_on_source_grid(tensor)
     if mode.mixed:
         raise ValueError(f"{mode.name} is chosen per tensor: encode each with its concrete mode")
+    if mode.super_blocks:
+        raise ValueError(f"{mode.name} is carried from a GGUF's blocks (encode_carried), not quantized from floats")
     if mode.weight_dtype == "int4":
         if int4_fits(tuple(tensor.shape)):
             weight = quantize_int4(tensor, mode.group_size, asymmetric=mode.asymmetric)
@@ -53,6 +56,13 @@ def encode(tensor, mode: QuantMode, name: str | None = None) -> tuple[str, dict[
         weight = quantize_int8(tensor, mode.group_size, asymmetric=mode.asymmetric)
         return "int8", weight.tensors(), {"group_size": mode.group_size}
     return "plain", {"data": tensor.to(getattr(torch, mode.weight_dtype))}, {}
+
+
+def encode_carried(weight) -> tuple[str, dict[str, Any], dict[str, Any]]:
+    """A weight read from a GGUF's blocks (GgufCheckpoint.read_carried) as `encode` returns it."""
+    if isinstance(weight, Q4KWeight):
+        return "q4k", weight.tensors(), {}
+    return "int8", weight.tensors(), {"group_size": weight.group_size}
 
 
 def _encode_on_source_grid(tensor):
@@ -80,6 +90,9 @@ def decode(record, parts: Mapping[str, Any], *, device="cpu", dtype=None):
         return weight if torch.device(device).type == "cpu" else weight.to(device)
     if record.encoding == "int4":
         weight = Int4Weight.from_tensors(parts, record.meta["group_size"], dtype=dtype)
+        return weight if torch.device(device).type == "cpu" else weight.to(device)
+    if record.encoding == "q4k":
+        weight = Q4KWeight.from_tensors(parts, dtype=dtype)
         return weight if torch.device(device).type == "cpu" else weight.to(device)
     if record.encoding == "plain":
         return parts["data"].to(device=device, dtype=dtype)

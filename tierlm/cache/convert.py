@@ -165,12 +165,12 @@ def _carried_reader(model_dir: Path, config: ModelConfig):
         weight = read(sources)
         if weight is None:
             return None
-        if tuple(weight.qweight.shape) != shapes[name]:
+        if tuple(weight.shape) != shapes[name]:
             raise TierlmError(
-                f"weight {block}.{name} has shape {tuple(weight.qweight.shape)}, config.json implies {shapes[name]}",
+                f"weight {block}.{name} has shape {tuple(weight.shape)}, config.json implies {shapes[name]}",
                 "the checkpoint does not match its config.json",
             )
-        return "int8", weight.tensors(), {"group_size": weight.group_size}
+        return codec.encode_carried(weight)
 
     return carried
 

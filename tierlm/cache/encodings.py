@@ -10,12 +10,14 @@ validated with these rules alone; tierlm/cache/codec.py encodes and decodes the 
 
 from __future__ import annotations
 
-from tierlm.quant.modes import Q8_0, Q8_0_GROUP, QuantMode, int4_fits, parse_quant_mode
+from tierlm.quant.modes import Q4_K, Q8_0, Q8_0_GROUP, QuantMode, int4_fits, parse_quant_mode
 
 FLOAT_DTYPES = ("float32", "float16", "bfloat16")
 # encoding -> (parts it must have, parts it may have)
 ENCODINGS = {"plain": ({"data"}, set()), "int8": ({"qweight", "scales"}, {"offsets"}),
-             "int4": ({"packed", "scales"}, {"offsets"})}  # fmt: skip
+             "int4": ({"packed", "scales"}, {"offsets"}), "q4k": ({"packed", "superblocks"}, set())}  # fmt: skip
+# q4k (GGUF Q4_K, tierlm/quant/q4k.py): per 256 columns fp16 d and dmin, 8 sub-scales, 8 sub-mins.
+SUPER_COLUMNS, SUPER_BYTES = 256, 20
 
 # Canonical names of 2-D weights kept in fp32 under every mode: an MoE router's near-tied logits
 # choose experts, and an error that flips one changes the token (llama.cpp keeps ffn_gate_inp in F32).
@@ -41,6 +43,8 @@ def part_bytes(shape: tuple[int, ...], mode: QuantMode, name: str | None = None)
     if mode.mixed:
         raise ValueError(f"{mode.name} is chosen per tensor: size each with its concrete mode")
     out_features, in_features = shape
+    if mode.super_blocks:
+        return [elements // 2, out_features * (in_features // SUPER_COLUMNS) * SUPER_BYTES]
     if mode.weight_dtype == "int4":
         if int4_fits(shape):
             groups = -(-in_features // mode.group_size)
@@ -62,6 +66,8 @@ def record_mode(record) -> str:
     """The concrete quant mode a quantized record was stored in ("int4-g32-asym", "int8", ...)."""
     group = record.meta.get("group_size")
     asym = "-asym" if "offsets" in record.parts else ""
+    if record.encoding == "q4k":
+        return Q4_K
     if record.encoding == "int8" and group == Q8_0_GROUP and not asym and record.parts["scales"].dtype == "float16":
         return Q8_0  # int8-g32 with fp16 scales
     if record.encoding in ("int4", "int8"):
@@ -71,7 +77,7 @@ def record_mode(record) -> str:
 
 def logical_shape(record) -> tuple[int, ...]:
     """The [out, in] (or 1-D) shape a record decodes to, whatever its encoding packs."""
-    if record.encoding == "int4":
+    if record.encoding in ("int4", "q4k"):
         rows, half = record.parts["packed"].shape
         return rows, 2 * half
     return tuple(record.parts["qweight" if record.encoding == "int8" else "data"].shape)
@@ -93,7 +99,20 @@ def check_record(record, shape: tuple[int, ...] | None = None) -> str | None:
         return _shape_problem(data.shape, shape)
     if record.encoding == "int4":
         return _int4_problem(record, shape)
+    if record.encoding == "q4k":
+        return _q4k_problem(record, shape)
     return _int8_problem(record, shape)
+
+
+def _q4k_problem(record, shape) -> str | None:
+    packed, blocks = record.parts["packed"], record.parts["superblocks"]
+    if packed.dtype != "uint8" or len(packed.shape) != 2 or (2 * packed.shape[1]) % SUPER_COLUMNS:
+        return f"packed is {packed.dtype}{list(packed.shape)}, expected 2-D uint8 of whole 256-column blocks"
+    rows, columns = packed.shape[0], 2 * packed.shape[1]
+    want = (rows, columns // SUPER_COLUMNS * SUPER_BYTES)
+    if blocks.dtype != "uint8" or tuple(blocks.shape) != want:
+        return f"superblocks are {blocks.dtype}{list(blocks.shape)}, expected uint8 {list(want)}"
+    return _shape_problem((rows, columns), shape)
 
 
 def _int8_problem(record, shape) -> str | None:

@@ -6,7 +6,8 @@ of kv/formats.py's formats (read as stored: csrc/kv_formats.h; a paged cache thr
 page table), and the native library loaded
 (csrc/fused_decode.h). Then each layer whose weights are INT8
 (`Int8Weight`, any group size, symmetric or not), INT4 (`Int4Weight`: packed nibbles with fp16
-scales, symmetric or not, read as stored) or fp32 tensors on the CPU, in any mix, runs as
+scales, symmetric or not, read as stored), GGUF Q4_K (`Q4KWeight`: the nibbles with super-block
+scales, read as stored) or fp32 tensors on the CPU, in any mix, runs as
 `tierlm_decode_layer`: RMSNorm, QKV (+ bias), Qwen3's q/k head norms (when the block has
 `q_norm`/`k_norm`), RoPE from the model's `RotaryTable` (rotate-half or interleaved, partial
 rotary_dim), the K/V write at each row's slot and position, single-query grouped attention
@@ -34,14 +35,15 @@ _c_ptr, _c_i64, _c_i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32
 
 
 # tl::WeightKind (csrc/gemv.h): what a weight's data holds.
-KIND_FP32, KIND_INT8, KIND_INT4 = 0, 1, 4
+KIND_FP32, KIND_INT8, KIND_INT4, KIND_INT4K = 0, 1, 4, 5
 # tl::KVType (csrc/kv_formats.h): how the KV cache holds keys and values.
 KV_TYPES = {"f32": 0, "f16": 1, "bf16": 2, "q8_0": 3, "q4_0": 4}
 
 
 class WeightArg(ctypes.Structure):
     """tl::Weight (csrc/gemv.h): `kind` is KIND_FP32, KIND_INT8 (fp32 scales, or fp16 with
-    `half` = 1) or KIND_INT4 (packed nibbles, `half` = 1: fp16 scales and offsets)."""
+    `half` = 1), KIND_INT4 (packed nibbles, `half` = 1: fp16 scales and offsets) or KIND_INT4K
+    (the same nibbles, `scales` the GGUF Q4_K super-blocks of quant/q4k.py, `half` = 0)."""
 
     _fields_ = [("data", _c_ptr), ("scales", _c_ptr), ("offsets", _c_ptr), ("bias", _c_ptr),
                 ("rows", _c_i64), ("cols", _c_i64), ("group", _c_i64), ("kind", _c_i32),
@@ -217,6 +219,12 @@ def _weight_words(weight, bias, shape: tuple[int, int], keep: list) -> tuple | N
         if not _is_cpu_fp32(weight):
             return None
         return weight.data_ptr(), 0, 0, bias_ptr, rows, cols, cols, KIND_FP32, 0
+    superblocks = getattr(weight, "superblocks", None)
+    if superblocks is not None:  # GGUF Q4_K (quant/q4k.py): super-block scales read as stored
+        packed = weight.packed
+        if not (packed.is_cpu and superblocks.is_cpu and packed.is_contiguous() and superblocks.is_contiguous()):
+            return None
+        return packed.data_ptr(), superblocks.data_ptr(), 0, bias_ptr, rows, cols, 32, KIND_INT4K, 0
     if getattr(weight, "packed", None) is not None:
         return _int4_words(weight, bias_ptr, rows, cols)
     qweight = getattr(weight, "qweight", None)

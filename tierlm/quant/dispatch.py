@@ -76,7 +76,11 @@ class KernelChoice:
         if bias is not None and not bias.is_contiguous():
             bias = bias.contiguous()
         kernel = self.gemv if rows.shape[0] <= self.crossover else self.gemm
-        if hasattr(weight, "packed"):  # Int4Weight: packed nibbles, fp16 scales
+        if hasattr(weight, "superblocks"):  # Q4KWeight: nibbles, GGUF Q4_K super-block scales
+            if not hasattr(kernel, "matmul4k"):
+                kernel = self.gemm
+            out = kernel.matmul4k(rows, weight.packed, weight.superblocks, bias)
+        elif hasattr(weight, "packed"):  # Int4Weight: packed nibbles, fp16 scales
             if not hasattr(kernel, "matmul4"):
                 kernel = self.gemm  # a GEMV kernel without an int4 path: dequantize + GEMM
             out = kernel.matmul4(rows, weight.packed, weight.scales, weight.offsets, weight.group_size, bias)
@@ -150,7 +154,8 @@ def calibrate(
     # than torch ops.
     native = next((k for k in loaded if hasattr(k, "dequantize_into")), None)
     blas = (BlasKernel(native.dequantize_into, name="native-dequant+blas",
-                       dequantize4=getattr(native, "dequantize4_into", None)) if native else BlasKernel())  # fmt: skip
+                       dequantize4=getattr(native, "dequantize4_into", None),
+                       dequantize4k=getattr(native, "dequantize4k_into", None)) if native else BlasKernel())  # fmt: skip
 
     out_features, in_features = shape
     gen = torch.Generator().manual_seed(0)

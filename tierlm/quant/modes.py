@@ -14,7 +14,10 @@
     mixed:SIZE    int8 or int4 chosen per tensor so the weights fit SIZE (e.g. mixed:5.2GiB), the
                   most sensitive tensors kept at 8 bits (tierlm/quant/mixed.py)
     mixed:source  each tensor on the smallest grid that holds its source exactly: a GGUF Q4_0
-                  tensor int4-g32, Q4_1 int4-g32-asym, Q8_0 q8_0, anything else int8-g32-asym
+                  tensor int4-g32, Q4_1 int4-g32-asym, Q4_K q4_k, Q8_0 q8_0, the other types
+                  in an int8 form (INT8_FORMS), a float or unknown grid int8-g32-asym
+    q4_k          GGUF's Q4_K as stored (tierlm/quant/q4k.py), 4.625 bits a weight: carried
+                  from Q4_K tensors only, never quantized from floats
     fp16 / bf16 / fp32   no quantization: weights stored in that float dtype
     none          the checkpoint's weights as stored, in the compute dtype (`concrete_mode`)
     auto          a concrete mode chosen per model and device by `auto_quant` (the profiles'
@@ -42,6 +45,7 @@ MODE_NAMES = (AUTO, "int8", "int8-g128", "q8_0", "int8-g32-asym", "int4-g32", "i
 # Canonical names use "-" (artifact names are BASE:QUANT); "mixed:" is how users write them.
 MIXED_SOURCE = "mixed-source"
 Q8_0, Q8_0_GROUP = "q8_0", 32  # GGUF's Q8_0: int8 and an fp16 scale per 32 columns
+Q4_K = "q4_k"  # GGUF's Q4_K: nibbles and per 256 columns fp16 d, dmin and 6-bit sub-scales
 
 _FLOATS = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
 _INT8 = re.compile(r"int8(?:-g(\d+))?(-asym)?")
@@ -58,7 +62,7 @@ class QuantMode:
 
     `group_size` is None for per-channel int8, for float and mixed modes; `asymmetric` adds
     offsets; `target_bytes` is a mixed mode's size target (None: mixed:source); `half_scales`:
-    int8 with fp16 scales (q8_0), else fp32.
+    int8 with fp16 scales (q8_0), else fp32; `super_blocks`: GGUF Q4_K's layout (q4_k).
     """
 
     name: str
@@ -67,6 +71,7 @@ class QuantMode:
     asymmetric: bool = False
     target_bytes: int | None = None
     half_scales: bool = False
+    super_blocks: bool = False
 
     @property
     def quantized(self) -> bool:
@@ -90,6 +95,8 @@ def parse_quant_mode(name: str) -> QuantMode:
         return QuantMode(text, _FLOATS[text])
     if text == Q8_0:
         return QuantMode(Q8_0, "int8", Q8_0_GROUP, half_scales=True)
+    if text == Q4_K:
+        return QuantMode(Q4_K, "int4", 32, asymmetric=True, super_blocks=True)
     if text.startswith(("mixed:", "mixed-")):
         return _mixed_mode(name, text)
     int4 = _INT4.fullmatch(text)
@@ -169,7 +176,12 @@ def check_mode_name(name: str) -> str:
     concrete mode: lower-cased, a mixed size in bytes)."""
     text = name.strip().lower()
     if text not in (AUTO, AS_STORED):
-        return parse_quant_mode(text).name
+        mode = parse_quant_mode(text)
+        if mode.super_blocks:
+            raise TierlmError(f"{Q4_K} holds a GGUF's Q4_K tensors as they are; it does not quantize other weights",
+                              "use auto (mixed:source) on a GGUF with Q4_K tensors, or int4-g32-asym to "
+                              "quantize to 4 bits")  # fmt: skip
+        return mode.name
     return text
 
 
@@ -233,6 +245,8 @@ def source_grid_mode(source_types: Iterable[str]) -> str:
         return "int4-g32"
     if kinds and kinds <= FOUR_BIT_SOURCE_TYPES:
         return "int4-g32-asym"
+    if kinds == {"Q4_K"}:
+        return Q4_K
     if kinds and kinds <= CARRIED_SOURCE_TYPES:
         return form_mode(combined_form(kinds))
     return GRID_SOURCE_MODE

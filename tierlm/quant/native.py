@@ -16,6 +16,9 @@ and wraps its entry points:
   once, and o multiplies x summed over the group. Only the packed bytes (half of int8's) cross
   the memory bus and accumulation is fp32: W4A16.
 - `dequantize4_into`: fp32 rows of an INT4 weight, exactly `int4.dequantize4`'s values.
+- `matmul4k`, `dequantize4k_into`: the same for GGUF Q4_K weights as tierlm/quant/q4k.py holds
+  them (the nibbles packed as INT4's, per 256 columns fp16 d and dmin with 8 sub-scales and
+  mins): each tile's per-group scales d * sc and offsets -dmin * m are formed as it is read.
 - `decode_layer`: a whole decoder layer's decode step (tierlm/models/fused_decode.py); its
   weights may be fp32, INT8 or INT4, its KV cache any of kv/formats.py's formats;
   `decode_attention`: its attention half alone (a mixture-of-experts layer's).
@@ -80,6 +83,10 @@ class NativeKernel:
         lib.tierlm_i4_matmul.restype = ctypes.c_int
         lib.tierlm_i4_dequant.argtypes = [ptr, ptr, ptr, i64, i64, i64, ptr, ctypes.c_int]
         lib.tierlm_i4_dequant.restype = ctypes.c_int
+        lib.tierlm_q4k_matmul.argtypes = [ptr, i64, i64, ptr, ptr, i64, ptr, ptr, ctypes.c_int]
+        lib.tierlm_q4k_matmul.restype = ctypes.c_int
+        lib.tierlm_q4k_dequant.argtypes = [ptr, ptr, i64, i64, ptr, ctypes.c_int]
+        lib.tierlm_q4k_dequant.restype = ctypes.c_int
         lib.tierlm_decode_layer.argtypes = [ptr, ptr, ptr]
         lib.tierlm_decode_layer.restype = ctypes.c_int
         lib.tierlm_decode_attention.argtypes = [ptr, ptr, ptr]
@@ -151,6 +158,29 @@ class NativeKernel:
         )  # fmt: skip
         if done != 0:
             raise ValueError(f"int4 weights need K ({k}) and group ({group}) multiples of 32")
+        return out
+
+    def matmul4k(self, x, packed, superblocks, bias=None):
+        """x [M, K] fp32 @ the GGUF Q4_K weight's dequantized [N, K].T (+ bias) -> [M, N] fp32:
+        packed uint8 [N, K / 2] (int4.py's packing), superblocks uint8 [N, K / 256 * 20]
+        (tierlm/quant/q4k.py). All contiguous, on the CPU; ValueError unless K is a multiple of 256."""
+        m, k = x.shape
+        n = packed.shape[0]
+        y = torch.empty(m, n, dtype=torch.float32)
+        done = self.lib.tierlm_q4k_matmul(x.data_ptr(), m, k, packed.data_ptr(), superblocks.data_ptr(), n,
+                                          bias.data_ptr() if bias is not None else None, y.data_ptr(),
+                                          torch.get_num_threads())  # fmt: skip
+        if done != 0:
+            raise ValueError(f"Q4_K weights need K ({k}) a multiple of 256")
+        return y
+
+    def dequantize4k_into(self, packed, superblocks, out):
+        """out [N, K] fp32 = the Q4_K weight dequantized, exactly the `gguf` package's values."""
+        n, k = out.shape
+        done = self.lib.tierlm_q4k_dequant(packed.data_ptr(), superblocks.data_ptr(), n, k, out.data_ptr(),
+                                           torch.get_num_threads())  # fmt: skip
+        if done != 0:
+            raise ValueError(f"Q4_K weights need K ({k}) a multiple of 256")
         return out
 
     def kv_store(self, kv_type: int, x, codes, scales=None):

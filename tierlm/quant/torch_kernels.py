@@ -69,9 +69,11 @@ class BlasKernel:
     faults on a fresh buffer of up to hundreds of MiB, and the memory budget pays for it).
     """
 
-    def __init__(self, dequantize=dequantize_into, name="dequant-blas", block_bytes=16 << 20, dequantize4=None):
+    def __init__(self, dequantize=dequantize_into, name="dequant-blas", block_bytes=16 << 20, dequantize4=None,
+                 dequantize4k=None):  # fmt: skip
         self._dequantize = dequantize
         self._dequantize4 = dequantize4 or _dequantize4_into
+        self._dequantize4k = dequantize4k or _dequantize4k_into
         self.name = name
         self.block_bytes = block_bytes
 
@@ -88,6 +90,13 @@ class BlasKernel:
         def rows_into(start, stop, block):
             part = offsets[start:stop] if offsets is not None else None
             self._dequantize4(packed[start:stop], scales[start:stop], part, group, block)
+
+        return self._blocked(x, packed.shape[0], rows_into, bias)
+
+    def matmul4k(self, x, packed, superblocks, bias=None):
+        """x [M, K] fp32 @ the GGUF Q4_K weight (tierlm/quant/q4k.py).T (+ bias)."""
+        def rows_into(start, stop, block):
+            self._dequantize4k(packed[start:stop], superblocks[start:stop], block)
 
         return self._blocked(x, packed.shape[0], rows_into, bias)
 
@@ -129,6 +138,17 @@ class TorchKernel:
         """The INT4 weight dequantized (in fp32, then x's dtype) and `F.linear`."""
         weight = _dequantize4_into(packed, scales, offsets, group).to(x.dtype)
         return F.linear(x, weight, None if bias is None else bias.to(x.dtype))
+
+    def matmul4k(self, x, packed, superblocks, bias=None):
+        """The Q4_K weight dequantized (in fp32, then x's dtype) and `F.linear`."""
+        weight = _dequantize4k_into(packed, superblocks).to(x.dtype)
+        return F.linear(x, weight, None if bias is None else bias.to(x.dtype))
+
+
+def _dequantize4k_into(packed, superblocks, out=None):
+    from tierlm.quant.q4k import dequantize4k  # q4k imports dispatch, which imports this module
+
+    return dequantize4k(packed, superblocks, out=out)
 
 
 def _dequantize4_into(packed, scales, offsets, group, out=None):

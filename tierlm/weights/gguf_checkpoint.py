@@ -82,9 +82,10 @@ class GgufCheckpoint:
         return out
 
     def read_carried(self, names: tuple[str, ...]):
-        """The tensors `names` fused by rows as an Int8Weight holding their GGUF codes, scales and
-        offsets exactly (tierlm/weights/gguf_carry.py), or None where mixed:source carries them
-        otherwise: a type outside INT8_FORMS, or only Q4_0/Q4_1 (kept at 4 bits as int4)."""
+        """The tensors `names` fused by rows holding their GGUF values exactly: Q4_K alone as a
+        Q4KWeight, other carried types as an Int8Weight of codes, scales and offsets
+        (tierlm/weights/gguf_carry.py); None where mixed:source carries them otherwise: a type
+        outside INT8_FORMS, or only Q4_0/Q4_1 (kept at 4 bits as int4)."""
         from tierlm.quant.int8 import Int8Weight
         from tierlm.quant.modes import CARRIED_SOURCE_TYPES, FOUR_BIT_SOURCE_TYPES, combined_form
         from tierlm.weights.gguf_carry import as_form, carry_rows
@@ -94,6 +95,8 @@ class GgufCheckpoint:
         kinds = {item.source_type for item in items}
         if not kinds <= CARRIED_SOURCE_TYPES or kinds <= FOUR_BIT_SOURCE_TYPES or len(items[0].hf_shape) != 2:
             return None
+        if kinds == {"Q4_K"}:
+            return self._read_q4k(items)
         form = combined_form(kinds)
         pieces = []
         for item in items:
@@ -104,6 +107,21 @@ class GgufCheckpoint:
             pieces.append(parts)
         fused = [torch.from_numpy(np.ascontiguousarray(np.concatenate(column))) for column in zip(*pieces)]
         return Int8Weight(fused[0], fused[1], form.group, offsets=fused[2] if form.asymmetric else None)
+
+    def _read_q4k(self, items):
+        """Q4_K tensors fused by rows as a Q4KWeight (tierlm/quant/q4k.py): their blocks re-laid
+        for the kernels, every value kept."""
+        from tierlm.quant.q4k import Q4KWeight, from_gguf_blocks
+        from tierlm.weights.gguf_tensors import read_raw, unpermute_rope_rows
+
+        parts = []
+        for item in items:
+            weight = from_gguf_blocks(torch.from_numpy(read_raw(item, self.source)))
+            packed, blocks = weight.packed, weight.superblocks
+            if item.unpermute_heads:  # whole rows move: their nibbles and super-blocks alike
+                packed, blocks = (unpermute_rope_rows(p, item.unpermute_heads) for p in (packed, blocks))
+            parts.append((packed, blocks))
+        return Q4KWeight(torch.cat([p for p, _ in parts]), torch.cat([b for _, b in parts]))
 
     def parameters(self) -> int:
         return sum(math.prod(item.hf_shape) for item in self._planned.values())

@@ -28,7 +28,12 @@
 namespace tl {
 
 // What a Weight's data holds (the values of Weight::kind).
-enum WeightKind : int32_t { kFp32 = 0, kInt8 = 1, kInt4 = 4 };
+enum WeightKind : int32_t { kFp32 = 0, kInt8 = 1, kInt4 = 4, kInt4K = 5 };
+
+// GGUF Q4_K's scales as tierlm/quant/q4k.py stores them beside int4.py-packed nibbles: per row, per
+// 256 columns, 20 bytes: fp16 d, fp16 dmin, then 8 sub-scales and 8 sub-mins (6-bit values, one
+// byte each); group j of 32 columns is W = u * (d * sc[j]) - dmin * m[j] (every product exact).
+constexpr int64_t kSuperColumns = 256, kSuperBytes = 20;
 
 // A weight matrix [rows, cols]:
 //   kFp32  float data [rows, cols]; scales and offsets null.
@@ -37,6 +42,8 @@ enum WeightKind : int32_t { kFp32 = 0, kInt8 = 1, kInt4 = 4 };
 //          scales (`half`: GGUF Q8_0's form, int8 with an fp16 scale per 32 columns).
 //   kInt4  uint8 data [rows, cols / 2] packed as int4.py says (cols and group multiples of
 //          32), fp16 scales [rows, G] and fp16 offsets [rows, G] or null (symmetric: -8 s).
+//   kInt4K the same nibbles, group 32, `scales` the super-blocks (uint8 [rows, cols / 256, 20],
+//          above: cols a multiple of 256), offsets null, half 0.
 // `half` says the scales (and offsets) are fp16: 1 for kInt4, either for kInt8 (`supported()`).
 // The layout is mirrored by `WeightArg` in tierlm/models/fused_decode.py.
 struct Weight {
@@ -54,6 +61,7 @@ struct Weight {
     if (kind == kFp32) return !scales && !offsets;
     if (kind == kInt8) return scales && group > 0 && !(half && offsets);
     if (kind == kInt4) return half && scales && group > 0 && group % 32 == 0 && cols % 32 == 0;
+    if (kind == kInt4K) return !half && scales && !offsets && group == 32 && cols % kSuperColumns == 0;
     return false;
   }
 };
@@ -145,8 +153,8 @@ inline void tile(const float* x, int64_t ldx, const WT* w, int64_t K, const ST* 
 // chunks, the last one possibly shorter; GS > 0: groups of GS columns, unrolled. One
 // accumulator chain per (row, activation row): measured faster on Zen 3 than two, whose extra
 // registers GCC spills.
-template <int R, int MB, int GS>
-inline void tile4(const float* x, int64_t ldx, const uint8_t* w, int64_t K, const uint16_t* s,
+template <int R, int MB, int GS, typename ST = uint16_t>
+inline void tile4(const float* x, int64_t ldx, const uint8_t* w, int64_t K, const ST* s,
                   int64_t G, int64_t group, float (&out)[MB][R]) {
   using reg = Vec::reg;
   constexpr int L = Vec::lanes;
@@ -172,11 +180,14 @@ inline void tile4(const float* x, int64_t ldx, const uint8_t* w, int64_t K, cons
   // scalar conversion per row and group costs ~6% at group 32), else converted alone.
   alignas(64) float scales[R][L];
   auto widen_scales = [&](int64_t g) __attribute__((always_inline)) {
-    for (int r = 0; r < R; ++r) Vec::store(scales[r], Vec::load_half(s + r * G + g));
+    for (int r = 0; r < R; ++r) {
+      if constexpr (sizeof(ST) == 2) Vec::store(scales[r], Vec::load_half(s + r * G + g));
+      else Vec::store(scales[r], Vec::load(s + r * G + g));
+    }
   };
   auto scale = [&](int64_t g, int i) __attribute__((always_inline)) {
     for (int r = 0; r < R; ++r) {
-      const reg sv = Vec::set1(i >= 0 ? scales[r][i] : half_to_float(s[r * G + g]));
+      const reg sv = Vec::set1(i >= 0 ? scales[r][i] : scale_value(s[r * G + g]));
       for (int m = 0; m < MB; ++m) total[r][m] = Vec::fma(acc[r][m], sv, total[r][m]);
     }
   };
@@ -237,6 +248,25 @@ inline int rows_per_tile(int64_t M) {
 #endif
 }
 
+// Rows [n, n + R) of a kInt4K weight's super-blocks as fp32 per-group scales s [R, G] and
+// offsets o [R, G] (d * sc, -(dmin * m): the products gguf forms, exact in fp32).
+inline void expand_super_blocks(const Weight& W, int64_t n, int R, float* s, float* o) {
+  const int64_t K = W.cols, G = W.groups(), B = K / kSuperColumns;
+  const uint8_t* super = static_cast<const uint8_t*>(W.scales) + n * B * kSuperBytes;
+  for (int r = 0; r < R; ++r)
+    for (int64_t b = 0; b < B; ++b) {
+      const uint8_t* p = super + (r * B + b) * kSuperBytes;
+      uint16_t d16, dmin16;
+      __builtin_memcpy(&d16, p, 2);
+      __builtin_memcpy(&dmin16, p + 2, 2);
+      const float d = half_to_float(d16), dmin = half_to_float(dmin16);
+      for (int j = 0; j < 8; ++j) {
+        s[r * G + b * 8 + j] = d * static_cast<float>(p[4 + j]);
+        o[r * G + b * 8 + j] = -(dmin * static_cast<float>(p[12 + j]));
+      }
+    }
+}
+
 // An int8 tile of R rows from row n (w at row n), scales `s` of any stored type (all rows').
 template <int R, int MB, typename ST>
 inline void int8_tile(const Weight& W, const float* x, int64_t ldx, const int8_t* w, const ST* s,
@@ -266,6 +296,16 @@ inline void block(const Weight& W, const float* x, int64_t ldx, const float* xs,
       for (int r = 0; r < R; ++r)  // + sum_g o[g] * (x summed over g), o = -8 s when symmetric
         out[m][r] += o ? dot_half(o + (n + r) * G, xs + m * G, G)
                        : -8.0f * dot_half(s + r * G, xs + m * G, G);
+  } else if (W.kind == kInt4K) {
+    const uint8_t* w = static_cast<const uint8_t*>(W.data) + n * (K / 2);
+    thread_local std::vector<float> expanded;  // this tile's scales and offsets, reused per thread
+    expanded.resize(2 * R * G);
+    float* s = expanded.data();
+    float* o = s + R * G;
+    expand_super_blocks(W, n, R, s, o);
+    tile4<R, MB, 32, float>(x, ldx, w, K, s, G, 32, out);
+    for (int m = 0; m < MB; ++m)
+      for (int r = 0; r < R; ++r) out[m][r] += dot(o + r * G, xs + m * G, G);
   } else if (W.kind == kFp32) {
     const float* unscaled = nullptr;
     tile<R, MB, false, 0>(x, ldx, static_cast<const float*>(W.data) + n * K, K, unscaled, 1, K, out);
@@ -336,7 +376,7 @@ inline void gemv_rows(const Weight& W, const float* x, int64_t ldx, int64_t M, c
 // x [M, K] summed per group of W: [M, G]; empty unless W has offsets or is int4 (whose
 // symmetric offsets are implied).
 inline std::vector<float> group_sums(const Weight& W, const float* x, int64_t ldx, int64_t M) {
-  if (!W.offsets && W.kind != kInt4) return {};
+  if (!W.offsets && W.kind != kInt4 && W.kind != kInt4K) return {};
   constexpr int L = Vec::lanes;
   const int64_t K = W.cols, G = W.groups();
   std::vector<float> xs(M * G);

@@ -89,6 +89,42 @@ int tierlm_i4_dequant(const uint8_t* packed, const uint16_t* s, const uint16_t* 
   return 0;
 }
 
+// y[M, N] = x[M, K] @ W.T (+ bias[N]) for a GGUF Q4_K weight as gemv.h's kInt4K holds it: packed
+// [N, K / 2] nibbles, super-blocks [N, K / 256, 20]. Returns -1 (nothing written) unless K is a
+// positive multiple of 256.
+int tierlm_q4k_matmul(const float* x, int64_t M, int64_t K, const uint8_t* packed, const uint8_t* super,
+                      int64_t N, const float* bias, float* y, int threads) {
+  const tl::Weight W{packed, super, nullptr, bias, N, K, 32, tl::kInt4K, 0};
+  if (!W.supported() || K <= 0) return -1;
+  const std::vector<float> xs = tl::group_sums(W, x, K, M);
+  tl::gemv(W, x, K, M, xs.data(), y, N, false, threads);
+  return 0;
+}
+
+// out[N, K] = u * (d * sc) - dmin * m in fp32 for the weight of tierlm_q4k_matmul: exactly the
+// `gguf` package's Q4_K values (every product is exact, so one rounding either way).
+int tierlm_q4k_dequant(const uint8_t* packed, const uint8_t* super, int64_t N, int64_t K, float* out,
+                       int threads) {
+  const tl::Weight W{packed, super, nullptr, nullptr, N, K, 32, tl::kInt4K, 0};
+  if (!W.supported() || K <= 0) return -1;
+  const int64_t G = W.groups();
+  tl::parallel_for(N, 16, threads, [&](int64_t n0, int64_t n1) {
+    std::vector<float> s(G), o(G);
+    for (int64_t n = n0; n < n1; ++n) {
+      tl::expand_super_blocks(W, n, 1, s.data(), o.data());
+      for (int64_t g = 0; g < G; ++g) {
+        const uint8_t* p = packed + n * (K / 2) + g * 16;
+        float* row = out + n * K + g * 32;
+        for (int j = 0; j < 16; ++j) {
+          row[j] = static_cast<float>(p[j] & 0x0F) * s[g] + o[g];
+          row[16 + j] = static_cast<float>(p[j] >> 4) * s[g] + o[g];
+        }
+      }
+    }
+  });
+  return 0;
+}
+
 // One decoder layer's decode step, x [batch, hidden] updated in place (see fused_decode.h).
 // `step` holds what every layer of a step shares; `words` this layer's 44 int64 words:
 // 4 weights (qkv, o, w13, w2) x {data, scales, offsets, bias, rows, cols, group, kind, half}

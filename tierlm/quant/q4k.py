@@ -1,0 +1,132 @@
+"""GGUF Q4_K carried at its own size: 4-bit codes, and per 256 columns the block's fp16 d and
+dmin with eight 6-bit sub-scales and sub-mins (4.625 bits a weight; the GGUF's 4.5 pack the
+sub-scales into 12 bytes, here one byte each so the kernels read them without bit-twiddling).
+
+Group j (32 columns) of a super-block is W = u * (d * sc[j]) - dmin * m[j], u the nibble: the
+`gguf` package's Q4_K values bit for bit, since d * sc, dmin * m and u times the former are exact
+in fp32. Layout, what the native kernels (csrc/gemv.h kInt4K) read as stored:
+
+    packed       uint8 [out, in / 2]: the nibbles in int4.py's packing (quant/nibbles.py)
+    superblocks  uint8 [out, in / 256 * 20]: per super-block fp16 d, fp16 dmin, sc[8], m[8]
+
+`Q4KWeight` stands where `Int8Weight`/`Int4Weight` do (`linear`, `rows`); on an accelerator it
+becomes the same values as an `Int8Weight` (codes with fp32 scales and offsets, exact).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+
+from tierlm.quant.dispatch import kernel_choice
+from tierlm.quant.nibbles import pack_nibbles, unpack_nibbles
+
+SUPER_COLUMNS = 256
+SUPER_BYTES = 20
+GROUP = 32
+
+
+class Q4KWeight:
+    """uint8 `packed` [out, in / 2] and `superblocks` [out, in / 256 * 20] (module docstring)."""
+
+    group_size = GROUP
+
+    def __init__(self, packed: torch.Tensor, superblocks: torch.Tensor, *, dtype: torch.dtype = torch.float32,
+                 kernels=None):  # fmt: skip
+        if packed.dtype != torch.uint8 or packed.dim() != 2 or (2 * packed.shape[1]) % SUPER_COLUMNS:
+            raise ValueError(f"packed must be 2-D uint8 of rows of whole 256-column blocks, got "
+                             f"{packed.dtype} {tuple(packed.shape)}")  # fmt: skip
+        want = (packed.shape[0], 2 * packed.shape[1] // SUPER_COLUMNS * SUPER_BYTES)
+        if superblocks.dtype != torch.uint8 or tuple(superblocks.shape) != want:
+            raise ValueError(f"superblocks must be uint8 {want}, got {superblocks.dtype} {tuple(superblocks.shape)}")
+        self.packed = packed.contiguous()
+        self.superblocks = superblocks.contiguous()
+        self.dtype = dtype
+        self.kernels = kernels
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size((self.packed.shape[0], 2 * self.packed.shape[1]))
+
+    @property
+    def device(self) -> torch.device:
+        return self.packed.device
+
+    @property
+    def nbytes(self) -> int:
+        return self.packed.nbytes + self.superblocks.nbytes
+
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """x [..., in] @ W.T (+ bias [out]) -> [..., out] in x's dtype, with W = dequantize()."""
+        kernels = self.kernels or kernel_choice(x.device)
+        return kernels.linear(x, self, bias)
+
+    def rows(self, ids: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """Embedding lookup: ids (any shape) -> dequantized rows [*ids.shape, in] in `dtype`."""
+        flat = ids.reshape(-1)
+        rows = dequantize4k(self.packed.index_select(0, flat), self.superblocks.index_select(0, flat))
+        return rows.to(dtype or self.dtype).view(*ids.shape, rows.shape[1])
+
+    def dequantize(self) -> torch.Tensor:
+        """The float weight as fp32 [out, in] (the reference every kernel must match)."""
+        return dequantize4k(self.packed, self.superblocks)
+
+    def to(self, device, dtype: torch.dtype | None = None):
+        """On the CPU a Q4KWeight; elsewhere the same values as an exact Int8Weight (the device
+        kernels read int8 codes with fp32 scales and offsets)."""
+        if torch.device(device).type == "cpu":
+            return Q4KWeight(self.packed.to(device), self.superblocks.to(device), dtype=dtype or self.dtype)
+        from tierlm.quant.int8 import Int8Weight
+
+        scales, offsets = group_scales(self.superblocks)
+        codes = unpack_nibbles(self.packed).to(torch.int8)
+        return Int8Weight(codes, scales, GROUP, offsets=offsets, dtype=dtype or self.dtype).to(device)
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return {"packed": self.packed, "superblocks": self.superblocks}
+
+    @classmethod
+    def from_tensors(cls, tensors: Mapping[str, torch.Tensor], *, dtype: torch.dtype = torch.float32) -> Q4KWeight:
+        """Rebuild from `tensors()` output (e.g. views of a memory-mapped artifact), no copy."""
+        return cls(tensors["packed"], tensors["superblocks"], dtype=dtype)
+
+    def __repr__(self) -> str:
+        return f"Q4KWeight({list(self.shape)}, device={self.device})"
+
+
+def group_scales(superblocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per group of 32 columns: (scales d * sc, offsets -(dmin * m)), fp32 [out, in / 32]."""
+    rows = superblocks.shape[0]
+    blocks = superblocks.view(rows, -1, SUPER_BYTES)
+    d = blocks[..., 0:2].contiguous().view(torch.float16).float()
+    dmin = blocks[..., 2:4].contiguous().view(torch.float16).float()
+    scales = d * blocks[..., 4:12].float()
+    offsets = -(dmin * blocks[..., 12:20].float())
+    return scales.reshape(rows, -1), offsets.reshape(rows, -1)
+
+
+def dequantize4k(packed: torch.Tensor, superblocks: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """fp32 [out, in]: u * s + o per group (the reference; the native kernels form the same)."""
+    scales, offsets = group_scales(superblocks)
+    u = unpack_nibbles(packed)
+    n, k = u.shape
+    out = torch.empty(n, k, dtype=torch.float32, device=packed.device) if out is None else out
+    out.copy_(u)
+    grouped = out.view(n, k // GROUP, GROUP)
+    grouped.mul_(scales[..., None]).add_(offsets[..., None])
+    return out
+
+
+def from_gguf_blocks(raw: torch.Tensor) -> Q4KWeight:
+    """GGUF Q4_K blocks, uint8 [out, in / 256 * 144], as a Q4KWeight holding the same values."""
+    from gguf.quants import Q4_K
+
+    rows = raw.shape[0]
+    blocks = raw.reshape(-1, 144)
+    sc, m = Q4_K.get_scale_min(blocks[:, 4:16].contiguous().numpy())
+    superblocks = torch.cat([blocks[:, 0:4], torch.from_numpy(sc), torch.from_numpy(m)], dim=1)
+    # Q4_K keeps 64 columns in 32 bytes (low nibbles the first 32); int4.py's packing is per 32.
+    qs = blocks[:, 16:].reshape(-1, 4, 1, 32)
+    codes = torch.cat([qs & 15, qs >> 4], dim=2).reshape(rows, -1)
+    return Q4KWeight(pack_nibbles(codes), superblocks.reshape(rows, -1).contiguous())
