@@ -160,12 +160,13 @@ def test_quantized_gguf_logits_are_transformers_gguf_loaders(tmp_path, monkeypat
     modes = {f"{b}/{t}": record_mode(r) for b, block in artifact.blocks.items() for t, r in block.tensors.items()
              if r.encoding != "plain"}  # fmt: skip
     if mix == "Q4_K_M-like":
-        assert modes["layers.0/w13"] == modes["layers.0/wo"] == "q4_k" and modes["layers.0/w2"] == "int8-g16"
-        assert modes["layers.0/wqkv"] == "int8-g16-asym" and modes["head/head"] == "int8-g16"
+        assert modes["layers.0/w13"] == modes["layers.0/wo"] == "q4_k"
+        assert modes["layers.0/w2"] == modes["head/head"] == "q6_k"
+        assert modes["layers.0/wqkv"] == "int8-g16-asym"  # Q4_K q, k fused with a Q6_K v
     else:
         expected = "int4-g32" if mix == "Q4_0" else "int4-g32-asym" if mix == "Q4_1" else source_grid_mode([mix])
         assert set(modes.values()) == {expected}
-    if mix in ("Q4_K", "Q8_0", "Q4_0", "Q4_1"):  # carried at their own size: within 3 % of the file's bytes
+    if mix in ("Q4_K", "Q6_K", "Q8_0", "Q4_0", "Q4_1"):  # at their own size: within 3 % of the file's bytes
         import gguf
 
         quantized = sum(int(t.n_bytes) for t in gguf.GGUFReader(path).tensors if t.tensor_type.name == mix)
@@ -185,15 +186,16 @@ def test_quantized_gguf_logits_are_transformers_gguf_loaders(tmp_path, monkeypat
     assert torch.equal(got.argmax(-1), expected_logits.argmax(-1))
 
 
-def test_q4_k_decodes_in_the_fused_step_as_eagerly(tmp_path, monkeypatch):
-    """A decode step over Q4_K weights runs natively (the fused step reads the super-blocks as
-    stored) and gives the eager path's logits."""
+@pytest.mark.parametrize("kind", ["Q4_K", "Q6_K"])
+def test_super_block_types_decode_in_the_fused_step_as_eagerly(tmp_path, monkeypatch, kind):
+    """A decode step over Q4_K (Q6_K) weights runs natively (the fused step reads the
+    super-blocks as stored) and gives the eager path's logits."""
     from tierlm.models import fused_decode
     from tierlm.runtime.loader import load_model
     from tierlm.weights.gguf_import import import_gguf
 
     path = tmp_path / "tiny.gguf"
-    write_quantized_gguf(path, lambda name: "Q4_K", np.random.default_rng(6))
+    write_quantized_gguf(path, lambda name: kind, np.random.default_rng(6))
     monkeypatch.setenv("TIERLM_CACHE", str(tmp_path / "cache"))
     kinds = []
     words = fused_decode._weight_words
@@ -206,35 +208,38 @@ def test_q4_k_decodes_in_the_fused_step_as_eagerly(tmp_path, monkeypatch):
         loaded.model.forward(torch.tensor([[1, 70, 80, 90]]), cache)
         steps[fused] = loaded.model.forward(torch.tensor([[259]]), cache)
         loaded.close()
-    assert fused_decode.KIND_INT4K in kinds
+    assert (fused_decode.KIND_INT4K if kind == "Q4_K" else fused_decode.KIND_INT6K) in kinds
     torch.testing.assert_close(steps["1"], steps["0"], rtol=0, atol=1e-4)
 
 
+@pytest.mark.parametrize("kind", ["Q4_K", "Q6_K"])
 @pytest.mark.parametrize("rows", [1, 7, 37])
-def test_q4_k_kernels_on_each_isa_path(native_build, rows):
-    """The Q4_K kernels built for AVX2 and for portable vectors (the default build, AVX-512 where
+def test_super_block_kernels_on_each_isa_path(native_build, kind, rows):
+    """The Q4_K and Q6_K kernels built for AVX2 and for portable vectors (the default build, AVX-512 where
     the CPU has it, runs everywhere else): dequantization exactly gguf's, products within fp32
     summation error of it, for 1-5 activation rows and row counts that leave partial tiles."""
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize
 
-    from tierlm.quant.q4k import from_gguf_blocks
+    from tierlm.quant import q4k, q6k
 
     cols = 768
-    raw = random_blocks("Q4_K", rows, cols, np.random.default_rng(rows))
-    expected = dequantize(raw, GGMLQuantizationType.Q4_K).reshape(rows, cols)
-    weight = from_gguf_blocks(torch.from_numpy(raw))
+    raw = random_blocks(kind, rows, cols, np.random.default_rng(rows))
+    expected = dequantize(raw, getattr(GGMLQuantizationType, kind)).reshape(rows, cols)
+    weight = (q4k if kind == "Q4_K" else q6k).from_gguf_blocks(torch.from_numpy(raw))
     np.testing.assert_array_equal(weight.dequantize().numpy(), expected)
+    parts = weight.tensors()
+    dequantize_into = native_build.dequantize4k_into if kind == "Q4_K" else native_build.dequantize6k_into
+    matmul = native_build.matmul4k if kind == "Q4_K" else native_build.matmul6k
     out = torch.empty(rows, cols)
-    np.testing.assert_array_equal(native_build.dequantize4k_into(weight.packed, weight.superblocks, out).numpy(),
-                                  expected)  # fmt: skip
+    np.testing.assert_array_equal(dequantize_into(*parts.values(), out).numpy(), expected)
     reference = torch.from_numpy(expected).double()
     for m in range(1, 6):
         x = torch.randn(m, cols, generator=torch.Generator().manual_seed(m))
         bias = torch.randn(rows)
-        got = native_build.matmul4k(x, weight.packed, weight.superblocks, bias)
+        got = matmul(x, *parts.values(), bias)
         want = x.double() @ reference.T + bias.double()
         scale = (x.double().abs() @ reference.abs().T).max()
         assert float((got.double() - want).abs().max()) <= 1e-5 * float(scale)
     with pytest.raises(ValueError, match="multiple of 256"):
-        native_build.matmul4k(torch.randn(1, 32), weight.packed[:, :16], weight.superblocks[:, :0])
+        matmul(torch.randn(1, 32), *(part[:, :8].contiguous() for part in parts.values()))

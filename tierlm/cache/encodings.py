@@ -10,14 +10,16 @@ validated with these rules alone; tierlm/cache/codec.py encodes and decodes the 
 
 from __future__ import annotations
 
-from tierlm.quant.modes import Q4_K, Q8_0, Q8_0_GROUP, QuantMode, int4_fits, parse_quant_mode
+from tierlm.quant.modes import Q4_K, Q6_K, Q8_0, Q8_0_GROUP, QuantMode, int4_fits, parse_quant_mode
 
 FLOAT_DTYPES = ("float32", "float16", "bfloat16")
 # encoding -> (parts it must have, parts it may have)
 ENCODINGS = {"plain": ({"data"}, set()), "int8": ({"qweight", "scales"}, {"offsets"}),
-             "int4": ({"packed", "scales"}, {"offsets"}), "q4k": ({"packed", "superblocks"}, set())}  # fmt: skip
-# q4k (GGUF Q4_K, tierlm/quant/q4k.py): per 256 columns fp16 d and dmin, 8 sub-scales, 8 sub-mins.
-SUPER_COLUMNS, SUPER_BYTES = 256, 20
+             "int4": ({"packed", "scales"}, {"offsets"}), "q4k": ({"packed", "superblocks"}, set()),
+             "q6k": ({"packed", "high", "superblocks"}, set())}  # fmt: skip
+# Bytes per 256 columns of the super-blocks: q4k (GGUF Q4_K, quant/q4k.py) fp16 d and dmin, 8
+# sub-scales, 8 sub-mins; q6k (GGUF Q6_K, quant/q6k.py) fp16 d and 16 int8 sub-scales.
+SUPER_COLUMNS, SUPER_BYTES = 256, {"q4k": 20, "q6k": 18}
 
 # Canonical names of 2-D weights kept in fp32 under every mode: an MoE router's near-tied logits
 # choose experts, and an error that flips one changes the token (llama.cpp keeps ffn_gate_inp in F32).
@@ -43,8 +45,10 @@ def part_bytes(shape: tuple[int, ...], mode: QuantMode, name: str | None = None)
     if mode.mixed:
         raise ValueError(f"{mode.name} is chosen per tensor: size each with its concrete mode")
     out_features, in_features = shape
-    if mode.super_blocks:
-        return [elements // 2, out_features * (in_features // SUPER_COLUMNS) * SUPER_BYTES]
+    if mode.name == Q4_K:
+        return [elements // 2, out_features * (in_features // SUPER_COLUMNS) * SUPER_BYTES["q4k"]]
+    if mode.name == Q6_K:
+        return [elements // 2, elements // 4, out_features * (in_features // SUPER_COLUMNS) * SUPER_BYTES["q6k"]]
     if mode.weight_dtype == "int4":
         if int4_fits(shape):
             groups = -(-in_features // mode.group_size)
@@ -68,6 +72,8 @@ def record_mode(record) -> str:
     asym = "-asym" if "offsets" in record.parts else ""
     if record.encoding == "q4k":
         return Q4_K
+    if record.encoding == "q6k":
+        return Q6_K
     if record.encoding == "int8" and group == Q8_0_GROUP and not asym and record.parts["scales"].dtype == "float16":
         return Q8_0  # int8-g32 with fp16 scales
     if record.encoding in ("int4", "int8"):
@@ -77,7 +83,7 @@ def record_mode(record) -> str:
 
 def logical_shape(record) -> tuple[int, ...]:
     """The [out, in] (or 1-D) shape a record decodes to, whatever its encoding packs."""
-    if record.encoding in ("int4", "q4k"):
+    if record.encoding in ("int4", "q4k", "q6k"):
         rows, half = record.parts["packed"].shape
         return rows, 2 * half
     return tuple(record.parts["qweight" if record.encoding == "int8" else "data"].shape)
@@ -99,19 +105,21 @@ def check_record(record, shape: tuple[int, ...] | None = None) -> str | None:
         return _shape_problem(data.shape, shape)
     if record.encoding == "int4":
         return _int4_problem(record, shape)
-    if record.encoding == "q4k":
-        return _q4k_problem(record, shape)
+    if record.encoding in SUPER_BYTES:
+        return _super_block_problem(record, shape)
     return _int8_problem(record, shape)
 
 
-def _q4k_problem(record, shape) -> str | None:
-    packed, blocks = record.parts["packed"], record.parts["superblocks"]
+def _super_block_problem(record, shape) -> str | None:
+    """A q4k or q6k record: whole 256-column blocks, every part the width its layout implies."""
+    packed = record.parts["packed"]
     if packed.dtype != "uint8" or len(packed.shape) != 2 or (2 * packed.shape[1]) % SUPER_COLUMNS:
         return f"packed is {packed.dtype}{list(packed.shape)}, expected 2-D uint8 of whole 256-column blocks"
     rows, columns = packed.shape[0], 2 * packed.shape[1]
-    want = (rows, columns // SUPER_COLUMNS * SUPER_BYTES)
-    if blocks.dtype != "uint8" or tuple(blocks.shape) != want:
-        return f"superblocks are {blocks.dtype}{list(blocks.shape)}, expected uint8 {list(want)}"
+    widths = {"superblocks": columns // SUPER_COLUMNS * SUPER_BYTES[record.encoding], "high": columns // 4}
+    for name, part in record.parts.items():
+        if name in widths and (part.dtype != "uint8" or tuple(part.shape) != (rows, widths[name])):
+            return f"{name} are {part.dtype}{list(part.shape)}, expected uint8 {[rows, widths[name]]}"
     return _shape_problem((rows, columns), shape)
 
 

@@ -6,8 +6,8 @@ of kv/formats.py's formats (read as stored: csrc/kv_formats.h; a paged cache thr
 page table), and the native library loaded
 (csrc/fused_decode.h). Then each layer whose weights are INT8
 (`Int8Weight`, any group size, symmetric or not), INT4 (`Int4Weight`: packed nibbles with fp16
-scales, symmetric or not, read as stored), GGUF Q4_K (`Q4KWeight`: the nibbles with super-block
-scales, read as stored) or fp32 tensors on the CPU, in any mix, runs as
+scales, symmetric or not, read as stored), GGUF Q4_K and Q6_K (`Q4KWeight`, `Q6KWeight`: codes
+with super-block scales, read as stored) or fp32 tensors on the CPU, in any mix, runs as
 `tierlm_decode_layer`: RMSNorm, QKV (+ bias), Qwen3's q/k head norms (when the block has
 `q_norm`/`k_norm`), RoPE from the model's `RotaryTable` (rotate-half or interleaved, partial
 rotary_dim), the K/V write at each row's slot and position, single-query grouped attention
@@ -35,7 +35,7 @@ _c_ptr, _c_i64, _c_i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32
 
 
 # tl::WeightKind (csrc/gemv.h): what a weight's data holds.
-KIND_FP32, KIND_INT8, KIND_INT4, KIND_INT4K = 0, 1, 4, 5
+KIND_FP32, KIND_INT8, KIND_INT4, KIND_INT4K, KIND_INT6K = 0, 1, 4, 5, 6
 # tl::KVType (csrc/kv_formats.h): how the KV cache holds keys and values.
 KV_TYPES = {"f32": 0, "f16": 1, "bf16": 2, "q8_0": 3, "q4_0": 4}
 
@@ -220,11 +220,14 @@ def _weight_words(weight, bias, shape: tuple[int, int], keep: list) -> tuple | N
             return None
         return weight.data_ptr(), 0, 0, bias_ptr, rows, cols, cols, KIND_FP32, 0
     superblocks = getattr(weight, "superblocks", None)
-    if superblocks is not None:  # GGUF Q4_K (quant/q4k.py): super-block scales read as stored
-        packed = weight.packed
-        if not (packed.is_cpu and superblocks.is_cpu and packed.is_contiguous() and superblocks.is_contiguous()):
+    if superblocks is not None:  # GGUF Q4_K / Q6_K (quant/q4k.py, q6k.py): read as stored
+        high = getattr(weight, "high", None)
+        parts = [weight.packed, superblocks] + ([high] if high is not None else [])
+        if not all(p.is_cpu and p.is_contiguous() for p in parts):
             return None
-        return packed.data_ptr(), superblocks.data_ptr(), 0, bias_ptr, rows, cols, 32, KIND_INT4K, 0
+        if high is not None:
+            return weight.packed.data_ptr(), superblocks.data_ptr(), high.data_ptr(), bias_ptr, rows, cols, 16, KIND_INT6K, 0
+        return weight.packed.data_ptr(), superblocks.data_ptr(), 0, bias_ptr, rows, cols, 32, KIND_INT4K, 0
     if getattr(weight, "packed", None) is not None:
         return _int4_words(weight, bias_ptr, rows, cols)
     qweight = getattr(weight, "qweight", None)

@@ -76,7 +76,11 @@ class KernelChoice:
         if bias is not None and not bias.is_contiguous():
             bias = bias.contiguous()
         kernel = self.gemv if rows.shape[0] <= self.crossover else self.gemm
-        if hasattr(weight, "superblocks"):  # Q4KWeight: nibbles, GGUF Q4_K super-block scales
+        if hasattr(weight, "high"):  # Q6KWeight: GGUF Q6_K's 6-bit codes and super-block scales
+            if not hasattr(kernel, "matmul6k"):
+                kernel = self.gemm
+            out = kernel.matmul6k(rows, weight.packed, weight.high, weight.superblocks, bias)
+        elif hasattr(weight, "superblocks"):  # Q4KWeight: nibbles, GGUF Q4_K super-block scales
             if not hasattr(kernel, "matmul4k"):
                 kernel = self.gemm
             out = kernel.matmul4k(rows, weight.packed, weight.superblocks, bias)
@@ -155,7 +159,8 @@ def calibrate(
     native = next((k for k in loaded if hasattr(k, "dequantize_into")), None)
     blas = (BlasKernel(native.dequantize_into, name="native-dequant+blas",
                        dequantize4=getattr(native, "dequantize4_into", None),
-                       dequantize4k=getattr(native, "dequantize4k_into", None)) if native else BlasKernel())  # fmt: skip
+                       dequantize4k=getattr(native, "dequantize4k_into", None),
+                       dequantize6k=getattr(native, "dequantize6k_into", None)) if native else BlasKernel())  # fmt: skip
 
     out_features, in_features = shape
     gen = torch.Generator().manual_seed(0)

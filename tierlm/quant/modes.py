@@ -18,6 +18,7 @@
                   in an int8 form (INT8_FORMS), a float or unknown grid int8-g32-asym
     q4_k          GGUF's Q4_K as stored (tierlm/quant/q4k.py), 4.625 bits a weight: carried
                   from Q4_K tensors only, never quantized from floats
+    q6_k          GGUF's Q6_K as stored (tierlm/quant/q6k.py), 6.5625 bits: likewise
     fp16 / bf16 / fp32   no quantization: weights stored in that float dtype
     none          the checkpoint's weights as stored, in the compute dtype (`concrete_mode`)
     auto          a concrete mode chosen per model and device by `auto_quant` (the profiles'
@@ -46,6 +47,9 @@ MODE_NAMES = (AUTO, "int8", "int8-g128", "q8_0", "int8-g32-asym", "int4-g32", "i
 MIXED_SOURCE = "mixed-source"
 Q8_0, Q8_0_GROUP = "q8_0", 32  # GGUF's Q8_0: int8 and an fp16 scale per 32 columns
 Q4_K = "q4_k"  # GGUF's Q4_K: nibbles and per 256 columns fp16 d, dmin and 6-bit sub-scales
+Q6_K = "q6_k"  # GGUF's Q6_K: 6-bit codes and per 256 columns fp16 d and 16 int8 sub-scales
+# The modes that hold a GGUF type's own layout: carried from it, never quantized from floats.
+CARRIED_ONLY = {Q4_K: "Q4_K", Q6_K: "Q6_K"}
 
 _FLOATS = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
 _INT8 = re.compile(r"int8(?:-g(\d+))?(-asym)?")
@@ -97,6 +101,8 @@ def parse_quant_mode(name: str) -> QuantMode:
         return QuantMode(Q8_0, "int8", Q8_0_GROUP, half_scales=True)
     if text == Q4_K:
         return QuantMode(Q4_K, "int4", 32, asymmetric=True, super_blocks=True)
+    if text == Q6_K:
+        return QuantMode(Q6_K, "int8", 16, super_blocks=True)
     if text.startswith(("mixed:", "mixed-")):
         return _mixed_mode(name, text)
     int4 = _INT4.fullmatch(text)
@@ -178,9 +184,10 @@ def check_mode_name(name: str) -> str:
     if text not in (AUTO, AS_STORED):
         mode = parse_quant_mode(text)
         if mode.super_blocks:
-            raise TierlmError(f"{Q4_K} holds a GGUF's Q4_K tensors as they are; it does not quantize other weights",
-                              "use auto (mixed:source) on a GGUF with Q4_K tensors, or int4-g32-asym to "
-                              "quantize to 4 bits")  # fmt: skip
+            kind = CARRIED_ONLY[mode.name]
+            raise TierlmError(f"{mode.name} holds a GGUF's {kind} tensors as they are; it does not quantize "
+                              "other weights", f"use auto (mixed:source) on a GGUF with {kind} tensors, or "
+                              "int4-g32-asym / int8-g32 to quantize")  # fmt: skip
         return mode.name
     return text
 
@@ -247,6 +254,8 @@ def source_grid_mode(source_types: Iterable[str]) -> str:
         return "int4-g32-asym"
     if kinds == {"Q4_K"}:
         return Q4_K
+    if kinds == {"Q6_K"}:
+        return Q6_K
     if kinds and kinds <= CARRIED_SOURCE_TYPES:
         return form_mode(combined_form(kinds))
     return GRID_SOURCE_MODE

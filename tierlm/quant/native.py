@@ -87,6 +87,10 @@ class NativeKernel:
         lib.tierlm_q4k_matmul.restype = ctypes.c_int
         lib.tierlm_q4k_dequant.argtypes = [ptr, ptr, i64, i64, ptr, ctypes.c_int]
         lib.tierlm_q4k_dequant.restype = ctypes.c_int
+        lib.tierlm_q6k_matmul.argtypes = [ptr, i64, i64, ptr, ptr, ptr, i64, ptr, ptr, ctypes.c_int]
+        lib.tierlm_q6k_matmul.restype = ctypes.c_int
+        lib.tierlm_q6k_dequant.argtypes = [ptr, ptr, ptr, i64, i64, ptr, ctypes.c_int]
+        lib.tierlm_q6k_dequant.restype = ctypes.c_int
         lib.tierlm_decode_layer.argtypes = [ptr, ptr, ptr]
         lib.tierlm_decode_layer.restype = ctypes.c_int
         lib.tierlm_decode_attention.argtypes = [ptr, ptr, ptr]
@@ -181,6 +185,28 @@ class NativeKernel:
                                            torch.get_num_threads())  # fmt: skip
         if done != 0:
             raise ValueError(f"Q4_K weights need K ({k}) a multiple of 256")
+        return out
+
+    def matmul6k(self, x, packed, high, superblocks, bias=None):
+        """x [M, K] fp32 @ the GGUF Q6_K weight (tierlm/quant/q6k.py: low nibbles [N, K / 2],
+        high parts [N, K / 4], super-blocks [N, K / 256 * 18]).T (+ bias) -> [M, N] fp32."""
+        m, k = x.shape
+        n = packed.shape[0]
+        y = torch.empty(m, n, dtype=torch.float32)
+        done = self.lib.tierlm_q6k_matmul(x.data_ptr(), m, k, packed.data_ptr(), high.data_ptr(),
+                                          superblocks.data_ptr(), n, bias.data_ptr() if bias is not None else None,
+                                          y.data_ptr(), torch.get_num_threads())  # fmt: skip
+        if done != 0:
+            raise ValueError(f"Q6_K weights need K ({k}) a multiple of 256")
+        return y
+
+    def dequantize6k_into(self, packed, high, superblocks, out):
+        """out [N, K] fp32 = the Q6_K weight dequantized, exactly the `gguf` package's values."""
+        n, k = out.shape
+        done = self.lib.tierlm_q6k_dequant(packed.data_ptr(), high.data_ptr(), superblocks.data_ptr(), n, k,
+                                           out.data_ptr(), torch.get_num_threads())  # fmt: skip
+        if done != 0:
+            raise ValueError(f"Q6_K weights need K ({k}) a multiple of 256")
         return out
 
     def kv_store(self, kv_type: int, x, codes, scales=None):

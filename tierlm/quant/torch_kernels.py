@@ -70,10 +70,11 @@ class BlasKernel:
     """
 
     def __init__(self, dequantize=dequantize_into, name="dequant-blas", block_bytes=16 << 20, dequantize4=None,
-                 dequantize4k=None):  # fmt: skip
+                 dequantize4k=None, dequantize6k=None):  # fmt: skip
         self._dequantize = dequantize
         self._dequantize4 = dequantize4 or _dequantize4_into
         self._dequantize4k = dequantize4k or _dequantize4k_into
+        self._dequantize6k = dequantize6k or _dequantize6k_into
         self.name = name
         self.block_bytes = block_bytes
 
@@ -97,6 +98,13 @@ class BlasKernel:
         """x [M, K] fp32 @ the GGUF Q4_K weight (tierlm/quant/q4k.py).T (+ bias)."""
         def rows_into(start, stop, block):
             self._dequantize4k(packed[start:stop], superblocks[start:stop], block)
+
+        return self._blocked(x, packed.shape[0], rows_into, bias)
+
+    def matmul6k(self, x, packed, high, superblocks, bias=None):
+        """x [M, K] fp32 @ the GGUF Q6_K weight (tierlm/quant/q6k.py).T (+ bias)."""
+        def rows_into(start, stop, block):
+            self._dequantize6k(packed[start:stop], high[start:stop], superblocks[start:stop], block)
 
         return self._blocked(x, packed.shape[0], rows_into, bias)
 
@@ -144,11 +152,22 @@ class TorchKernel:
         weight = _dequantize4k_into(packed, superblocks).to(x.dtype)
         return F.linear(x, weight, None if bias is None else bias.to(x.dtype))
 
+    def matmul6k(self, x, packed, high, superblocks, bias=None):
+        """The Q6_K weight dequantized (in fp32, then x's dtype) and `F.linear`."""
+        weight = _dequantize6k_into(packed, high, superblocks).to(x.dtype)
+        return F.linear(x, weight, None if bias is None else bias.to(x.dtype))
+
 
 def _dequantize4k_into(packed, superblocks, out=None):
     from tierlm.quant.q4k import dequantize4k  # q4k imports dispatch, which imports this module
 
     return dequantize4k(packed, superblocks, out=out)
+
+
+def _dequantize6k_into(packed, high, superblocks, out=None):
+    from tierlm.quant.q6k import dequantize6k  # q6k imports dispatch, which imports this module
+
+    return dequantize6k(packed, high, superblocks, out=out)
 
 
 def _dequantize4_into(packed, scales, offsets, group, out=None):

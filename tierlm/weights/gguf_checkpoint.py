@@ -95,8 +95,8 @@ class GgufCheckpoint:
         kinds = {item.source_type for item in items}
         if not kinds <= CARRIED_SOURCE_TYPES or kinds <= FOUR_BIT_SOURCE_TYPES or len(items[0].hf_shape) != 2:
             return None
-        if kinds == {"Q4_K"}:
-            return self._read_q4k(items)
+        if kinds in ({"Q4_K"}, {"Q6_K"}):
+            return self._read_super_blocks(items)
         form = combined_form(kinds)
         pieces = []
         for item in items:
@@ -108,20 +108,21 @@ class GgufCheckpoint:
         fused = [torch.from_numpy(np.ascontiguousarray(np.concatenate(column))) for column in zip(*pieces)]
         return Int8Weight(fused[0], fused[1], form.group, offsets=fused[2] if form.asymmetric else None)
 
-    def _read_q4k(self, items):
-        """Q4_K tensors fused by rows as a Q4KWeight (tierlm/quant/q4k.py): their blocks re-laid
-        for the kernels, every value kept."""
-        from tierlm.quant.q4k import Q4KWeight, from_gguf_blocks
+    def _read_super_blocks(self, items):
+        """Q4_K (or Q6_K) tensors fused by rows as a Q4KWeight (Q6KWeight): their blocks re-laid for
+        the kernels (tierlm/quant/q4k.py, q6k.py), every value kept."""
+        from tierlm.quant import q4k, q6k
         from tierlm.weights.gguf_tensors import read_raw, unpermute_rope_rows
 
-        parts = []
+        layout = q4k if items[0].source_type == "Q4_K" else q6k
+        pieces = []
         for item in items:
-            weight = from_gguf_blocks(torch.from_numpy(read_raw(item, self.source)))
-            packed, blocks = weight.packed, weight.superblocks
-            if item.unpermute_heads:  # whole rows move: their nibbles and super-blocks alike
-                packed, blocks = (unpermute_rope_rows(p, item.unpermute_heads) for p in (packed, blocks))
-            parts.append((packed, blocks))
-        return Q4KWeight(torch.cat([p for p, _ in parts]), torch.cat([b for _, b in parts]))
+            parts = layout.from_gguf_blocks(torch.from_numpy(read_raw(item, self.source))).tensors()
+            if item.unpermute_heads:  # whole rows move: every part of a row alike
+                parts = {name: unpermute_rope_rows(part, item.unpermute_heads) for name, part in parts.items()}
+            pieces.append(parts)
+        fused = {name: torch.cat([piece[name] for piece in pieces]) for name in pieces[0]}
+        return (layout.Q4KWeight if layout is q4k else layout.Q6KWeight).from_tensors(fused)
 
     def parameters(self) -> int:
         return sum(math.prod(item.hf_shape) for item in self._planned.values())

@@ -28,12 +28,16 @@
 namespace tl {
 
 // What a Weight's data holds (the values of Weight::kind).
-enum WeightKind : int32_t { kFp32 = 0, kInt8 = 1, kInt4 = 4, kInt4K = 5 };
+enum WeightKind : int32_t { kFp32 = 0, kInt8 = 1, kInt4 = 4, kInt4K = 5, kInt6K = 6 };
 
 // GGUF Q4_K's scales as tierlm/quant/q4k.py stores them beside int4.py-packed nibbles: per row, per
 // 256 columns, 20 bytes: fp16 d, fp16 dmin, then 8 sub-scales and 8 sub-mins (6-bit values, one
 // byte each); group j of 32 columns is W = u * (d * sc[j]) - dmin * m[j] (every product exact).
 constexpr int64_t kSuperColumns = 256, kSuperBytes = 20;
+// GGUF Q6_K as tierlm/quant/q6k.py stores it: the low nibbles packed as int4.py packs them, the
+// 2-bit high parts (simd.h `crumbs`, cols / 4 bytes a row) and per 256 columns 18 bytes: fp16 d
+// and 16 int8 sub-scales; group j (16 columns) is W = (lo + 16 hi - 32) * (d * sc[j]) (exact).
+constexpr int64_t kSixBitBytes = 18;
 
 // A weight matrix [rows, cols]:
 //   kFp32  float data [rows, cols]; scales and offsets null.
@@ -44,6 +48,8 @@ constexpr int64_t kSuperColumns = 256, kSuperBytes = 20;
 //          32), fp16 scales [rows, G] and fp16 offsets [rows, G] or null (symmetric: -8 s).
 //   kInt4K the same nibbles, group 32, `scales` the super-blocks (uint8 [rows, cols / 256, 20],
 //          above: cols a multiple of 256), offsets null, half 0.
+//   kInt6K low nibbles as kInt4's, `offsets` the high parts (uint8 [rows, cols / 4]), `scales`
+//          the super-blocks (uint8 [rows, cols / 256, 18]), group 16, half 0.
 // `half` says the scales (and offsets) are fp16: 1 for kInt4, either for kInt8 (`supported()`).
 // The layout is mirrored by `WeightArg` in tierlm/models/fused_decode.py.
 struct Weight {
@@ -62,6 +68,7 @@ struct Weight {
     if (kind == kInt8) return scales && group > 0 && !(half && offsets);
     if (kind == kInt4) return half && scales && group > 0 && group % 32 == 0 && cols % 32 == 0;
     if (kind == kInt4K) return !half && scales && !offsets && group == 32 && cols % kSuperColumns == 0;
+    if (kind == kInt6K) return !half && scales && offsets && group == 16 && cols % kSuperColumns == 0;
     return false;
   }
 };
@@ -267,6 +274,61 @@ inline void expand_super_blocks(const Weight& W, int64_t n, int R, float* s, flo
     }
 }
 
+// Rows [n, n + R) of a kInt6K weight's super-blocks as fp32 scales s [R, cols / 16]: d * sc.
+inline void expand_six_bit_scales(const Weight& W, int64_t n, int R, float* s) {
+  const int64_t K = W.cols, G = W.groups(), B = K / kSuperColumns;
+  const uint8_t* super = static_cast<const uint8_t*>(W.scales) + n * B * kSixBitBytes;
+  for (int r = 0; r < R; ++r)
+    for (int64_t b = 0; b < B; ++b) {
+      const uint8_t* p = super + (r * B + b) * kSixBitBytes;
+      uint16_t d16;
+      __builtin_memcpy(&d16, p, 2);
+      const float d = half_to_float(d16);
+      for (int j = 0; j < 16; ++j) s[r * G + b * 16 + j] = d * static_cast<float>(static_cast<int8_t>(p[2 + j]));
+    }
+}
+
+// Q6_K: out[m][r] = sum_k (lo + 16 hi - 32)[r][k] * s[r][k / 16] * x[m][k]. Each half of a
+// 32-column chunk is its own group, so weights are scaled as widened (one multiply more than
+// tile4's deferred scaling, whose two accumulators per half would not fit in registers).
+template <int R, int MB>
+inline void tile6(const float* x, int64_t ldx, const uint8_t* w, const uint8_t* q, int64_t K, const float* s,
+                  int64_t G, float (&out)[MB][R]) {
+  using reg = Vec::reg;
+  constexpr int L = Vec::lanes;
+  const int64_t stride = K / 2, qstride = K / 4;
+  reg acc[R][MB] = {};
+  const reg sixteen = Vec::set1(16.0f), bias = Vec::set1(-32.0f);
+  for (int64_t c = 0; c < K / 32; ++c) {
+    if (TL_PREFETCH && (c & 3) == 0)
+      for (int r = 0; r < R; ++r) {
+        prefetch(w + (r + R) * stride + c * 16);
+        prefetch(q + (r + R) * qstride + c * 8);
+      }
+    reg s0[R], s1[R];
+    for (int r = 0; r < R; ++r) {
+      s0[r] = Vec::set1(s[r * G + 2 * c]);
+      s1[r] = Vec::set1(s[r * G + 2 * c + 1]);
+    }
+    for (int j = 0; j < 16; j += L) {
+      reg lo[R], hi[R];
+      for (int r = 0; r < R; ++r) {
+        reg nlo, nhi, clo, chi;
+        Vec::nibbles(w + r * stride + c * 16 + j, nlo, nhi);
+        Vec::crumbs(q + r * qstride + c * 8, j, clo, chi);
+        lo[r] = Vec::fma(clo, sixteen, nlo + bias) * s0[r];
+        hi[r] = Vec::fma(chi, sixteen, nhi + bias) * s1[r];
+      }
+      for (int m = 0; m < MB; ++m) {
+        const reg x0 = Vec::load(x + m * ldx + c * 32 + j), x1 = Vec::load(x + m * ldx + c * 32 + 16 + j);
+        for (int r = 0; r < R; ++r) acc[r][m] = Vec::fma(hi[r], x1, Vec::fma(lo[r], x0, acc[r][m]));
+      }
+    }
+  }
+  for (int m = 0; m < MB; ++m)
+    for (int r = 0; r < R; ++r) out[m][r] = Vec::sum(acc[r][m]);
+}
+
 // An int8 tile of R rows from row n (w at row n), scales `s` of any stored type (all rows').
 template <int R, int MB, typename ST>
 inline void int8_tile(const Weight& W, const float* x, int64_t ldx, const int8_t* w, const ST* s,
@@ -306,6 +368,12 @@ inline void block(const Weight& W, const float* x, int64_t ldx, const float* xs,
     tile4<R, MB, 32, float>(x, ldx, w, K, s, G, 32, out);
     for (int m = 0; m < MB; ++m)
       for (int r = 0; r < R; ++r) out[m][r] += dot(o + r * G, xs + m * G, G);
+  } else if (W.kind == kInt6K) {
+    thread_local std::vector<float> expanded;
+    expanded.resize(R * G);
+    expand_six_bit_scales(W, n, R, expanded.data());
+    tile6<R, MB>(x, ldx, static_cast<const uint8_t*>(W.data) + n * (K / 2),
+                 static_cast<const uint8_t*>(W.offsets) + n * (K / 4), K, expanded.data(), G, out);
   } else if (W.kind == kFp32) {
     const float* unscaled = nullptr;
     tile<R, MB, false, 0>(x, ldx, static_cast<const float*>(W.data) + n * K, K, unscaled, 1, K, out);
@@ -316,7 +384,7 @@ inline void block(const Weight& W, const float* x, int64_t ldx, const float* xs,
     int8_tile<R, MB>(W, x, ldx, static_cast<const int8_t*>(W.data) + n * K,
                      static_cast<const float*>(W.scales), n, out);
   }
-  const float* offsets8 = W.kind == kInt8 ? static_cast<const float*>(W.offsets) : nullptr;
+  const float* offsets8 = W.kind == kInt8 ? static_cast<const float*>(W.offsets) : nullptr;  // kInt6K's are its high bits
   for (int m = 0; m < MB; ++m)
     for (int r = 0; r < R; ++r) {
       float v = out[m][r];
@@ -376,7 +444,7 @@ inline void gemv_rows(const Weight& W, const float* x, int64_t ldx, int64_t M, c
 // x [M, K] summed per group of W: [M, G]; empty unless W has offsets or is int4 (whose
 // symmetric offsets are implied).
 inline std::vector<float> group_sums(const Weight& W, const float* x, int64_t ldx, int64_t M) {
-  if (!W.offsets && W.kind != kInt4 && W.kind != kInt4K) return {};
+  if ((!W.offsets || W.kind == kInt6K) && W.kind != kInt4 && W.kind != kInt4K) return {};
   constexpr int L = Vec::lanes;
   const int64_t K = W.cols, G = W.groups();
   std::vector<float> xs(M * G);

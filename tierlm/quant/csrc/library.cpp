@@ -125,6 +125,45 @@ int tierlm_q4k_dequant(const uint8_t* packed, const uint8_t* super, int64_t N, i
   return 0;
 }
 
+// y[M, N] = x[M, K] @ W.T (+ bias[N]) for a GGUF Q6_K weight as gemv.h's kInt6K holds it: low
+// nibbles [N, K / 2], high parts [N, K / 4], super-blocks [N, K / 256, 18]. Returns -1 (nothing
+// written) unless K is a positive multiple of 256.
+int tierlm_q6k_matmul(const float* x, int64_t M, int64_t K, const uint8_t* packed, const uint8_t* high,
+                      const uint8_t* super, int64_t N, const float* bias, float* y, int threads) {
+  const tl::Weight W{packed, super, high, bias, N, K, 16, tl::kInt6K, 0};
+  if (!W.supported() || K <= 0) return -1;
+  tl::gemv(W, x, K, M, nullptr, y, N, false, threads);
+  return 0;
+}
+
+// out[N, K] = (lo + 16 hi - 32) * (d * sc) in fp32 for the weight of tierlm_q6k_matmul: exactly
+// the `gguf` package's Q6_K values.
+int tierlm_q6k_dequant(const uint8_t* packed, const uint8_t* high, const uint8_t* super, int64_t N, int64_t K,
+                       float* out, int threads) {
+  const tl::Weight W{packed, super, high, nullptr, N, K, 16, tl::kInt6K, 0};
+  if (!W.supported() || K <= 0) return -1;
+  const int64_t G = W.groups();
+  tl::parallel_for(N, 16, threads, [&](int64_t n0, int64_t n1) {
+    std::vector<float> s(G);
+    for (int64_t n = n0; n < n1; ++n) {
+      tl::expand_six_bit_scales(W, n, 1, s.data());
+      for (int64_t c = 0; c < K / 32; ++c) {
+        const uint8_t* p = packed + n * (K / 2) + c * 16;
+        const uint8_t* h = high + n * (K / 4) + c * 8;
+        float* row = out + n * K + c * 32;
+        for (int j = 0; j < 16; ++j) {
+          const int shift = j / 8 * 2;
+          const int lo = (p[j] & 0x0F) | (((h[j % 8] >> shift) & 3) << 4);
+          const int hi = (p[j] >> 4) | (((h[j % 8] >> (shift + 4)) & 3) << 4);
+          row[j] = static_cast<float>(lo - 32) * s[2 * c];
+          row[16 + j] = static_cast<float>(hi - 32) * s[2 * c + 1];
+        }
+      }
+    }
+  });
+  return 0;
+}
+
 // One decoder layer's decode step, x [batch, hidden] updated in place (see fused_decode.h).
 // `step` holds what every layer of a step shares; `words` this layer's 44 int64 words:
 // 4 weights (qkv, o, w13, w2) x {data, scales, offsets, bias, rows, cols, group, kind, half}

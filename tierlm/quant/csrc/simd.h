@@ -6,7 +6,9 @@
 // Besides fp32 and int8 loads, `Vec` reads the int4 format (tierlm/quant/int4.py): `nibbles`
 // widens `lanes` packed bytes to their low nibbles (columns j..) and high nibbles (columns
 // 16 + j..) as fp32, and `load_half` widens fp16 (scales, offsets) with F16C where the target
-// has it; `half_to_float` is the scalar conversion.
+// has it; `half_to_float` is the scalar conversion. `crumbs` widens GGUF Q6_K's 2-bit high
+// parts as tierlm/quant/q6k.py lays them: per 32-column chunk 8 bytes, byte i holding columns i,
+// 8 + i, 16 + i and 24 + i in its bit pairs from the lowest.
 #pragma once
 
 #include <cstdint>
@@ -71,6 +73,18 @@ struct Vec {
     lo = _mm512_cvtepi32_ps(_mm512_and_si512(b, _mm512_set1_epi32(15)));
     hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4));
   }
+  // A 32-column chunk's 2-bit high parts (8 bytes, `crumbs` below) for columns j.. (lo) and
+  // 16 + j.. (hi) as fp32; j is 0 at 16 lanes.
+  static inline void crumbs(const uint8_t* p, int, reg& lo, reg& hi) {
+    const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+    const __m256i three = _mm256_set1_epi32(3);
+    auto join = [&](int a, int c) {
+      const __m512i low = _mm512_castsi256_si512(_mm256_and_si256(_mm256_srli_epi32(b, a), three));
+      return _mm512_cvtepi32_ps(_mm512_inserti64x4(low, _mm256_and_si256(_mm256_srli_epi32(b, c), three), 1));
+    };
+    lo = join(0, 2);
+    hi = join(4, 6);
+  }
   static inline void store(float* p, reg v) { _mm512_storeu_ps(p, v); }
   static inline reg fma(reg a, reg b, reg c) { return _mm512_fmadd_ps(a, b, c); }
   static inline float sum(reg v) { return _mm512_reduce_add_ps(v); }
@@ -100,6 +114,14 @@ struct Vec {
     const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
     lo = _mm256_cvtepi32_ps(_mm256_and_si256(b, _mm256_set1_epi32(15)));
     hi = _mm256_cvtepi32_ps(_mm256_srli_epi32(b, 4));
+  }
+  // A chunk's 2-bit high parts for columns j.. (lo) and 16 + j.. (hi), j 0 or 8.
+  static inline void crumbs(const uint8_t* p, int j, reg& lo, reg& hi) {
+    const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+    const __m256i three = _mm256_set1_epi32(3);
+    const int shift = j / 8 * 2;
+    lo = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(b, shift), three));
+    hi = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(b, shift + 4), three));
   }
   static inline void store(float* p, reg v) { _mm256_storeu_ps(p, v); }
   static inline reg fma(reg a, reg b, reg c) { return _mm256_fmadd_ps(a, b, c); }
@@ -164,6 +186,15 @@ struct Vec {
 #endif
     lo = __builtin_convertvector(b & 15, reg);
     hi = __builtin_convertvector(b >> 4, reg);
+  }
+  // A chunk's 2-bit high parts for columns j.. (lo) and 16 + j.. (hi), j a multiple of 4.
+  static inline void crumbs(const uint8_t* p, int j, reg& lo, reg& hi) {
+    ubytes raw;
+    std::memcpy(&raw, p + j % 8, sizeof raw);
+    const ints b = __builtin_convertvector(raw, ints);
+    const int shift = j / 8 * 2;
+    lo = __builtin_convertvector((b >> shift) & 3, reg);
+    hi = __builtin_convertvector((b >> (shift + 4)) & 3, reg);
   }
   static inline void store(float* p, reg v) { std::memcpy(p, &v, sizeof v); }
   static inline reg fma(reg a, reg b, reg c) { return a * b + c; }

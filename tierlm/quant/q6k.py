@@ -1,0 +1,144 @@
+"""GGUF Q6_K carried at its own size: 6-bit codes and, per 256 columns, the block's fp16 d with
+sixteen int8 sub-scales (6.5625 bits a weight, exactly the GGUF's).
+
+Group j (16 columns) of a super-block is W = (q - 32) * (d * sc[j]): the `gguf` package's Q6_K
+values bit for bit (every product exact in fp32). Layout, what the native kernels (csrc/gemv.h
+kInt6K) read as stored:
+
+    packed       uint8 [out, in / 2]: the codes' low nibbles in int4.py's packing
+    high         uint8 [out, in / 4]: their 2-bit high parts, per 32 columns 8 bytes, byte i
+                 holding columns i, 8 + i, 16 + i, 24 + i in its bit pairs from the lowest
+    superblocks  uint8 [out, in / 256 * 18]: per super-block fp16 d, then sc[16] (int8)
+
+`Q6KWeight` stands where `Int8Weight` does (`linear`, `rows`); on an accelerator it becomes the
+same values as an exact `Int8Weight` (codes with fp32 scales per 16 columns).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+
+from tierlm.quant.dispatch import kernel_choice
+from tierlm.quant.nibbles import pack_nibbles, unpack_nibbles
+
+SUPER_COLUMNS = 256
+SUPER_BYTES = 18
+GROUP = 16
+BLOCK_BYTES = 210  # a GGUF Q6_K block: ql[128], qh[64], sc[16], d
+
+
+class Q6KWeight:
+    """uint8 `packed` [out, in / 2], `high` [out, in / 4], `superblocks` [out, in / 256 * 18]."""
+
+    group_size = GROUP
+
+    def __init__(self, packed: torch.Tensor, high: torch.Tensor, superblocks: torch.Tensor, *,
+                 dtype: torch.dtype = torch.float32, kernels=None):  # fmt: skip
+        if packed.dtype != torch.uint8 or packed.dim() != 2 or (2 * packed.shape[1]) % SUPER_COLUMNS:
+            raise ValueError(f"packed must be 2-D uint8 of rows of whole 256-column blocks, got "
+                             f"{packed.dtype} {tuple(packed.shape)}")  # fmt: skip
+        rows, cols = packed.shape[0], 2 * packed.shape[1]
+        for what, part, width in (("high", high, cols // 4), ("superblocks", superblocks,
+                                                              cols // SUPER_COLUMNS * SUPER_BYTES)):
+            if part.dtype != torch.uint8 or tuple(part.shape) != (rows, width):
+                raise ValueError(f"{what} must be uint8 {(rows, width)}, got {part.dtype} {tuple(part.shape)}")
+        self.packed = packed.contiguous()
+        self.high = high.contiguous()
+        self.superblocks = superblocks.contiguous()
+        self.dtype = dtype
+        self.kernels = kernels
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size((self.packed.shape[0], 2 * self.packed.shape[1]))
+
+    @property
+    def device(self) -> torch.device:
+        return self.packed.device
+
+    @property
+    def nbytes(self) -> int:
+        return self.packed.nbytes + self.high.nbytes + self.superblocks.nbytes
+
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """x [..., in] @ W.T (+ bias [out]) -> [..., out] in x's dtype, with W = dequantize()."""
+        kernels = self.kernels or kernel_choice(x.device)
+        return kernels.linear(x, self, bias)
+
+    def rows(self, ids: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """Embedding lookup: ids (any shape) -> dequantized rows [*ids.shape, in] in `dtype`."""
+        flat = ids.reshape(-1)
+        rows = dequantize6k(*(part.index_select(0, flat) for part in (self.packed, self.high, self.superblocks)))
+        return rows.to(dtype or self.dtype).view(*ids.shape, rows.shape[1])
+
+    def dequantize(self) -> torch.Tensor:
+        """The float weight as fp32 [out, in] (the reference every kernel must match)."""
+        return dequantize6k(self.packed, self.high, self.superblocks)
+
+    def to(self, device, dtype: torch.dtype | None = None):
+        """On the CPU a Q6KWeight; elsewhere the same values as an exact Int8Weight."""
+        if torch.device(device).type == "cpu":
+            return Q6KWeight(self.packed.to(device), self.high.to(device), self.superblocks.to(device),
+                             dtype=dtype or self.dtype)  # fmt: skip
+        from tierlm.quant.int8 import Int8Weight
+
+        codes = (codes6(self.packed, self.high).to(torch.int16) - 32).to(torch.int8)
+        return Int8Weight(codes, group_scales(self.superblocks), GROUP, dtype=dtype or self.dtype).to(device)
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return {"packed": self.packed, "high": self.high, "superblocks": self.superblocks}
+
+    @classmethod
+    def from_tensors(cls, tensors: Mapping[str, torch.Tensor], *, dtype: torch.dtype = torch.float32) -> Q6KWeight:
+        """Rebuild from `tensors()` output (e.g. views of a memory-mapped artifact), no copy."""
+        return cls(tensors["packed"], tensors["high"], tensors["superblocks"], dtype=dtype)
+
+    def __repr__(self) -> str:
+        return f"Q6KWeight({list(self.shape)}, device={self.device})"
+
+
+def group_scales(superblocks: torch.Tensor) -> torch.Tensor:
+    """Per group of 16 columns: d * sc, fp32 [out, in / 16]."""
+    rows = superblocks.shape[0]
+    blocks = superblocks.view(rows, -1, SUPER_BYTES)
+    d = blocks[..., 0:2].contiguous().view(torch.float16).float()
+    return (d * blocks[..., 2:].contiguous().view(torch.int8).float()).reshape(rows, -1)
+
+
+def codes6(packed: torch.Tensor, high: torch.Tensor) -> torch.Tensor:
+    """The 6-bit codes q (0..63), uint8 [out, in], from the low nibbles and the high parts."""
+    low = unpack_nibbles(packed)
+    rows = high.shape[0]
+    chunks = high.view(rows, -1, 1, 8) >> torch.tensor([0, 2, 4, 6], dtype=torch.uint8).view(1, 1, 4, 1)
+    return low | ((chunks & 3).reshape(rows, -1) << 4)
+
+
+def dequantize6k(packed: torch.Tensor, high: torch.Tensor, superblocks: torch.Tensor,
+                 out: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+    """fp32 [out, in]: (q - 32) * s per group (the reference; the native kernels form the same)."""
+    q = codes6(packed, high)
+    n, k = q.shape
+    out = torch.empty(n, k, dtype=torch.float32, device=packed.device) if out is None else out
+    out.copy_(q).sub_(32)
+    out.view(n, k // GROUP, GROUP).mul_(group_scales(superblocks)[..., None])
+    return out
+
+
+def from_gguf_blocks(raw: torch.Tensor) -> Q6KWeight:
+    """GGUF Q6_K blocks, uint8 [out, in / 256 * 210], as a Q6KWeight holding the same values."""
+    rows = raw.shape[0]
+    blocks = raw.reshape(-1, BLOCK_BYTES)
+    n = blocks.shape[0]
+    # gguf's order: ql's 128 bytes are two halves of 64, low nibbles first; qh's 64 bytes two
+    # halves of 32, four 2-bit parts each (quants.py Q6_K.dequantize_blocks).
+    low = (blocks[:, :128].reshape(n, 2, 1, 64) >> torch.tensor([0, 4], dtype=torch.uint8).view(1, 1, 2, 1)) & 15
+    high = (blocks[:, 128:192].reshape(n, 2, 1, 32)
+            >> torch.tensor([0, 2, 4, 6], dtype=torch.uint8).view(1, 1, 4, 1)) & 3  # fmt: skip
+    codes = low.reshape(n, 256) | (high.reshape(n, 256) << 4)
+    codes = codes.reshape(rows, -1)
+    crumbs = (codes >> 4).view(rows, -1, 4, 8)  # per chunk: columns i, 8 + i, 16 + i, 24 + i
+    packed_high = crumbs[:, :, 0] | (crumbs[:, :, 1] << 2) | (crumbs[:, :, 2] << 4) | (crumbs[:, :, 3] << 6)
+    superblocks = torch.cat([blocks[:, 208:210], blocks[:, 192:208]], dim=1).reshape(rows, -1)
+    return Q6KWeight(pack_nibbles(codes & 15), packed_high.reshape(rows, -1).contiguous(), superblocks.contiguous())
