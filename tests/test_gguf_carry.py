@@ -166,7 +166,7 @@ def test_quantized_gguf_logits_are_transformers_gguf_loaders(tmp_path, monkeypat
     else:
         expected = "int4-g32" if mix == "Q4_0" else "int4-g32-asym" if mix == "Q4_1" else source_grid_mode([mix])
         assert set(modes.values()) == {expected}
-    if mix in ("Q4_K", "Q6_K", "Q8_0", "Q4_0", "Q4_1"):  # at their own size: within 3 % of the file's bytes
+    if mix in ("Q4_K", "Q5_K", "Q6_K", "Q5_0", "Q5_1", "Q8_0", "Q4_0", "Q4_1"):  # own size: within 3 % of the file's
         import gguf
 
         quantized = sum(int(t.n_bytes) for t in gguf.GGUFReader(path).tensors if t.tensor_type.name == mix)
@@ -186,8 +186,8 @@ def test_quantized_gguf_logits_are_transformers_gguf_loaders(tmp_path, monkeypat
     assert torch.equal(got.argmax(-1), expected_logits.argmax(-1))
 
 
-@pytest.mark.parametrize("kind", ["Q4_K", "Q6_K"])
-def test_super_block_types_decode_in_the_fused_step_as_eagerly(tmp_path, monkeypatch, kind):
+@pytest.mark.parametrize("kind", ["Q4_K", "Q6_K", "Q5_0", "Q5_1", "Q5_K"])
+def test_own_layouts_decode_in_the_fused_step_as_eagerly(tmp_path, monkeypatch, kind):
     """A decode step over Q4_K (Q6_K) weights runs natively (the fused step reads the
     super-blocks as stored) and gives the eager path's logits."""
     from tierlm.models import fused_decode
@@ -208,29 +208,34 @@ def test_super_block_types_decode_in_the_fused_step_as_eagerly(tmp_path, monkeyp
         loaded.model.forward(torch.tensor([[1, 70, 80, 90]]), cache)
         steps[fused] = loaded.model.forward(torch.tensor([[259]]), cache)
         loaded.close()
-    assert (fused_decode.KIND_INT4K if kind == "Q4_K" else fused_decode.KIND_INT6K) in kinds
+    want = {"Q4_K": fused_decode.KIND_INT4K, "Q6_K": fused_decode.KIND_INT6K, "Q5_K": fused_decode.KIND_INT5K}
+    assert want.get(kind, fused_decode.KIND_INT5) in kinds
     torch.testing.assert_close(steps["1"], steps["0"], rtol=0, atol=1e-4)
 
 
-@pytest.mark.parametrize("kind", ["Q4_K", "Q6_K"])
+@pytest.mark.parametrize("kind", ["Q4_K", "Q6_K", "Q5_0", "Q5_1", "Q5_K"])
 @pytest.mark.parametrize("rows", [1, 7, 37])
 def test_super_block_kernels_on_each_isa_path(native_build, kind, rows):
-    """The Q4_K and Q6_K kernels built for AVX2 and for portable vectors (the default build, AVX-512 where
+    """The Q4_K, Q6_K and 5-bit kernels built for AVX2 and for portable vectors (the default build, AVX-512 where
     the CPU has it, runs everywhere else): dequantization exactly gguf's, products within fp32
     summation error of it, for 1-5 activation rows and row counts that leave partial tiles."""
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize
 
-    from tierlm.quant import q4k, q6k
+    from tierlm.quant import q4k, q5, q6k
 
     cols = 768
     raw = random_blocks(kind, rows, cols, np.random.default_rng(rows))
     expected = dequantize(raw, getattr(GGMLQuantizationType, kind)).reshape(rows, cols)
-    weight = (q4k if kind == "Q4_K" else q6k).from_gguf_blocks(torch.from_numpy(raw))
+    read = {"Q4_K": q4k.from_gguf_blocks, "Q6_K": q6k.from_gguf_blocks}.get(kind, lambda r: q5.from_gguf_blocks(r, kind))
+    weight = read(torch.from_numpy(raw))
     np.testing.assert_array_equal(weight.dequantize().numpy(), expected)
     parts = weight.tensors()
-    dequantize_into = native_build.dequantize4k_into if kind == "Q4_K" else native_build.dequantize6k_into
-    matmul = native_build.matmul4k if kind == "Q4_K" else native_build.matmul6k
+    if kind.startswith("Q5"):  # the 5-bit entry points take every part, absent ones as None
+        parts = {name: weight.tensors().get(name) for name in ("codes", "scales", "offsets", "superblocks")}
+    dequantize_into = {"Q4_K": native_build.dequantize4k_into, "Q6_K": native_build.dequantize6k_into}.get(
+        kind, native_build.dequantize5_into)
+    matmul = {"Q4_K": native_build.matmul4k, "Q6_K": native_build.matmul6k}.get(kind, native_build.matmul5)
     out = torch.empty(rows, cols)
     np.testing.assert_array_equal(dequantize_into(*parts.values(), out).numpy(), expected)
     reference = torch.from_numpy(expected).double()
@@ -241,5 +246,5 @@ def test_super_block_kernels_on_each_isa_path(native_build, kind, rows):
         want = x.double() @ reference.T + bias.double()
         scale = (x.double().abs() @ reference.abs().T).max()
         assert float((got.double() - want).abs().max()) <= 1e-5 * float(scale)
-    with pytest.raises(ValueError, match="multiple of 256"):
-        matmul(torch.randn(1, 32), *(part[:, :8].contiguous() for part in parts.values()))
+    with pytest.raises(ValueError, match="multiple of"):
+        matmul(torch.randn(1, 16), *(part[:, :8].contiguous() if part is not None else None for part in parts.values()))

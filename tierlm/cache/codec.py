@@ -24,6 +24,7 @@ from tierlm.cache.encodings import (  # noqa: F401
 from tierlm.quant.int4 import Int4Weight, int4_on_source_grid, quantize_int4
 from tierlm.quant.int8 import Int8Weight, q8_0_on_source_grid, quantize_int8, quantize_q8_0
 from tierlm.quant.q4k import Q4KWeight
+from tierlm.quant.q5 import FiveBitWeight
 from tierlm.quant.q6k import Q6KWeight
 from tierlm.quant.modes import GRID_SOURCE_MODE, MIXED_SOURCE, QuantMode, int4_fits, parse_quant_mode
 
@@ -65,6 +66,8 @@ def encode_carried(weight) -> tuple[str, dict[str, Any], dict[str, Any]]:
         return "q4k", weight.tensors(), {}
     if isinstance(weight, Q6KWeight):
         return "q6k", weight.tensors(), {}
+    if isinstance(weight, FiveBitWeight):
+        return ("q5k" if weight.superblocks is not None else "q5"), weight.tensors(), {}
     return "int8", weight.tensors(), {"group_size": weight.group_size}
 
 
@@ -94,8 +97,9 @@ def decode(record, parts: Mapping[str, Any], *, device="cpu", dtype=None):
     if record.encoding == "int4":
         weight = Int4Weight.from_tensors(parts, record.meta["group_size"], dtype=dtype)
         return weight if torch.device(device).type == "cpu" else weight.to(device)
-    if record.encoding in ("q4k", "q6k"):
-        weight = (Q4KWeight if record.encoding == "q4k" else Q6KWeight).from_tensors(parts, dtype=dtype)
+    if record.encoding in ("q4k", "q6k", "q5", "q5k"):
+        kind = {"q4k": Q4KWeight, "q6k": Q6KWeight}.get(record.encoding, FiveBitWeight)
+        weight = kind.from_tensors(parts, dtype=dtype)
         return weight if torch.device(device).type == "cpu" else weight.to(device)
     if record.encoding == "plain":
         return parts["data"].to(device=device, dtype=dtype)

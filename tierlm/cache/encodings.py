@@ -10,16 +10,18 @@ validated with these rules alone; tierlm/cache/codec.py encodes and decodes the 
 
 from __future__ import annotations
 
-from tierlm.quant.modes import Q4_K, Q6_K, Q8_0, Q8_0_GROUP, QuantMode, int4_fits, parse_quant_mode
+from tierlm.quant.modes import Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0, Q8_0_GROUP, QuantMode, int4_fits, parse_quant_mode
 
 FLOAT_DTYPES = ("float32", "float16", "bfloat16")
 # encoding -> (parts it must have, parts it may have)
 ENCODINGS = {"plain": ({"data"}, set()), "int8": ({"qweight", "scales"}, {"offsets"}),
              "int4": ({"packed", "scales"}, {"offsets"}), "q4k": ({"packed", "superblocks"}, set()),
-             "q6k": ({"packed", "high", "superblocks"}, set())}  # fmt: skip
+             "q6k": ({"packed", "high", "superblocks"}, set()), "q5": ({"codes", "scales"}, {"offsets"}),
+             "q5k": ({"codes", "superblocks"}, set())}  # fmt: skip
 # Bytes per 256 columns of the super-blocks: q4k (GGUF Q4_K, quant/q4k.py) fp16 d and dmin, 8
 # sub-scales, 8 sub-mins; q6k (GGUF Q6_K, quant/q6k.py) fp16 d and 16 int8 sub-scales.
-SUPER_COLUMNS, SUPER_BYTES = 256, {"q4k": 20, "q6k": 18}
+SUPER_COLUMNS, SUPER_BYTES = 256, {"q4k": 20, "q6k": 18, "q5k": 20}
+FIVE_BIT_CHUNK = 20  # q5, q5k (GGUF Q5_0/Q5_1/Q5_K, quant/q5.py): per 32 columns 16 nibble bytes, 4 high-bit bytes
 
 # Canonical names of 2-D weights kept in fp32 under every mode: an MoE router's near-tied logits
 # choose experts, and an error that flips one changes the token (llama.cpp keeps ffn_gate_inp in F32).
@@ -49,6 +51,11 @@ def part_bytes(shape: tuple[int, ...], mode: QuantMode, name: str | None = None)
         return [elements // 2, out_features * (in_features // SUPER_COLUMNS) * SUPER_BYTES["q4k"]]
     if mode.name == Q6_K:
         return [elements // 2, elements // 4, out_features * (in_features // SUPER_COLUMNS) * SUPER_BYTES["q6k"]]
+    if mode.name in (Q5_0, Q5_1, Q5_K):
+        codes = elements // 32 * FIVE_BIT_CHUNK
+        if mode.name == Q5_K:
+            return [codes, out_features * (in_features // SUPER_COLUMNS) * SUPER_BYTES["q5k"]]
+        return [codes, *[elements // 32 * 2] * (2 if mode.name == Q5_1 else 1)]
     if mode.weight_dtype == "int4":
         if int4_fits(shape):
             groups = -(-in_features // mode.group_size)
@@ -74,6 +81,10 @@ def record_mode(record) -> str:
         return Q4_K
     if record.encoding == "q6k":
         return Q6_K
+    if record.encoding == "q5k":
+        return Q5_K
+    if record.encoding == "q5":
+        return Q5_1 if "offsets" in record.parts else Q5_0
     if record.encoding == "int8" and group == Q8_0_GROUP and not asym and record.parts["scales"].dtype == "float16":
         return Q8_0  # int8-g32 with fp16 scales
     if record.encoding in ("int4", "int8"):
@@ -86,6 +97,9 @@ def logical_shape(record) -> tuple[int, ...]:
     if record.encoding in ("int4", "q4k", "q6k"):
         rows, half = record.parts["packed"].shape
         return rows, 2 * half
+    if record.encoding in ("q5", "q5k"):
+        rows, width = record.parts["codes"].shape
+        return rows, width // FIVE_BIT_CHUNK * 32
     return tuple(record.parts["qweight" if record.encoding == "int8" else "data"].shape)
 
 
@@ -105,9 +119,30 @@ def check_record(record, shape: tuple[int, ...] | None = None) -> str | None:
         return _shape_problem(data.shape, shape)
     if record.encoding == "int4":
         return _int4_problem(record, shape)
+    if record.encoding in ("q5", "q5k"):
+        return _five_bit_problem(record, shape)
     if record.encoding in SUPER_BYTES:
         return _super_block_problem(record, shape)
     return _int8_problem(record, shape)
+
+
+def _five_bit_problem(record, shape) -> str | None:
+    """A q5 or q5k record: whole 20-byte chunks; fp16 scales (offsets) per 32 columns, or
+    super-blocks per 256."""
+    codes = record.parts["codes"]
+    if codes.dtype != "uint8" or len(codes.shape) != 2 or codes.shape[1] % FIVE_BIT_CHUNK:
+        return f"codes are {codes.dtype}{list(codes.shape)}, expected 2-D uint8 of whole 20-byte chunks"
+    rows, columns = codes.shape[0], codes.shape[1] // FIVE_BIT_CHUNK * 32
+    if record.encoding == "q5k":
+        want = (rows, columns // SUPER_COLUMNS * SUPER_BYTES["q5k"])
+        blocks = record.parts["superblocks"]
+        if columns % SUPER_COLUMNS or blocks.dtype != "uint8" or tuple(blocks.shape) != want:
+            return f"superblocks are {blocks.dtype}{list(blocks.shape)}, expected uint8 {list(want)}"
+    for name in ("scales", "offsets"):
+        part = record.parts.get(name) if record.encoding == "q5" else None
+        if part is not None and (part.dtype != "float16" or tuple(part.shape) != (rows, columns // 32)):
+            return f"{name} are {part.dtype}{list(part.shape)}, expected float16 {[rows, columns // 32]}"
+    return _shape_problem((rows, columns), shape)
 
 
 def _super_block_problem(record, shape) -> str | None:

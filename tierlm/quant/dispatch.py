@@ -76,7 +76,11 @@ class KernelChoice:
         if bias is not None and not bias.is_contiguous():
             bias = bias.contiguous()
         kernel = self.gemv if rows.shape[0] <= self.crossover else self.gemm
-        if hasattr(weight, "high"):  # Q6KWeight: GGUF Q6_K's 6-bit codes and super-block scales
+        if hasattr(weight, "codes"):  # FiveBitWeight: GGUF Q5_0/Q5_1/Q5_K
+            if not hasattr(kernel, "matmul5"):
+                kernel = self.gemm
+            out = kernel.matmul5(rows, weight.codes, weight.scales, weight.offsets, weight.superblocks, bias)
+        elif hasattr(weight, "high"):  # Q6KWeight: GGUF Q6_K's 6-bit codes and super-block scales
             if not hasattr(kernel, "matmul6k"):
                 kernel = self.gemm
             out = kernel.matmul6k(rows, weight.packed, weight.high, weight.superblocks, bias)
@@ -160,7 +164,8 @@ def calibrate(
     blas = (BlasKernel(native.dequantize_into, name="native-dequant+blas",
                        dequantize4=getattr(native, "dequantize4_into", None),
                        dequantize4k=getattr(native, "dequantize4k_into", None),
-                       dequantize6k=getattr(native, "dequantize6k_into", None)) if native else BlasKernel())  # fmt: skip
+                       dequantize6k=getattr(native, "dequantize6k_into", None),
+                       dequantize5=getattr(native, "dequantize5_into", None)) if native else BlasKernel())  # fmt: skip
 
     out_features, in_features = shape
     gen = torch.Generator().manual_seed(0)

@@ -91,6 +91,10 @@ class NativeKernel:
         lib.tierlm_q6k_matmul.restype = ctypes.c_int
         lib.tierlm_q6k_dequant.argtypes = [ptr, ptr, ptr, i64, i64, ptr, ctypes.c_int]
         lib.tierlm_q6k_dequant.restype = ctypes.c_int
+        lib.tierlm_q5_matmul.argtypes = [ptr, i64, i64, ptr, ptr, ptr, i64, ptr, ptr, ctypes.c_int, ctypes.c_int]
+        lib.tierlm_q5_matmul.restype = ctypes.c_int
+        lib.tierlm_q5_dequant.argtypes = [ptr, ptr, ptr, i64, i64, ptr, ctypes.c_int, ctypes.c_int]
+        lib.tierlm_q5_dequant.restype = ctypes.c_int
         lib.tierlm_decode_layer.argtypes = [ptr, ptr, ptr]
         lib.tierlm_decode_layer.restype = ctypes.c_int
         lib.tierlm_decode_attention.argtypes = [ptr, ptr, ptr]
@@ -207,6 +211,32 @@ class NativeKernel:
                                            out.data_ptr(), torch.get_num_threads())  # fmt: skip
         if done != 0:
             raise ValueError(f"Q6_K weights need K ({k}) a multiple of 256")
+        return out
+
+    def matmul5(self, x, codes, scales, offsets=None, superblocks=None, bias=None):
+        """x [M, K] fp32 @ a GGUF 5-bit weight (tierlm/quant/q5.py: codes [N, K / 32 * 20] with fp16
+        scales (and offsets, None: Q5_0) [N, K / 32], or Q5_K's `superblocks`).T (+ bias)."""
+        m, k = x.shape
+        n = codes.shape[0]
+        y = torch.empty(m, n, dtype=torch.float32)
+        s = superblocks if superblocks is not None else scales
+        done = self.lib.tierlm_q5_matmul(x.data_ptr(), m, k, codes.data_ptr(), s.data_ptr(),
+                                         offsets.data_ptr() if offsets is not None else None, n,
+                                         bias.data_ptr() if bias is not None else None, y.data_ptr(),
+                                         torch.get_num_threads(), int(superblocks is not None))  # fmt: skip
+        if done != 0:
+            raise ValueError(f"5-bit weights cannot have K = {k} (a multiple of 32, of 256 for Q5_K)")
+        return y
+
+    def dequantize5_into(self, codes, scales, offsets, superblocks, out):
+        """out [N, K] fp32 = the 5-bit weight dequantized, exactly the `gguf` package's values."""
+        n, k = out.shape
+        s = superblocks if superblocks is not None else scales
+        done = self.lib.tierlm_q5_dequant(codes.data_ptr(), s.data_ptr(),
+                                          offsets.data_ptr() if offsets is not None else None, n, k, out.data_ptr(),
+                                          torch.get_num_threads(), int(superblocks is not None))  # fmt: skip
+        if done != 0:
+            raise ValueError(f"5-bit weights cannot have K = {k} (a multiple of 32, of 256 for Q5_K)")
         return out
 
     def kv_store(self, kv_type: int, x, codes, scales=None):

@@ -70,11 +70,12 @@ class BlasKernel:
     """
 
     def __init__(self, dequantize=dequantize_into, name="dequant-blas", block_bytes=16 << 20, dequantize4=None,
-                 dequantize4k=None, dequantize6k=None):  # fmt: skip
+                 dequantize4k=None, dequantize6k=None, dequantize5=None):  # fmt: skip
         self._dequantize = dequantize
         self._dequantize4 = dequantize4 or _dequantize4_into
         self._dequantize4k = dequantize4k or _dequantize4k_into
         self._dequantize6k = dequantize6k or _dequantize6k_into
+        self._dequantize5 = dequantize5 or _dequantize5_into
         self.name = name
         self.block_bytes = block_bytes
 
@@ -107,6 +108,14 @@ class BlasKernel:
             self._dequantize6k(packed[start:stop], high[start:stop], superblocks[start:stop], block)
 
         return self._blocked(x, packed.shape[0], rows_into, bias)
+
+    def matmul5(self, x, codes, scales, offsets, superblocks, bias=None):
+        """x [M, K] fp32 @ a GGUF 5-bit weight (tierlm/quant/q5.py).T (+ bias)."""
+        def rows_into(start, stop, block):
+            part = lambda t: t[start:stop] if t is not None else None  # noqa: E731
+            self._dequantize5(codes[start:stop], part(scales), part(offsets), part(superblocks), block)
+
+        return self._blocked(x, codes.shape[0], rows_into, bias)
 
     def _blocked(self, x, n, rows_into, bias):
         """x [M, K] @ W.T for W [n, K] made a block of rows at a time by rows_into(start, stop, out)."""
@@ -152,6 +161,11 @@ class TorchKernel:
         weight = _dequantize4k_into(packed, superblocks).to(x.dtype)
         return F.linear(x, weight, None if bias is None else bias.to(x.dtype))
 
+    def matmul5(self, x, codes, scales, offsets, superblocks, bias=None):
+        """The 5-bit weight dequantized (in fp32, then x's dtype) and `F.linear`."""
+        weight = _dequantize5_into(codes, scales, offsets, superblocks).to(x.dtype)
+        return F.linear(x, weight, None if bias is None else bias.to(x.dtype))
+
     def matmul6k(self, x, packed, high, superblocks, bias=None):
         """The Q6_K weight dequantized (in fp32, then x's dtype) and `F.linear`."""
         weight = _dequantize6k_into(packed, high, superblocks).to(x.dtype)
@@ -162,6 +176,12 @@ def _dequantize4k_into(packed, superblocks, out=None):
     from tierlm.quant.q4k import dequantize4k  # q4k imports dispatch, which imports this module
 
     return dequantize4k(packed, superblocks, out=out)
+
+
+def _dequantize5_into(codes, scales, offsets, superblocks, out=None):
+    from tierlm.quant.q5 import dequantize5  # q5 imports dispatch, which imports this module
+
+    return dequantize5(codes, scales, offsets, superblocks, out=out)
 
 
 def _dequantize6k_into(packed, high, superblocks, out=None):

@@ -95,8 +95,8 @@ class GgufCheckpoint:
         kinds = {item.source_type for item in items}
         if not kinds <= CARRIED_SOURCE_TYPES or kinds <= FOUR_BIT_SOURCE_TYPES or len(items[0].hf_shape) != 2:
             return None
-        if kinds in ({"Q4_K"}, {"Q6_K"}):
-            return self._read_super_blocks(items)
+        if kinds in ({"Q4_K"}, {"Q6_K"}, {"Q5_0"}, {"Q5_1"}, {"Q5_K"}):
+            return self._read_own_layout(items)
         form = combined_form(kinds)
         pieces = []
         for item in items:
@@ -108,21 +108,24 @@ class GgufCheckpoint:
         fused = [torch.from_numpy(np.ascontiguousarray(np.concatenate(column))) for column in zip(*pieces)]
         return Int8Weight(fused[0], fused[1], form.group, offsets=fused[2] if form.asymmetric else None)
 
-    def _read_super_blocks(self, items):
-        """Q4_K (or Q6_K) tensors fused by rows as a Q4KWeight (Q6KWeight): their blocks re-laid for
-        the kernels (tierlm/quant/q4k.py, q6k.py), every value kept."""
-        from tierlm.quant import q4k, q6k
+    def _read_own_layout(self, items):
+        """Tensors of one type with a layout of its own (Q4_K, Q6_K, Q5_0, Q5_1, Q5_K) fused by
+        rows: their blocks re-laid for the kernels (tierlm/quant/q4k.py, q6k.py, q5.py), every
+        value kept."""
+        from tierlm.quant import q4k, q5, q6k
         from tierlm.weights.gguf_tensors import read_raw, unpermute_rope_rows
 
-        layout = q4k if items[0].source_type == "Q4_K" else q6k
+        kind = items[0].source_type
+        read = {"Q4_K": q4k.from_gguf_blocks, "Q6_K": q6k.from_gguf_blocks}.get(
+            kind, lambda raw: q5.from_gguf_blocks(raw, kind))
         pieces = []
         for item in items:
-            parts = layout.from_gguf_blocks(torch.from_numpy(read_raw(item, self.source))).tensors()
+            parts = read(torch.from_numpy(read_raw(item, self.source))).tensors()
             if item.unpermute_heads:  # whole rows move: every part of a row alike
                 parts = {name: unpermute_rope_rows(part, item.unpermute_heads) for name, part in parts.items()}
             pieces.append(parts)
         fused = {name: torch.cat([piece[name] for piece in pieces]) for name in pieces[0]}
-        return (layout.Q4KWeight if layout is q4k else layout.Q6KWeight).from_tensors(fused)
+        return {"Q4_K": q4k.Q4KWeight, "Q6_K": q6k.Q6KWeight}.get(kind, q5.FiveBitWeight).from_tensors(fused)
 
     def parameters(self) -> int:
         return sum(math.prod(item.hf_shape) for item in self._planned.values())

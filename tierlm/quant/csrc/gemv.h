@@ -28,7 +28,7 @@
 namespace tl {
 
 // What a Weight's data holds (the values of Weight::kind).
-enum WeightKind : int32_t { kFp32 = 0, kInt8 = 1, kInt4 = 4, kInt4K = 5, kInt6K = 6 };
+enum WeightKind : int32_t { kFp32 = 0, kInt8 = 1, kInt4 = 4, kInt4K = 5, kInt6K = 6, kInt5 = 7, kInt5K = 8 };
 
 // GGUF Q4_K's scales as tierlm/quant/q4k.py stores them beside int4.py-packed nibbles: per row, per
 // 256 columns, 20 bytes: fp16 d, fp16 dmin, then 8 sub-scales and 8 sub-mins (6-bit values, one
@@ -50,6 +50,10 @@ constexpr int64_t kSixBitBytes = 18;
 //          above: cols a multiple of 256), offsets null, half 0.
 //   kInt6K low nibbles as kInt4's, `offsets` the high parts (uint8 [rows, cols / 4]), `scales`
 //          the super-blocks (uint8 [rows, cols / 256, 18]), group 16, half 0.
+//   kInt5  5-bit codes u (uint8 [rows, cols / 32, 20]: per chunk 16 bytes of nibbles, then the
+//          high bits), group 32, fp16 scales [rows, G] and offsets or null (W = (u - 16) s):
+//          GGUF Q5_1 and Q5_0; half 1.
+//   kInt5K the same codes with kInt4K's super-blocks as `scales` (GGUF Q5_K), half 0.
 // `half` says the scales (and offsets) are fp16: 1 for kInt4, either for kInt8 (`supported()`).
 // The layout is mirrored by `WeightArg` in tierlm/models/fused_decode.py.
 struct Weight {
@@ -69,6 +73,8 @@ struct Weight {
     if (kind == kInt4) return half && scales && group > 0 && group % 32 == 0 && cols % 32 == 0;
     if (kind == kInt4K) return !half && scales && !offsets && group == 32 && cols % kSuperColumns == 0;
     if (kind == kInt6K) return !half && scales && offsets && group == 16 && cols % kSuperColumns == 0;
+    if (kind == kInt5) return half && scales && group == 32 && cols % 32 == 0;
+    if (kind == kInt5K) return !half && scales && !offsets && group == 32 && cols % kSuperColumns == 0;
     return false;
   }
 };
@@ -160,22 +166,33 @@ inline void tile(const float* x, int64_t ldx, const WT* w, int64_t K, const ST* 
 // chunks, the last one possibly shorter; GS > 0: groups of GS columns, unrolled. One
 // accumulator chain per (row, activation row): measured faster on Zen 3 than two, whose extra
 // registers GCC spills.
-template <int R, int MB, int GS, typename ST = uint16_t>
+// CB = 20: 5-bit codes, each 32-column chunk its 16 bytes of nibbles then 4 bytes of high bits
+// (bit i column i), u = nibble + 16 * bit (GGUF Q5_0/Q5_1/Q5_K, tierlm/quant/q5.py).
+template <int R, int MB, int GS, typename ST = uint16_t, int CB = 16>
 inline void tile4(const float* x, int64_t ldx, const uint8_t* w, int64_t K, const ST* s,
                   int64_t G, int64_t group, float (&out)[MB][R]) {
   using reg = Vec::reg;
   constexpr int L = Vec::lanes;
   constexpr int64_t CHUNK = 32, LINE = 128;  // columns per 16-byte chunk, per 64-byte line
   static_assert(16 % L == 0 && GS % CHUNK == 0, "chunks are whole vectors, groups whole chunks");
-  const int64_t stride = K / 2;
+  const int64_t stride = K / CHUNK * CB;
   reg acc[R][MB];
   reg total[R][MB] = {};
   auto chunk = [&](int64_t k) __attribute__((always_inline)) {
+    const int64_t at = k / CHUNK * CB;
     if (TL_PREFETCH && (k & (LINE - 1)) == 0)
-      for (int r = 0; r < R; ++r) prefetch(w + (r + R) * stride + k / 2);
+      for (int r = 0; r < R; ++r) prefetch(w + (r + R) * stride + at);
     for (int j = 0; j < 16; j += L) {
       reg lo[R], hi[R];
-      for (int r = 0; r < R; ++r) Vec::nibbles(w + r * stride + k / 2 + j, lo[r], hi[r]);
+      for (int r = 0; r < R; ++r) {
+        Vec::nibbles(w + r * stride + at + j, lo[r], hi[r]);
+        if constexpr (CB == 20) {
+          reg bit_lo, bit_hi;
+          Vec::bits(w + r * stride + at + 16, j, bit_lo, bit_hi);
+          lo[r] = Vec::fma(bit_lo, Vec::set1(16.0f), lo[r]);
+          hi[r] = Vec::fma(bit_hi, Vec::set1(16.0f), hi[r]);
+        }
+      }
       for (int m = 0; m < MB; ++m) {
         const reg x0 = Vec::load(x + m * ldx + k + j), x1 = Vec::load(x + m * ldx + k + 16 + j);
         for (int r = 0; r < R; ++r) acc[r][m] = Vec::fma(hi[r], x1, Vec::fma(lo[r], x0, acc[r][m]));
@@ -368,6 +385,23 @@ inline void block(const Weight& W, const float* x, int64_t ldx, const float* xs,
     tile4<R, MB, 32, float>(x, ldx, w, K, s, G, 32, out);
     for (int m = 0; m < MB; ++m)
       for (int r = 0; r < R; ++r) out[m][r] += dot(o + r * G, xs + m * G, G);
+  } else if (W.kind == kInt5) {
+    const uint8_t* w = static_cast<const uint8_t*>(W.data) + n * (K / 32 * 20);
+    const uint16_t* s = static_cast<const uint16_t*>(W.scales) + n * G;
+    tile4<R, MB, 32, uint16_t, 20>(x, ldx, w, K, s, G, 32, out);
+    const uint16_t* o = static_cast<const uint16_t*>(W.offsets);
+    for (int m = 0; m < MB; ++m)
+      for (int r = 0; r < R; ++r)  // + sum_g o[g] * (x summed over g), o = -16 s for Q5_0
+        out[m][r] += o ? dot_half(o + (n + r) * G, xs + m * G, G) : -16.0f * dot_half(s + r * G, xs + m * G, G);
+  } else if (W.kind == kInt5K) {
+    thread_local std::vector<float> expanded;
+    expanded.resize(2 * R * G);
+    float* s = expanded.data();
+    float* o = s + R * G;
+    expand_super_blocks(W, n, R, s, o);
+    tile4<R, MB, 32, float, 20>(x, ldx, static_cast<const uint8_t*>(W.data) + n * (K / 32 * 20), K, s, G, 32, out);
+    for (int m = 0; m < MB; ++m)
+      for (int r = 0; r < R; ++r) out[m][r] += dot(o + r * G, xs + m * G, G);
   } else if (W.kind == kInt6K) {
     thread_local std::vector<float> expanded;
     expanded.resize(R * G);
@@ -444,7 +478,8 @@ inline void gemv_rows(const Weight& W, const float* x, int64_t ldx, int64_t M, c
 // x [M, K] summed per group of W: [M, G]; empty unless W has offsets or is int4 (whose
 // symmetric offsets are implied).
 inline std::vector<float> group_sums(const Weight& W, const float* x, int64_t ldx, int64_t M) {
-  if ((!W.offsets || W.kind == kInt6K) && W.kind != kInt4 && W.kind != kInt4K) return {};
+  const bool implied = W.kind == kInt4 || W.kind == kInt4K || W.kind == kInt5 || W.kind == kInt5K;
+  if ((!W.offsets || W.kind == kInt6K) && !implied) return {};
   constexpr int L = Vec::lanes;
   const int64_t K = W.cols, G = W.groups();
   std::vector<float> xs(M * G);

@@ -164,6 +164,54 @@ int tierlm_q6k_dequant(const uint8_t* packed, const uint8_t* high, const uint8_t
   return 0;
 }
 
+// y[M, N] = x[M, K] @ W.T (+ bias[N]) for GGUF 5-bit weights as gemv.h holds them: codes [N, K /
+// 32, 20]; `super` 0: fp16 scales s and offsets o (null: Q5_0's -16 s) [N, K / 32], 1: Q5_K's
+// super-blocks as s (o null). Returns -1 (nothing written) on a K they cannot hold.
+int tierlm_q5_matmul(const float* x, int64_t M, int64_t K, const uint8_t* codes, const void* s, const void* o,
+                     int64_t N, const float* bias, float* y, int threads, int super) {
+  const tl::Weight W{codes, s, o, bias, N, K, 32, super ? tl::kInt5K : tl::kInt5, super ? 0 : 1};
+  if (!W.supported() || K <= 0) return -1;
+  const std::vector<float> xs = tl::group_sums(W, x, K, M);
+  tl::gemv(W, x, K, M, xs.data(), y, N, false, threads);
+  return 0;
+}
+
+// out[N, K] = u * s + o in fp32 for the weight of tierlm_q5_matmul: exactly the `gguf` package's
+// values (each product is exact in fp32).
+int tierlm_q5_dequant(const uint8_t* codes, const void* s, const void* o, int64_t N, int64_t K, float* out,
+                      int threads, int super) {
+  const tl::Weight W{codes, s, o, nullptr, N, K, 32, super ? tl::kInt5K : tl::kInt5, super ? 0 : 1};
+  if (!W.supported() || K <= 0) return -1;
+  const int64_t G = W.groups();
+  tl::parallel_for(N, 16, threads, [&](int64_t n0, int64_t n1) {
+    std::vector<float> sg(G), og(G);
+    for (int64_t n = n0; n < n1; ++n) {
+      if (super) {
+        tl::expand_super_blocks(W, n, 1, sg.data(), og.data());
+      } else {
+        const uint16_t* s16 = static_cast<const uint16_t*>(s) + n * G;
+        const uint16_t* o16 = o ? static_cast<const uint16_t*>(o) + n * G : nullptr;
+        for (int64_t g = 0; g < G; ++g) {
+          sg[g] = tl::half_to_float(s16[g]);
+          og[g] = o16 ? tl::half_to_float(o16[g]) : -16.0f * sg[g];
+        }
+      }
+      for (int64_t g = 0; g < G; ++g) {
+        const uint8_t* p = codes + (n * G + g) * 20;
+        uint32_t high;
+        __builtin_memcpy(&high, p + 16, 4);
+        float* row = out + n * K + g * 32;
+        for (int j = 0; j < 16; ++j) {
+          const int lo = (p[j] & 0x0F) | (((high >> j) & 1) << 4), hi = (p[j] >> 4) | (((high >> (16 + j)) & 1) << 4);
+          row[j] = static_cast<float>(lo) * sg[g] + og[g];
+          row[16 + j] = static_cast<float>(hi) * sg[g] + og[g];
+        }
+      }
+    }
+  });
+  return 0;
+}
+
 // One decoder layer's decode step, x [batch, hidden] updated in place (see fused_decode.h).
 // `step` holds what every layer of a step shares; `words` this layer's 44 int64 words:
 // 4 weights (qkv, o, w13, w2) x {data, scales, offsets, bias, rows, cols, group, kind, half}

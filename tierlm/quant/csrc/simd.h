@@ -73,6 +73,17 @@ struct Vec {
     lo = _mm512_cvtepi32_ps(_mm512_and_si512(b, _mm512_set1_epi32(15)));
     hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4));
   }
+  // A 32-column chunk's high bits (a little-endian uint32, bit i column i) for columns j.. (lo)
+  // and 16 + j.. (hi) as 0/1 fp32.
+  static inline void bits(const uint8_t* p, int j, reg& lo, reg& hi) {
+    uint32_t word;
+    std::memcpy(&word, p, 4);
+    const __m512i w = _mm512_set1_epi32(static_cast<int>(word)), one = _mm512_set1_epi32(1);
+    const __m512i shifts = _mm512_add_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                            _mm512_set1_epi32(j));
+    lo = _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srlv_epi32(w, shifts), one));
+    hi = _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srlv_epi32(w, _mm512_add_epi32(shifts, _mm512_set1_epi32(16))), one));
+  }
   // A 32-column chunk's 2-bit high parts (8 bytes, `crumbs` below) for columns j.. (lo) and
   // 16 + j.. (hi) as fp32; j is 0 at 16 lanes.
   static inline void crumbs(const uint8_t* p, int, reg& lo, reg& hi) {
@@ -114,6 +125,15 @@ struct Vec {
     const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
     lo = _mm256_cvtepi32_ps(_mm256_and_si256(b, _mm256_set1_epi32(15)));
     hi = _mm256_cvtepi32_ps(_mm256_srli_epi32(b, 4));
+  }
+  // A chunk's high bits (uint32, bit i column i) for columns j.. (lo) and 16 + j.. (hi), 0/1.
+  static inline void bits(const uint8_t* p, int j, reg& lo, reg& hi) {
+    uint32_t word;
+    std::memcpy(&word, p, 4);
+    const __m256i w = _mm256_set1_epi32(static_cast<int>(word)), one = _mm256_set1_epi32(1);
+    const __m256i shifts = _mm256_add_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32(j));
+    lo = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srlv_epi32(w, shifts), one));
+    hi = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srlv_epi32(w, _mm256_add_epi32(shifts, _mm256_set1_epi32(16))), one));
   }
   // A chunk's 2-bit high parts for columns j.. (lo) and 16 + j.. (hi), j 0 or 8.
   static inline void crumbs(const uint8_t* p, int j, reg& lo, reg& hi) {
@@ -186,6 +206,14 @@ struct Vec {
 #endif
     lo = __builtin_convertvector(b & 15, reg);
     hi = __builtin_convertvector(b >> 4, reg);
+  }
+  // A chunk's high bits (uint32, bit i column i) for columns j.. (lo) and 16 + j.. (hi), 0/1.
+  static inline void bits(const uint8_t* p, int j, reg& lo, reg& hi) {
+    uint32_t word;
+    std::memcpy(&word, p, 4);
+    const ints w = ints{} + static_cast<int32_t>(word >> j), lanes = {0, 1, 2, 3};
+    lo = __builtin_convertvector((w >> lanes) & 1, reg);
+    hi = __builtin_convertvector((w >> (lanes + 16)) & 1, reg);
   }
   // A chunk's 2-bit high parts for columns j.. (lo) and 16 + j.. (hi), j a multiple of 4.
   static inline void crumbs(const uint8_t* p, int j, reg& lo, reg& hi) {
