@@ -174,6 +174,12 @@ def test_quantized_gguf_logits_are_transformers_gguf_loaders(tmp_path, monkeypat
                      for r in block.tensors.values() if r.encoding != "plain" for p in r.parts.values())  # fmt: skip
         assert quantized <= stored <= 1.03 * quantized, (stored, quantized)
     artifact.close()
+    # The planner predicts each block's bytes from the import's recorded types, before converting.
+    from tierlm.models import read_config
+    from tierlm.offload.sizes import sizes_from_artifact, sizes_from_config
+
+    predicted = sizes_from_config(read_config(out), "mixed-source", model_dir=out)
+    assert dict(predicted.nbytes) == dict(sizes_from_artifact(loaded.artifact_dir).nbytes)
 
     reference = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=path.name,
                                                                   dtype=torch.float32).eval()  # fmt: skip
