@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.test_gguf_import import byte_level_vocab, gguf_name, gguf_writer
+from tests.test_gguf_import import assert_logits_are_gguf_loaders, byte_level_vocab, gguf_name, gguf_writer
 from tierlm.quant.int8 import Int8Weight
 from tierlm.quant.modes import INT8_FORMS, combined_form, form_mode, source_grid_mode
 from tierlm.weights.gguf_carry import as_form, carry_rows
@@ -138,8 +138,6 @@ def test_quantized_gguf_logits_are_transformers_gguf_loaders(tmp_path, monkeypat
     """Under `auto` every weight is carried in its type's exact form (Q4_K_M-like: Q4_K with Q6_K
     for ffn_down, attn_v and the head, as llama.cpp mixes them), and the logits equal those of
     transformers' GGUF loader, which dequantizes with the `gguf` package."""
-    import transformers
-
     from tierlm.cache.artifact import Artifact
     from tierlm.cache.encodings import record_mode
     from tierlm.runtime.loader import load_model
@@ -181,15 +179,8 @@ def test_quantized_gguf_logits_are_transformers_gguf_loaders(tmp_path, monkeypat
     predicted = sizes_from_config(read_config(out), "mixed-source", model_dir=out)
     assert dict(predicted.nbytes) == dict(sizes_from_artifact(loaded.artifact_dir).nbytes)
 
-    reference = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=path.name,
-                                                                  dtype=torch.float32).eval()  # fmt: skip
-    prompt = torch.tensor([[1, 70, 80, 90, 259, 260, 5, 44, 45, 46, 100, 3]])
-    with torch.no_grad():
-        expected_logits = reference(prompt).logits
-    got = loaded.model.forward(prompt, loaded.new_cache(), logits="all")
+    assert_logits_are_gguf_loaders(loaded, path)
     loaded.close()
-    torch.testing.assert_close(got, expected_logits, rtol=0, atol=1e-4)
-    assert torch.equal(got.argmax(-1), expected_logits.argmax(-1))
 
 
 @pytest.mark.parametrize("kind", ["Q4_K", "Q6_K", "Q5_0", "Q5_1", "Q5_K"])

@@ -408,7 +408,6 @@ def test_q8_0_gguf_is_carried_at_its_own_size_and_matches_transformers(tmp_path,
     scales), so the artifact's weight bytes are the GGUF's tensor bytes and its logits are those
     of transformers' GGUF loader (which dequantizes with the `gguf` package)."""
     import gguf
-    import transformers
 
     from tierlm.cache.artifact import Artifact
     from tierlm.cache.encodings import record_mode
@@ -429,7 +428,16 @@ def test_q8_0_gguf_is_carried_at_its_own_size_and_matches_transformers(tmp_path,
     stored = sum(int(np.prod(p.shape)) * np.dtype(p.dtype).itemsize for r in records for p in r.parts.values())
     assert abs(stored - gguf_bytes) <= 0.03 * gguf_bytes, (stored, gguf_bytes)
 
-    reference = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=path.name,
+    assert_logits_are_gguf_loaders(loaded, path)
+    loaded.close()
+
+
+def assert_logits_are_gguf_loaders(loaded, path: Path) -> None:
+    """tierlm's logits for a short prompt equal transformers' GGUF loader's on the file at `path`
+    (which dequantizes with the `gguf` package) within fp32 summation error, argmax equal."""
+    import transformers
+
+    reference = transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
                                                                   dtype=torch.float32).eval()  # fmt: skip
     prompt = torch.tensor([[1, 70, 80, 90, 259, 260, 5, 44, 45, 46, 100, 3]])
     with torch.no_grad():
@@ -437,7 +445,6 @@ def test_q8_0_gguf_is_carried_at_its_own_size_and_matches_transformers(tmp_path,
     got = loaded.model.forward(prompt, loaded.new_cache(), logits="all")
     torch.testing.assert_close(got, expected, rtol=0, atol=1e-4)
     assert torch.equal(got.argmax(-1), expected.argmax(-1))
-    loaded.close()
 
 
 def test_llama3_rope_freqs_become_rope_scaling(tmp_path):

@@ -28,10 +28,10 @@ from collections.abc import Mapping
 
 import torch
 
-from tierlm.quant.dispatch import kernel_choice
 from tierlm.quant.grids import gcd_steps, sorted_rows
 from tierlm.quant.kernel_api import group_count
 from tierlm.quant.modes import int4_fits
+from tierlm.quant.packed import PackedNibbles
 # The packed layout and its reference dequantization, re-exported: part of this module's API.
 from tierlm.quant.nibbles import CHUNK, ZERO_POINT, dequantize4, pack_nibbles, unpack_nibbles  # noqa: F401
 
@@ -39,7 +39,7 @@ _QUANTIZE_ROWS = 2048  # rows per step: bounds the candidates' fp32 temporaries
 _FP16_MAX = 65504.0
 
 
-class Int4Weight:
+class Int4Weight(PackedNibbles):
     """uint8 `packed` [out, in / 2] with fp16 `scales` [out, G] and, asymmetric, `offsets` [out, G].
 
     `dtype` is what `rows()` returns by default; `kernels` pins a `dispatch.KernelChoice` (None:
@@ -75,24 +75,12 @@ class Int4Weight:
 
     # -- what the model and the store see ------------------------------------------------
 
-    @property
-    def shape(self) -> torch.Size:
-        return torch.Size((self.packed.shape[0], 2 * self.packed.shape[1]))
-
-    @property
-    def device(self) -> torch.device:
-        return self.packed.device
 
     @property
     def nbytes(self) -> int:
         """Bytes held: packed nibbles plus fp16 scales (and offsets)."""
         extra = 0 if self.offsets is None else self.offsets.nbytes
         return self.packed.nbytes + self.scales.nbytes + extra
-
-    def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        """x [..., in] @ W.T (+ bias [out]) -> [..., out] in x's dtype, with W = dequantize()."""
-        kernels = self.kernels or kernel_choice(x.device)
-        return kernels.linear(x, self, bias)
 
     def rows(self, ids: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
         """Embedding lookup: ids (any shape) -> dequantized rows [*ids.shape, in] in `dtype`."""

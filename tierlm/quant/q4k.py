@@ -19,15 +19,15 @@ from collections.abc import Mapping
 
 import torch
 
-from tierlm.quant.dispatch import kernel_choice
 from tierlm.quant.nibbles import pack_nibbles, unpack_nibbles
+from tierlm.quant.packed import PackedNibbles
 
 SUPER_COLUMNS = 256
 SUPER_BYTES = 20
 GROUP = 32
 
 
-class Q4KWeight:
+class Q4KWeight(PackedNibbles):
     """uint8 `packed` [out, in / 2] and `superblocks` [out, in / 256 * 20] (module docstring)."""
 
     group_size = GROUP
@@ -45,22 +45,10 @@ class Q4KWeight:
         self.dtype = dtype
         self.kernels = kernels
 
-    @property
-    def shape(self) -> torch.Size:
-        return torch.Size((self.packed.shape[0], 2 * self.packed.shape[1]))
-
-    @property
-    def device(self) -> torch.device:
-        return self.packed.device
 
     @property
     def nbytes(self) -> int:
         return self.packed.nbytes + self.superblocks.nbytes
-
-    def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        """x [..., in] @ W.T (+ bias [out]) -> [..., out] in x's dtype, with W = dequantize()."""
-        kernels = self.kernels or kernel_choice(x.device)
-        return kernels.linear(x, self, bias)
 
     def rows(self, ids: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
         """Embedding lookup: ids (any shape) -> dequantized rows [*ids.shape, in] in `dtype`."""

@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from tierlm.errors import TierlmError
+from tierlm.weights.file_reads import read_into
 from tierlm.weights.import_record import read_import_record, weights_in_gguf
 from tierlm.weights.safetensors_index import (
     CHECKPOINT_HINT,
@@ -135,11 +136,5 @@ def _read_entries(entries: list[TensorEntry], dtype):
 
 
 def _read_into(path: Path, start: int, target: memoryview) -> None:
-    with open(path, "rb", buffering=0) as handle:
-        handle.seek(start)
-        done = 0
-        while done < len(target):
-            count = handle.readinto(target[done:])
-            if not count:
-                raise TierlmError(f"checkpoint file {path} ended early", CHECKPOINT_HINT)
-            done += count
+    if read_into(path, start, target) < len(target):
+        raise TierlmError(f"checkpoint file {path} ended early", CHECKPOINT_HINT)

@@ -19,6 +19,7 @@ from gguf import GGML_QUANT_SIZES
 from gguf.quants import dequantize
 
 from tierlm.errors import TierlmError
+from tierlm.weights.file_reads import read_into
 
 # Byte offsets of the fp16 fields (d, and dmin/m where the type has one) inside one block of each
 # quantized type, from ggml's block layouts (ggml-common.h).
@@ -154,13 +155,6 @@ def _finite(raw: np.ndarray, kind: str, block_bytes: int) -> bool:
 
 def _read_bytes(path: Path, start: int, end: int) -> np.ndarray:
     out = np.empty(end - start, dtype=np.uint8)
-    view = memoryview(out)
-    with open(path, "rb", buffering=0) as handle:
-        handle.seek(start)
-        done = 0
-        while done < len(out):
-            count = handle.readinto(view[done:])
-            if not count:
-                raise TierlmError(f"{path} ended early, inside its tensor data", hint=CORRUPT_HINT)
-            done += count
+    if read_into(path, start, memoryview(out)) < len(out):
+        raise TierlmError(f"{path} ended early, inside its tensor data", hint=CORRUPT_HINT)
     return out
