@@ -245,3 +245,23 @@ def test_super_block_kernels_on_each_isa_path(native_build, kind, rows):
         assert float((got.double() - want).abs().max()) <= 1e-5 * float(scale)
     with pytest.raises(ValueError, match="multiple of"):
         matmul(torch.randn(1, 16), *(part[:, :8].contiguous() if part is not None else None for part in parts.values()))
+
+
+@pytest.mark.parametrize("kind", ["Q4_K", "Q6_K", "Q5_0", "Q5_1", "Q5_K"])
+def test_own_layouts_without_native_kernels(kind):
+    """Where no native kernel loads (the torch and dequantize+BLAS kernels) and on accelerators (the
+    exact Int8Weight form they are moved in), the products and values are the reference's."""
+    from tierlm.quant import q4k, q5, q6k
+    from tierlm.quant.dispatch import KernelChoice
+    from tierlm.quant.torch_kernels import BlasKernel, TorchKernel
+
+    read = {"Q4_K": q4k.from_gguf_blocks, "Q6_K": q6k.from_gguf_blocks}.get(kind, lambda r: q5.from_gguf_blocks(r, kind))
+    weight = read(torch.from_numpy(random_blocks(kind, 9, 512, np.random.default_rng(9))))
+    reference = weight.dequantize()
+    assert torch.equal(weight.as_int8().dequantize(), reference)
+    x, bias = torch.randn(3, 512), torch.randn(9)
+    for kernel in (BlasKernel(block_bytes=4 * 512 * 4), TorchKernel()):  # blocks of 4 rows: several GEMMs
+        choice = KernelChoice(gemv=kernel, gemm=kernel, crossover=0, fp32_only=False)
+        torch.testing.assert_close(choice.linear(x, weight, bias), x @ reference.T + bias, rtol=1e-5, atol=1e-4)
+    ids = torch.tensor([[3, 0], [8, 3]])
+    assert torch.equal(weight.rows(ids), reference[ids])

@@ -19,11 +19,10 @@ from collections.abc import Mapping
 
 import torch
 
+from tierlm.quant.gguf_layouts import Q4K_SUPER_BYTES, SUPER_COLUMNS, dequantize4k, q4k_group_values
 from tierlm.quant.nibbles import pack_nibbles, unpack_nibbles
 from tierlm.quant.packed import PackedNibbles
 
-SUPER_COLUMNS = 256
-SUPER_BYTES = 20
 GROUP = 32
 
 
@@ -37,7 +36,7 @@ class Q4KWeight(PackedNibbles):
         if packed.dtype != torch.uint8 or packed.dim() != 2 or (2 * packed.shape[1]) % SUPER_COLUMNS:
             raise ValueError(f"packed must be 2-D uint8 of rows of whole 256-column blocks, got "
                              f"{packed.dtype} {tuple(packed.shape)}")  # fmt: skip
-        want = (packed.shape[0], 2 * packed.shape[1] // SUPER_COLUMNS * SUPER_BYTES)
+        want = (packed.shape[0], 2 * packed.shape[1] // SUPER_COLUMNS * Q4K_SUPER_BYTES)
         if superblocks.dtype != torch.uint8 or tuple(superblocks.shape) != want:
             raise ValueError(f"superblocks must be uint8 {want}, got {superblocks.dtype} {tuple(superblocks.shape)}")
         self.packed = packed.contiguous()
@@ -65,11 +64,15 @@ class Q4KWeight(PackedNibbles):
         kernels read int8 codes with fp32 scales and offsets)."""
         if torch.device(device).type == "cpu":
             return Q4KWeight(self.packed.to(device), self.superblocks.to(device), dtype=dtype or self.dtype)
+        return self.as_int8(dtype).to(device)
+
+    def as_int8(self, dtype: torch.dtype | None = None):
+        """The same values as an Int8Weight: codes with fp32 scales and offsets per 32 columns."""
         from tierlm.quant.int8 import Int8Weight
 
-        scales, offsets = group_scales(self.superblocks)
-        codes = unpack_nibbles(self.packed).to(torch.int8)
-        return Int8Weight(codes, scales, GROUP, offsets=offsets, dtype=dtype or self.dtype).to(device)
+        scales, offsets = q4k_group_values(self.superblocks)
+        return Int8Weight(unpack_nibbles(self.packed).to(torch.int8), scales, GROUP, offsets=offsets,
+                          dtype=dtype or self.dtype)  # fmt: skip
 
     def tensors(self) -> dict[str, torch.Tensor]:
         return {"packed": self.packed, "superblocks": self.superblocks}
@@ -81,29 +84,6 @@ class Q4KWeight(PackedNibbles):
 
     def __repr__(self) -> str:
         return f"Q4KWeight({list(self.shape)}, device={self.device})"
-
-
-def group_scales(superblocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per group of 32 columns: (scales d * sc, offsets -(dmin * m)), fp32 [out, in / 32]."""
-    rows = superblocks.shape[0]
-    blocks = superblocks.view(rows, -1, SUPER_BYTES)
-    d = blocks[..., 0:2].contiguous().view(torch.float16).float()
-    dmin = blocks[..., 2:4].contiguous().view(torch.float16).float()
-    scales = d * blocks[..., 4:12].float()
-    offsets = -(dmin * blocks[..., 12:20].float())
-    return scales.reshape(rows, -1), offsets.reshape(rows, -1)
-
-
-def dequantize4k(packed: torch.Tensor, superblocks: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """fp32 [out, in]: u * s + o per group (the reference; the native kernels form the same)."""
-    scales, offsets = group_scales(superblocks)
-    u = unpack_nibbles(packed)
-    n, k = u.shape
-    out = torch.empty(n, k, dtype=torch.float32, device=packed.device) if out is None else out
-    out.copy_(u)
-    grouped = out.view(n, k // GROUP, GROUP)
-    grouped.mul_(scales[..., None]).add_(offsets[..., None])
-    return out
 
 
 def from_gguf_blocks(raw: torch.Tensor) -> Q4KWeight:

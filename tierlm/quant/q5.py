@@ -26,11 +26,17 @@ from collections.abc import Mapping
 import torch
 
 from tierlm.quant.dispatch import kernel_choice
-from tierlm.quant.q4k import SUPER_BYTES, SUPER_COLUMNS
-from tierlm.quant.q4k import group_scales as super_block_scales
+from tierlm.quant.gguf_layouts import (
+    FIVE_BIT_CHUNK,
+    Q4K_SUPER_BYTES,
+    SUPER_COLUMNS,
+    codes5,
+    dequantize5,
+    five_bit_group_values,
+)
 
 GROUP = 32
-CHUNK_BYTES = 20
+CHUNK_BYTES = FIVE_BIT_CHUNK
 
 
 class FiveBitWeight:
@@ -50,7 +56,7 @@ class FiveBitWeight:
             if part is not None and (part.dtype != torch.float16 or tuple(part.shape) != (rows, groups)):
                 raise ValueError(f"{what} must be float16 {(rows, groups)}, got {part.dtype} {tuple(part.shape)}")
         if superblocks is not None:
-            want = (rows, groups * GROUP // SUPER_COLUMNS * SUPER_BYTES)
+            want = (rows, groups * GROUP // SUPER_COLUMNS * Q4K_SUPER_BYTES)
             if groups * GROUP % SUPER_COLUMNS or superblocks.dtype != torch.uint8 or tuple(superblocks.shape) != want:
                 raise ValueError(f"superblocks must be uint8 {want} over whole 256-column blocks, got "
                                  f"{superblocks.dtype} {tuple(superblocks.shape)}")  # fmt: skip
@@ -91,20 +97,20 @@ class FiveBitWeight:
 
     def group_values(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Per group of 32 columns: (scales, offsets) as fp32 [out, in / 32], W = u * s + o."""
-        if self.superblocks is not None:
-            return super_block_scales(self.superblocks)
-        scales = self.scales.float()
-        return scales, (self.offsets.float() if self.offsets is not None else scales * -16.0)
+        return five_bit_group_values(self.scales, self.offsets, self.superblocks)
 
     def to(self, device, dtype: torch.dtype | None = None):
         """On the CPU a FiveBitWeight; elsewhere the same values as an exact Int8Weight."""
         if torch.device(device).type == "cpu":
             return FiveBitWeight(**{n: p.to(device) for n, p in self.tensors().items()}, dtype=dtype or self.dtype)
+        return self.as_int8(dtype).to(device)
+
+    def as_int8(self, dtype: torch.dtype | None = None):
+        """The same values as an Int8Weight: codes with fp32 scales and offsets per 32 columns."""
         from tierlm.quant.int8 import Int8Weight
 
         scales, offsets = self.group_values()
-        codes = codes5(self.codes).to(torch.int8)
-        return Int8Weight(codes, scales, GROUP, offsets=offsets, dtype=dtype or self.dtype).to(device)
+        return Int8Weight(codes5(self.codes).to(torch.int8), scales, GROUP, offsets=offsets, dtype=dtype or self.dtype)
 
     def tensors(self) -> dict[str, torch.Tensor]:
         parts = {"codes": self.codes}
@@ -121,29 +127,6 @@ class FiveBitWeight:
     def __repr__(self) -> str:
         kind = "Q5_K" if self.superblocks is not None else "Q5_1" if self.offsets is not None else "Q5_0"
         return f"FiveBitWeight({list(self.shape)}, {kind}, device={self.device})"
-
-
-def codes5(codes: torch.Tensor) -> torch.Tensor:
-    """The 5-bit codes u (0..31), uint8 [out, in], from the 20-byte chunks."""
-    rows = codes.shape[0]
-    chunks = codes.view(rows, -1, CHUNK_BYTES)
-    nibbles = chunks[..., :16]
-    low = torch.cat([nibbles & 15, nibbles >> 4], dim=-1)  # columns 0..15, then 16..31
-    high = chunks[..., 16:20].contiguous().view(torch.int32)  # [rows, groups, 1]
-    bits = (high >> torch.arange(32, dtype=torch.int32)) & 1
-    return (low | (bits.to(torch.uint8) << 4)).reshape(rows, -1)
-
-
-def dequantize5(codes, scales=None, offsets=None, superblocks=None, out=None) -> torch.Tensor:
-    """fp32 [out, in]: u * s + o per group (the reference; the native kernels form the same)."""
-    weight = FiveBitWeight(codes, scales, offsets, superblocks)
-    s, o = weight.group_values()
-    u = codes5(codes)
-    n, k = u.shape
-    out = torch.empty(n, k, dtype=torch.float32, device=codes.device) if out is None else out
-    out.copy_(u)
-    out.view(n, k // GROUP, GROUP).mul_(s[..., None]).add_(o[..., None])
-    return out
 
 
 def from_gguf_blocks(raw: torch.Tensor, kind: str) -> FiveBitWeight:

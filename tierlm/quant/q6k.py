@@ -20,11 +20,10 @@ from collections.abc import Mapping
 
 import torch
 
-from tierlm.quant.nibbles import pack_nibbles, unpack_nibbles
+from tierlm.quant.gguf_layouts import Q6K_SUPER_BYTES, SUPER_COLUMNS, codes6, dequantize6k, q6k_group_scales
+from tierlm.quant.nibbles import pack_nibbles
 from tierlm.quant.packed import PackedNibbles
 
-SUPER_COLUMNS = 256
-SUPER_BYTES = 18
 GROUP = 16
 BLOCK_BYTES = 210  # a GGUF Q6_K block: ql[128], qh[64], sc[16], d
 
@@ -41,7 +40,7 @@ class Q6KWeight(PackedNibbles):
                              f"{packed.dtype} {tuple(packed.shape)}")  # fmt: skip
         rows, cols = packed.shape[0], 2 * packed.shape[1]
         for what, part, width in (("high", high, cols // 4), ("superblocks", superblocks,
-                                                              cols // SUPER_COLUMNS * SUPER_BYTES)):
+                                                              cols // SUPER_COLUMNS * Q6K_SUPER_BYTES)):
             if part.dtype != torch.uint8 or tuple(part.shape) != (rows, width):
                 raise ValueError(f"{what} must be uint8 {(rows, width)}, got {part.dtype} {tuple(part.shape)}")
         self.packed = packed.contiguous()
@@ -70,10 +69,14 @@ class Q6KWeight(PackedNibbles):
         if torch.device(device).type == "cpu":
             return Q6KWeight(self.packed.to(device), self.high.to(device), self.superblocks.to(device),
                              dtype=dtype or self.dtype)  # fmt: skip
+        return self.as_int8(dtype).to(device)
+
+    def as_int8(self, dtype: torch.dtype | None = None):
+        """The same values as an Int8Weight: codes q - 32 with fp32 scales per 16 columns."""
         from tierlm.quant.int8 import Int8Weight
 
         codes = (codes6(self.packed, self.high).to(torch.int16) - 32).to(torch.int8)
-        return Int8Weight(codes, group_scales(self.superblocks), GROUP, dtype=dtype or self.dtype).to(device)
+        return Int8Weight(codes, q6k_group_scales(self.superblocks), GROUP, dtype=dtype or self.dtype)
 
     def tensors(self) -> dict[str, torch.Tensor]:
         return {"packed": self.packed, "high": self.high, "superblocks": self.superblocks}
@@ -85,33 +88,6 @@ class Q6KWeight(PackedNibbles):
 
     def __repr__(self) -> str:
         return f"Q6KWeight({list(self.shape)}, device={self.device})"
-
-
-def group_scales(superblocks: torch.Tensor) -> torch.Tensor:
-    """Per group of 16 columns: d * sc, fp32 [out, in / 16]."""
-    rows = superblocks.shape[0]
-    blocks = superblocks.view(rows, -1, SUPER_BYTES)
-    d = blocks[..., 0:2].contiguous().view(torch.float16).float()
-    return (d * blocks[..., 2:].contiguous().view(torch.int8).float()).reshape(rows, -1)
-
-
-def codes6(packed: torch.Tensor, high: torch.Tensor) -> torch.Tensor:
-    """The 6-bit codes q (0..63), uint8 [out, in], from the low nibbles and the high parts."""
-    low = unpack_nibbles(packed)
-    rows = high.shape[0]
-    chunks = high.view(rows, -1, 1, 8) >> torch.tensor([0, 2, 4, 6], dtype=torch.uint8).view(1, 1, 4, 1)
-    return low | ((chunks & 3).reshape(rows, -1) << 4)
-
-
-def dequantize6k(packed: torch.Tensor, high: torch.Tensor, superblocks: torch.Tensor,
-                 out: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
-    """fp32 [out, in]: (q - 32) * s per group (the reference; the native kernels form the same)."""
-    q = codes6(packed, high)
-    n, k = q.shape
-    out = torch.empty(n, k, dtype=torch.float32, device=packed.device) if out is None else out
-    out.copy_(q).sub_(32)
-    out.view(n, k // GROUP, GROUP).mul_(group_scales(superblocks)[..., None])
-    return out
 
 
 def from_gguf_blocks(raw: torch.Tensor) -> Q6KWeight:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from tierlm.quant import gguf_layouts
 from tierlm.quant.nibbles import dequantize4
 
 
@@ -73,9 +74,9 @@ class BlasKernel:
                  dequantize4k=None, dequantize6k=None, dequantize5=None):  # fmt: skip
         self._dequantize = dequantize
         self._dequantize4 = dequantize4 or _dequantize4_into
-        self._dequantize4k = dequantize4k or _dequantize4k_into
-        self._dequantize6k = dequantize6k or _dequantize6k_into
-        self._dequantize5 = dequantize5 or _dequantize5_into
+        self._dequantize4k = dequantize4k or gguf_layouts.dequantize4k
+        self._dequantize6k = dequantize6k or gguf_layouts.dequantize6k
+        self._dequantize5 = dequantize5 or gguf_layouts.dequantize5
         self.name = name
         self.block_bytes = block_bytes
 
@@ -158,36 +159,18 @@ class TorchKernel:
 
     def matmul4k(self, x, packed, superblocks, bias=None):
         """The Q4_K weight dequantized (in fp32, then x's dtype) and `F.linear`."""
-        weight = _dequantize4k_into(packed, superblocks).to(x.dtype)
+        weight = gguf_layouts.dequantize4k(packed, superblocks).to(x.dtype)
         return F.linear(x, weight, None if bias is None else bias.to(x.dtype))
 
     def matmul5(self, x, codes, scales, offsets, superblocks, bias=None):
         """The 5-bit weight dequantized (in fp32, then x's dtype) and `F.linear`."""
-        weight = _dequantize5_into(codes, scales, offsets, superblocks).to(x.dtype)
+        weight = gguf_layouts.dequantize5(codes, scales, offsets, superblocks).to(x.dtype)
         return F.linear(x, weight, None if bias is None else bias.to(x.dtype))
 
     def matmul6k(self, x, packed, high, superblocks, bias=None):
         """The Q6_K weight dequantized (in fp32, then x's dtype) and `F.linear`."""
-        weight = _dequantize6k_into(packed, high, superblocks).to(x.dtype)
+        weight = gguf_layouts.dequantize6k(packed, high, superblocks).to(x.dtype)
         return F.linear(x, weight, None if bias is None else bias.to(x.dtype))
-
-
-def _dequantize4k_into(packed, superblocks, out=None):
-    from tierlm.quant.q4k import dequantize4k  # q4k imports dispatch, which imports this module
-
-    return dequantize4k(packed, superblocks, out=out)
-
-
-def _dequantize5_into(codes, scales, offsets, superblocks, out=None):
-    from tierlm.quant.q5 import dequantize5  # q5 imports dispatch, which imports this module
-
-    return dequantize5(codes, scales, offsets, superblocks, out=out)
-
-
-def _dequantize6k_into(packed, high, superblocks, out=None):
-    from tierlm.quant.q6k import dequantize6k  # q6k imports dispatch, which imports this module
-
-    return dequantize6k(packed, high, superblocks, out=out)
 
 
 def _dequantize4_into(packed, scales, offsets, group, out=None):

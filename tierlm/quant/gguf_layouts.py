@@ -1,0 +1,95 @@
+"""The GGUF layouts tierlm keeps as they are (quant/q4k.py, q5.py, q6k.py): their parts unpacked,
+and the reference dequantization every kernel must match. Torch alone, like quant/nibbles.py:
+the weight objects and the torch kernels both import it.
+
+Every value is formed as gguf forms it (u * s + o per group, each product exact in fp32), so
+these are the `gguf` package's values bit for bit.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tierlm.quant.nibbles import unpack_nibbles
+
+SUPER_COLUMNS = 256
+Q4K_SUPER_BYTES = 20  # fp16 d, fp16 dmin, sc[8], m[8] (one byte each)
+Q6K_SUPER_BYTES = 18  # fp16 d, sc[16] (int8)
+FIVE_BIT_CHUNK = 20  # per 32 columns: 16 bytes of nibbles, then 4 bytes of high bits
+
+
+def q4k_group_values(superblocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per group of 32 columns: (scales d * sc, offsets -(dmin * m)), fp32 [out, in / 32]."""
+    rows = superblocks.shape[0]
+    blocks = superblocks.view(rows, -1, Q4K_SUPER_BYTES)
+    d = blocks[..., 0:2].contiguous().view(torch.float16).float()
+    dmin = blocks[..., 2:4].contiguous().view(torch.float16).float()
+    scales = d * blocks[..., 4:12].float()
+    offsets = -(dmin * blocks[..., 12:20].float())
+    return scales.reshape(rows, -1), offsets.reshape(rows, -1)
+
+
+def q6k_group_scales(superblocks: torch.Tensor) -> torch.Tensor:
+    """Per group of 16 columns: d * sc, fp32 [out, in / 16]."""
+    rows = superblocks.shape[0]
+    blocks = superblocks.view(rows, -1, Q6K_SUPER_BYTES)
+    d = blocks[..., 0:2].contiguous().view(torch.float16).float()
+    return (d * blocks[..., 2:].contiguous().view(torch.int8).float()).reshape(rows, -1)
+
+
+def five_bit_group_values(scales, offsets, superblocks) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per group of 32 columns of a 5-bit weight: (scales, offsets) fp32, W = u * s + o."""
+    if superblocks is not None:
+        return q4k_group_values(superblocks)
+    s = scales.float()
+    return s, (offsets.float() if offsets is not None else s * -16.0)
+
+
+def codes6(packed: torch.Tensor, high: torch.Tensor) -> torch.Tensor:
+    """Q6_K's 6-bit codes q (0..63), uint8 [out, in], from the low nibbles and the high parts."""
+    low = unpack_nibbles(packed)
+    rows = high.shape[0]
+    chunks = high.view(rows, -1, 1, 8) >> torch.tensor([0, 2, 4, 6], dtype=torch.uint8).view(1, 1, 4, 1)
+    return low | ((chunks & 3).reshape(rows, -1) << 4)
+
+
+def codes5(codes: torch.Tensor) -> torch.Tensor:
+    """The 5-bit codes u (0..31), uint8 [out, in], from the 20-byte chunks."""
+    rows = codes.shape[0]
+    chunks = codes.view(rows, -1, FIVE_BIT_CHUNK)
+    nibbles = chunks[..., :16]
+    low = torch.cat([nibbles & 15, nibbles >> 4], dim=-1)  # columns 0..15, then 16..31
+    high = chunks[..., 16:20].contiguous().view(torch.int32)  # [rows, groups, 1]
+    bits = (high >> torch.arange(32, dtype=torch.int32)) & 1
+    return (low | (bits.to(torch.uint8) << 4)).reshape(rows, -1)
+
+
+def dequantize4k(packed: torch.Tensor, superblocks: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Q4_K: fp32 [out, in], u * s + o per group of 32."""
+    scales, offsets = q4k_group_values(superblocks)
+    return _grouped(unpack_nibbles(packed), scales, offsets, 32, out)
+
+
+def dequantize6k(packed: torch.Tensor, high: torch.Tensor, superblocks: torch.Tensor,
+                 out: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+    """Q6_K: fp32 [out, in], (q - 32) * s per group of 16."""
+    q = codes6(packed, high)
+    out = torch.empty(q.shape, dtype=torch.float32, device=packed.device) if out is None else out
+    out.copy_(q).sub_(32)
+    n, k = q.shape
+    out.view(n, k // 16, 16).mul_(q6k_group_scales(superblocks)[..., None])
+    return out
+
+
+def dequantize5(codes, scales=None, offsets=None, superblocks=None, out=None) -> torch.Tensor:
+    """Q5_0 / Q5_1 / Q5_K: fp32 [out, in], u * s + o per group of 32."""
+    s, o = five_bit_group_values(scales, offsets, superblocks)
+    return _grouped(codes5(codes), s, o, 32, out)
+
+
+def _grouped(u, scales, offsets, group: int, out) -> torch.Tensor:
+    n, k = u.shape
+    out = torch.empty(n, k, dtype=torch.float32, device=u.device) if out is None else out
+    out.copy_(u)
+    out.view(n, k // group, group).mul_(scales[..., None]).add_(offsets[..., None])
+    return out
