@@ -23,10 +23,21 @@ from tierlm.cache.encodings import (  # noqa: F401
 )
 from tierlm.quant.int4 import Int4Weight, int4_on_source_grid, quantize_int4
 from tierlm.quant.int8 import Int8Weight, q8_0_on_source_grid, quantize_int8, quantize_q8_0
-from tierlm.quant.q4k import Q4KWeight
-from tierlm.quant.q5 import FiveBitWeight
-from tierlm.quant.q6k import Q6KWeight
-from tierlm.quant.modes import GRID_SOURCE_MODE, MIXED_SOURCE, QuantMode, int4_fits, parse_quant_mode
+from tierlm.quant.q4k import Q4KWeight, quantize_q4k
+from tierlm.quant.q5 import FiveBitWeight, quantize_q5
+from tierlm.quant.q6k import Q6KWeight, quantize_q6k
+from tierlm.quant.modes import (
+    GRID_SOURCE_MODE,
+    MIXED_SOURCE,
+    Q4_K,
+    Q5_0,
+    Q5_1,
+    Q5_K,
+    Q6_K,
+    QuantMode,
+    int4_fits,
+    parse_quant_mode,
+)
 
 # Bump when the same inputs would encode to different bytes (2: asym modes carry Q4_0/Q5_x grids
 # exactly; 3: mixed:source carries Q8_0 tensors as q8_0; 4: mixed:source carries every GGUF
@@ -45,8 +56,8 @@ def encode(tensor, mode: QuantMode, name: str | None = None) -> tuple[str, dict[
         return _encode_on_source_grid(tensor)
     if mode.mixed:
         raise ValueError(f"{mode.name} is chosen per tensor: encode each with its concrete mode")
-    if mode.super_blocks:
-        raise ValueError(f"{mode.name} is carried from a GGUF's blocks (encode_carried), not quantized from floats")
+    if mode.super_blocks:  # a GGUF type's own layout: a LoRA variant's changed weights of such a base
+        return encode_carried(_OWN_LAYOUT_QUANTIZERS[mode.name](tensor))
     if mode.weight_dtype == "int4":
         if int4_fits(tuple(tensor.shape)):
             weight = quantize_int4(tensor, mode.group_size, asymmetric=mode.asymmetric)
@@ -58,6 +69,12 @@ def encode(tensor, mode: QuantMode, name: str | None = None) -> tuple[str, dict[
         weight = quantize_int8(tensor, mode.group_size, asymmetric=mode.asymmetric)
         return "int8", weight.tensors(), {"group_size": mode.group_size}
     return "plain", {"data": tensor.to(getattr(torch, mode.weight_dtype))}, {}
+
+
+_OWN_LAYOUT_QUANTIZERS = {
+    Q4_K: quantize_q4k, Q6_K: quantize_q6k,
+    Q5_0: lambda t: quantize_q5(t, "Q5_0"), Q5_1: lambda t: quantize_q5(t, "Q5_1"), Q5_K: lambda t: quantize_q5(t, "Q5_K"),
+}  # fmt: skip
 
 
 def encode_carried(weight) -> tuple[str, dict[str, Any], dict[str, Any]]:

@@ -37,8 +37,9 @@ from tierlm.lora.merge import LoraMerger
 from tierlm.models import family_description, read_config
 from tierlm.progress import Progress, ProgressFactory
 from tierlm.quant.mixed import ALLOCATOR_VERSION, OPTIONS
-from tierlm.quant.modes import mode_text
+from tierlm.quant.modes import mode_text, source_grid_mode
 from tierlm.weights.checkpoint import check_finite, open_checkpoint
+from tierlm.weights.import_record import source_types_by_name
 
 # Files besides the weights that make an artifact directory a complete model for the runtime.
 MODEL_FILES = (
@@ -113,7 +114,13 @@ def convert(request: ConversionRequest, out_dir: Path, key: str, merger=None, pr
         modes = {key: codec.parse_mode(name) for key, name in choice.modes.items()}
         header["mixed"] = {"target_bytes": mode.target_bytes, "sensitivity": choice.sensitivity,
                            "tensor_modes": dict(choice.modes)}  # fmt: skip
-    carried = _carried_reader(model_dir, config) if mode.name == codec.MIXED_SOURCE and merger is None else None
+    carried = None
+    if mode.name == codec.MIXED_SOURCE:
+        # Weights the adapters leave alone are carried from the GGUF as they are; changed ones are
+        # re-quantized into the format their sources are carried in (a variant stores the same).
+        touched = merger.touched_names() if merger is not None else set()
+        carried = _carried_reader(model_dir, config, touched)
+        modes = _source_modes_of(model_dir, layout, touched) or None
     writer = ArtifactWriter(out_dir)
     try:
         write_layout(writer, layout, tensor_for, mode, progress(f"converting {name} ({why})", "blocks") if progress else None, modes,
@@ -149,10 +156,20 @@ def _sources(model_dir: Path, config: ModelConfig, merger):
     return layout, tensor_for
 
 
-def _carried_reader(model_dir: Path, config: ModelConfig):
-    """mixed:source on a GGUF import: (block, name, sources) -> the int8 encoding that holds the
-    GGUF's blocks exactly, read from them (tierlm/weights/gguf_carry.py), or None where the float
-    path carries the weight (int4 for Q4_0/Q4_1, floats, any checkpoint but a GGUF's)."""
+def _source_modes_of(model_dir: Path, layout, touched: set[str]) -> dict:
+    """"block/name" -> the concrete mode mixed:source carries the sources of each weight a LoRA
+    adapter changes in (their GGUF types as the import recorded them; floats: int8-g32-asym)."""
+    by_name = source_types_by_name(model_dir)
+    return {f"{block}/{name}": codec.parse_mode(source_grid_mode([by_name.get(s, "") for s in sources]))
+            for block, entries in layout.items() for name, sources in entries.items()
+            if touched.intersection(sources)}  # fmt: skip
+
+
+def _carried_reader(model_dir: Path, config: ModelConfig, touched: set[str]):
+    """mixed:source on a GGUF import: (block, name, sources) -> the encoding that holds the GGUF's
+    blocks exactly, read from them (tierlm/weights/gguf_carry.py), or None where the float path
+    carries the weight (int4 for Q4_0/Q4_1, floats, weights read from a `touched` source, any
+    checkpoint but a GGUF's)."""
     checkpoint = open_checkpoint(model_dir)
     read = getattr(checkpoint, "read_carried", None)
     if read is None:
@@ -160,7 +177,7 @@ def _carried_reader(model_dir: Path, config: ModelConfig):
     shapes = family_description(config).canonical_shapes(config)
 
     def carried(block: str, name: str, sources: tuple[str, ...]):
-        if codec.keeps_float(name, shapes[name]):
+        if codec.keeps_float(name, shapes[name]) or touched.intersection(sources):
             return None
         weight = read(sources)
         if weight is None:
@@ -264,9 +281,13 @@ def write_variant(out_dir: Path, base_dir: Path, layout, tensor_for, touched: se
     base = Artifact.open(base_dir)
     base.close()
     changed = changed_layout(layout, touched)
-    # A mixed:SIZE base chose each tensor's mode: its variant's blocks keep those choices.
-    chosen = (base.manifest.get("mixed") or {}).get("tensor_modes") or {}
-    modes = {key: codec.parse_mode(name) for key, name in chosen.items()}
+    # A mixed base (mixed:SIZE, mixed:source) stored each weight in a mode of its own: the
+    # variant's changed weights keep them, so each fits its place in the base's block.
+    modes = {}
+    if mode.mixed:
+        modes = {f"{block}/{name}": codec.parse_mode(codec.record_mode(record))
+                 for block in changed for name, record in base.blocks[block].tensors.items()
+                 if record.encoding != "plain"}  # fmt: skip
     writer = ArtifactWriter(out_dir)
     try:
         write_layout(writer, changed, tensor_for, mode, progress, modes)

@@ -98,3 +98,34 @@ def from_gguf_blocks(raw: torch.Tensor) -> Q4KWeight:
     qs = blocks[:, 16:].reshape(-1, 4, 1, 32)
     codes = torch.cat([qs & 15, qs >> 4], dim=2).reshape(rows, -1)
     return Q4KWeight(pack_nibbles(codes), superblocks.reshape(rows, -1).contiguous())
+
+
+def quantize_q4k(weight: torch.Tensor) -> Q4KWeight:
+    """A float weight [out, in] (in a multiple of 256) in Q4_K's layout: per 32 columns the span
+    from min(0, low) to the high end in 15 steps, the 8 steps and offsets of a super-block as
+    6-bit multiples of its fp16 d and dmin, the nibbles rounded to nearest on the grid that gives.
+    What a LoRA variant of a Q4_K base stores for the weights its adapters change (llama.cpp's
+    quantizer searches the scales further; the touched weights are few)."""
+    u, superblocks = super_block_quantize(weight, levels=15)
+    return Q4KWeight(pack_nibbles(u), superblocks)
+
+
+def super_block_quantize(weight: torch.Tensor, levels: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(codes u [out, in] in 0..levels, superblocks uint8 [out, in / 256 * 20]): per 32-column group
+    W ~ u * (d * sc) - dmin * m, sc and m 6-bit, d and dmin fp16 per 256 columns (Q4_K, Q5_K)."""
+    rows, cols = weight.shape
+    if cols % SUPER_COLUMNS:
+        raise ValueError(f"super-block layouts need a multiple of {SUPER_COLUMNS} input columns, got {cols}")
+    groups = weight.float().reshape(rows, cols // SUPER_COLUMNS, 8, GROUP)
+    low = groups.amin(-1).clamp(max=0.0)
+    step = (groups.amax(-1) - low) / levels
+    d = (step.amax(-1, keepdim=True) / 63).half()
+    dmin = ((-low).amax(-1, keepdim=True) / 63).half()
+    sc = torch.where(d.float() > 0, step / d.float().clamp(min=1e-30), torch.zeros_like(step)).round().clamp(0, 63)
+    m = torch.where(dmin.float() > 0, -low / dmin.float().clamp(min=1e-30), torch.zeros_like(low)).round().clamp(0, 63)
+    scale, offset = d.float() * sc, dmin.float() * m
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+    u = ((groups + offset[..., None]) / safe[..., None]).round().clamp(0, levels).to(torch.uint8)
+    header = torch.cat([d.view(torch.uint8).view(rows, -1, 2), dmin.view(torch.uint8).view(rows, -1, 2)], dim=-1)
+    blocks = torch.cat([header, sc.to(torch.uint8), m.to(torch.uint8)], dim=-1)
+    return u.reshape(rows, cols), blocks.reshape(rows, -1).contiguous()

@@ -166,3 +166,19 @@ def _chunks(u: torch.Tensor) -> torch.Tensor:
     bits = (u.view(rows, -1, 4, 8) >> 4) << torch.arange(8, dtype=torch.uint8)
     high = bits.sum(-1, dtype=torch.uint8)
     return torch.cat([nibbles, high], dim=-1).reshape(rows, -1).contiguous()
+
+
+def quantize_q5(weight: torch.Tensor, kind: str) -> FiveBitWeight:
+    """A float weight [out, in] in `kind`'s layout (Q5_0, Q5_1: gguf's own quantizer, llama.cpp's
+    rounding; Q5_K: 31 steps per 32 columns under 6-bit sub-scales, as quant/q4k.py does for 15):
+    what a LoRA variant of such a base stores for the weights its adapters change."""
+    if kind == "Q5_K":
+        from tierlm.quant.q4k import super_block_quantize
+
+        u, superblocks = super_block_quantize(weight, levels=31)
+        return FiveBitWeight(_chunks(u), superblocks=superblocks)
+    from gguf import GGMLQuantizationType
+    from gguf.quants import quantize
+
+    raw = quantize(weight.float().numpy(), getattr(GGMLQuantizationType, kind))
+    return from_gguf_blocks(torch.from_numpy(raw), kind)

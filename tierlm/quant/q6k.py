@@ -106,3 +106,23 @@ def from_gguf_blocks(raw: torch.Tensor) -> Q6KWeight:
     packed_high = crumbs[:, :, 0] | (crumbs[:, :, 1] << 2) | (crumbs[:, :, 2] << 4) | (crumbs[:, :, 3] << 6)
     superblocks = torch.cat([blocks[:, 208:210], blocks[:, 192:208]], dim=1).reshape(rows, -1)
     return Q6KWeight(pack_nibbles(codes & 15), packed_high.reshape(rows, -1).contiguous(), superblocks.contiguous())
+
+
+def quantize_q6k(weight: torch.Tensor) -> Q6KWeight:
+    """A float weight [out, in] (in a multiple of 256) in Q6_K's layout: per 16 columns a scale
+    max|w| / 31, the 16 scales of a super-block as int8 multiples of its fp16 d, the codes rounded
+    to nearest in -32..31 (what a LoRA variant of a Q6_K base stores for the weights it changes)."""
+    rows, cols = weight.shape
+    if cols % SUPER_COLUMNS:
+        raise ValueError(f"Q6_K needs a multiple of {SUPER_COLUMNS} input columns, got {cols}")
+    groups = weight.float().reshape(rows, cols // SUPER_COLUMNS, 16, GROUP)
+    step = groups.abs().amax(-1) / 31
+    d = (step.amax(-1, keepdim=True) / 127).half()
+    sc = torch.where(d.float() > 0, step / d.float().clamp(min=1e-30), torch.zeros_like(step)).round().clamp(-128, 127)
+    scale = d.float() * sc
+    safe = torch.where(scale != 0, scale, torch.ones_like(scale))
+    q = ((groups / safe[..., None]).round().clamp(-32, 31) + 32).to(torch.uint8).reshape(rows, cols)
+    crumbs = (q >> 4).view(rows, -1, 4, 8)  # per chunk: columns i, 8 + i, 16 + i, 24 + i
+    high = crumbs[:, :, 0] | (crumbs[:, :, 1] << 2) | (crumbs[:, :, 2] << 4) | (crumbs[:, :, 3] << 6)
+    blocks = torch.cat([d.view(torch.uint8).view(rows, -1, 2), sc.to(torch.int8).view(torch.uint8)], dim=-1)
+    return Q6KWeight(pack_nibbles(q & 15), high.reshape(rows, -1).contiguous(), blocks.reshape(rows, -1).contiguous())
