@@ -146,6 +146,9 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=2, help="tierlm runs per round (median)")
     parser.add_argument("--reps", type=int, default=3, help="llama-bench repetitions per round")
     parser.add_argument("--json", type=Path, help="also write the raw samples here")
+    parser.add_argument("--also", default="", help="more llama-quantize types (e.g. Q4_K_M,Q6_K): tierlm auto on "
+                        "each file beside llama.cpp on the same file, quiet")  # fmt: skip
+    parser.add_argument("--only-files", action="store_true", help="only the rows of the files (no int8/fp32/... rows)")
     args = parser.parse_args()
 
     from tierlm.weights.embedded import embedded_gguf_path, ensure_embedded_model
@@ -157,7 +160,7 @@ def main() -> None:
     def tierlm(quant, threads, env=None, model=None):
         return lambda: tierlm_bench(quant, threads, p, g, runs, env, model)
 
-    configs = [
+    configs = [] if args.only_files else [
         Config(QUIET, "tierlm int8 (fused)", "2", tierlm("int8", 2)),
         Config(QUIET, "tierlm int8 eager (TIERLM_FUSED=0)", "2", tierlm("int8", 2, eager)),
         Config(QUIET, "tierlm int8-g32-asym", "2", tierlm("int8-g32-asym", 2)),
@@ -189,6 +192,15 @@ def main() -> None:
             Config(ONE_THREAD, PEER, "1", peer(q8, 1)),
             Config(BUSY, PEER, "2", peer(q8, 2)),
         ]
+        if args.only_files:
+            configs = [c for c in configs if c.condition == QUIET]
+        for kind in filter(None, args.also.split(",")):
+            other = scratch / f"smollm2-{kind.lower()}.gguf"
+            subprocess.run([str(quantize), "--allow-requantize", str(q4), str(other), kind],
+                           capture_output=True, check=True, timeout=600)  # fmt: skip
+            tierlm_bench("auto", 2, 8, 2, 1, model=other)
+            configs += [Config(QUIET, f"tierlm auto on the {kind} file (fused)", "2", tierlm("auto", 2, model=other)),
+                        Config(QUIET, f"llama.cpp {kind}", "2", peer(other, 2))]
     else:
         print("llama.cpp rows skipped: llama-bench / llama-quantize not found "
               "(set TIERLM_LLAMA_CPP_BIN to the folder holding them)\n")  # fmt: skip
