@@ -16,6 +16,17 @@ from tierlm.weights.gguf_carry import as_form, carry_rows
 from tierlm.weights.gguf_tensors import SCALE_FIELDS
 
 KINDS = sorted(INT8_FORMS)
+OWN_LAYOUTS = ["Q4_K", "Q6_K", "Q5_0", "Q5_1", "Q5_K", "IQ4_NL", "IQ4_XS"]
+
+
+def read_own_layout(kind: str, raw: np.ndarray):
+    """GGUF blocks of `kind` in tierlm's own layout for it (quant/q4k.py, q6k.py, q5.py, iq4.py)."""
+    from tierlm.quant import iq4, q4k, q5, q6k
+
+    blocks = torch.from_numpy(raw)
+    if kind in ("Q4_K", "Q6_K"):
+        return (q4k if kind == "Q4_K" else q6k).from_gguf_blocks(blocks)
+    return (iq4 if kind.startswith("IQ4") else q5).from_gguf_blocks(blocks, kind)
 
 
 def random_blocks(kind: str, rows: int, cols: int, rng, *, spread: float | None = None) -> np.ndarray:
@@ -164,7 +175,7 @@ def test_quantized_gguf_logits_are_transformers_gguf_loaders(tmp_path, monkeypat
     else:
         expected = "int4-g32" if mix == "Q4_0" else "int4-g32-asym" if mix == "Q4_1" else source_grid_mode([mix])
         assert set(modes.values()) == {expected}
-    if mix in ("Q4_K", "Q5_K", "Q6_K", "Q5_0", "Q5_1", "Q8_0", "Q4_0", "Q4_1"):  # own size: within 3 % of the file's
+    if mix not in ("Q4_K_M-like", "Q3_K", "Q2_K"):  # at their own size: within 3 % of the file's bytes
         import gguf
 
         quantized = sum(int(t.n_bytes) for t in gguf.GGUFReader(path).tensors if t.tensor_type.name == mix)
@@ -183,7 +194,7 @@ def test_quantized_gguf_logits_are_transformers_gguf_loaders(tmp_path, monkeypat
     loaded.close()
 
 
-@pytest.mark.parametrize("kind", ["Q4_K", "Q6_K", "Q5_0", "Q5_1", "Q5_K"])
+@pytest.mark.parametrize("kind", OWN_LAYOUTS)
 def test_own_layouts_decode_in_the_fused_step_as_eagerly(tmp_path, monkeypatch, kind):
     """A decode step over Q4_K (Q6_K) weights runs natively (the fused step reads the
     super-blocks as stored) and gives the eager path's logits."""
@@ -205,34 +216,37 @@ def test_own_layouts_decode_in_the_fused_step_as_eagerly(tmp_path, monkeypatch, 
         loaded.model.forward(torch.tensor([[1, 70, 80, 90]]), cache)
         steps[fused] = loaded.model.forward(torch.tensor([[259]]), cache)
         loaded.close()
-    want = {"Q4_K": fused_decode.KIND_INT4K, "Q6_K": fused_decode.KIND_INT6K, "Q5_K": fused_decode.KIND_INT5K}
+    want = {"Q4_K": fused_decode.KIND_INT4K, "Q6_K": fused_decode.KIND_INT6K, "Q5_K": fused_decode.KIND_INT5K,
+            "IQ4_NL": fused_decode.KIND_IQ4, "IQ4_XS": fused_decode.KIND_IQ4X}
     assert want.get(kind, fused_decode.KIND_INT5) in kinds
     torch.testing.assert_close(steps["1"], steps["0"], rtol=0, atol=1e-4)
 
 
-@pytest.mark.parametrize("kind", ["Q4_K", "Q6_K", "Q5_0", "Q5_1", "Q5_K"])
+@pytest.mark.parametrize("kind", OWN_LAYOUTS)
 @pytest.mark.parametrize("rows", [1, 7, 37])
 def test_super_block_kernels_on_each_isa_path(native_build, kind, rows):
-    """The Q4_K, Q6_K and 5-bit kernels built for AVX2 and for portable vectors (the default build, AVX-512 where
+    """The own layouts' kernels built for AVX2 and for portable vectors (the default build, AVX-512 where
     the CPU has it, runs everywhere else): dequantization exactly gguf's, products within fp32
     summation error of it, for 1-5 activation rows and row counts that leave partial tiles."""
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize
 
-    from tierlm.quant import q4k, q5, q6k
-
     cols = 768
     raw = random_blocks(kind, rows, cols, np.random.default_rng(rows))
     expected = dequantize(raw, getattr(GGMLQuantizationType, kind)).reshape(rows, cols)
-    read = {"Q4_K": q4k.from_gguf_blocks, "Q6_K": q6k.from_gguf_blocks}.get(kind, lambda r: q5.from_gguf_blocks(r, kind))
-    weight = read(torch.from_numpy(raw))
+    weight = read_own_layout(kind, raw)
     np.testing.assert_array_equal(weight.dequantize().numpy(), expected)
     parts = weight.tensors()
-    if kind.startswith("Q5"):  # the 5-bit entry points take every part, absent ones as None
+    if kind.startswith("Q5"):  # these entry points take every part, absent ones as None
         parts = {name: weight.tensors().get(name) for name in ("codes", "scales", "offsets", "superblocks")}
-    dequantize_into = {"Q4_K": native_build.dequantize4k_into, "Q6_K": native_build.dequantize6k_into}.get(
-        kind, native_build.dequantize5_into)
-    matmul = {"Q4_K": native_build.matmul4k, "Q6_K": native_build.matmul6k}.get(kind, native_build.matmul5)
+    if kind.startswith("IQ4"):
+        parts = {name: weight.tensors().get(name) for name in ("packed", "scales", "superblocks")}
+    native = native_build
+    dequantize_into, matmul = {"Q4_K": (native.dequantize4k_into, native.matmul4k),
+                               "Q6_K": (native.dequantize6k_into, native.matmul6k),
+                               "IQ4_NL": (native.dequantize_iq4_into, native.matmul_iq4),
+                               "IQ4_XS": (native.dequantize_iq4_into, native.matmul_iq4)}.get(
+        kind, (native.dequantize5_into, native.matmul5))  # fmt: skip
     out = torch.empty(rows, cols)
     np.testing.assert_array_equal(dequantize_into(*parts.values(), out).numpy(), expected)
     reference = torch.from_numpy(expected).double()
@@ -247,16 +261,14 @@ def test_super_block_kernels_on_each_isa_path(native_build, kind, rows):
         matmul(torch.randn(1, 16), *(part[:, :8].contiguous() if part is not None else None for part in parts.values()))
 
 
-@pytest.mark.parametrize("kind", ["Q4_K", "Q6_K", "Q5_0", "Q5_1", "Q5_K"])
+@pytest.mark.parametrize("kind", OWN_LAYOUTS)
 def test_own_layouts_without_native_kernels(kind):
     """Where no native kernel loads (the torch and dequantize+BLAS kernels) and on accelerators (the
     exact Int8Weight form they are moved in), the products and values are the reference's."""
-    from tierlm.quant import q4k, q5, q6k
     from tierlm.quant.dispatch import KernelChoice
     from tierlm.quant.torch_kernels import BlasKernel, TorchKernel
 
-    read = {"Q4_K": q4k.from_gguf_blocks, "Q6_K": q6k.from_gguf_blocks}.get(kind, lambda r: q5.from_gguf_blocks(r, kind))
-    weight = read(torch.from_numpy(random_blocks(kind, 9, 512, np.random.default_rng(9))))
+    weight = read_own_layout(kind, random_blocks(kind, 9, 512, np.random.default_rng(9)))
     reference = weight.dequantize()
     assert torch.equal(weight.as_int8().dequantize(), reference)
     x, bias = torch.randn(3, 512), torch.randn(9)

@@ -10,17 +10,31 @@ validated with these rules alone; tierlm/cache/codec.py encodes and decodes the 
 
 from __future__ import annotations
 
-from tierlm.quant.modes import Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0, Q8_0_GROUP, QuantMode, int4_fits, parse_quant_mode
+from tierlm.quant.modes import (
+    IQ4_NL,
+    IQ4_XS,
+    Q4_K,
+    Q5_0,
+    Q5_1,
+    Q5_K,
+    Q6_K,
+    Q8_0,
+    Q8_0_GROUP,
+    QuantMode,
+    int4_fits,
+    parse_quant_mode,
+)
 
 FLOAT_DTYPES = ("float32", "float16", "bfloat16")
 # encoding -> (parts it must have, parts it may have)
 ENCODINGS = {"plain": ({"data"}, set()), "int8": ({"qweight", "scales"}, {"offsets"}),
              "int4": ({"packed", "scales"}, {"offsets"}), "q4k": ({"packed", "superblocks"}, set()),
              "q6k": ({"packed", "high", "superblocks"}, set()), "q5": ({"codes", "scales"}, {"offsets"}),
-             "q5k": ({"codes", "superblocks"}, set())}  # fmt: skip
+             "q5k": ({"codes", "superblocks"}, set()), "iq4": ({"packed", "scales"}, set()),
+             "iq4x": ({"packed", "superblocks"}, set())}  # fmt: skip
 # Bytes per 256 columns of the super-blocks: q4k (GGUF Q4_K, quant/q4k.py) fp16 d and dmin, 8
 # sub-scales, 8 sub-mins; q6k (GGUF Q6_K, quant/q6k.py) fp16 d and 16 int8 sub-scales.
-SUPER_COLUMNS, SUPER_BYTES = 256, {"q4k": 20, "q6k": 18, "q5k": 20}
+SUPER_COLUMNS, SUPER_BYTES = 256, {"q4k": 20, "q6k": 18, "q5k": 20, "iq4x": 10}
 FIVE_BIT_CHUNK = 20  # q5, q5k (GGUF Q5_0/Q5_1/Q5_K, quant/q5.py): per 32 columns 16 nibble bytes, 4 high-bit bytes
 
 # Canonical names of 2-D weights kept in fp32 under every mode: an MoE router's near-tied logits
@@ -51,6 +65,10 @@ def part_bytes(shape: tuple[int, ...], mode: QuantMode, name: str | None = None)
         return [elements // 2, out_features * (in_features // SUPER_COLUMNS) * SUPER_BYTES["q4k"]]
     if mode.name == Q6_K:
         return [elements // 2, elements // 4, out_features * (in_features // SUPER_COLUMNS) * SUPER_BYTES["q6k"]]
+    if mode.name == IQ4_NL:
+        return [elements // 2, elements // 32 * 2]
+    if mode.name == IQ4_XS:
+        return [elements // 2, out_features * (in_features // SUPER_COLUMNS) * SUPER_BYTES["iq4x"]]
     if mode.name in (Q5_0, Q5_1, Q5_K):
         codes = elements // 32 * FIVE_BIT_CHUNK
         if mode.name == Q5_K:
@@ -83,6 +101,8 @@ def record_mode(record) -> str:
         return Q6_K
     if record.encoding == "q5k":
         return Q5_K
+    if record.encoding in ("iq4", "iq4x"):
+        return IQ4_NL if record.encoding == "iq4" else IQ4_XS
     if record.encoding == "q5":
         return Q5_1 if "offsets" in record.parts else Q5_0
     if record.encoding == "int8" and group == Q8_0_GROUP and not asym and record.parts["scales"].dtype == "float16":
@@ -94,7 +114,7 @@ def record_mode(record) -> str:
 
 def logical_shape(record) -> tuple[int, ...]:
     """The [out, in] (or 1-D) shape a record decodes to, whatever its encoding packs."""
-    if record.encoding in ("int4", "q4k", "q6k"):
+    if record.encoding in ("int4", "q4k", "q6k", "iq4", "iq4x"):
         rows, half = record.parts["packed"].shape
         return rows, 2 * half
     if record.encoding in ("q5", "q5k"):
@@ -121,9 +141,22 @@ def check_record(record, shape: tuple[int, ...] | None = None) -> str | None:
         return _int4_problem(record, shape)
     if record.encoding in ("q5", "q5k"):
         return _five_bit_problem(record, shape)
+    if record.encoding == "iq4":
+        return _iq4_problem(record, shape)
     if record.encoding in SUPER_BYTES:
         return _super_block_problem(record, shape)
     return _int8_problem(record, shape)
+
+
+def _iq4_problem(record, shape) -> str | None:
+    """An iq4 record (GGUF IQ4_NL): nibbles of whole 32-column groups, an fp16 scale per group."""
+    packed, scales = record.parts["packed"], record.parts["scales"]
+    if packed.dtype != "uint8" or len(packed.shape) != 2 or (2 * packed.shape[1]) % 32:
+        return f"packed is {packed.dtype}{list(packed.shape)}, expected 2-D uint8 of whole 32-column groups"
+    rows, columns = packed.shape[0], 2 * packed.shape[1]
+    if scales.dtype != "float16" or tuple(scales.shape) != (rows, columns // 32):
+        return f"scales are {scales.dtype}{list(scales.shape)}, expected float16 {[rows, columns // 32]}"
+    return _shape_problem((rows, columns), shape)
 
 
 def _five_bit_problem(record, shape) -> str | None:

@@ -6,9 +6,9 @@ of kv/formats.py's formats (read as stored: csrc/kv_formats.h; a paged cache thr
 page table), and the native library loaded
 (csrc/fused_decode.h). Then each layer whose weights are INT8
 (`Int8Weight`, any group size, symmetric or not), INT4 (`Int4Weight`: packed nibbles with fp16
-scales, symmetric or not, read as stored), GGUF Q4_K, Q6_K and Q5_0/Q5_1/Q5_K (`Q4KWeight`,
-`Q6KWeight`, `FiveBitWeight`: codes with their scales, read as stored) or fp32 tensors on the
-CPU, in any mix, runs as
+scales, symmetric or not, read as stored), GGUF Q4_K, Q6_K, Q5_0/Q5_1/Q5_K and IQ4_NL/IQ4_XS
+(`Q4KWeight`, `Q6KWeight`, `FiveBitWeight`, `IQ4Weight`: codes with their scales, read as
+stored) or fp32 tensors on the CPU, in any mix, runs as
 `tierlm_decode_layer`: RMSNorm, QKV (+ bias), Qwen3's q/k head norms (when the block has
 `q_norm`/`k_norm`), RoPE from the model's `RotaryTable` (rotate-half or interleaved, partial
 rotary_dim), the K/V write at each row's slot and position, single-query grouped attention
@@ -36,7 +36,7 @@ _c_ptr, _c_i64, _c_i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32
 
 
 # tl::WeightKind (csrc/gemv.h): what a weight's data holds.
-KIND_FP32, KIND_INT8, KIND_INT4, KIND_INT4K, KIND_INT6K, KIND_INT5, KIND_INT5K = 0, 1, 4, 5, 6, 7, 8
+KIND_FP32, KIND_INT8, KIND_INT4, KIND_INT4K, KIND_INT6K, KIND_INT5, KIND_INT5K, KIND_IQ4, KIND_IQ4X = 0, 1, 4, 5, 6, 7, 8, 9, 10
 # tl::KVType (csrc/kv_formats.h): how the KV cache holds keys and values.
 KV_TYPES = {"f32": 0, "f16": 1, "bf16": 2, "q8_0": 3, "q4_0": 4}
 
@@ -220,6 +220,13 @@ def _weight_words(weight, bias, shape: tuple[int, int], keep: list) -> tuple | N
         if not _is_cpu_fp32(weight):
             return None
         return weight.data_ptr(), 0, 0, bias_ptr, rows, cols, cols, KIND_FP32, 0
+    if getattr(weight, "codebook", False):  # GGUF IQ4_NL / IQ4_XS (quant/iq4.py): read as stored
+        parts = list(weight.tensors().values())
+        if not all(p.is_cpu and p.is_contiguous() for p in parts):
+            return None
+        if weight.superblocks is not None:
+            return weight.packed.data_ptr(), weight.superblocks.data_ptr(), 0, bias_ptr, rows, cols, 32, KIND_IQ4X, 0
+        return weight.packed.data_ptr(), weight.scales.data_ptr(), 0, bias_ptr, rows, cols, 32, KIND_IQ4, 1
     codes = getattr(weight, "codes", None)
     if codes is not None:  # GGUF Q5_0 / Q5_1 / Q5_K (quant/q5.py): read as stored
         parts = list(weight.tensors().values())

@@ -76,7 +76,11 @@ class KernelChoice:
         if bias is not None and not bias.is_contiguous():
             bias = bias.contiguous()
         kernel = self.gemv if rows.shape[0] <= self.crossover else self.gemm
-        if hasattr(weight, "codes"):  # FiveBitWeight: GGUF Q5_0/Q5_1/Q5_K
+        if getattr(weight, "codebook", False):  # IQ4Weight: GGUF IQ4_NL / IQ4_XS
+            if not hasattr(kernel, "matmul_iq4"):
+                kernel = self.gemm
+            out = kernel.matmul_iq4(rows, weight.packed, weight.scales, weight.superblocks, bias)
+        elif hasattr(weight, "codes"):  # FiveBitWeight: GGUF Q5_0/Q5_1/Q5_K
             if not hasattr(kernel, "matmul5"):
                 kernel = self.gemm
             out = kernel.matmul5(rows, weight.codes, weight.scales, weight.offsets, weight.superblocks, bias)
@@ -165,7 +169,8 @@ def calibrate(
                        dequantize4=getattr(native, "dequantize4_into", None),
                        dequantize4k=getattr(native, "dequantize4k_into", None),
                        dequantize6k=getattr(native, "dequantize6k_into", None),
-                       dequantize5=getattr(native, "dequantize5_into", None)) if native else BlasKernel())  # fmt: skip
+                       dequantize5=getattr(native, "dequantize5_into", None),
+                       dequantize_iq4=getattr(native, "dequantize_iq4_into", None)) if native else BlasKernel())  # fmt: skip
 
     out_features, in_features = shape
     gen = torch.Generator().manual_seed(0)

@@ -93,3 +93,28 @@ def _grouped(u, scales, offsets, group: int, out) -> torch.Tensor:
     out.copy_(u)
     out.view(n, k // group, group).mul_(scales[..., None]).add_(offsets[..., None])
     return out
+
+
+# GGUF IQ4_NL / IQ4_XS's non-linear codebook: a nibble u stands for IQ4_VALUES[u].
+IQ4_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
+IQ4X_SUPER_BYTES = 10  # IQ4_XS per 256 columns: fp16 d, then 8 int8 sub-scales (ls - 32)
+
+
+def iq4_group_scales(scales, superblocks) -> torch.Tensor:
+    """Per group of 32 columns of an IQ4 weight: fp32 scales (IQ4_NL's d, IQ4_XS's d * sub)."""
+    if superblocks is None:
+        return scales.float()
+    rows = superblocks.shape[0]
+    blocks = superblocks.view(rows, -1, IQ4X_SUPER_BYTES)
+    d = blocks[..., 0:2].contiguous().view(torch.float16).float()
+    return (d * blocks[..., 2:].contiguous().view(torch.int8).float()).reshape(rows, -1)
+
+
+def dequantize_iq4(packed, scales=None, superblocks=None, out=None) -> torch.Tensor:
+    """IQ4_NL / IQ4_XS: fp32 [out, in], IQ4_VALUES[u] * s per group of 32."""
+    values = torch.tensor(IQ4_VALUES, dtype=torch.float32, device=packed.device)[unpack_nibbles(packed).long()]
+    n, k = values.shape
+    out = torch.empty(n, k, dtype=torch.float32, device=packed.device) if out is None else out
+    out.copy_(values)
+    out.view(n, k // 32, 32).mul_(iq4_group_scales(scales, superblocks)[..., None])
+    return out

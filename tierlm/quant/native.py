@@ -95,6 +95,10 @@ class NativeKernel:
         lib.tierlm_q5_matmul.restype = ctypes.c_int
         lib.tierlm_q5_dequant.argtypes = [ptr, ptr, ptr, i64, i64, ptr, ctypes.c_int, ctypes.c_int]
         lib.tierlm_q5_dequant.restype = ctypes.c_int
+        lib.tierlm_iq4_matmul.argtypes = [ptr, i64, i64, ptr, ptr, i64, ptr, ptr, ctypes.c_int, ctypes.c_int]
+        lib.tierlm_iq4_matmul.restype = ctypes.c_int
+        lib.tierlm_iq4_dequant.argtypes = [ptr, ptr, i64, i64, ptr, ctypes.c_int, ctypes.c_int]
+        lib.tierlm_iq4_dequant.restype = ctypes.c_int
         lib.tierlm_decode_layer.argtypes = [ptr, ptr, ptr]
         lib.tierlm_decode_layer.restype = ctypes.c_int
         lib.tierlm_decode_attention.argtypes = [ptr, ptr, ptr]
@@ -237,6 +241,30 @@ class NativeKernel:
                                           torch.get_num_threads(), int(superblocks is not None))  # fmt: skip
         if done != 0:
             raise ValueError(f"5-bit weights cannot have K = {k} (a multiple of 32, of 256 for Q5_K)")
+        return out
+
+    def matmul_iq4(self, x, packed, scales=None, superblocks=None, bias=None):
+        """x [M, K] fp32 @ a GGUF IQ4_NL (fp16 `scales` [N, K / 32]) or IQ4_XS (`superblocks`
+        [N, K / 256 * 10]) weight (tierlm/quant/iq4.py).T (+ bias) -> [M, N] fp32."""
+        m, k = x.shape
+        n = packed.shape[0]
+        y = torch.empty(m, n, dtype=torch.float32)
+        s = superblocks if superblocks is not None else scales
+        done = self.lib.tierlm_iq4_matmul(x.data_ptr(), m, k, packed.data_ptr(), s.data_ptr(), n,
+                                          bias.data_ptr() if bias is not None else None, y.data_ptr(),
+                                          torch.get_num_threads(), int(superblocks is not None))  # fmt: skip
+        if done != 0:
+            raise ValueError(f"IQ4 weights cannot have K = {k} (a multiple of 32, of 256 for IQ4_XS)")
+        return y
+
+    def dequantize_iq4_into(self, packed, scales, superblocks, out):
+        """out [N, K] fp32 = the IQ4 weight dequantized, exactly the `gguf` package's values."""
+        n, k = out.shape
+        s = superblocks if superblocks is not None else scales
+        done = self.lib.tierlm_iq4_dequant(packed.data_ptr(), s.data_ptr(), n, k, out.data_ptr(),
+                                           torch.get_num_threads(), int(superblocks is not None))  # fmt: skip
+        if done != 0:
+            raise ValueError(f"IQ4 weights cannot have K = {k} (a multiple of 32, of 256 for IQ4_XS)")
         return out
 
     def kv_store(self, kv_type: int, x, codes, scales=None):

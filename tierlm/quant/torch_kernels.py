@@ -71,12 +71,13 @@ class BlasKernel:
     """
 
     def __init__(self, dequantize=dequantize_into, name="dequant-blas", block_bytes=16 << 20, dequantize4=None,
-                 dequantize4k=None, dequantize6k=None, dequantize5=None):  # fmt: skip
+                 dequantize4k=None, dequantize6k=None, dequantize5=None, dequantize_iq4=None):  # fmt: skip
         self._dequantize = dequantize
         self._dequantize4 = dequantize4 or _dequantize4_into
         self._dequantize4k = dequantize4k or gguf_layouts.dequantize4k
         self._dequantize6k = dequantize6k or gguf_layouts.dequantize6k
         self._dequantize5 = dequantize5 or gguf_layouts.dequantize5
+        self._dequantize_iq4 = dequantize_iq4 or gguf_layouts.dequantize_iq4
         self.name = name
         self.block_bytes = block_bytes
 
@@ -117,6 +118,14 @@ class BlasKernel:
             self._dequantize5(codes[start:stop], part(scales), part(offsets), part(superblocks), block)
 
         return self._blocked(x, codes.shape[0], rows_into, bias)
+
+    def matmul_iq4(self, x, packed, scales, superblocks, bias=None):
+        """x [M, K] fp32 @ a GGUF IQ4_NL / IQ4_XS weight (tierlm/quant/iq4.py).T (+ bias)."""
+        def rows_into(start, stop, block):
+            part = lambda t: t[start:stop] if t is not None else None  # noqa: E731
+            self._dequantize_iq4(packed[start:stop], part(scales), part(superblocks), block)
+
+        return self._blocked(x, packed.shape[0], rows_into, bias)
 
     def _blocked(self, x, n, rows_into, bias):
         """x [M, K] @ W.T for W [n, K] made a block of rows at a time by rows_into(start, stop, out)."""
@@ -165,6 +174,11 @@ class TorchKernel:
     def matmul5(self, x, codes, scales, offsets, superblocks, bias=None):
         """The 5-bit weight dequantized (in fp32, then x's dtype) and `F.linear`."""
         weight = gguf_layouts.dequantize5(codes, scales, offsets, superblocks).to(x.dtype)
+        return F.linear(x, weight, None if bias is None else bias.to(x.dtype))
+
+    def matmul_iq4(self, x, packed, scales, superblocks, bias=None):
+        """The IQ4 weight dequantized (in fp32, then x's dtype) and `F.linear`."""
+        weight = gguf_layouts.dequantize_iq4(packed, scales, superblocks).to(x.dtype)
         return F.linear(x, weight, None if bias is None else bias.to(x.dtype))
 
     def matmul6k(self, x, packed, high, superblocks, bias=None):

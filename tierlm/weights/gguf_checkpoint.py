@@ -93,7 +93,7 @@ class GgufCheckpoint:
         kinds = {item.source_type for item in items}
         if not kinds <= CARRIED_SOURCE_TYPES or kinds <= FOUR_BIT_SOURCE_TYPES or len(items[0].hf_shape) != 2:
             return None
-        if kinds in ({"Q4_K"}, {"Q6_K"}, {"Q5_0"}, {"Q5_1"}, {"Q5_K"}):
+        if kinds in ({"Q4_K"}, {"Q6_K"}, {"Q5_0"}, {"Q5_1"}, {"Q5_K"}, {"IQ4_NL"}, {"IQ4_XS"}):
             return self._read_own_layout(items)
         form = combined_form(kinds)
         pieces = []
@@ -110,12 +110,13 @@ class GgufCheckpoint:
         """Tensors of one type with a layout of its own (Q4_K, Q6_K, Q5_0, Q5_1, Q5_K) fused by
         rows: their blocks re-laid for the kernels (tierlm/quant/q4k.py, q6k.py, q5.py), every
         value kept."""
-        from tierlm.quant import q4k, q5, q6k
+        from tierlm.quant import iq4, q4k, q5, q6k
         from tierlm.weights.gguf_tensors import read_raw, unpermute_rope_rows
 
         kind = items[0].source_type
+        own = iq4 if kind.startswith("IQ4") else q5
         read = {"Q4_K": q4k.from_gguf_blocks, "Q6_K": q6k.from_gguf_blocks}.get(
-            kind, lambda raw: q5.from_gguf_blocks(raw, kind))
+            kind, lambda raw: own.from_gguf_blocks(raw, kind))
         pieces = []
         for item in items:
             parts = read(torch.from_numpy(read_raw(item, self.source))).tensors()
@@ -123,7 +124,8 @@ class GgufCheckpoint:
                 parts = {name: unpermute_rope_rows(part, item.unpermute_heads) for name, part in parts.items()}
             pieces.append(parts)
         fused = {name: torch.cat([piece[name] for piece in pieces]) for name in pieces[0]}
-        return {"Q4_K": q4k.Q4KWeight, "Q6_K": q6k.Q6KWeight}.get(kind, q5.FiveBitWeight).from_tensors(fused)
+        layouts = {"Q4_K": q4k.Q4KWeight, "Q6_K": q6k.Q6KWeight, "IQ4_NL": iq4.IQ4Weight, "IQ4_XS": iq4.IQ4Weight}
+        return layouts.get(kind, q5.FiveBitWeight).from_tensors(fused)
 
     def parameters(self) -> int:
         return sum(math.prod(item.hf_shape) for item in self._planned.values())

@@ -28,7 +28,13 @@
 namespace tl {
 
 // What a Weight's data holds (the values of Weight::kind).
-enum WeightKind : int32_t { kFp32 = 0, kInt8 = 1, kInt4 = 4, kInt4K = 5, kInt6K = 6, kInt5 = 7, kInt5K = 8 };
+enum WeightKind : int32_t { kFp32 = 0, kInt8 = 1, kInt4 = 4, kInt4K = 5, kInt6K = 6, kInt5 = 7, kInt5K = 8,
+                           kIQ4 = 9, kIQ4X = 10 };
+
+// GGUF IQ4_NL / IQ4_XS's codebook: a nibble u stands for kIQ4Values[u] (times the group's scale).
+alignas(64) inline constexpr float kIQ4Values[16] = {-127, -104, -83, -65, -49, -35, -22, -10,
+                                                      1,    13,   25,  38,  53,  69,  89,  113};
+constexpr int64_t kIQ4SuperBytes = 10;  // IQ4_XS per 256 columns: fp16 d, then 8 int8 scales (ls - 32)
 
 // GGUF Q4_K's scales as tierlm/quant/q4k.py stores them beside int4.py-packed nibbles: per row, per
 // 256 columns, 20 bytes: fp16 d, fp16 dmin, then 8 sub-scales and 8 sub-mins (6-bit values, one
@@ -54,6 +60,9 @@ constexpr int64_t kSixBitBytes = 18;
 //          high bits), group 32, fp16 scales [rows, G] and offsets or null (W = (u - 16) s):
 //          GGUF Q5_1 and Q5_0; half 1.
 //   kInt5K the same codes with kInt4K's super-blocks as `scales` (GGUF Q5_K), half 0.
+//   kIQ4   nibbles as kInt4's standing for kIQ4Values, group 32, fp16 scales [rows, G], no
+//          offsets, half 1 (GGUF IQ4_NL); kIQ4X the same with `scales` per 256 columns fp16 d and
+//          8 int8 sub-scales (uint8 [rows, cols / 256, 10]), W = value * d * sub, half 0 (IQ4_XS).
 // `half` says the scales (and offsets) are fp16: 1 for kInt4, either for kInt8 (`supported()`).
 // The layout is mirrored by `WeightArg` in tierlm/models/fused_decode.py.
 struct Weight {
@@ -75,6 +84,8 @@ struct Weight {
     if (kind == kInt6K) return !half && scales && offsets && group == 16 && cols % kSuperColumns == 0;
     if (kind == kInt5) return half && scales && group == 32 && cols % 32 == 0;
     if (kind == kInt5K) return !half && scales && !offsets && group == 32 && cols % kSuperColumns == 0;
+    if (kind == kIQ4) return half && scales && !offsets && group == 32 && cols % 32 == 0;
+    if (kind == kIQ4X) return !half && scales && !offsets && group == 32 && cols % kSuperColumns == 0;
     return false;
   }
 };
@@ -168,7 +179,8 @@ inline void tile(const float* x, int64_t ldx, const WT* w, int64_t K, const ST* 
 // registers GCC spills.
 // CB = 20: 5-bit codes, each 32-column chunk its 16 bytes of nibbles then 4 bytes of high bits
 // (bit i column i), u = nibble + 16 * bit (GGUF Q5_0/Q5_1/Q5_K, tierlm/quant/q5.py).
-template <int R, int MB, int GS, typename ST = uint16_t, int CB = 16>
+// CODEBOOK: each nibble stands for kIQ4Values[nibble] (GGUF IQ4_NL / IQ4_XS).
+template <int R, int MB, int GS, typename ST = uint16_t, int CB = 16, bool CODEBOOK = false>
 inline void tile4(const float* x, int64_t ldx, const uint8_t* w, int64_t K, const ST* s,
                   int64_t G, int64_t group, float (&out)[MB][R]) {
   using reg = Vec::reg;
@@ -185,7 +197,8 @@ inline void tile4(const float* x, int64_t ldx, const uint8_t* w, int64_t K, cons
     for (int j = 0; j < 16; j += L) {
       reg lo[R], hi[R];
       for (int r = 0; r < R; ++r) {
-        Vec::nibbles(w + r * stride + at + j, lo[r], hi[r]);
+        if constexpr (CODEBOOK) Vec::looked_up(w + r * stride + at + j, kIQ4Values, lo[r], hi[r]);
+        else Vec::nibbles(w + r * stride + at + j, lo[r], hi[r]);
         if constexpr (CB == 20) {
           reg bit_lo, bit_hi;
           Vec::bits(w + r * stride + at + 16, j, bit_lo, bit_hi);
@@ -288,6 +301,20 @@ inline void expand_super_blocks(const Weight& W, int64_t n, int R, float* s, flo
         s[r * G + b * 8 + j] = d * static_cast<float>(p[4 + j]);
         o[r * G + b * 8 + j] = -(dmin * static_cast<float>(p[12 + j]));
       }
+    }
+}
+
+// Rows [n, n + R) of a kIQ4X weight's super-blocks as fp32 scales s [R, cols / 32]: d * sub.
+inline void expand_iq4_scales(const Weight& W, int64_t n, int R, float* s) {
+  const int64_t K = W.cols, G = W.groups(), B = K / kSuperColumns;
+  const uint8_t* super = static_cast<const uint8_t*>(W.scales) + n * B * kIQ4SuperBytes;
+  for (int r = 0; r < R; ++r)
+    for (int64_t b = 0; b < B; ++b) {
+      const uint8_t* p = super + (r * B + b) * kIQ4SuperBytes;
+      uint16_t d16;
+      __builtin_memcpy(&d16, p, 2);
+      const float d = half_to_float(d16);
+      for (int j = 0; j < 8; ++j) s[r * G + b * 8 + j] = d * static_cast<float>(static_cast<int8_t>(p[2 + j]));
     }
 }
 
@@ -402,6 +429,15 @@ inline void block(const Weight& W, const float* x, int64_t ldx, const float* xs,
     tile4<R, MB, 32, float, 20>(x, ldx, static_cast<const uint8_t*>(W.data) + n * (K / 32 * 20), K, s, G, 32, out);
     for (int m = 0; m < MB; ++m)
       for (int r = 0; r < R; ++r) out[m][r] += dot(o + r * G, xs + m * G, G);
+  } else if (W.kind == kIQ4) {
+    tile4<R, MB, 32, uint16_t, 16, true>(x, ldx, static_cast<const uint8_t*>(W.data) + n * (K / 2), K,
+                                         static_cast<const uint16_t*>(W.scales) + n * G, G, 32, out);
+  } else if (W.kind == kIQ4X) {
+    thread_local std::vector<float> expanded;
+    expanded.resize(R * G);
+    expand_iq4_scales(W, n, R, expanded.data());
+    tile4<R, MB, 32, float, 16, true>(x, ldx, static_cast<const uint8_t*>(W.data) + n * (K / 2), K,
+                                      expanded.data(), G, 32, out);
   } else if (W.kind == kInt6K) {
     thread_local std::vector<float> expanded;
     expanded.resize(R * G);

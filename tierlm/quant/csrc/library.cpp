@@ -212,6 +212,45 @@ int tierlm_q5_dequant(const uint8_t* codes, const void* s, const void* o, int64_
   return 0;
 }
 
+// y[M, N] = x[M, K] @ W.T (+ bias[N]) for GGUF IQ4_NL (`super` 0: fp16 scales [N, K / 32]) or
+// IQ4_XS (`super` 1: [N, K / 256, 10] super-blocks) as gemv.h's kIQ4 / kIQ4X hold them: nibbles
+// [N, K / 2] standing for kIQ4Values. Returns -1 (nothing written) on a K they cannot hold.
+int tierlm_iq4_matmul(const float* x, int64_t M, int64_t K, const uint8_t* packed, const void* s, int64_t N,
+                      const float* bias, float* y, int threads, int super) {
+  const tl::Weight W{packed, s, nullptr, bias, N, K, 32, super ? tl::kIQ4X : tl::kIQ4, super ? 0 : 1};
+  if (!W.supported() || K <= 0) return -1;
+  tl::gemv(W, x, K, M, nullptr, y, N, false, threads);
+  return 0;
+}
+
+// out[N, K] = value * scale in fp32 for the weight of tierlm_iq4_matmul: exactly the `gguf`
+// package's values (every product exact in fp32).
+int tierlm_iq4_dequant(const uint8_t* packed, const void* s, int64_t N, int64_t K, float* out, int threads,
+                       int super) {
+  const tl::Weight W{packed, s, nullptr, nullptr, N, K, 32, super ? tl::kIQ4X : tl::kIQ4, super ? 0 : 1};
+  if (!W.supported() || K <= 0) return -1;
+  const int64_t G = W.groups();
+  tl::parallel_for(N, 16, threads, [&](int64_t n0, int64_t n1) {
+    std::vector<float> sg(G);
+    for (int64_t n = n0; n < n1; ++n) {
+      if (super) {
+        tl::expand_iq4_scales(W, n, 1, sg.data());
+      } else {
+        for (int64_t g = 0; g < G; ++g) sg[g] = tl::half_to_float(static_cast<const uint16_t*>(s)[n * G + g]);
+      }
+      for (int64_t g = 0; g < G; ++g) {
+        const uint8_t* p = packed + n * (K / 2) + g * 16;
+        float* row = out + n * K + g * 32;
+        for (int j = 0; j < 16; ++j) {
+          row[j] = tl::kIQ4Values[p[j] & 15] * sg[g];
+          row[16 + j] = tl::kIQ4Values[p[j] >> 4] * sg[g];
+        }
+      }
+    }
+  });
+  return 0;
+}
+
 // One decoder layer's decode step, x [batch, hidden] updated in place (see fused_decode.h).
 // `step` holds what every layer of a step shares; `words` this layer's 44 int64 words:
 // 4 weights (qkv, o, w13, w2) x {data, scales, offsets, bias, rows, cols, group, kind, half}

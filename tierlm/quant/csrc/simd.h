@@ -73,6 +73,14 @@ struct Vec {
     lo = _mm512_cvtepi32_ps(_mm512_and_si512(b, _mm512_set1_epi32(15)));
     hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4));
   }
+  // 16 packed bytes -> the values their low (lo) and high (hi) nibbles index in `table` (16
+  // floats): GGUF IQ4's non-linear codebook.
+  static inline void looked_up(const uint8_t* p, const float* table, reg& lo, reg& hi) {
+    const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    const reg t = _mm512_loadu_ps(table);
+    lo = _mm512_permutexvar_ps(_mm512_and_si512(b, _mm512_set1_epi32(15)), t);
+    hi = _mm512_permutexvar_ps(_mm512_srli_epi32(b, 4), t);
+  }
   // A 32-column chunk's high bits (a little-endian uint32, bit i column i) for columns j.. (lo)
   // and 16 + j.. (hi) as 0/1 fp32.
   static inline void bits(const uint8_t* p, int j, reg& lo, reg& hi) {
@@ -125,6 +133,18 @@ struct Vec {
     const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
     lo = _mm256_cvtepi32_ps(_mm256_and_si256(b, _mm256_set1_epi32(15)));
     hi = _mm256_cvtepi32_ps(_mm256_srli_epi32(b, 4));
+  }
+  // 8 packed bytes -> the values their nibbles index in `table` (16 floats): two 8-entry
+  // permutes and a select on the index's high bit.
+  static inline void looked_up(const uint8_t* p, const float* table, reg& lo, reg& hi) {
+    const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+    const reg t0 = _mm256_loadu_ps(table), t1 = _mm256_loadu_ps(table + 8);
+    auto lookup = [&](__m256i idx) {
+      const __m256 upper = _mm256_castsi256_ps(_mm256_cmpgt_epi32(idx, _mm256_set1_epi32(7)));
+      return _mm256_blendv_ps(_mm256_permutevar8x32_ps(t0, idx), _mm256_permutevar8x32_ps(t1, idx), upper);
+    };
+    lo = lookup(_mm256_and_si256(b, _mm256_set1_epi32(15)));
+    hi = lookup(_mm256_srli_epi32(b, 4));
   }
   // A chunk's high bits (uint32, bit i column i) for columns j.. (lo) and 16 + j.. (hi), 0/1.
   static inline void bits(const uint8_t* p, int j, reg& lo, reg& hi) {
@@ -206,6 +226,13 @@ struct Vec {
 #endif
     lo = __builtin_convertvector(b & 15, reg);
     hi = __builtin_convertvector(b >> 4, reg);
+  }
+  // 4 packed bytes -> the values their nibbles index in `table` (16 floats).
+  static inline void looked_up(const uint8_t* p, const float* table, reg& lo, reg& hi) {
+    for (int i = 0; i < 4; ++i) {
+      lo[i] = table[p[i] & 15];
+      hi[i] = table[p[i] >> 4];
+    }
   }
   // A chunk's high bits (uint32, bit i column i) for columns j.. (lo) and 16 + j.. (hi), 0/1.
   static inline void bits(const uint8_t* p, int j, reg& lo, reg& hi) {
