@@ -34,7 +34,6 @@ enum WeightKind : int32_t { kFp32 = 0, kInt8 = 1, kInt4 = 4, kInt4K = 5, kInt6K 
 // GGUF IQ4_NL / IQ4_XS's codebook: a nibble u stands for kIQ4Values[u] (times the group's scale).
 alignas(64) inline constexpr float kIQ4Values[16] = {-127, -104, -83, -65, -49, -35, -22, -10,
                                                       1,    13,   25,  38,  53,  69,  89,  113};
-constexpr int64_t kIQ4SuperBytes = 10;  // IQ4_XS per 256 columns: fp16 d, then 8 int8 scales (ls - 32)
 
 // GGUF Q4_K's scales as tierlm/quant/q4k.py stores them beside int4.py-packed nibbles: per row, per
 // 256 columns, 20 bytes: fp16 d, fp16 dmin, then 8 sub-scales and 8 sub-mins (6-bit values, one
@@ -43,7 +42,6 @@ constexpr int64_t kSuperColumns = 256, kSuperBytes = 20;
 // GGUF Q6_K as tierlm/quant/q6k.py stores it: the low nibbles packed as int4.py packs them, the
 // 2-bit high parts (simd.h `crumbs`, cols / 4 bytes a row) and per 256 columns 18 bytes: fp16 d
 // and 16 int8 sub-scales; group j (16 columns) is W = (lo + 16 hi - 32) * (d * sc[j]) (exact).
-constexpr int64_t kSixBitBytes = 18;
 
 // A weight matrix [rows, cols]:
 //   kFp32  float data [rows, cols]; scales and offsets null.
@@ -304,31 +302,20 @@ inline void expand_super_blocks(const Weight& W, int64_t n, int R, float* s, flo
     }
 }
 
-// Rows [n, n + R) of a kIQ4X weight's super-blocks as fp32 scales s [R, cols / 32]: d * sub.
-inline void expand_iq4_scales(const Weight& W, int64_t n, int R, float* s) {
+// Rows [n, n + R) of a weight whose super-blocks are fp16 d then SUBS int8 sub-scales (kInt6K:
+// 16 per 256 columns, kIQ4X: 8) as fp32 scales s [R, SUBS * cols / 256]: d * sub, as gguf forms them.
+template <int SUBS>
+inline void expand_signed_scales(const Weight& W, int64_t n, int R, float* s) {
+  constexpr int64_t bytes = 2 + SUBS;
   const int64_t K = W.cols, G = W.groups(), B = K / kSuperColumns;
-  const uint8_t* super = static_cast<const uint8_t*>(W.scales) + n * B * kIQ4SuperBytes;
+  const uint8_t* super = static_cast<const uint8_t*>(W.scales) + n * B * bytes;
   for (int r = 0; r < R; ++r)
     for (int64_t b = 0; b < B; ++b) {
-      const uint8_t* p = super + (r * B + b) * kIQ4SuperBytes;
+      const uint8_t* p = super + (r * B + b) * bytes;
       uint16_t d16;
       __builtin_memcpy(&d16, p, 2);
       const float d = half_to_float(d16);
-      for (int j = 0; j < 8; ++j) s[r * G + b * 8 + j] = d * static_cast<float>(static_cast<int8_t>(p[2 + j]));
-    }
-}
-
-// Rows [n, n + R) of a kInt6K weight's super-blocks as fp32 scales s [R, cols / 16]: d * sc.
-inline void expand_six_bit_scales(const Weight& W, int64_t n, int R, float* s) {
-  const int64_t K = W.cols, G = W.groups(), B = K / kSuperColumns;
-  const uint8_t* super = static_cast<const uint8_t*>(W.scales) + n * B * kSixBitBytes;
-  for (int r = 0; r < R; ++r)
-    for (int64_t b = 0; b < B; ++b) {
-      const uint8_t* p = super + (r * B + b) * kSixBitBytes;
-      uint16_t d16;
-      __builtin_memcpy(&d16, p, 2);
-      const float d = half_to_float(d16);
-      for (int j = 0; j < 16; ++j) s[r * G + b * 16 + j] = d * static_cast<float>(static_cast<int8_t>(p[2 + j]));
+      for (int j = 0; j < SUBS; ++j) s[r * G + b * SUBS + j] = d * static_cast<float>(static_cast<int8_t>(p[2 + j]));
     }
 }
 
@@ -435,13 +422,13 @@ inline void block(const Weight& W, const float* x, int64_t ldx, const float* xs,
   } else if (W.kind == kIQ4X) {
     thread_local std::vector<float> expanded;
     expanded.resize(R * G);
-    expand_iq4_scales(W, n, R, expanded.data());
+    expand_signed_scales<8>(W, n, R, expanded.data());
     tile4<R, MB, 32, float, 16, true>(x, ldx, static_cast<const uint8_t*>(W.data) + n * (K / 2), K,
                                       expanded.data(), G, 32, out);
   } else if (W.kind == kInt6K) {
     thread_local std::vector<float> expanded;
     expanded.resize(R * G);
-    expand_six_bit_scales(W, n, R, expanded.data());
+    expand_signed_scales<16>(W, n, R, expanded.data());
     tile6<R, MB>(x, ldx, static_cast<const uint8_t*>(W.data) + n * (K / 2),
                  static_cast<const uint8_t*>(W.offsets) + n * (K / 4), K, expanded.data(), G, out);
   } else if (W.kind == kFp32) {

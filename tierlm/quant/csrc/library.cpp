@@ -146,7 +146,7 @@ int tierlm_q6k_dequant(const uint8_t* packed, const uint8_t* high, const uint8_t
   tl::parallel_for(N, 16, threads, [&](int64_t n0, int64_t n1) {
     std::vector<float> s(G);
     for (int64_t n = n0; n < n1; ++n) {
-      tl::expand_six_bit_scales(W, n, 1, s.data());
+      tl::expand_signed_scales<16>(W, n, 1, s.data());
       for (int64_t c = 0; c < K / 32; ++c) {
         const uint8_t* p = packed + n * (K / 2) + c * 16;
         const uint8_t* h = high + n * (K / 4) + c * 8;
@@ -234,7 +234,7 @@ int tierlm_iq4_dequant(const uint8_t* packed, const void* s, int64_t N, int64_t 
     std::vector<float> sg(G);
     for (int64_t n = n0; n < n1; ++n) {
       if (super) {
-        tl::expand_iq4_scales(W, n, 1, sg.data());
+        tl::expand_signed_scales<8>(W, n, 1, sg.data());
       } else {
         for (int64_t g = 0; g < G; ++g) sg[g] = tl::half_to_float(static_cast<const uint16_t*>(s)[n * G + g]);
       }
