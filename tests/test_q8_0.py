@@ -113,7 +113,8 @@ def test_q8_0_bytes_are_8_5_bits_a_weight_in_the_artifact_and_the_plan():
     mode = parse_quant_mode("Q8_0")
     assert (mode.name, mode.weight_dtype, mode.group_size, mode.half_scales) == ("q8_0", "int8", 32, True)
     assert sum(part_bytes((64, 4096), mode, "w13")) * 8 == 64 * 4096 * 8.5
-    assert source_grid_mode(["Q8_0"]) == "q8_0" and source_grid_mode(["Q5_1"]) == "int8-g32-asym"
+    assert source_grid_mode(["Q8_0"]) == "q8_0" and source_grid_mode(["Q5_1"]) == "q5_1"
+    assert source_grid_mode(["Q5_1", "Q8_0"]) == "int8-g32-asym"  # rows of two types: the int8 form holding both
     encoding, parts, meta = codec.encode(torch.randn(64, 4096), mode, "w13")
     assert [p.nbytes for p in parts.values()] == part_bytes((64, 4096), mode, "w13")
 
