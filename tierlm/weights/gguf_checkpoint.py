@@ -9,7 +9,6 @@ tensor in float32.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -126,9 +125,6 @@ class GgufCheckpoint:
         fused = {name: torch.cat([piece[name] for piece in pieces]) for name in pieces[0]}
         layouts = {"Q4_K": q4k.Q4KWeight, "Q6_K": q6k.Q6KWeight, "IQ4_NL": iq4.IQ4Weight, "IQ4_XS": iq4.IQ4Weight}
         return layouts.get(kind, q5.FiveBitWeight).from_tensors(fused)
-
-    def parameters(self) -> int:
-        return sum(math.prod(item.hf_shape) for item in self._planned.values())
 
     def _item(self, name: str):
         found = self._planned.get(name)
