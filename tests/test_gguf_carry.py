@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from tests.test_gguf_import import assert_logits_are_gguf_loaders, byte_level_vocab, gguf_name, gguf_writer
+from tierlm.errors import TierlmError
 from tierlm.quant.int8 import Int8Weight
 from tierlm.quant.modes import INT8_FORMS, combined_form, form_mode, source_grid_mode
 from tierlm.weights.gguf_carry import as_form, carry_rows
@@ -324,3 +325,17 @@ def test_lora_on_a_gguf_base_changes_only_the_touched_weights_format(tmp_path, m
     want = exact.model.forward(ids, exact.new_cache(), logits="all")
     exact.close()
     assert float((got - want).abs().max()) < 0.05 * float(want.abs().max())  # measured 1.5 %
+
+
+def test_own_layouts_are_no_quant_flag():
+    """`--quant q4_k` (and the other carried-only layouts) is refused in one line that says how
+    to get them: they hold a GGUF's tensors as stored, never quantize floats."""
+    from tests.cli_runner import run_tierlm
+    from tierlm.quant.modes import CARRIED_ONLY, check_mode_name
+
+    for mode, kind in CARRIED_ONLY.items():
+        with pytest.raises(TierlmError, match=rf"{mode} holds a GGUF's {kind} tensors as they are"):
+            check_mode_name(mode)
+    done = run_tierlm("plan", "--quant", "q4_k", "--device", "cpu")
+    errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
+    assert done.returncode != 0 and len(errors) == 1 and "q4_k" in errors[0] and "Traceback" not in done.stderr
