@@ -107,3 +107,45 @@ def native_build(request):
         pytest.skip(str(err))
     assert kernel.isa == isa
     return kernel
+
+
+
+@pytest.fixture
+def fused_spy(monkeypatch) -> tuple[list[bool], list[int]]:
+    """Every layer a fused decode step was offered, in order, whether one by one
+    (`FusedStep.run`) or in a resident run (`run_resident`): (whether each ran natively, the cache
+    layer index of each that did). A silent fallback to the eager path cannot pass a test that
+    reads them."""
+    from tierlm.models import fused_decode
+
+    calls: list[bool] = []
+    layers: list[int] = []
+    run, run_resident = fused_decode.FusedStep.run, fused_decode.FusedStep.run_resident
+
+    def one(self, w, x, layer):
+        done = run(self, w, x, layer)
+        calls.append(done)
+        layers.extend([layer] if done else [])
+        return done
+
+    def several(self, store, offered, first, x):
+        count = run_resident(self, store, offered, first, x)
+        calls.extend([True] * count)
+        layers.extend(index - first for index in offered[:count])
+        return count
+
+    monkeypatch.setattr(fused_decode.FusedStep, "run", one)
+    monkeypatch.setattr(fused_decode.FusedStep, "run_resident", several)
+    return calls, layers
+
+
+@pytest.fixture
+def fused_calls(fused_spy) -> list[bool]:
+    """Whether each layer offered to the fused decode step ran natively, in order."""
+    return fused_spy[0]
+
+
+@pytest.fixture
+def fused_layers(fused_spy) -> list[int]:
+    """The cache layer index of every layer the fused decode step ran, in order."""
+    return fused_spy[1]

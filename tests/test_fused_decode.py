@@ -52,22 +52,6 @@ def loaded(request, decode_checkpoint):
     return model
 
 
-@pytest.fixture
-def fused_calls(monkeypatch):
-    """Counts the layers the fused path ran (so a silent fallback to eager cannot pass)."""
-    calls = []
-    run = fused_decode.FusedStep.run
-
-    def counting(self, w, x, layer):
-        done = run(self, w, x, layer)
-        calls.append(done)
-        return done
-
-    monkeypatch.setattr(fused_decode.FusedStep, "run", counting)
-    return calls
-
-
-
 def _eager(monkeypatch, fn):
     """fn() on the eager path; afterwards the fused path is on (whatever the environment said)."""
     monkeypatch.setenv("TIERLM_FUSED", "0")

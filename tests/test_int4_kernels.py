@@ -175,21 +175,6 @@ def _int4_model(checkpoint, group: int, asym: bool):
     return loaded
 
 
-@pytest.fixture
-def fused_calls(monkeypatch):
-    """Counts the layers the fused path ran (so a silent fallback to eager cannot pass)."""
-    calls = []
-    run = fused_decode.FusedStep.run
-
-    def counting(self, w, x, layer):
-        done = run(self, w, x, layer)
-        calls.append(done)
-        return done
-
-    monkeypatch.setattr(fused_decode.FusedStep, "run", counting)
-    return calls
-
-
 def _eager(monkeypatch, fn):
     monkeypatch.setenv("TIERLM_FUSED", "0")
     try:

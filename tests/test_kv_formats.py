@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from tests.tiers import quick
-from tests.test_fused_decode import _eager, fused_calls  # noqa: F401 - fused_calls is a fixture
+from tests.test_fused_decode import _eager
 from tests.tiny import DECODE_CASES, checkpoint_maker, decode_steps, scattered_slot_prompts
 from tierlm.errors import TierlmError
 from tierlm.kv import codec

@@ -227,7 +227,7 @@ def test_speculation_hints_the_next_sparse_layer_and_never_changes_tokens(checkp
         assert store.hints and all(len(experts) <= moe.top_k for _, experts in store.hints[-len(followed):])
 
 
-def test_fused_step_runs_dense_layers_and_leaves_sparse_layers_eager(checkpoints, monkeypatch):
+def test_fused_step_runs_dense_layers_and_leaves_sparse_layers_eager(checkpoints, monkeypatch, fused_calls):
     from tierlm.models import fused_decode
     from tests.tiny import decode_steps
 
@@ -235,15 +235,12 @@ def test_fused_step_runs_dense_layers_and_leaves_sparse_layers_eager(checkpoints
         pytest.skip("no native library here (no C++ compiler): decode runs the eager path only")
     folder, _ = checkpoints("qwen3-moe-dense-and-sparse")
     loaded = load_model(folder, device="cpu", dtype=torch.float32, context_length=64, quant="int8")
-    calls = []
-    run = fused_decode.FusedStep.run
-    monkeypatch.setattr(fused_decode.FusedStep, "run", lambda self, w, x, i: calls.append(run(self, w, x, i)) or calls[-1])
     ids = prompt(loaded.config.vocab_size, 9, seed=3)
     monkeypatch.setenv("TIERLM_FUSED", "0")
     expected, expected_tokens = decode_steps(loaded, ids, 8)
     monkeypatch.setenv("TIERLM_FUSED", "1")
     actual, tokens = decode_steps(loaded, ids, 8)
-    assert calls == [True, False, True, True, True, False] * 8  # sparse layers 1 and 5 ran eagerly
+    assert fused_calls == [True, False, True, True, True, False] * 8  # sparse layers 1 and 5 ran eagerly
     assert tokens == expected_tokens
     torch.testing.assert_close(actual, expected, atol=1e-4, rtol=0)
 

@@ -144,3 +144,27 @@ def test_damaged_hot_row_statistics_cost_only_a_cold_start(tmp_path, damage):
     path.write_text(damage)
     cache = HotRowCache(4, 8, device="cpu", dtype=torch.float32, counts_path=path)
     assert not cache.counts
+
+
+def test_fused_decode_runs_resident_layers_in_one_call_and_streamed_ones_alone(artifact, fused_spy, monkeypatch):
+    """Layers 0-1 on the device run as one native call (`run_resident`), the streamed layers 2-3
+    one by one through the ring, every one natively; the tokens are the resident store's."""
+    from tierlm.models import fused_decode
+
+    if fused_decode.native_library() is None:
+        pytest.skip("no native library here (no C++ compiler): decode runs the eager path only")
+    config, art = artifact
+    expected = greedy(config, load_resident_artifact(art.directory))
+    calls, layers = fused_spy
+    calls.clear(), layers.clear()
+    runs = []
+    run_resident = fused_decode.FusedStep.run_resident
+    monkeypatch.setattr(fused_decode.FusedStep, "run_resident",
+                        lambda self, *a: runs.append(run_resident(self, *a)) or runs[-1])  # fmt: skip
+    store = TieredStore(art, placement(art, LAYOUTS["tail-layers-on-disk"]))
+    try:
+        assert greedy(config, store) == expected
+    finally:
+        store.close()
+    assert all(calls) and layers == [0, 1, 2, 3] * 12  # 12 decode steps, each layer native
+    assert runs == [2, 0, 0] * 12  # one call for the resident pair; the streamed ones are offered alone

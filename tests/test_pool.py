@@ -240,7 +240,7 @@ def test_importing_tierlm_bounds_openmp_spinning_unless_the_user_chose(given, ex
 
 
 @pytest.mark.e2e
-def test_fused_decode_with_a_busy_sibling_gives_the_eager_reference_tokens(tmp_path, monkeypatch):
+def test_fused_decode_with_a_busy_sibling_gives_the_eager_reference_tokens(tmp_path, monkeypatch, fused_calls):
     """A tiny llama (big enough that every GEMV splits into many chunks) decodes 16 greedy steps
     on 2 threads through the fused native step while a busy-looping process holds one of this
     process's CPUs: the tokens equal the eager reference path's (TIERLM_FUSED=0, machine quiet)
@@ -262,16 +262,13 @@ def test_fused_decode_with_a_busy_sibling_gives_the_eager_reference_tokens(tmp_p
             rows.append(loaded.model.forward(torch.tensor([[int(rows[-1].argmax())]]), cache)[0, -1])
         return torch.stack(rows)
 
-    fused = []
-    run = fused_decode.FusedStep.run
-    monkeypatch.setattr(fused_decode.FusedStep, "run", lambda *a: fused.append(run(*a)) or fused[-1])
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
         monkeypatch.setenv("TIERLM_FUSED", "0")
         expected = greedy()
         monkeypatch.delenv("TIERLM_FUSED")
-        assert fused == []
+        assert fused_calls == []
         lib = fused_decode.native_library()
         assert lib is not None, "the native library did not load"
         _controls(lib)
@@ -286,7 +283,7 @@ def test_fused_decode_with_a_busy_sibling_gives_the_eager_reference_tokens(tmp_p
             sibling.wait()
     finally:
         torch.set_num_threads(threads)
-    assert fused and all(fused) and len(fused) == 16 * loaded.config.num_hidden_layers
+    assert fused_calls and all(fused_calls) and len(fused_calls) == 16 * loaded.config.num_hidden_layers
     assert actual.argmax(-1).tolist() == expected.argmax(-1).tolist()
     torch.testing.assert_close(actual, expected, atol=1e-4, rtol=0)
     assert pool["calls"] > 0 and pool["helper_chunks"] + pool["reduced"] > 0, pool

@@ -160,7 +160,7 @@ def _q8_0_model(checkpoint):
 
 
 @pytest.mark.parametrize("case", ["llama-mqa-bias-head-dim-32", "qwen3-qk-norm"])
-def test_fused_decode_on_q8_0_weights_matches_eager(case, decode_checkpoint, monkeypatch):
+def test_fused_decode_on_q8_0_weights_matches_eager(case, decode_checkpoint, monkeypatch, fused_calls):
     if fused_decode.native_library() is None:
         pytest.skip("no native library here (no C++ compiler): decode runs the eager path only")
     loaded = _q8_0_model(decode_checkpoint(case))
@@ -168,15 +168,12 @@ def test_fused_decode_on_q8_0_weights_matches_eager(case, decode_checkpoint, mon
         assert w["w13"].scales.dtype == torch.float16 and w["w13"].offsets is None
         words = fused_decode._weight_words(w["w13"], None, tuple(w["w13"].shape), [])
         assert words[-2:] == (fused_decode.KIND_INT8, 1)  # read as stored: fp16 scales
-    calls = []
-    run = fused_decode.FusedStep.run
-    monkeypatch.setattr(fused_decode.FusedStep, "run", lambda self, *a: calls.append(run(self, *a)) or calls[-1])
     ids = torch.randint(0, loaded.config.vocab_size, (1, 7), generator=torch.Generator().manual_seed(3))
     monkeypatch.setenv("TIERLM_FUSED", "0")
     expected, expected_tokens = decode_steps(loaded, ids, 10)
-    assert calls == []
+    assert fused_calls == []
     monkeypatch.setenv("TIERLM_FUSED", "1")
     actual, tokens = decode_steps(loaded, ids, 10)
-    assert calls and all(calls)
+    assert fused_calls and all(fused_calls)
     assert tokens == expected_tokens
     torch.testing.assert_close(actual, expected, atol=1e-4, rtol=0)

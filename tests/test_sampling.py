@@ -58,6 +58,29 @@ def test_greedy_takes_argmax_and_seed_reproduces_sampling():
     assert other != first
 
 
+
+@pytest.mark.parametrize("case", ["nan-first", "nan-at-max", "posinf", "two-posinf", "all-neginf", "all-nan", "ties"])
+def test_greedy_on_non_finite_logits_picks_what_the_cleaned_logits_pick(case):
+    """Greedy's fast argmax answers only when its winner is finite; NaN (a broken model) counts
+    as -inf and +inf as fp32's largest value, as the sampling path treats them."""
+    x = logits(5)
+    if case == "nan-first":
+        x[0] = float("nan")
+    elif case == "nan-at-max":
+        x[int(x.argmax())] = float("nan")
+    elif case == "posinf":
+        x[17] = float("inf")
+    elif case == "two-posinf":
+        x[9], x[4], x[2] = float("inf"), float("inf"), torch.finfo(torch.float32).max
+    elif case == "all-neginf":
+        x[:] = float("-inf")
+    elif case == "all-nan":
+        x[:] = float("nan")
+    else:
+        x[[3, 11]] = x.max() + 1
+    cleaned = torch.nan_to_num(x, nan=float("-inf"), posinf=torch.finfo(torch.float32).max)
+    assert Sampler(SamplingParams(temperature=0))(x) == int(torch.argmax(cleaned))
+
 def test_top_k_one_is_greedy_even_at_high_temperature():
     sampler = Sampler(SamplingParams(temperature=5.0, top_k=1, seed=0))
     assert all(sampler(logits(i)) == int(logits(i).argmax()) for i in range(10))

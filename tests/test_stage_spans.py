@@ -54,25 +54,6 @@ def checkpoint(tmp_path_factory):
     return get
 
 
-@pytest.fixture
-def fused_layers(monkeypatch):
-    """The cache layer index of every layer the fused step ran, per call (a silent fallback to the
-    eager path would leave it empty)."""
-    if fused_decode.native_library() is None:
-        pytest.fail("the native library did not load: the fused step on a partial span goes untested")
-    done = []
-    run = fused_decode.FusedStep.run
-
-    def recording(self, w, x, layer):
-        ran = run(self, w, x, layer)
-        if ran:
-            done.append(layer)
-        return ran
-
-    monkeypatch.setattr(fused_decode.FusedStep, "run", recording)
-    return done
-
-
 def load_stages(model_dir, stages: int, layers: int, **options) -> list:
     return [load_model(model_dir, stage=span, **options) for span in even_split(layers, stages)]
 

@@ -28,6 +28,7 @@ import functools
 
 import torch
 
+from tierlm.blocks import layer_block
 from tierlm.device.cpu import fused_decode_enabled
 from tierlm.quant.kernel_api import KernelUnavailable
 from tierlm.quant.native import load_native
@@ -39,6 +40,10 @@ _c_ptr, _c_i64, _c_i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32
 KIND_FP32, KIND_INT8, KIND_INT4, KIND_INT4K, KIND_INT6K, KIND_INT5, KIND_INT5K, KIND_IQ4, KIND_IQ4X = 0, 1, 4, 5, 6, 7, 8, 9, 10
 # tl::KVType (csrc/kv_formats.h): how the KV cache holds keys and values.
 KV_TYPES = {"f32": 0, "f16": 1, "bf16": 2, "q8_0": 3, "q4_0": 4}
+# The weights a dense layer's call reads, and an attention-only call's.
+DENSE, ATTENTION = ("wqkv", "wo", "w13", "w2"), ("wqkv", "wo")
+# A layer's words (csrc/library.cpp kWordsPerLayer): 4 weights of 9, 4 norms, 4 cache pointers.
+WORDS_PER_LAYER = 44
 
 
 class WeightArg(ctypes.Structure):
@@ -129,6 +134,7 @@ class FusedStep:
         cfg, rotary = model.config, model.rotary
         keys, slots, positions = rows.keys, rows.slots, rows.positions
         self._lib = lib
+        self._words = model.fused_words
         self._rows = rows  # held for the step: its tensors' pointers are used
         # Per part (keys, values, key scales, value scales): its pointer and the bytes of one layer.
         parts = (rows.keys, rows.values, rows.key_scales, rows.value_scales)
@@ -163,14 +169,54 @@ class FusedStep:
         on x [B, 1, H] in place; False (nothing done) if its weights do not fit."""
         if "w13" not in w:
             return False  # a mixture-of-experts layer: `run_attention`, then its experts in torch
-        return self._call(self._lib.tierlm_decode_layer, w, x, layer, ("wqkv", "wo", "w13", "w2"))
+        return self._call(self._lib.tierlm_decode_layer, w, x, layer, DENSE)
 
     def run_attention(self, w, x: torch.Tensor, layer: int) -> bool:
         """x += the layer's attention (RMSNorm, QKV, RoPE, the cache, Wo) in place; False (nothing
         done) if its weights do not fit."""
-        return self._call(self._lib.tierlm_decode_attention, w, x, layer, ("wqkv", "wo"))
+        return self._call(self._lib.tierlm_decode_attention, w, x, layer, ATTENTION)
+
+    def run_resident(self, store, layers, first: int, x: torch.Tensor) -> int:
+        """Run the leading `layers` (model indices) that are dense and resident in `store` as one
+        native call on x [B, 1, H] in place; how many ran (0: none, x untouched). One call keeps
+        Python out of the step and the pool's helpers busy from one layer to the next."""
+        if not self._fits(x):
+            return 0
+        words: list[int] = []
+        for index in layers:
+            w = store.resident_block(layer_block(index))
+            if w is None or "w13" not in w:
+                break
+            described = self._words.get(w, lambda w=w: self._layer_words(w, DENSE))
+            if described is None:
+                break
+            words += described[0] + self._cache_words(index - first)
+        count = len(words) // WORDS_PER_LAYER
+        if count == 0:
+            return 0
+        block = (_c_i64 * len(words))(*words)
+        done = self._lib.tierlm_decode_layers(ctypes.addressof(self._args), ctypes.addressof(block), count, x.data_ptr())
+        return count if done == 0 else 0
 
     def _call(self, entry, w, x: torch.Tensor, layer: int, names: tuple[str, ...]) -> bool:
+        described = self._layer_words(w, names)
+        if described is None or not self._fits(x):
+            return False
+        words, _keep = described  # the converted biases in _keep live until the call returns
+        block = (_c_i64 * WORDS_PER_LAYER)(*words, *self._cache_words(layer))
+        # Nonzero: a weight the native code does not implement (x untouched): run eagerly.
+        return entry(ctypes.addressof(self._args), ctypes.addressof(block), x.data_ptr()) == 0
+
+    def _fits(self, x: torch.Tensor) -> bool:
+        return _is_cpu_fp32(x) and x.numel() == self._args.batch * self._args.hidden
+
+    def _cache_words(self, layer: int) -> list[int]:
+        """The KV cache's four pointers (keys, values, key scales, value scales) at `layer`."""
+        return [ptr + layer * stride if ptr else 0 for ptr, stride in self._parts]
+
+    def _layer_words(self, w, names: tuple[str, ...]) -> tuple[list[int], list] | None:
+        """A layer's weight and norm words (all but the cache's) and the converted tensors they
+        point into; None if the native code cannot run it."""
         a, keep, shapes = self._args, [], self._shapes
         words = []
         for name, bias in (("wqkv", "bqkv"), ("wo", "bo"), ("w13", "b13"), ("w2", "b2")):
@@ -179,7 +225,7 @@ class FusedStep:
                 continue
             described = _weight_words(w[name], w.get(bias), shapes[name], keep)
             if described is None:
-                return False
+                return None
             words += described
         # The native code trusts every size: anything unexpected runs the eager path instead.
         for name, size in (("attn_norm", a.hidden), ("mlp_norm", a.hidden), ("q_norm", a.head_dim),
@@ -190,13 +236,25 @@ class FusedStep:
             elif _is_cpu_fp32(norm) and norm.numel() == size:
                 words.append(norm.data_ptr())
             else:
-                return False
-        if not _is_cpu_fp32(x) or x.numel() != a.batch * a.hidden:
-            return False
-        words += [ptr + layer * stride if ptr else 0 for ptr, stride in self._parts]
-        block = (_c_i64 * len(words))(*words)
-        # Nonzero: a weight the native code does not implement (x untouched): run eagerly.
-        return entry(ctypes.addressof(a), ctypes.addressof(block), x.data_ptr()) == 0
+                return None
+        return words, keep
+
+
+class LayerWords:
+    """Resident layers' weight and norm words, built once per block: a resident block's tensors
+    never move, so from one step to the next only the KV cache's pointers change."""
+
+    def __init__(self):
+        self._by_block: dict[int, tuple] = {}
+
+    def get(self, tensors, build):
+        """`build()`'s result for this block's tensors (None: unsupported), remembered."""
+        found = self._by_block.get(id(tensors))
+        if found is not None and found[0] is tensors:
+            return found[1]
+        built = build()
+        self._by_block[id(tensors)] = (tensors, built)  # holding the block keeps its id unique
+        return built
 
 
 def _is_cpu_fp32(t) -> bool:

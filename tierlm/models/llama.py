@@ -39,6 +39,7 @@ class LlamaModel(LlamaFamily):
         self.rotary = self.rotary_table(config, max_len, device, dtype)
         # Decode captured as a graph on an accelerator holding every block; None: eager (CPU).
         self.graphs = graph_decode.graphs_for(self)
+        self.fused_words = fused_decode.LayerWords()  # resident layers' words for the fused step
 
     @staticmethod
     def rotary_table(config: ModelConfig, max_len: int, device, dtype) -> base.RotaryTable:
@@ -70,8 +71,14 @@ class LlamaModel(LlamaFamily):
         eager = None if fused else self.eager_inputs(cache, length)  # raises if tokens do not fit
         self.store.note_forward(rows * length)
         x = self.stage_input(x, in_place=fused is not None)
-        first = self.span.first
-        for i in self.span.layers:
+        first, layers = self.span.first, list(self.span.layers)
+        while layers:
+            # Resident dense layers run in one native call; the others one by one below.
+            ran = fused.run_resident(self.store, layers, first, x) if fused is not None else 0
+            if ran:
+                del layers[:ran]
+                continue
+            i = layers.pop(0)
             with self.store.block(layer_block(i)) as w:
                 if fused is not None and fused.run(w, x, i - first):
                     continue

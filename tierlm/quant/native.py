@@ -103,6 +103,8 @@ class NativeKernel:
         lib.tierlm_decode_layer.restype = ctypes.c_int
         lib.tierlm_decode_attention.argtypes = [ptr, ptr, ptr]
         lib.tierlm_decode_attention.restype = ctypes.c_int
+        lib.tierlm_decode_layers.argtypes = [ptr, ptr, i64, ptr]
+        lib.tierlm_decode_layers.restype = ctypes.c_int
         lib.tierlm_decode_args_size.restype = i64
         lib.tierlm_kv_store.argtypes = [ctypes.c_int32, ptr, i64, i64, ptr, ptr]
         lib.tierlm_kv_store.restype = ctypes.c_int

@@ -37,6 +37,9 @@ class ResidentStore(WeightStore):
     def peek(self, block: str) -> Mapping[str, torch.Tensor] | None:
         return self._blocks.get(block)
 
+    def resident_block(self, block: str) -> Mapping[str, torch.Tensor] | None:
+        return self._blocks.get(block)
+
     def block_names(self) -> list[str]:
         return list(self._blocks)
 

@@ -328,6 +328,10 @@ class VariantStore(WeightStore):
     def peek(self, block: str):
         return self.base.peek(block)
 
+    def resident_block(self, block: str):
+        # A selected variant may change the block: only the base's own weights are passed through.
+        return self.base.resident_block(block) if self._selection is None else None
+
     def hint_experts(self, layer: int, experts: Sequence[int]) -> None:
         self.base.hint_experts(layer, experts)
 

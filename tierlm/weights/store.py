@@ -60,6 +60,11 @@ class WeightStore:
         """A block's tensors if they are resident now, without acquiring it; None otherwise."""
         return None
 
+    def resident_block(self, block: str) -> Tensors | None:
+        """What `acquire(block)` would return, when acquiring it reads nothing and needs no
+        release (the fused decode step runs such layers in one native call); else None."""
+        return None
+
     def hint_experts(self, layer: int, experts: Sequence[int]) -> None:
         """Speculation: `layer` will probably choose `experts`; a streaming store starts reading them."""
 

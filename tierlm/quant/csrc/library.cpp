@@ -257,8 +257,10 @@ int tierlm_iq4_dequant(const uint8_t* packed, const void* s, int64_t N, int64_t 
 // (tl::Weight's fields), attn_norm, mlp_norm, q_norm, k_norm, keys, values, key_scales,
 // value_scales (pointers as integers, 0 for null). One flat array is what Python fills fastest (a layer costs ~40 ctypes
 // field writes otherwise). Returns -1 (x untouched) if a weight is no supported combination.
-static int decode_call(const tl::LayerArgs* step, const int64_t* words, float* x, bool mlp) {
-  tl::LayerArgs a = *step;
+constexpr int64_t kWordsPerLayer = 44;
+
+static bool parse_layer(const tl::LayerArgs* step, const int64_t* words, bool mlp, tl::LayerArgs& a) {
+  a = *step;
   auto ptr = [&](int i) { return reinterpret_cast<void*>(static_cast<intptr_t>(words[i])); };
   tl::Weight* weights[4] = {&a.qkv, &a.o, &a.w13, &a.w2};
   for (int i = 0; i < 4; ++i) {
@@ -266,7 +268,7 @@ static int decode_call(const tl::LayerArgs* step, const int64_t* words, float* x
     *weights[i] = tl::Weight{ptr(b), ptr(b + 1), ptr(b + 2), static_cast<const float*>(ptr(b + 3)),
                              words[b + 4], words[b + 5], words[b + 6],
                              static_cast<int32_t>(words[b + 7]), static_cast<int32_t>(words[b + 8])};
-    if ((i < 2 || mlp) && !weights[i]->supported()) return -1;
+    if ((i < 2 || mlp) && !weights[i]->supported()) return false;
   }
   a.attn_norm = static_cast<const float*>(ptr(36));
   a.mlp_norm = static_cast<const float*>(ptr(37));
@@ -276,9 +278,13 @@ static int decode_call(const tl::LayerArgs* step, const int64_t* words, float* x
   a.values = ptr(41);
   a.key_scales = static_cast<uint16_t*>(ptr(42));
   a.value_scales = static_cast<uint16_t*>(ptr(43));
-  if (a.kv_type < tl::kKVF32 || a.kv_type > tl::kKVQ4 || a.head_dim > 2048 ||
-      (tl::kv_quantized(a.kv_type) && (a.head_dim % tl::kKVGroup || !a.key_scales || !a.value_scales)))
-    return -1;
+  return !(a.kv_type < tl::kKVF32 || a.kv_type > tl::kKVQ4 || a.head_dim > 2048 ||
+           (tl::kv_quantized(a.kv_type) && (a.head_dim % tl::kKVGroup || !a.key_scales || !a.value_scales)));
+}
+
+static int decode_call(const tl::LayerArgs* step, const int64_t* words, float* x, bool mlp) {
+  tl::LayerArgs a;
+  if (!parse_layer(step, words, mlp, a)) return -1;
   if (mlp) tl::decode_layer(a, x);
   else tl::decode_attention(a, x);
   return 0;
@@ -291,6 +297,17 @@ int tierlm_decode_layer(const tl::LayerArgs* step, const int64_t* words, float* 
 // The attention half alone (x += attention @ Wo.T): the same words, w13 and w2 unread (zeros).
 int tierlm_decode_attention(const tl::LayerArgs* step, const int64_t* words, float* x) {
   return decode_call(step, words, x, false);
+}
+
+// `count` whole layers in order, each its kWordsPerLayer words after the previous one's: one
+// call per step keeps the pool's helpers spinning between layers and Python out of the step.
+// Every layer is checked before the first runs: -1 (x untouched) if any is unsupported.
+int tierlm_decode_layers(const tl::LayerArgs* step, const int64_t* words, int64_t count, float* x) {
+  std::vector<tl::LayerArgs> layers(count);
+  for (int64_t i = 0; i < count; ++i)
+    if (!parse_layer(step, words + i * kWordsPerLayer, true, layers[i])) return -1;
+  for (const tl::LayerArgs& a : layers) tl::decode_layer(a, x);
+  return 0;
 }
 
 // Rows x[n, D] stored as the decode step stores KV rows in `type` (kv_formats.h): codes
