@@ -40,7 +40,7 @@ alignas(64) inline constexpr float kIQ4Values[16] = {-127, -104, -83, -65, -49, 
 // byte each); group j of 32 columns is W = u * (d * sc[j]) - dmin * m[j] (every product exact).
 constexpr int64_t kSuperColumns = 256, kSuperBytes = 20;
 // GGUF Q6_K as tierlm/quant/q6k.py stores it: the low nibbles packed as int4.py packs them, the
-// 2-bit high parts (simd.h `crumbs`, cols / 4 bytes a row) and per 256 columns 18 bytes: fp16 d
+// 2-bit high parts (simd.h `sixes`, cols / 4 bytes a row) and per 256 columns 18 bytes: fp16 d
 // and 16 int8 sub-scales; group j (16 columns) is W = (lo + 16 hi - 32) * (d * sc[j]) (exact).
 
 // A weight matrix [rows, cols]:
@@ -196,13 +196,8 @@ inline void tile4(const float* x, int64_t ldx, const uint8_t* w, int64_t K, cons
       reg lo[R], hi[R];
       for (int r = 0; r < R; ++r) {
         if constexpr (CODEBOOK) Vec::looked_up(w + r * stride + at + j, kIQ4Values, lo[r], hi[r]);
+        else if constexpr (CB == 20) Vec::fives(w + r * stride + at + j, w + r * stride + at + 16, j, lo[r], hi[r]);
         else Vec::nibbles(w + r * stride + at + j, lo[r], hi[r]);
-        if constexpr (CB == 20) {
-          reg bit_lo, bit_hi;
-          Vec::bits(w + r * stride + at + 16, j, bit_lo, bit_hi);
-          lo[r] = Vec::fma(bit_lo, Vec::set1(16.0f), lo[r]);
-          hi[r] = Vec::fma(bit_hi, Vec::set1(16.0f), hi[r]);
-        }
       }
       for (int m = 0; m < MB; ++m) {
         const reg x0 = Vec::load(x + m * ldx + k + j), x1 = Vec::load(x + m * ldx + k + 16 + j);
@@ -329,7 +324,6 @@ inline void tile6(const float* x, int64_t ldx, const uint8_t* w, const uint8_t* 
   constexpr int L = Vec::lanes;
   const int64_t stride = K / 2, qstride = K / 4;
   reg acc[R][MB] = {};
-  const reg sixteen = Vec::set1(16.0f), bias = Vec::set1(-32.0f);
   for (int64_t c = 0; c < K / 32; ++c) {
     if (TL_PREFETCH && (c & 3) == 0)
       for (int r = 0; r < R; ++r) {
@@ -344,11 +338,9 @@ inline void tile6(const float* x, int64_t ldx, const uint8_t* w, const uint8_t* 
     for (int j = 0; j < 16; j += L) {
       reg lo[R], hi[R];
       for (int r = 0; r < R; ++r) {
-        reg nlo, nhi, clo, chi;
-        Vec::nibbles(w + r * stride + c * 16 + j, nlo, nhi);
-        Vec::crumbs(q + r * qstride + c * 8, j, clo, chi);
-        lo[r] = Vec::fma(clo, sixteen, nlo + bias) * s0[r];
-        hi[r] = Vec::fma(chi, sixteen, nhi + bias) * s1[r];
+        Vec::sixes(w + r * stride + c * 16 + j, q + r * qstride + c * 8, j, lo[r], hi[r]);
+        lo[r] = lo[r] * s0[r];
+        hi[r] = hi[r] * s1[r];
       }
       for (int m = 0; m < MB; ++m) {
         const reg x0 = Vec::load(x + m * ldx + c * 32 + j), x1 = Vec::load(x + m * ldx + c * 32 + 16 + j);

@@ -6,9 +6,10 @@
 // Besides fp32 and int8 loads, `Vec` reads the int4 format (tierlm/quant/int4.py): `nibbles`
 // widens `lanes` packed bytes to their low nibbles (columns j..) and high nibbles (columns
 // 16 + j..) as fp32, and `load_half` widens fp16 (scales, offsets) with F16C where the target
-// has it; `half_to_float` is the scalar conversion. `crumbs` widens GGUF Q6_K's 2-bit high
-// parts as tierlm/quant/q6k.py lays them: per 32-column chunk 8 bytes, byte i holding columns i,
-// 8 + i, 16 + i and 24 + i in its bit pairs from the lowest.
+// has it; `half_to_float` is the scalar conversion. `sixes` reads GGUF Q6_K's 2-bit high
+// parts (crumbs) as tierlm/quant/q6k.py lays them: per 32-column chunk 8 bytes, byte i holding columns i,
+// 8 + i, 16 + i and 24 + i in its bit pairs from the lowest. `fives` and `sixes` join GGUF's
+// 5- and 6-bit codes from their parts as integers, converting each register once.
 #pragma once
 
 #include <cstdint>
@@ -81,28 +82,32 @@ struct Vec {
     lo = _mm512_permutexvar_ps(_mm512_and_si512(b, _mm512_set1_epi32(15)), t);
     hi = _mm512_permutexvar_ps(_mm512_srli_epi32(b, 4), t);
   }
-  // A 32-column chunk's high bits (a little-endian uint32, bit i column i) for columns j.. (lo)
-  // and 16 + j.. (hi) as 0/1 fp32.
-  static inline void bits(const uint8_t* p, int j, reg& lo, reg& hi) {
+  // A 32-column chunk's 5-bit codes: 16 packed bytes of nibbles as `nibbles` reads them, plus
+  // `high` (a little-endian uint32, bit i column i) times 16, for columns j.. (lo) and 16 + j..
+  // (hi) as fp32. The bits are or-ed in as integers under a mask: one convert per register.
+  static inline void fives(const uint8_t* p, const uint8_t* high, int j, reg& lo, reg& hi) {
     uint32_t word;
-    std::memcpy(&word, p, 4);
-    const __m512i w = _mm512_set1_epi32(static_cast<int>(word)), one = _mm512_set1_epi32(1);
-    const __m512i shifts = _mm512_add_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-                                            _mm512_set1_epi32(j));
-    lo = _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srlv_epi32(w, shifts), one));
-    hi = _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srlv_epi32(w, _mm512_add_epi32(shifts, _mm512_set1_epi32(16))), one));
+    std::memcpy(&word, high, 4);
+    const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    const __m512i sixteen = _mm512_set1_epi32(16);
+    const __m512i l = _mm512_and_si512(b, _mm512_set1_epi32(15)), h = _mm512_srli_epi32(b, 4);
+    lo = _mm512_cvtepi32_ps(_mm512_mask_or_epi32(l, static_cast<__mmask16>(word >> j), l, sixteen));
+    hi = _mm512_cvtepi32_ps(_mm512_mask_or_epi32(h, static_cast<__mmask16>(word >> (16 + j)), h, sixteen));
   }
-  // A 32-column chunk's 2-bit high parts (8 bytes, `crumbs` below) for columns j.. (lo) and
-  // 16 + j.. (hi) as fp32; j is 0 at 16 lanes.
-  static inline void crumbs(const uint8_t* p, int, reg& lo, reg& hi) {
-    const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+
+  // Q6_K's codes minus 32 for columns j.. (lo) and 16 + j.. (hi) as fp32: nibbles at p and
+  // the 2-bit high parts at q joined as integers (nibble + 16 crumb - 32), one convert per register.
+  static inline void sixes(const uint8_t* p, const uint8_t* q, int, reg& lo, reg& hi) {
+    const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    const __m256i c = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q)));
     const __m256i three = _mm256_set1_epi32(3);
-    auto join = [&](int a, int c) {
-      const __m512i low = _mm512_castsi256_si512(_mm256_and_si256(_mm256_srli_epi32(b, a), three));
-      return _mm512_cvtepi32_ps(_mm512_inserti64x4(low, _mm256_and_si256(_mm256_srli_epi32(b, c), three), 1));
+    auto join = [&](int a, int d) {
+      const __m512i low = _mm512_castsi256_si512(_mm256_and_si256(_mm256_srli_epi32(c, a), three));
+      return _mm512_slli_epi32(_mm512_inserti64x4(low, _mm256_and_si256(_mm256_srli_epi32(c, d), three), 1), 4);
     };
-    lo = join(0, 2);
-    hi = join(4, 6);
+    const __m512i thirty_two = _mm512_set1_epi32(32);
+    lo = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_or_si512(_mm512_and_si512(b, _mm512_set1_epi32(15)), join(0, 2)), thirty_two));
+    hi = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_or_si512(_mm512_srli_epi32(b, 4), join(4, 6)), thirty_two));
   }
   static inline void store(float* p, reg v) { _mm512_storeu_ps(p, v); }
   static inline reg fma(reg a, reg b, reg c) { return _mm512_fmadd_ps(a, b, c); }
@@ -146,22 +151,29 @@ struct Vec {
     lo = lookup(_mm256_and_si256(b, _mm256_set1_epi32(15)));
     hi = lookup(_mm256_srli_epi32(b, 4));
   }
-  // A chunk's high bits (uint32, bit i column i) for columns j.. (lo) and 16 + j.. (hi), 0/1.
-  static inline void bits(const uint8_t* p, int j, reg& lo, reg& hi) {
+  // A chunk's 5-bit codes (nibbles at p, `high` bit i column i, times 16) for columns j.. (lo)
+  // and 16 + j.. (hi) as fp32, combined as integers: one convert per register.
+  static inline void fives(const uint8_t* p, const uint8_t* high, int j, reg& lo, reg& hi) {
     uint32_t word;
-    std::memcpy(&word, p, 4);
+    std::memcpy(&word, high, 4);
+    const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
     const __m256i w = _mm256_set1_epi32(static_cast<int>(word)), one = _mm256_set1_epi32(1);
     const __m256i shifts = _mm256_add_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32(j));
-    lo = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srlv_epi32(w, shifts), one));
-    hi = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srlv_epi32(w, _mm256_add_epi32(shifts, _mm256_set1_epi32(16))), one));
+    auto sixteens = [&](__m256i at) { return _mm256_slli_epi32(_mm256_and_si256(_mm256_srlv_epi32(w, at), one), 4); };
+    lo = _mm256_cvtepi32_ps(_mm256_or_si256(_mm256_and_si256(b, _mm256_set1_epi32(15)), sixteens(shifts)));
+    hi = _mm256_cvtepi32_ps(_mm256_or_si256(_mm256_srli_epi32(b, 4), sixteens(_mm256_add_epi32(shifts, _mm256_set1_epi32(16)))));
   }
-  // A chunk's 2-bit high parts for columns j.. (lo) and 16 + j.. (hi), j 0 or 8.
-  static inline void crumbs(const uint8_t* p, int j, reg& lo, reg& hi) {
+
+  // Q6_K's codes minus 32 (nibbles at p, 2-bit high parts at q, joined as integers) for columns j..
+  // (lo) and 16 + j.. (hi) as fp32, j 0 or 8.
+  static inline void sixes(const uint8_t* p, const uint8_t* q, int j, reg& lo, reg& hi) {
     const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
-    const __m256i three = _mm256_set1_epi32(3);
+    const __m256i c = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q)));
+    const __m256i three = _mm256_set1_epi32(3), thirty_two = _mm256_set1_epi32(32);
     const int shift = j / 8 * 2;
-    lo = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(b, shift), three));
-    hi = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(b, shift + 4), three));
+    auto crumb = [&](int at) { return _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(c, at), three), 4); };
+    lo = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_or_si256(_mm256_and_si256(b, _mm256_set1_epi32(15)), crumb(shift)), thirty_two));
+    hi = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_or_si256(_mm256_srli_epi32(b, 4), crumb(shift + 4)), thirty_two));
   }
   static inline void store(float* p, reg v) { _mm256_storeu_ps(p, v); }
   static inline reg fma(reg a, reg b, reg c) { return _mm256_fmadd_ps(a, b, c); }
@@ -234,22 +246,29 @@ struct Vec {
       hi[i] = table[p[i] >> 4];
     }
   }
-  // A chunk's high bits (uint32, bit i column i) for columns j.. (lo) and 16 + j.. (hi), 0/1.
-  static inline void bits(const uint8_t* p, int j, reg& lo, reg& hi) {
+  // A chunk's 5-bit codes (nibbles at p, `high` bit i column i, times 16) for columns j.. (lo)
+  // and 16 + j.. (hi) as fp32, combined as integers before the convert.
+  static inline void fives(const uint8_t* p, const uint8_t* high, int j, reg& lo, reg& hi) {
     uint32_t word;
-    std::memcpy(&word, p, 4);
-    const ints w = ints{} + static_cast<int32_t>(word >> j), lanes = {0, 1, 2, 3};
-    lo = __builtin_convertvector((w >> lanes) & 1, reg);
-    hi = __builtin_convertvector((w >> (lanes + 16)) & 1, reg);
-  }
-  // A chunk's 2-bit high parts for columns j.. (lo) and 16 + j.. (hi), j a multiple of 4.
-  static inline void crumbs(const uint8_t* p, int j, reg& lo, reg& hi) {
+    std::memcpy(&word, high, 4);
     ubytes raw;
-    std::memcpy(&raw, p + j % 8, sizeof raw);
+    std::memcpy(&raw, p, sizeof raw);
     const ints b = __builtin_convertvector(raw, ints);
+    const ints w = ints{} + static_cast<int32_t>(word >> j), lanes = {0, 1, 2, 3};
+    lo = __builtin_convertvector((b & 15) | (((w >> lanes) & 1) << 4), reg);
+    hi = __builtin_convertvector((b >> 4) | (((w >> (lanes + 16)) & 1) << 4), reg);
+  }
+
+  // Q6_K's codes minus 32 (nibbles at p, 2-bit high parts at q, joined as integers) for columns j..
+  // (lo) and 16 + j.. (hi) as fp32, j a multiple of 4.
+  static inline void sixes(const uint8_t* p, const uint8_t* q, int j, reg& lo, reg& hi) {
+    ubytes nib, raw;
+    std::memcpy(&nib, p, sizeof nib);
+    std::memcpy(&raw, q + j % 8, sizeof raw);
+    const ints b = __builtin_convertvector(nib, ints), c = __builtin_convertvector(raw, ints);
     const int shift = j / 8 * 2;
-    lo = __builtin_convertvector((b >> shift) & 3, reg);
-    hi = __builtin_convertvector((b >> (shift + 4)) & 3, reg);
+    lo = __builtin_convertvector(((b & 15) | (((c >> shift) & 3) << 4)) - 32, reg);
+    hi = __builtin_convertvector(((b >> 4) | (((c >> (shift + 4)) & 3) << 4)) - 32, reg);
   }
   static inline void store(float* p, reg v) { std::memcpy(p, &v, sizeof v); }
   static inline reg fma(reg a, reg b, reg c) { return a * b + c; }
