@@ -339,3 +339,59 @@ def test_own_layouts_are_no_quant_flag():
     done = run_tierlm("plan", "--quant", "q4_k", "--device", "cpu")
     errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
     assert done.returncode != 0 and len(errors) == 1 and "q4_k" in errors[0] and "Traceback" not in done.stderr
+
+
+KILLED_TRANSCODE = """
+import sys, time
+from tierlm.cache.convert import ConversionRequest, ensure_artifact
+
+def slow(done, total):
+    if done == 0:
+        return  # the first block is still being transcoded
+    print("block", done, flush=True)
+    time.sleep(60)
+
+ensure_artifact(ConversionRequest(sys.argv[1], (), "mixed-source"), lambda label, unit="": slow)
+"""
+
+
+@pytest.mark.e2e
+def test_killed_transcode_leaves_no_listed_entry(tmp_path, monkeypatch):
+    """kill -9 while a K-quant GGUF is transcoded into its artifact: nothing is listed (no
+    artifact in `tierlm list`, no directory but the temporary one), and the next conversion
+    writes the whole artifact, whose logits are transformers' GGUF loader's."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from tierlm.cache.catalog import catalog
+    from tierlm.cache.manifest import artifacts_root
+    from tierlm.runtime.loader import load_model
+    from tierlm.weights.gguf_import import import_gguf
+
+    path = tmp_path / "tiny.gguf"
+    write_quantized_gguf(path, lambda name: "Q6_K" if "ffn_down" in name or name.startswith("output") else "Q4_K",
+                         np.random.default_rng(9))  # fmt: skip
+    out = import_gguf(path, tmp_path / "out")
+    monkeypatch.setenv("TIERLM_CACHE", str(tmp_path / "cache"))
+    child = subprocess.Popen([sys.executable, "-c", KILLED_TRANSCODE, str(out)], stdout=subprocess.PIPE, text=True,
+                             env={**os.environ, "TIERLM_CACHE": str(tmp_path / "cache")})  # fmt: skip
+    try:
+        assert child.stdout.readline().startswith("block")  # a block is written, the rest pending
+        child.send_signal(signal.SIGKILL)
+        child.wait(timeout=30)
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+    root = artifacts_root()
+    assert any(p.name.startswith(".") for p in root.iterdir()), "the conversion should have been writing a temp dir"
+    assert [p for p in root.iterdir() if not p.name.startswith(".")] == []
+    assert [e for e in catalog() if e.kind == "artifact"] == []
+
+    loaded = load_model(out, device="cpu", dtype=torch.float32, quant="auto")
+    assert [p.name for p in root.iterdir() if not p.name.startswith(".")] == [loaded.artifact_dir.name]
+    assert [e.path.name for e in catalog() if e.kind == "artifact"] == [loaded.artifact_dir.name]
+    assert_logits_are_gguf_loaders(loaded, path)
+    loaded.close()
