@@ -361,10 +361,10 @@ def test_killed_transcode_leaves_no_listed_entry(tmp_path, monkeypatch):
     artifact in `tierlm list`, no directory but the temporary one), and the next conversion
     writes the whole artifact, whose logits are transformers' GGUF loader's."""
     import os
-    import signal
     import subprocess
     import sys
 
+    from tests.test_gguf_import import killed_after_first_line
     from tierlm.cache.catalog import catalog
     from tierlm.cache.manifest import artifacts_root
     from tierlm.runtime.loader import load_model
@@ -377,14 +377,7 @@ def test_killed_transcode_leaves_no_listed_entry(tmp_path, monkeypatch):
     monkeypatch.setenv("TIERLM_CACHE", str(tmp_path / "cache"))
     child = subprocess.Popen([sys.executable, "-c", KILLED_TRANSCODE, str(out)], stdout=subprocess.PIPE, text=True,
                              env={**os.environ, "TIERLM_CACHE": str(tmp_path / "cache")})  # fmt: skip
-    try:
-        assert child.stdout.readline().startswith("block")  # a block is written, the rest pending
-        child.send_signal(signal.SIGKILL)
-        child.wait(timeout=30)
-    finally:
-        if child.poll() is None:
-            child.kill()
-            child.wait()
+    assert killed_after_first_line(child).startswith("block")  # a block was written, the rest pending
     root = artifacts_root()
     assert any(p.name.startswith(".") for p in root.iterdir()), "the conversion should have been writing a temp dir"
     assert [p for p in root.iterdir() if not p.name.startswith(".")] == []

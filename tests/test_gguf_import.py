@@ -549,6 +549,20 @@ KILLED_IMPORT = textwrap.dedent(
 )
 
 
+def killed_after_first_line(child: subprocess.Popen) -> str:
+    """The first line `child` prints (when it is midway through its work), after which it is
+    sent SIGKILL and reaped."""
+    try:
+        line = child.stdout.readline().strip()
+        child.send_signal(signal.SIGKILL)
+        child.wait(timeout=30)
+        return line
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+
+
 @pytest.mark.e2e
 def test_killed_import_leaves_no_model_dir(tmp_path, monkeypatch):
     cache = tmp_path / "cache"
@@ -562,16 +576,9 @@ def test_killed_import_leaves_no_model_dir(tmp_path, monkeypatch):
         [sys.executable, "-c", KILLED_IMPORT, str(gguf_file)],
         stdout=subprocess.PIPE, text=True, env={**os.environ, "TIERLM_CACHE": str(cache)},
     )
-    try:
-        assert child.stdout.readline().strip() == "converting"  # a tensor is written, the rest pending
-        models = cache / "models"
-        assert [p.name for p in models.glob(".*.partial-*")], "the import should be writing a temp dir"
-        child.send_signal(signal.SIGKILL)
-        child.wait(timeout=30)
-    finally:
-        if child.poll() is None:
-            child.kill()
-            child.wait()
+    assert killed_after_first_line(child) == "converting"  # a tensor was written, the rest pending
+    models = cache / "models"
+    assert [p.name for p in models.glob(".*.partial-*")], "the import should have been writing a temp dir"
     assert [p for p in models.iterdir() if not p.name.startswith(".")] == []
 
     out = import_gguf_to_cache(gguf_file)
