@@ -17,7 +17,10 @@ W2 + residual. A mixture-of-experts layer runs its attention half natively the s
 (`run_attention`), then its router and experts in torch. Any other layer runs the eager
 reference (`run` returns False).
 
-The weight-store contract is unchanged: the caller holds each block while its call runs.
+Consecutive dense layers whose blocks the store holds resident (`WeightStore.resident_block`:
+nothing to read, nothing to release) run as one `tierlm_decode_layers` call, their words built
+once per block (`LayerWords`); a streamed layer is held through the store and runs alone. The
+weight-store contract is unchanged: the caller holds each block while its call runs.
 `TIERLM_FUSED=0` forces the eager path (tests and benchmarks compare both).
 """
 
