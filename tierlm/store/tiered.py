@@ -156,9 +156,8 @@ class TieredStore(WeightStore):
         return self.resident.get(block) if self.placement.block(block).tier == DEVICE else None
 
     def resident_block(self, block: str) -> Mapping | None:
-        if block == EMBED and self._embed_rows is not None:
-            return None  # rows are read from the host as they are looked up
-        return None if is_expert(block) else self.resident.get(block)
+        # acquire's first answer: an embedding read by rows is never among the resident blocks.
+        return self.resident.get(block)
 
     def hint_experts(self, layer: int, experts: Sequence[int]) -> None:
         if self.speculates:
