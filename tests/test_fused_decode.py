@@ -17,14 +17,14 @@ import pytest
 import torch
 
 from tests.tiers import quick
-from tests.tiny import DECODE_CASES, MOE_CASES, decode_slots, decode_steps, make_case, paged_cache, scattered_slot_prompts
+from tests.tiny import DECODE_ATOL, DECODE_CASES, MOE_CASES, decode_slots, decode_steps, make_case, paged_cache, scattered_slot_prompts
 from tierlm.models import fused_decode
 from tierlm.paths import kernels_root
 from tierlm.quant.int8 import Int8Weight
 from tierlm.quant.native import FLAGS, load_native
 from tierlm.runtime.loader import load_model
 
-ATOL = 1e-4
+ATOL = DECODE_ATOL
 STEPS = 16
 
 # Every family runs int8 (the CPU default); fp32 and grouped asymmetric int8 on a spread of them.

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from tests.test_gguf_import import assert_logits_are_gguf_loaders, byte_level_vocab, gguf_name, gguf_writer
+from tests.tiny import DECODE_ATOL
 from tierlm.errors import TierlmError
 from tierlm.quant.int8 import Int8Weight
 from tierlm.quant.modes import INT8_FORMS, combined_form, form_mode, source_grid_mode
@@ -220,7 +221,7 @@ def test_own_layouts_decode_in_the_fused_step_as_eagerly(tmp_path, monkeypatch, 
     want = {"Q4_K": fused_decode.KIND_INT4K, "Q6_K": fused_decode.KIND_INT6K, "Q5_K": fused_decode.KIND_INT5K,
             "IQ4_NL": fused_decode.KIND_IQ4, "IQ4_XS": fused_decode.KIND_IQ4X}
     assert want.get(kind, fused_decode.KIND_INT5) in kinds
-    torch.testing.assert_close(steps["1"], steps["0"], rtol=0, atol=1e-4)
+    torch.testing.assert_close(steps["1"], steps["0"], rtol=0, atol=DECODE_ATOL)
 
 
 @pytest.mark.parametrize("kind", OWN_LAYOUTS)

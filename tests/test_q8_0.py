@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 import torch
 
-from tests.tiny import decode_steps
+from tests.test_a16_kernels import rounding_bound
+from tests.tiny import DECODE_ATOL, decode_steps
 from tierlm.cache import codec
 from tierlm.cache.encodings import part_bytes
 from tierlm.models import fused_decode
@@ -136,7 +137,9 @@ def test_native_matmul_reads_fp16_scales_as_stored(native_build, shape):
         x = torch.randn(rows, shape[1], generator=gen)
         got = native_build.matmul(x, weight.qweight, weight.scales_2d, 32)
         ref, size = _reference(x, dense)
-        assert (got.double() - ref).abs().max().item() <= RTOL * size, rows
+        # Up to four rows take the integer decode path: within its rounding bound besides.
+        allowed = RTOL * size + (rounding_bound(x, dense).max().item() if rows <= 4 else 0.0)
+        assert (got.double() - ref).abs().max().item() <= allowed, rows
     out = torch.empty(shape)
     native_build.dequantize_into(weight.qweight, weight.scales_2d, 32, out)
     assert torch.equal(out, dense)
@@ -176,4 +179,4 @@ def test_fused_decode_on_q8_0_weights_matches_eager(case, decode_checkpoint, mon
     actual, tokens = decode_steps(loaded, ids, 10)
     assert fused_calls and all(fused_calls)
     assert tokens == expected_tokens
-    torch.testing.assert_close(actual, expected, atol=1e-4, rtol=0)
+    torch.testing.assert_close(actual, expected, atol=DECODE_ATOL, rtol=0)

@@ -8,6 +8,7 @@ import platform
 import pytest
 import torch
 
+from tests.test_a16_kernels import rounding_bound
 from tests.tiers import quick
 from tierlm.errors import TierlmError
 from tierlm.paths import kernels_root
@@ -253,7 +254,11 @@ def test_linear_through_model_base_uses_the_default_kernels():
 
     qw = quantize_int8(_weight(96, 160), 32)
     x = torch.randn(1, 4, 160)
-    _assert_matches(base.linear(x, qw), _reference(x, qw))
+    # Four rows take the integer decode path: within its rounding bound (tests/test_a16_kernels.py).
+    dense = qw.dequantize()
+    error = (base.linear(x, qw).double() - _reference(x, qw)).abs()[0]
+    size = (x[0].double().abs() @ dense.double().abs().T).max()
+    assert bool((error <= rounding_bound(x[0], dense) + 1e-5 * size).all())
     ids = torch.tensor([[1, 2, 3]])
     assert torch.equal(base.embed(qw, ids), qw.dequantize()[ids])
 

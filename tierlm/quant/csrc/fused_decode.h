@@ -164,11 +164,12 @@ inline void decode_layer(const LayerArgs& a, float* x) {
   std::vector<float> h(B * H), gate(B * I), up(B * I);
   for (int64_t b = 0; b < B; ++b) rms_norm(x + b * H, H, a.mlp_norm, a.eps, h.data() + b * H);
   std::vector<float> xs = group_sums(a.w13, h.data(), H, B);
+  const Activations16 h16 = quantize16(a.w13, h.data(), H, B);
   const int64_t R = rows_per_tile(B), tiles = (I + R - 1) / R;
   parallel_for(tiles, tile_grain(tiles, threads), threads, [&](int64_t t0, int64_t t1) {
     const int64_t i0 = t0 * R, i1 = std::min(I, t1 * R);
-    gemv_rows(a.w13, h.data(), H, B, xs.data(), i0, i1, gate.data() + i0, I, false);
-    gemv_rows(a.w13, h.data(), H, B, xs.data(), I + i0, I + i1, up.data() + i0, I, false);
+    gemv_rows(a.w13, h.data(), H, B, xs.data(), i0, i1, gate.data() + i0, I, false, &h16);
+    gemv_rows(a.w13, h.data(), H, B, xs.data(), I + i0, I + i1, up.data() + i0, I, false, &h16);
     for (int64_t b = 0; b < B; ++b)
       for (int64_t i = i0; i < i1; ++i) gate[b * I + i] = silu(gate[b * I + i]) * up[b * I + i];
   });

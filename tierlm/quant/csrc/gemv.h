@@ -12,90 +12,25 @@
 // yields both halves from one load with an and and a shift. Each group's dot with the
 // unsigned nibbles u is scaled once by its fp16 scale s; the offset o (-8 s when symmetric)
 // adds o * (x summed over the group), one dot over the groups per output: W = u * s + o.
+//
+// Decode-sized calls (up to four activation rows) of int8 in groups of 32 (Q8_0) and of the q5
+// kinds multiply in integers instead (gemv_a16.h); everything else runs the tiles below.
 #pragma once
 
 #include <algorithm>
 #include <cstdint>
 #include <vector>
 
+#include "gemv_a16.h"
 #include "pool.h"
 #include "simd.h"
+#include "weight.h"
 
 #ifndef TL_PREFETCH
 #define TL_PREFETCH 1
 #endif
 
 namespace tl {
-
-// What a Weight's data holds (the values of Weight::kind).
-enum WeightKind : int32_t { kFp32 = 0, kInt8 = 1, kInt4 = 4, kInt4K = 5, kInt6K = 6, kInt5 = 7, kInt5K = 8,
-                           kIQ4 = 9, kIQ4X = 10 };
-
-// GGUF IQ4_NL / IQ4_XS's codebook: a nibble u stands for kIQ4Values[u] (times the group's scale).
-alignas(64) inline constexpr float kIQ4Values[16] = {-127, -104, -83, -65, -49, -35, -22, -10,
-                                                      1,    13,   25,  38,  53,  69,  89,  113};
-
-// GGUF Q4_K's scales as tierlm/quant/q4k.py stores them beside int4.py-packed nibbles: per row, per
-// 256 columns, 20 bytes: fp16 d, fp16 dmin, then 8 sub-scales and 8 sub-mins (6-bit values, one
-// byte each); group j of 32 columns is W = u * (d * sc[j]) - dmin * m[j] (every product exact).
-constexpr int64_t kSuperColumns = 256, kSuperBytes = 20;
-// GGUF Q6_K as tierlm/quant/q6k.py stores it: the low nibbles packed as int4.py packs them, the
-// 2-bit high parts (simd.h `sixes`, cols / 4 bytes a row) and per 256 columns 18 bytes: fp16 d
-// and 16 int8 sub-scales; group j (16 columns) is W = (lo + 16 hi - 32) * (d * sc[j]) (exact).
-
-// A weight matrix [rows, cols]:
-//   kFp32  float data [rows, cols]; scales and offsets null.
-//   kInt8  int8 data [rows, cols], fp32 scales [rows, G] (G = ceil(cols / group)) and, for
-//          asymmetric modes, fp32 offsets of that shape (else null); or, symmetric only, fp16
-//          scales (`half`: GGUF Q8_0's form, int8 with an fp16 scale per 32 columns).
-//   kInt4  uint8 data [rows, cols / 2] packed as int4.py says (cols and group multiples of
-//          32), fp16 scales [rows, G] and fp16 offsets [rows, G] or null (symmetric: -8 s).
-//   kInt4K the same nibbles, group 32, `scales` the super-blocks (uint8 [rows, cols / 256, 20],
-//          above: cols a multiple of 256), offsets null, half 0.
-//   kInt6K low nibbles as kInt4's, `offsets` the high parts (uint8 [rows, cols / 4]), `scales`
-//          the super-blocks (uint8 [rows, cols / 256, 18]), group 16, half 0.
-//   kInt5  5-bit codes u (uint8 [rows, cols / 32, 20]: per chunk 16 bytes of nibbles, then the
-//          high bits), group 32, fp16 scales [rows, G] and offsets or null (W = (u - 16) s):
-//          GGUF Q5_1 and Q5_0; half 1.
-//   kInt5K the same codes with kInt4K's super-blocks as `scales` (GGUF Q5_K), half 0.
-//   kIQ4   nibbles as kInt4's standing for kIQ4Values, group 32, fp16 scales [rows, G], no
-//          offsets, half 1 (GGUF IQ4_NL); kIQ4X the same with `scales` per 256 columns fp16 d and
-//          8 int8 sub-scales (uint8 [rows, cols / 256, 10]), W = value * d * sub, half 0 (IQ4_XS).
-// `half` says the scales (and offsets) are fp16: 1 for kInt4, either for kInt8 (`supported()`).
-// The layout is mirrored by `WeightArg` in tierlm/models/fused_decode.py.
-struct Weight {
-  const void* data;
-  const void* scales;
-  const void* offsets;
-  const float* bias;  // [rows] or null
-  int64_t rows, cols, group;
-  int32_t kind;
-  int32_t half;
-
-  int64_t groups() const { return kind != kFp32 ? (cols + group - 1) / group : 1; }
-  // The combinations the kernels implement; anything else must be refused before a call.
-  bool supported() const {
-    if (kind == kFp32) return !scales && !offsets;
-    if (kind == kInt8) return scales && group > 0 && !(half && offsets);
-    if (kind == kInt4) return half && scales && group > 0 && group % 32 == 0 && cols % 32 == 0;
-    if (kind == kInt4K) return !half && scales && !offsets && group == 32 && cols % kSuperColumns == 0;
-    if (kind == kInt6K) return !half && scales && offsets && group == 16 && cols % kSuperColumns == 0;
-    if (kind == kInt5) return half && scales && group == 32 && cols % 32 == 0;
-    if (kind == kInt5K) return !half && scales && !offsets && group == 32 && cols % kSuperColumns == 0;
-    if (kind == kIQ4) return half && scales && !offsets && group == 32 && cols % 32 == 0;
-    if (kind == kIQ4X) return !half && scales && !offsets && group == 32 && cols % kSuperColumns == 0;
-    return false;
-  }
-};
-
-template <typename T>
-inline void prefetch(const T* p) {
-  __builtin_prefetch(p, 0, 2);
-}
-
-// A stored scale as fp32: fp32 as is, fp16 (uint16_t bits) widened.
-inline float scale_value(float s) { return s; }
-inline float scale_value(uint16_t s) { return half_to_float(s); }
 
 // out[m][r] = sum_k x[m * ldx + k] * w[r * K + k] * s[r * G + k / group] (s null: unscaled).
 // GS > 0: groups of exactly GS columns (K a multiple of GS), stepped with a compile-time count.
@@ -363,6 +298,31 @@ inline void int8_tile(const Weight& W, const float* x, int64_t ldx, const int8_t
   else tile<R, MB, true, 0>(x, ldx, w, K, s + n * G, G, W.group, out);
 }
 
+// A tile's sums of codes times scales finished and stored into, or added to, y[m * ldy + r]:
+// plus the offsets' share, sum_g o[g] * (x summed over group g: xs), where the kind keeps its
+// offsets apart (int4: -8 s when symmetric; q5: -16 s for Q5_0; asymmetric int8: fp32 o), and
+// the bias. The super-block kinds add their expanded offsets in `block`.
+template <int R, int MB>
+inline void finish(const Weight& W, const float* xs, int64_t n, float (&out)[MB][R], float* y, int64_t ldy,
+                   bool accumulate) {
+  const int64_t G = W.groups();
+  for (int m = 0; m < MB; ++m)
+    for (int r = 0; r < R; ++r) {
+      float v = out[m][r];
+      const float* sums = xs ? xs + m * G : nullptr;
+      if (W.kind == kInt4 || W.kind == kInt5) {
+        const uint16_t* o = static_cast<const uint16_t*>(W.offsets);
+        const uint16_t* s = static_cast<const uint16_t*>(W.scales);
+        v += o ? dot_half(o + (n + r) * G, sums, G) : (W.kind == kInt4 ? -8.0f : -16.0f) * dot_half(s + (n + r) * G, sums, G);
+      } else if (W.kind == kInt8 && W.offsets) {
+        v += dot(static_cast<const float*>(W.offsets) + (n + r) * G, sums, G);
+      }
+      if (W.bias) v += W.bias[n + r];
+      float& dst = y[m * ldy + r];
+      dst = accumulate ? dst + v : v;
+    }
+}
+
 // One tile of R rows starting at n for activation rows [0, MB) of x: finished outputs
 // (scale, asymmetric offsets, bias) stored into, or added to, y[m * ldy + r].
 template <int R, int MB>
@@ -376,11 +336,6 @@ inline void block(const Weight& W, const float* x, int64_t ldx, const float* xs,
     if (W.group == 32) tile4<R, MB, 32>(x, ldx, w, K, s, G, 32, out);
     else if (W.group == 128) tile4<R, MB, 128>(x, ldx, w, K, s, G, 128, out);
     else tile4<R, MB, 0>(x, ldx, w, K, s, G, W.group, out);
-    const uint16_t* o = static_cast<const uint16_t*>(W.offsets);
-    for (int m = 0; m < MB; ++m)
-      for (int r = 0; r < R; ++r)  // + sum_g o[g] * (x summed over g), o = -8 s when symmetric
-        out[m][r] += o ? dot_half(o + (n + r) * G, xs + m * G, G)
-                       : -8.0f * dot_half(s + r * G, xs + m * G, G);
   } else if (W.kind == kInt4K) {
     const uint8_t* w = static_cast<const uint8_t*>(W.data) + n * (K / 2);
     thread_local std::vector<float> expanded;  // this tile's scales and offsets, reused per thread
@@ -395,10 +350,6 @@ inline void block(const Weight& W, const float* x, int64_t ldx, const float* xs,
     const uint8_t* w = static_cast<const uint8_t*>(W.data) + n * (K / 32 * 20);
     const uint16_t* s = static_cast<const uint16_t*>(W.scales) + n * G;
     tile4<R, MB, 32, uint16_t, 20>(x, ldx, w, K, s, G, 32, out);
-    const uint16_t* o = static_cast<const uint16_t*>(W.offsets);
-    for (int m = 0; m < MB; ++m)
-      for (int r = 0; r < R; ++r)  // + sum_g o[g] * (x summed over g), o = -16 s for Q5_0
-        out[m][r] += o ? dot_half(o + (n + r) * G, xs + m * G, G) : -16.0f * dot_half(s + r * G, xs + m * G, G);
   } else if (W.kind == kInt5K) {
     thread_local std::vector<float> expanded;
     expanded.resize(2 * R * G);
@@ -433,16 +384,7 @@ inline void block(const Weight& W, const float* x, int64_t ldx, const float* xs,
     int8_tile<R, MB>(W, x, ldx, static_cast<const int8_t*>(W.data) + n * K,
                      static_cast<const float*>(W.scales), n, out);
   }
-  const float* offsets8 = W.kind == kInt8 ? static_cast<const float*>(W.offsets) : nullptr;  // kInt6K's are its high bits
-  for (int m = 0; m < MB; ++m)
-    for (int r = 0; r < R; ++r) {
-      float v = out[m][r];
-      // Asymmetric weights W = q*s + o per group: x @ W.T gains sum_g o[g] * (x summed over g).
-      if (offsets8) v += dot(offsets8 + (n + r) * G, xs + m * G, G);
-      if (W.bias) v += W.bias[n + r];
-      float& dst = y[m * ldy + r];
-      dst = accumulate ? dst + v : v;
-    }
+  finish<R, MB>(W, xs, n, out, y, ldy, accumulate);
 }
 
 template <int R>
@@ -476,10 +418,13 @@ inline void block_any(int r, int mb, const Weight& W, const float* x, int64_t ld
 
 // y[m * ldy + (n - n0)] (+)= (x[m] @ W.T)[n] for weight rows n in [n0, n1), m < M.
 // xs [M, G]: x summed per group, needed only when W has offsets.
+// a: x quantized for W's integer path (quantize16), or null / unusable: the fp32 tiles.
 inline void gemv_rows(const Weight& W, const float* x, int64_t ldx, int64_t M, const float* xs,
-                      int64_t n0, int64_t n1, float* y, int64_t ldy, bool accumulate) {
-  const int rows = rows_per_tile(M);
+                      int64_t n0, int64_t n1, float* y, int64_t ldy, bool accumulate,
+                      const Activations16* a = nullptr) {
   const int64_t G = W.groups();
+  if (a && a->usable) return gemv_a16(W, *a, xs, M, n0, n1, y, ldy, accumulate);
+  const int rows = rows_per_tile(M);
   for (int64_t n = n0; n < n1; n += rows) {
     const int r = static_cast<int>(std::min<int64_t>(rows, n1 - n));
     for (int64_t m0 = 0; m0 < M; m0 += 4) {
@@ -520,10 +465,11 @@ inline int64_t tile_grain(int64_t tiles, int threads) {
 // y[M, ldy] (+)= x @ W.T over all of W's rows, in parallel over tiles of rows.
 inline void gemv(const Weight& W, const float* x, int64_t ldx, int64_t M, const float* xs,
                  float* y, int64_t ldy, bool accumulate, int threads) {
+  const Activations16 a = quantize16(W, x, ldx, M);
   const int64_t R = rows_per_tile(M), N = W.rows, tiles = (N + R - 1) / R;
   parallel_for(tiles, tile_grain(tiles, threads), threads, [&](int64_t t0, int64_t t1) {
     const int64_t n0 = t0 * R, n1 = std::min(N, t1 * R);
-    gemv_rows(W, x, ldx, M, xs, n0, n1, y + n0, ldy, accumulate);
+    gemv_rows(W, x, ldx, M, xs, n0, n1, y + n0, ldy, accumulate, &a);
   });
 }
 

@@ -280,4 +280,54 @@ struct Vec {
 };
 #endif
 
+// 16 int16 lanes in a 256-bit register on both x86 paths (gemv_a16.h's integer dot products):
+// `dot` adds each pair of adjacent products to its int32 lane (vpdpwssd with AVX512-VNNI, else
+// vpmaddwd + vpaddd), `or_where` sets `value`'s bits in the lanes whose bit of `bits` is set (a
+// mask register with AVX-512, a compare against each lane's bit with AVX2), `scaled` adds the
+// eight int32 sums times a scale to fp32 lanes. Absent (`available` false) on the portable path.
+#if TIERLM_ISA >= 256
+struct Ints16 {
+  using reg = __m256i;
+  static constexpr bool available = true;
+  static inline reg zero() { return _mm256_setzero_si256(); }
+  static inline reg splat(int16_t v) { return _mm256_set1_epi16(v); }
+  static inline reg sub(reg a, reg b) { return _mm256_sub_epi16(a, b); }
+  static inline reg load(const int16_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+  static inline reg widen(const uint8_t* p) { return _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+  static inline reg widen(const int8_t* p) { return _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+  static inline reg low_nibbles(reg v) { return _mm256_and_si256(v, _mm256_set1_epi16(15)); }
+  static inline reg high_nibbles(reg v) { return _mm256_srli_epi16(v, 4); }
+  static inline reg dot(reg acc, reg a, reg b) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return _mm256_dpwssd_epi32(acc, a, b);
+#else
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(a, b));
+#endif
+  }
+  static inline reg or_where(reg v, uint32_t bits, int16_t value) {
+#if TIERLM_ISA == 512
+    return _mm256_mask_mov_epi16(v, static_cast<__mmask16>(bits), _mm256_or_si256(v, _mm256_set1_epi16(value)));
+#else
+    const __m256i lane_bits = _mm256_setr_epi16(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384,
+                                                static_cast<int16_t>(-32768));
+    const __m256i set = _mm256_and_si256(_mm256_set1_epi16(static_cast<int16_t>(bits)), lane_bits);
+    return _mm256_or_si256(v, _mm256_and_si256(_mm256_cmpeq_epi16(set, lane_bits), _mm256_set1_epi16(value)));
+#endif
+  }
+  static inline __m256 scaled(reg sums, float scale, __m256 total) {
+    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_set1_ps(scale), total);
+  }
+  static inline float sum(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+  }
+};
+#else
+struct Ints16 {
+  static constexpr bool available = false;
+};
+#endif
+
 }  // namespace tl

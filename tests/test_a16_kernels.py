@@ -1,0 +1,116 @@
+"""The integer decode path (quant/csrc/gemv_a16.h): up to four activation rows quantized to int16
+per 32 columns and multiplied with the weights' codes in integers, for Q8_0, int8-g32 (with and
+without offsets), Q5_0 and Q5_1, on the default build (AVX-512 here) and the AVX2 build; the
+portable build and more rows keep the fp32 tiles.
+
+The reference models the quantization exactly (scale = the group's largest magnitude / 32767,
+codes rounded half to even in fp32): the kernel must equal it within fp32 summation error, which
+activations with an outlier in every group put far below the quantization's own effect, so the
+test tells the integer path from the fp32 one. Against the unquantized product the error stays
+under the bound the rounding implies, sum_k |W[n, k]| * (largest |x| of k's group) / 65534.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from tests.test_gguf_carry import random_blocks, read_own_layout
+from tierlm.quant.int8 import quantize_int8, quantize_q8_0
+from tierlm.quant.native import load_native
+
+FLOAT = 1e-6  # the fp32 tiles' summation error, of the output's magnitude
+INTEGER = 3e-7  # the integer path's: its sums are exact, only each group's scaling rounds
+COLS = 576  # SmolLM2's hidden size: 18 groups, no multiple of 256
+
+
+def int16_activations(x: torch.Tensor) -> torch.Tensor:
+    """x as the kernels quantize it, dequantized in float64."""
+    groups = x.unflatten(-1, (-1, 32))
+    largest = groups.abs().amax(-1, keepdim=True)
+    inverse = torch.where(largest > 0, 32767.0 / largest, torch.zeros_like(largest))
+    codes = torch.round(groups * inverse)  # fp32 product, rounded half to even as cvtps2dq does
+    return (codes.double() * (largest / 32767.0).double()).flatten(-2)
+
+
+def rounding_bound(x: torch.Tensor, dense: torch.Tensor) -> torch.Tensor:
+    largest = x.abs().unflatten(-1, (-1, 32)).amax(-1).repeat_interleave(32, -1).double()
+    return largest @ dense.abs().double().T / 65534
+
+
+def outlier_activations(rows: int, seed: int) -> torch.Tensor:
+    """Values ~1 with one of ~300 in every group: quantization moves the others by ~5e-3."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, COLS, generator=gen)
+    x.unflatten(-1, (-1, 32))[..., 5] = 300.0
+    return x
+
+
+def weights(kind: str):
+    """(dense [N, COLS], its offsets' share [N, COLS], matmul(native, x, bias)) for a weight of
+    `kind` with 37 rows. The kernels add the offsets' share from x summed per group, unquantized."""
+    rows, gen = 37, torch.Generator().manual_seed(7)
+    if kind.startswith("Q5"):
+        weight = read_own_layout(kind, random_blocks(kind, rows, COLS, np.random.default_rng(3)))
+        parts = {name: weight.tensors().get(name) for name in ("codes", "scales", "offsets", "superblocks")}
+        offsets = torch.zeros(rows, COLS)
+        if parts["offsets"] is not None:  # Q5_1: W = u * s + o, the share o alone with s = 0
+            load_native().dequantize5_into(parts["codes"], torch.zeros_like(parts["scales"]), parts["offsets"], None,
+                                           offsets)  # fmt: skip
+        return weight.dequantize(), offsets, lambda native, x, bias: native.matmul5(x, *parts.values(), bias)
+    values = torch.randn(rows, COLS, generator=gen) * 0.05
+    weight = quantize_q8_0(values) if kind == "Q8_0" else quantize_int8(values, 32, asymmetric=kind == "int8-g32-asym")
+    offsets = torch.zeros(rows, COLS) if weight.offsets_2d is None else weight.offsets_2d.repeat_interleave(32, 1)
+    return weight.dequantize(), offsets, lambda native, x, bias: native.matmul(x, weight.qweight, weight.scales_2d, 32, bias,
+                                                                      weight.offsets_2d)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def native_builds(native_build):
+    """The default build (-march=native: AVX-512 here) and conftest's AVX2 or portable one."""
+    return [load_native(), native_build]
+
+
+KINDS = ["Q8_0", "int8-g32", "int8-g32-asym", "Q5_0", "Q5_1"]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_decode_rows_multiply_int16_activations_exactly(native_builds, kind):
+    dense, offsets, matmul = weights(kind)
+    bias = torch.randn(dense.shape[0])
+    for native in native_builds:
+        integer = native.isa >= 256
+        for rows in range(1, 7):
+            x = outlier_activations(rows, rows)
+            got = matmul(native, x, bias).double()
+            exact = x.double() @ dense.double().T + bias.double()
+            codes = (dense - offsets).double()
+            quantized = int16_activations(x) @ codes.T + x.double() @ offsets.double().T + bias.double()
+            size = float((x.double().abs() @ dense.abs().double().T).max())
+            assert float((quantized - exact).abs().max()) > 30 * INTEGER * size  # the paths are told apart
+            if integer and rows <= 4:
+                assert float((got - quantized).abs().max()) <= INTEGER * size, (native.name, rows)
+            else:
+                assert float((got - exact).abs().max()) <= FLOAT * size, (native.name, rows)
+            assert bool(((got - exact).abs() <= rounding_bound(x, codes) + FLOAT * size).all())
+
+
+@pytest.mark.parametrize("kind", ["Q8_0", "Q5_0"])
+def test_values_int16_cannot_carry_keep_the_float_path(native_builds, kind):
+    """NaN and inf in the activations leave no output finite that torch's product has not (the
+    fp32 tiles run); an all-zero group and a group of tiny values (whose 32767 / largest would
+    overflow) are multiplied within the rounding bound."""
+    dense, _, matmul = weights(kind)
+    for native in native_builds:
+        for bad in (float("nan"), float("inf"), -float("inf")):
+            x = torch.randn(1, COLS)
+            x[0, 40] = bad
+            got, want = matmul(native, x, None), (x.double() @ dense.double().T)
+            assert not got.isfinite().any() and not want.isfinite().any(), (native.name, bad)
+        x = torch.randn(2, COLS)
+        x[:, :32] = 0.0
+        x[:, 32:64] = 1e-36
+        got, want = matmul(native, x, None).double(), x.double() @ dense.double().T
+        size = float((x.double().abs() @ dense.abs().double().T).max())
+        assert bool(((got - want).abs() <= rounding_bound(x, dense) + FLOAT * size).all())

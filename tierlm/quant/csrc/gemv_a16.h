@@ -1,0 +1,195 @@
+// Decode GEMVs multiplied in integers: activations as int16, weights' codes as they are stored.
+//
+// The activation rows are quantized once per call to int16 per 32 columns (scale = the group's
+// largest magnitude / 32767: each value within 1.5e-5 of that magnitude, where llama.cpp's 8-bit
+// blocks lose 4e-3), and each weight row's codes are widened to int16 and multiplied by them
+// with pairwise int32 dot products (vpdpwssd, or vpmaddwd + vpaddd): 16 products an
+// instruction, where the fp32 tiles convert every code to float first. Each group's int32 sums
+// are scaled once, by the weight's scale times the activations', so the result differs from the
+// fp32 tiles only by the activations' rounding. A row is read front to back before the next:
+// memory order, which the hardware prefetcher streams (the tiles' 8 interleaved rows measured
+// 1.4x slower from DRAM for q5_0). Kinds: kInt8 in groups of 32 (GGUF Q8_0, int8-g32) and kInt5
+// (Q5_0, Q5_1); the others, non-finite activations and the portable build keep the fp32 tiles.
+#pragma once
+
+#include <algorithm>
+#include <cfloat>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "simd.h"
+#include "weight.h"
+
+namespace tl {
+
+// x [M, K] as int16 codes [M, K] and fp32 scales [M, K / 32]: x ~ code * scale per 32 columns.
+struct Activations16 {
+  std::vector<int16_t> codes;
+  std::vector<float> scales;
+  int64_t cols = 0;
+  bool usable = false;  // false: the fp32 tiles run instead
+};
+
+// Activation rows up to which the integer path runs: decode steps and small batches, where each
+// weight is used by few rows and unpacking it is the cost; a prompt's rows keep the fp32 tiles
+// (and their fp32-exact logits), whose widened weights serve every row.
+constexpr int64_t kA16MaxRows = 4;
+
+// Whether W's kind has an integer path in this build.
+inline bool has_a16_path(const Weight& W) {
+  if (!Ints16::available || W.cols % 32 != 0) return false;
+  return (W.kind == kInt8 && W.group == 32) || W.kind == kInt5;
+}
+
+#if TIERLM_ISA >= 256
+
+// One group of 32 values as int16 codes and the scale they share; false when the group holds
+// NaN or inf, or is so small that 32767 / its largest magnitude would overflow.
+inline bool quantize_group16(const float* x, int16_t* codes, float* scale) {
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  __m256 v[4], big = _mm256_setzero_ps(), nan = _mm256_setzero_ps();
+  for (int i = 0; i < 4; ++i) {
+    v[i] = _mm256_loadu_ps(x + 8 * i);
+    big = _mm256_max_ps(big, _mm256_andnot_ps(sign, v[i]));
+    nan = _mm256_or_ps(nan, _mm256_cmp_ps(v[i], v[i], _CMP_UNORD_Q));
+  }
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(big), _mm256_extractf128_ps(big, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  m = _mm_max_ss(m, _mm_movehdup_ps(m));
+  const float largest = _mm_cvtss_f32(m);
+  if (_mm256_movemask_ps(nan) || largest > FLT_MAX || (largest > 0.0f && largest < FLT_MIN * 32767.0f)) return false;
+  *scale = largest / 32767.0f;
+  const __m256 inverse = _mm256_set1_ps(largest > 0.0f ? 32767.0f / largest : 0.0f);
+  for (int half = 0; half < 2; ++half) {
+    const __m256i a = _mm256_cvtps_epi32(_mm256_mul_ps(v[2 * half], inverse));
+    const __m256i b = _mm256_cvtps_epi32(_mm256_mul_ps(v[2 * half + 1], inverse));
+    // packs interleaves 128-bit halves (a0 b0 a1 b1); the permute puts them back in order.
+    const __m256i packed = _mm256_permute4x64_epi64(_mm256_packs_epi32(a, b), 0xD8);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(codes + 16 * half), packed);
+  }
+  return true;
+}
+
+// Weight rows [n0, n1) times the MB activation rows, finished: y[m * ldy + n - n0] is
+// set to, or added, sum_g s[n][g] * a.scales[m][g] * (codes . a.codes over group g), plus
+// sum_g o[n][g] * xs[m][g] where W keeps offsets apart (Q5_1, asymmetric int8), plus the bias.
+// CODES(n, g, lo, hi) yields row n's group g as int16 codes (columns 0..15, 16..31).
+template <int MB, typename ST, typename Codes>
+inline void a16_rows(const Weight& W, const Activations16& a, const float* xs, int64_t n0, int64_t n1,
+                     float* y, int64_t ldy, bool accumulate, Codes codes) {
+  using I = Ints16;
+  const int64_t K = W.cols, G = K / 32;
+  const ST* scales = static_cast<const ST*>(W.scales);
+  constexpr int64_t SPAN = 64;  // groups whose combined scales are formed together, on the stack
+  alignas(32) float combined[MB][SPAN];
+  for (int64_t n = n0; n < n1; ++n) {
+    __m256 total[MB];
+    for (int m = 0; m < MB; ++m) total[m] = _mm256_setzero_ps();
+    for (int64_t g0 = 0; g0 < G; g0 += SPAN) {
+      const int64_t g1 = std::min(G, g0 + SPAN);
+      for (int m = 0; m < MB; ++m) {  // weight scale times the activations', 8 groups a step
+        const float* ax = a.scales.data() + m * G;
+        int64_t g = g0;
+        for (; g + 8 <= g1; g += 8) {
+          __m256 ws;
+          if constexpr (sizeof(ST) == 2) ws = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(scales + n * G + g)));
+          else ws = _mm256_loadu_ps(reinterpret_cast<const float*>(scales) + n * G + g);
+          _mm256_store_ps(combined[m] + (g - g0), _mm256_mul_ps(ws, _mm256_loadu_ps(ax + g)));
+        }
+        for (; g < g1; ++g) combined[m][g - g0] = scale_value(scales[n * G + g]) * ax[g];
+      }
+      for (int64_t g = g0; g < g1; ++g) {
+        I::reg lo, hi;
+        codes(n, g, lo, hi);
+        for (int m = 0; m < MB; ++m) {
+          const int16_t* x = a.codes.data() + m * K + g * 32;
+          const I::reg sums = I::dot(I::dot(I::zero(), lo, I::load(x)), hi, I::load(x + 16));
+          total[m] = I::scaled(sums, combined[m][g - g0], total[m]);
+        }
+      }
+    }
+    for (int m = 0; m < MB; ++m) {
+      float v = I::sum(total[m]);
+      if (W.offsets) {
+        const float* sums = xs + m * G;
+        for (int64_t g = 0; g < G; ++g)
+          v += (W.kind == kInt5 ? half_to_float(static_cast<const uint16_t*>(W.offsets)[n * G + g])
+                                : static_cast<const float*>(W.offsets)[n * G + g]) * sums[g];
+      }
+      if (W.bias) v += W.bias[n];
+      float& dst = y[m * ldy + (n - n0)];
+      dst = accumulate ? dst + v : v;
+    }
+  }
+}
+
+template <int MB>
+inline void a16_rows(const Weight& W, const Activations16& a, const float* xs, int64_t n0, int64_t n1,
+                     float* y, int64_t ldy, bool accumulate) {
+  using I = Ints16;
+  const int64_t K = W.cols, G = K / 32;
+  if (W.kind == kInt8) {
+    const int8_t* w = static_cast<const int8_t*>(W.data);
+    auto codes = [&](int64_t n, int64_t g, I::reg& lo, I::reg& hi) __attribute__((always_inline)) {
+      lo = I::widen(w + n * K + g * 32);
+      hi = I::widen(w + n * K + g * 32 + 16);
+    };
+    if (W.half) a16_rows<MB, uint16_t>(W, a, xs, n0, n1, y, ldy, accumulate, codes);
+    else a16_rows<MB, float>(W, a, xs, n0, n1, y, ldy, accumulate, codes);
+  } else {  // kInt5: per 32 columns 16 bytes of nibbles, then the fifth bits (bit i column i)
+    const uint8_t* w = static_cast<const uint8_t*>(W.data);
+    // Q5_0 (no offsets) is (u - 16) s: subtracted here, so no offsets' share is left to add.
+    const I::reg bias = I::splat(W.offsets ? 0 : 16);
+    a16_rows<MB, uint16_t>(W, a, xs, n0, n1, y, ldy, accumulate,
+                           [&](int64_t n, int64_t g, I::reg& lo, I::reg& hi) __attribute__((always_inline)) {
+      const uint8_t* chunk = w + (n * G + g) * 20;
+      const I::reg v = I::widen(chunk);
+      uint32_t high;
+      std::memcpy(&high, chunk + 16, 4);
+      lo = I::sub(I::or_where(I::low_nibbles(v), high & 0xffffu, 16), bias);
+      hi = I::sub(I::or_where(I::high_nibbles(v), high >> 16, 16), bias);
+    });
+  }
+}
+
+#endif
+
+// y[m * ldy + n - n0] (+)= (x[m] @ W.T)[n] for rows [n0, n1) of a kind has_a16_path accepts,
+// x quantized by quantize16 (xs: x summed per group, read only where W keeps offsets apart).
+inline void gemv_a16(const Weight& W, const Activations16& a, const float* xs, int64_t M, int64_t n0, int64_t n1,
+                     float* y, int64_t ldy, bool accumulate) {
+#if TIERLM_ISA >= 256
+  switch (M) {  // M <= kA16MaxRows (quantize16)
+    case 1: return a16_rows<1>(W, a, xs, n0, n1, y, ldy, accumulate);
+    case 2: return a16_rows<2>(W, a, xs, n0, n1, y, ldy, accumulate);
+    case 3: return a16_rows<3>(W, a, xs, n0, n1, y, ldy, accumulate);
+    default: return a16_rows<4>(W, a, xs, n0, n1, y, ldy, accumulate);
+  }
+#else
+  (void)W, (void)a, (void)xs, (void)M, (void)n0, (void)n1, (void)y, (void)ldy, (void)accumulate;
+#endif
+}
+
+// x [M, K] quantized for W's integer path: unusable when W has none here, M > kA16MaxRows, or x holds a value
+// the int16 codes cannot carry (NaN, inf), which the fp32 tiles then propagate as torch does.
+inline Activations16 quantize16(const Weight& W, const float* x, int64_t ldx, int64_t M) {
+  Activations16 a;
+#if TIERLM_ISA >= 256
+  if (!has_a16_path(W) || M > kA16MaxRows) return a;
+  const int64_t K = W.cols, G = K / 32;
+  a.cols = K;
+  a.codes.resize(M * K);
+  a.scales.resize(M * G);
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t g = 0; g < G; ++g)
+      if (!quantize_group16(x + m * ldx + g * 32, a.codes.data() + m * K + g * 32, a.scales.data() + m * G + g))
+        return Activations16{};
+  a.usable = true;
+#else
+  (void)W, (void)x, (void)ldx, (void)M;
+#endif
+  return a;
+}
+
+}  // namespace tl
