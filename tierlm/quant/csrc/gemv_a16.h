@@ -171,8 +171,8 @@ inline void gemv_a16(const Weight& W, const Activations16& a, const float* xs, i
 #endif
 }
 
-// x [M, K] quantized for W's integer path: unusable when W has none here, M > kA16MaxRows, or x holds a value
-// the int16 codes cannot carry (NaN, inf), which the fp32 tiles then propagate as torch does.
+// x [M, K] quantized for W's integer path: unusable when W has none here, M > kA16MaxRows, or x
+// holds a value the int16 codes cannot carry (NaN, inf), which the fp32 tiles carry to the outputs.
 inline Activations16 quantize16(const Weight& W, const float* x, int64_t ldx, int64_t M) {
   Activations16 a;
 #if TIERLM_ISA >= 256
