@@ -8,8 +8,9 @@
 // are scaled once, by the weight's scale times the activations', so the result differs from the
 // fp32 tiles only by the activations' rounding. A row is read front to back before the next:
 // memory order, which the hardware prefetcher streams (the tiles' 8 interleaved rows measured
-// 1.4x slower from DRAM for q5_0). Kinds: kInt8 in groups of 32 (GGUF Q8_0, int8-g32) and kInt5
-// (Q5_0, Q5_1); the others, non-finite activations and the portable build keep the fp32 tiles.
+// 1.4x slower from DRAM for q5_0). Kinds: kInt8 in groups of 32 (GGUF Q8_0, int8-g32), kInt5
+// (Q5_0, Q5_1) and kInt6K (Q6_K, its 16-column sub-scales multiplied into the codes); the others,
+// non-finite activations and the portable build keep the fp32 tiles.
 #pragma once
 
 #include <algorithm>
@@ -39,7 +40,10 @@ constexpr int64_t kA16MaxRows = 4;
 // Whether W's kind has an integer path in this build.
 inline bool has_a16_path(const Weight& W) {
   if (!Ints16::available || W.cols % 32 != 0) return false;
-  return (W.kind == kInt8 && W.group == 32) || W.kind == kInt5;
+  if (W.kind == kInt8) return W.group == 32;
+  // int4 and Q4_K stay on the fp32 tiles: their nibbles widen to fp32 cheaply on AVX-512, and
+  // the integer path measured slower on the embedded Q4_1 model (65-96 vs 90-118 tok/s).
+  return W.kind == kInt5 || W.kind == kInt6K;
 }
 
 #if TIERLM_ISA >= 256
@@ -71,33 +75,31 @@ inline bool quantize_group16(const float* x, int16_t* codes, float* scale) {
   return true;
 }
 
-// Weight rows [n0, n1) times the MB activation rows, finished: y[m * ldy + n - n0] is
-// set to, or added, sum_g s[n][g] * a.scales[m][g] * (codes . a.codes over group g), plus
-// sum_g o[n][g] * xs[m][g] where W keeps offsets apart (Q5_1, asymmetric int8), plus the bias.
-// CODES(n, g, lo, hi) yields row n's group g as int16 codes (columns 0..15, 16..31).
-template <int MB, typename ST, typename Codes>
-inline void a16_rows(const Weight& W, const Activations16& a, const float* xs, int64_t n0, int64_t n1,
-                     float* y, int64_t ldy, bool accumulate, Codes codes) {
+// Weight rows [n0, n1) times the MB activation rows, finished: y[m * ldy + n - n0] is set to,
+// or added, sum_g s(n, g) * a.scales[m][g] * (codes . a.codes over 32-column group g), plus
+// sum_h o(n, h) * xs[m][h] over W's groups h where the kind keeps offsets apart (OFFSETS), plus
+// the bias. CODES(n, g, lo, hi) yields row n's group g as int16 codes (columns 0..15, 16..31);
+// SCALES(n, g0, g1, out) writes s(n, g) for g in [g0, g1); OFFSETS_DOT(n, sums) is
+// sum_h o(n, h) * sums[h].
+template <int MB, bool OFFSETS, typename Codes, typename Scales, typename Offset>
+inline void a16_rows(const Weight& W, const Activations16& a, const float* xs, int64_t n0, int64_t n1, float* y,
+                     int64_t ldy, bool accumulate, Codes codes, Scales scales, Offset offset) {
   using I = Ints16;
-  const int64_t K = W.cols, G = K / 32;
-  const ST* scales = static_cast<const ST*>(W.scales);
+  const int64_t K = W.cols, G = K / 32, H = W.groups();
   constexpr int64_t SPAN = 64;  // groups whose combined scales are formed together, on the stack
-  alignas(32) float combined[MB][SPAN];
+  alignas(32) float weight_scales[SPAN], combined[MB][SPAN];
   for (int64_t n = n0; n < n1; ++n) {
     __m256 total[MB];
     for (int m = 0; m < MB; ++m) total[m] = _mm256_setzero_ps();
     for (int64_t g0 = 0; g0 < G; g0 += SPAN) {
       const int64_t g1 = std::min(G, g0 + SPAN);
-      for (int m = 0; m < MB; ++m) {  // weight scale times the activations', 8 groups a step
-        const float* ax = a.scales.data() + m * G;
-        int64_t g = g0;
-        for (; g + 8 <= g1; g += 8) {
-          __m256 ws;
-          if constexpr (sizeof(ST) == 2) ws = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(scales + n * G + g)));
-          else ws = _mm256_loadu_ps(reinterpret_cast<const float*>(scales) + n * G + g);
-          _mm256_store_ps(combined[m] + (g - g0), _mm256_mul_ps(ws, _mm256_loadu_ps(ax + g)));
-        }
-        for (; g < g1; ++g) combined[m][g - g0] = scale_value(scales[n * G + g]) * ax[g];
+      scales(n, g0, g1, weight_scales);
+      for (int m = 0; m < MB; ++m) {  // the weight's scale times the activations', 8 groups a step
+        const float* ax = a.scales.data() + m * G + g0;
+        int64_t i = 0;
+        for (; i + 8 <= g1 - g0; i += 8)
+          _mm256_store_ps(combined[m] + i, _mm256_mul_ps(_mm256_load_ps(weight_scales + i), _mm256_loadu_ps(ax + i)));
+        for (; i < g1 - g0; ++i) combined[m][i] = weight_scales[i] * ax[i];
       }
       for (int64_t g = g0; g < g1; ++g) {
         I::reg lo, hi;
@@ -111,12 +113,7 @@ inline void a16_rows(const Weight& W, const Activations16& a, const float* xs, i
     }
     for (int m = 0; m < MB; ++m) {
       float v = I::sum(total[m]);
-      if (W.offsets) {
-        const float* sums = xs + m * G;
-        for (int64_t g = 0; g < G; ++g)
-          v += (W.kind == kInt5 ? half_to_float(static_cast<const uint16_t*>(W.offsets)[n * G + g])
-                                : static_cast<const float*>(W.offsets)[n * G + g]) * sums[g];
-      }
+      if constexpr (OFFSETS) v += offset(n, xs + m * H);
       if (W.bias) v += W.bias[n];
       float& dst = y[m * ldy + (n - n0)];
       dst = accumulate ? dst + v : v;
@@ -124,32 +121,105 @@ inline void a16_rows(const Weight& W, const Activations16& a, const float* xs, i
   }
 }
 
+// sum_h o[h] * sums[h] over n values, o fp16 (uint16_t bits) or fp32, 8 at a time.
+template <typename OT>
+inline float offsets_dot(const OT* o, const float* sums, int64_t n) {
+  __m256 acc = _mm256_setzero_ps();
+  int64_t h = 0;
+  for (; h + 8 <= n; h += 8) {
+    __m256 v;
+    if constexpr (sizeof(OT) == 2) v = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(o + h)));
+    else v = _mm256_loadu_ps(reinterpret_cast<const float*>(o) + h);
+    acc = _mm256_fmadd_ps(v, _mm256_loadu_ps(sums + h), acc);
+  }
+  float total = sum8(acc);
+  for (; h < n; ++h) total += scale_value(o[h]) * sums[h];
+  return total;
+}
+
+// Runs a16_rows with OFFSETS as W has them.
+template <int MB, typename Codes, typename Scales, typename Offset>
+inline void a16_rows_offsets(bool offsets, const Weight& W, const Activations16& a, const float* xs, int64_t n0,
+                             int64_t n1, float* y, int64_t ldy, bool accumulate, Codes codes, Scales scales,
+                             Offset offset) {
+  if (offsets) a16_rows<MB, true>(W, a, xs, n0, n1, y, ldy, accumulate, codes, scales, offset);
+  else a16_rows<MB, false>(W, a, xs, n0, n1, y, ldy, accumulate, codes, scales, offset);
+}
+
+// Scales stored one per group of 32 columns (fp16 or fp32) as s(n, g), 8 widened at a time.
+template <typename ST>
+inline auto group_scales(const Weight& W) {
+  const ST* s = static_cast<const ST*>(W.scales);
+  const int64_t G = W.groups();
+  return [s, G](int64_t n, int64_t g0, int64_t g1, float* out) __attribute__((always_inline)) {
+    const ST* row = s + n * G;
+    int64_t g = g0;
+    for (; g + 8 <= g1; g += 8) {
+      if constexpr (sizeof(ST) == 2) _mm256_store_ps(out + (g - g0), _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + g))));
+      else _mm256_store_ps(out + (g - g0), _mm256_loadu_ps(reinterpret_cast<const float*>(row) + g));
+    }
+    for (; g < g1; ++g) out[g - g0] = scale_value(row[g]);
+  };
+}
+
+// GGUF Q6_K's super-blocks (per 256 columns 18 bytes, fp16 d first) as s(n, g) = d: its int8
+// sub-scales are multiplied into the codes instead.
+inline auto super_block_d(const Weight& W) {
+  const uint8_t* super = static_cast<const uint8_t*>(W.scales);
+  const int64_t B = W.cols / kSuperColumns;
+  // g0 and g1 are whole super-blocks: SPAN and the column count are multiples of 8 groups.
+  return [super, B](int64_t n, int64_t g0, int64_t g1, float* out) __attribute__((always_inline)) {
+    for (int64_t b = g0 / 8; b < g1 / 8; ++b) {
+      uint16_t d;
+      std::memcpy(&d, super + (n * B + b) * 18, 2);
+      _mm256_store_ps(out + (b * 8 - g0), _mm256_set1_ps(half_to_float(d)));
+    }
+  };
+}
+
 template <int MB>
 inline void a16_rows(const Weight& W, const Activations16& a, const float* xs, int64_t n0, int64_t n1,
                      float* y, int64_t ldy, bool accumulate) {
   using I = Ints16;
   const int64_t K = W.cols, G = K / 32;
+  auto none = [](int64_t, const float*) { return 0.0f; };
   if (W.kind == kInt8) {
     const int8_t* w = static_cast<const int8_t*>(W.data);
     auto codes = [&](int64_t n, int64_t g, I::reg& lo, I::reg& hi) __attribute__((always_inline)) {
       lo = I::widen(w + n * K + g * 32);
       hi = I::widen(w + n * K + g * 32 + 16);
     };
-    if (W.half) a16_rows<MB, uint16_t>(W, a, xs, n0, n1, y, ldy, accumulate, codes);
-    else a16_rows<MB, float>(W, a, xs, n0, n1, y, ldy, accumulate, codes);
-  } else {  // kInt5: per 32 columns 16 bytes of nibbles, then the fifth bits (bit i column i)
+    const float* o = static_cast<const float*>(W.offsets);
+    auto offset = [&](int64_t n, const float* sums) { return offsets_dot(o + n * G, sums, G); };
+    if (W.half) a16_rows<MB, false>(W, a, xs, n0, n1, y, ldy, accumulate, codes, group_scales<uint16_t>(W), none);
+    else a16_rows_offsets<MB>(o, W, a, xs, n0, n1, y, ldy, accumulate, codes, group_scales<float>(W), offset);
+  } else if (W.kind == kInt5) {  // per 32 columns 16 bytes of nibbles, then the fifth bits (bit i column i)
     const uint8_t* w = static_cast<const uint8_t*>(W.data);
     // Q5_0 (no offsets) is (u - 16) s: subtracted here, so no offsets' share is left to add.
     const I::reg bias = I::splat(W.offsets ? 0 : 16);
-    a16_rows<MB, uint16_t>(W, a, xs, n0, n1, y, ldy, accumulate,
-                           [&](int64_t n, int64_t g, I::reg& lo, I::reg& hi) __attribute__((always_inline)) {
+    auto codes = [&](int64_t n, int64_t g, I::reg& lo, I::reg& hi) __attribute__((always_inline)) {
       const uint8_t* chunk = w + (n * G + g) * 20;
       const I::reg v = I::widen(chunk);
       uint32_t high;
       std::memcpy(&high, chunk + 16, 4);
       lo = I::sub(I::or_where(I::low_nibbles(v), high & 0xffffu, 16), bias);
       hi = I::sub(I::or_where(I::high_nibbles(v), high >> 16, 16), bias);
-    });
+    };
+    const uint16_t* o = static_cast<const uint16_t*>(W.offsets);
+    auto offset = [&](int64_t n, const float* sums) { return offsets_dot(o + n * G, sums, G); };
+    a16_rows_offsets<MB>(o, W, a, xs, n0, n1, y, ldy, accumulate, codes, group_scales<uint16_t>(W), offset);
+  } else {  // kInt6K (Q6_K): (lo + 16 hi - 32) d sc[j], j per 16 columns, applied to the codes
+    const uint8_t* w = static_cast<const uint8_t*>(W.data);
+    const uint8_t* q = static_cast<const uint8_t*>(W.offsets);
+    const uint8_t* super = static_cast<const uint8_t*>(W.scales);
+    const int64_t B = K / kSuperColumns;
+    auto codes = [&](int64_t n, int64_t g, I::reg& lo, I::reg& hi) __attribute__((always_inline)) {
+      const int8_t* subs = reinterpret_cast<const int8_t*>(super + (n * B + g / 8) * 18 + 2 + 2 * (g % 8));
+      I::sixes(w + n * (K / 2) + g * 16, q + n * (K / 4) + g * 8, lo, hi);
+      lo = I::times(lo, subs[0]);  // |code - 32| * |sub| <= 4096: exact in int16
+      hi = I::times(hi, subs[1]);
+    };
+    a16_rows<MB, false>(W, a, xs, n0, n1, y, ldy, accumulate, codes, super_block_d(W), none);
   }
 }
 
