@@ -60,6 +60,7 @@ from tierlm.cache.manifest import (  # noqa: F401
     split_alias,
     unusable,
 )
+from tierlm.device.host_pages import block_buffer
 from tierlm.errors import TierlmError
 from tierlm.models import family_description, read_config
 
@@ -300,7 +301,7 @@ class Artifact:
 
     def _read_raw(self, name: str, into=None):
         block = self.blocks[name]
-        buffer = into if into is not None else torch.empty(block.nbytes, dtype=torch.uint8)
+        buffer = into if into is not None else block_buffer(block.nbytes)
         self._pread(buffer[: block.nbytes], block.offset, name)
         return buffer[: block.nbytes]
 
