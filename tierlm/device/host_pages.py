@@ -10,10 +10,11 @@ kept for the alignment is never touched, so it costs address space, not resident
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import sys
 
 import torch
+
+from tierlm.device.memory import c_library
 
 HUGE_PAGE = 2 << 20
 _MADV_HUGEPAGE = 14  # linux/mman.h
@@ -34,6 +35,9 @@ def block_buffer(nbytes: int) -> torch.Tensor:
 def advise_huge_pages(address: int, length: int) -> bool:
     """madvise(MADV_HUGEPAGE) over [address, address + length), address page-aligned; True if the
     kernel took it."""
-    libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
-    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    return libc.madvise(address, length, _MADV_HUGEPAGE) == 0
+    libc = c_library()
+    if libc is None:
+        return False
+    madvise = libc.madvise
+    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    return madvise(address, length, _MADV_HUGEPAGE) == 0

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -36,6 +37,17 @@ def read_memory(device=None) -> MemoryReading:
     return MemoryReading(rss, peak or rss, allocated, device_peak)
 
 
+@functools.lru_cache(maxsize=1)
+def c_library() -> ctypes.CDLL | None:
+    """This process's C library, None where none is found; looked up once (find_library runs
+    ldconfig, ~2 ms)."""
+    name = ctypes.util.find_library("c")
+    try:
+        return ctypes.CDLL(name, use_errno=True) if name else None
+    except OSError:
+        return None
+
+
 def trim_heap() -> None:
     """Hand the C heap's free pages back to the OS (glibc `malloc_trim`; a no-op elsewhere).
 
@@ -43,11 +55,8 @@ def trim_heap() -> None:
     keeps them: kernel calibration left ~40 MiB there. Trimming before the baseline is read
     makes the baseline what the process really needs.
     """
-    name = ctypes.util.find_library("c")
-    try:
-        trim = ctypes.CDLL(name).malloc_trim if name else None
-    except (OSError, AttributeError):
-        trim = None  # not glibc (musl, macOS): nothing to trim this way
+    library = c_library()
+    trim = getattr(library, "malloc_trim", None) if library else None  # glibc only (not musl, macOS)
     if trim is not None:
         trim(0)
 

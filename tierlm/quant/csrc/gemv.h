@@ -13,8 +13,8 @@
 // unsigned nibbles u is scaled once by its fp16 scale s; the offset o (-8 s when symmetric)
 // adds o * (x summed over the group), one dot over the groups per output: W = u * s + o.
 //
-// Decode-sized calls (up to four activation rows) of int8 in groups of 32 (Q8_0) and of the q5
-// kinds multiply in integers instead (gemv_a16.h); everything else runs the tiles below.
+// Decode-sized calls (up to four activation rows) of int8 in groups of 32 (Q8_0), of the q5
+// kinds and of Q6_K multiply in integers instead (gemv_a16.h); everything else runs the tiles below.
 #pragma once
 
 #include <algorithm>
@@ -180,27 +180,6 @@ inline void tile4(const float* x, int64_t ldx, const uint8_t* w, int64_t K, cons
   }
   for (int m = 0; m < MB; ++m)
     for (int r = 0; r < R; ++r) out[m][r] = Vec::sum(total[r][m]);
-}
-
-inline float dot(const float* a, const float* b, int64_t n) {
-  constexpr int L = Vec::lanes;
-  Vec::reg acc = Vec::zero();
-  int64_t i = 0;
-  for (; i + L <= n; i += L) acc = Vec::fma(Vec::load(a + i), Vec::load(b + i), acc);
-  float s = Vec::sum(acc);
-  for (; i < n; ++i) s += a[i] * b[i];
-  return s;
-}
-
-// dot of fp16 a[n] with fp32 b[n].
-inline float dot_half(const uint16_t* a, const float* b, int64_t n) {
-  constexpr int L = Vec::lanes;
-  Vec::reg acc = Vec::zero();
-  int64_t i = 0;
-  for (; i + L <= n; i += L) acc = Vec::fma(Vec::load_half(a + i), Vec::load(b + i), acc);
-  float s = Vec::sum(acc);
-  for (; i < n; ++i) s += half_to_float(a[i]) * b[i];
-  return s;
 }
 
 // Weight rows per tile: wide tiles for one activation row, fewer rows as more activation rows

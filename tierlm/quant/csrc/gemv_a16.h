@@ -121,22 +121,6 @@ inline void a16_rows(const Weight& W, const Activations16& a, const float* xs, i
   }
 }
 
-// sum_h o[h] * sums[h] over n values, o fp16 (uint16_t bits) or fp32, 8 at a time.
-template <typename OT>
-inline float offsets_dot(const OT* o, const float* sums, int64_t n) {
-  __m256 acc = _mm256_setzero_ps();
-  int64_t h = 0;
-  for (; h + 8 <= n; h += 8) {
-    __m256 v;
-    if constexpr (sizeof(OT) == 2) v = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(o + h)));
-    else v = _mm256_loadu_ps(reinterpret_cast<const float*>(o) + h);
-    acc = _mm256_fmadd_ps(v, _mm256_loadu_ps(sums + h), acc);
-  }
-  float total = sum8(acc);
-  for (; h < n; ++h) total += scale_value(o[h]) * sums[h];
-  return total;
-}
-
 // Runs a16_rows with OFFSETS as W has them.
 template <int MB, typename Codes, typename Scales, typename Offset>
 inline void a16_rows_offsets(bool offsets, const Weight& W, const Activations16& a, const float* xs, int64_t n0,
@@ -190,7 +174,7 @@ inline void a16_rows(const Weight& W, const Activations16& a, const float* xs, i
       hi = I::widen(w + n * K + g * 32 + 16);
     };
     const float* o = static_cast<const float*>(W.offsets);
-    auto offset = [&](int64_t n, const float* sums) { return offsets_dot(o + n * G, sums, G); };
+    auto offset = [&](int64_t n, const float* sums) { return dot(o + n * G, sums, G); };
     if (W.half) a16_rows<MB, false>(W, a, xs, n0, n1, y, ldy, accumulate, codes, group_scales<uint16_t>(W), none);
     else a16_rows_offsets<MB>(o, W, a, xs, n0, n1, y, ldy, accumulate, codes, group_scales<float>(W), offset);
   } else if (W.kind == kInt5) {  // per 32 columns 16 bytes of nibbles, then the fifth bits (bit i column i)
@@ -206,7 +190,7 @@ inline void a16_rows(const Weight& W, const Activations16& a, const float* xs, i
       hi = I::sub(I::or_where(I::high_nibbles(v), high >> 16, 16), bias);
     };
     const uint16_t* o = static_cast<const uint16_t*>(W.offsets);
-    auto offset = [&](int64_t n, const float* sums) { return offsets_dot(o + n * G, sums, G); };
+    auto offset = [&](int64_t n, const float* sums) { return dot_half(o + n * G, sums, G); };
     a16_rows_offsets<MB>(o, W, a, xs, n0, n1, y, ldy, accumulate, codes, group_scales<uint16_t>(W), offset);
   } else {  // kInt6K (Q6_K): (lo + 16 hi - 32) d sc[j], j per 16 columns, applied to the codes
     const uint8_t* w = static_cast<const uint8_t*>(W.data);

@@ -285,6 +285,27 @@ struct Vec {
 };
 #endif
 
+// Dot products over n values, Vec::lanes at a time: fp32 with fp32, and fp16 (uint16_t bits) with fp32.
+inline float dot(const float* a, const float* b, int64_t n) {
+  constexpr int L = Vec::lanes;
+  Vec::reg acc = Vec::zero();
+  int64_t i = 0;
+  for (; i + L <= n; i += L) acc = Vec::fma(Vec::load(a + i), Vec::load(b + i), acc);
+  float s = Vec::sum(acc);
+  for (; i < n; ++i) s += a[i] * b[i];
+  return s;
+}
+
+inline float dot_half(const uint16_t* a, const float* b, int64_t n) {
+  constexpr int L = Vec::lanes;
+  Vec::reg acc = Vec::zero();
+  int64_t i = 0;
+  for (; i + L <= n; i += L) acc = Vec::fma(Vec::load_half(a + i), Vec::load(b + i), acc);
+  float s = Vec::sum(acc);
+  for (; i < n; ++i) s += half_to_float(a[i]) * b[i];
+  return s;
+}
+
 // 16 int16 lanes in a 256-bit register on both x86 paths (gemv_a16.h's integer dot products):
 // `dot` adds each pair of adjacent products to its int32 lane (vpdpwssd with AVX512-VNNI, else
 // vpmaddwd + vpaddd), `or_where` sets `value`'s bits in the lanes whose bit of `bits` is set (a
