@@ -13,22 +13,25 @@ from tests.test_gguf_import import assert_logits_are_gguf_loaders, byte_level_vo
 from tests.tiny import DECODE_ATOL
 from tierlm.errors import TierlmError
 from tierlm.quant.int8 import Int8Weight
+from tierlm.quant.low_bit_k import NATIVE_KINDS
 from tierlm.quant.modes import INT8_FORMS, combined_form, form_mode, source_grid_mode
 from tierlm.weights.gguf_carry import as_form, carry_rows
 from tierlm.weights.gguf_tensors import SCALE_FIELDS
 
 KINDS = sorted(INT8_FORMS)
-OWN_LAYOUTS = ["Q4_K", "Q6_K", "Q5_0", "Q5_1", "Q5_K", "IQ4_NL", "IQ4_XS"]
+OWN_LAYOUTS = ["Q4_K", "Q6_K", "Q5_0", "Q5_1", "Q5_K", "IQ4_NL", "IQ4_XS", "Q2_K", "Q3_K"]
+LOW_BIT_K = ("Q2_K", "Q3_K")  # weights that describe themselves to the kernels (`native_words`)
 
 
 def read_own_layout(kind: str, raw: np.ndarray):
-    """GGUF blocks of `kind` in tierlm's own layout for it (quant/q4k.py, q6k.py, q5.py, iq4.py)."""
-    from tierlm.quant import iq4, q4k, q5, q6k
+    """GGUF blocks of `kind` in tierlm's own layout for it (quant/q4k.py, q6k.py, q5.py, iq4.py,
+    low_bit_k.py)."""
+    from tierlm.quant import iq4, low_bit_k, q4k, q5, q6k
 
     blocks = torch.from_numpy(raw)
     if kind in ("Q4_K", "Q6_K"):
         return (q4k if kind == "Q4_K" else q6k).from_gguf_blocks(blocks)
-    return (iq4 if kind.startswith("IQ4") else q5).from_gguf_blocks(blocks, kind)
+    return (iq4 if kind.startswith("IQ4") else low_bit_k if kind in LOW_BIT_K else q5).from_gguf_blocks(blocks, kind)
 
 
 def random_blocks(kind: str, rows: int, cols: int, rng, *, spread: float | None = None) -> np.ndarray:
@@ -177,7 +180,7 @@ def test_quantized_gguf_logits_are_transformers_gguf_loaders(tmp_path, monkeypat
     else:
         expected = "int4-g32" if mix == "Q4_0" else "int4-g32-asym" if mix == "Q4_1" else source_grid_mode([mix])
         assert set(modes.values()) == {expected}
-    if mix not in ("Q4_K_M-like", "Q3_K", "Q2_K"):  # at their own size: within 3 % of the file's bytes
+    if mix != "Q4_K_M-like":  # at their own size: within 3 % of the file's bytes
         import gguf
 
         quantized = sum(int(t.n_bytes) for t in gguf.GGUFReader(path).tensors if t.tensor_type.name == mix)
@@ -219,7 +222,7 @@ def test_own_layouts_decode_in_the_fused_step_as_eagerly(tmp_path, monkeypatch, 
         steps[fused] = loaded.model.forward(torch.tensor([[259]]), cache)
         loaded.close()
     want = {"Q4_K": fused_decode.KIND_INT4K, "Q6_K": fused_decode.KIND_INT6K, "Q5_K": fused_decode.KIND_INT5K,
-            "IQ4_NL": fused_decode.KIND_IQ4, "IQ4_XS": fused_decode.KIND_IQ4X}
+            "IQ4_NL": fused_decode.KIND_IQ4, "IQ4_XS": fused_decode.KIND_IQ4X, **NATIVE_KINDS}
     assert want.get(kind, fused_decode.KIND_INT5) in kinds
     torch.testing.assert_close(steps["1"], steps["0"], rtol=0, atol=DECODE_ATOL)
 
@@ -238,6 +241,8 @@ def test_super_block_kernels_on_each_isa_path(native_build, kind, rows):
     expected = dequantize(raw, getattr(GGMLQuantizationType, kind)).reshape(rows, cols)
     weight = read_own_layout(kind, raw)
     np.testing.assert_array_equal(weight.dequantize().numpy(), expected)
+    if kind in LOW_BIT_K:
+        return check_words_kernels(native_build, weight, expected)
     parts = weight.tensors()
     if kind.startswith("Q5"):  # these entry points take every part, absent ones as None
         parts = {name: weight.tensors().get(name) for name in ("codes", "scales", "offsets", "superblocks")}
@@ -261,6 +266,47 @@ def test_super_block_kernels_on_each_isa_path(native_build, kind, rows):
         assert float((got.double() - want).abs().max()) <= 1e-5 * float(scale)
     with pytest.raises(ValueError, match="multiple of"):
         matmul(torch.randn(1, 16), *(part[:, :8].contiguous() if part is not None else None for part in parts.values()))
+
+
+def check_words_kernels(native, weight, expected):
+    """A weight read through its `native_words`: dequantized exactly as gguf, products within fp32
+    summation error, for 1-5 activation rows; parts the kernels cannot read refused by name."""
+    rows, cols = expected.shape
+    out = torch.empty(rows, cols)
+    np.testing.assert_array_equal(native.dequantize_words_into(weight, out).numpy(), expected)
+    reference = torch.from_numpy(expected).double()
+    for m in range(1, 6):
+        x = torch.randn(m, cols, generator=torch.Generator().manual_seed(m))
+        bias = torch.randn(rows)
+        got = native.matmul_words(x, weight, bias)
+        want = x.double() @ reference.T + bias.double()
+        scale = (x.double().abs() @ reference.abs().T).max()
+        assert float((got.double() - want).abs().max()) <= 1e-5 * float(scale)
+    elsewhere = type(weight)(**{name: part.to("meta") for name, part in weight.tensors().items()})
+    with pytest.raises(ValueError, match="must be CPU tensors"):
+        native.matmul_words(torch.randn(1, cols), elsewhere)
+
+
+@pytest.mark.parametrize("kind", LOW_BIT_K)
+def test_low_bit_k_quantizer_rounds_to_its_grid(kind):
+    """What a LoRA variant of a Q2_K / Q3_K base stores for the weights it changes: every value
+    within half a step of its group's grid (Q3_K: one step, where a value of the sign opposite to
+    the group's largest one meets the clamp at +3), so a wrong packing of scales or codes lands
+    far off; the layout's bytes exactly GGUF's per 256 columns."""
+    from tierlm.quant.gguf_layouts import low_bit_k_group_values
+    from tierlm.quant.low_bit_k import BLOCK_BYTES, quantize_low_bit_k
+
+    weight = torch.randn(24, 512, generator=torch.Generator().manual_seed(2)) * 0.02
+    weight[3] = 0.0  # an all-zero row: zero scales, values exactly 0
+    carried = quantize_low_bit_k(weight, kind)
+    assert carried.nbytes == 24 * 2 * BLOCK_BYTES[kind]
+    scales, _ = low_bit_k_group_values(carried.superblocks, kind == "Q3_K")
+    error = (carried.dequantize() - weight).abs().view(24, -1, 16).amax(-1)
+    steps = 1.0 if kind == "Q3_K" else 0.5
+    assert bool((error <= scales.abs() * steps * 1.001 + 1e-7).all())
+    assert torch.equal(carried.dequantize()[3], torch.zeros(512))
+    relative = float((carried.dequantize() - weight).abs().mean() / weight.abs().mean())
+    assert relative < (0.4 if kind == "Q2_K" else 0.2), relative  # 4 and 8 levels a group
 
 
 @pytest.mark.parametrize("kind", OWN_LAYOUTS)

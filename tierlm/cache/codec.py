@@ -25,6 +25,7 @@ from tierlm.quant.int4 import Int4Weight, int4_on_source_grid, quantize_int4
 from tierlm.quant.int8 import Int8Weight, q8_0_on_source_grid, quantize_int8, quantize_q8_0
 from tierlm.quant.iq4 import IQ4Weight, quantize_iq4
 from tierlm.quant.q4k import Q4KWeight, quantize_q4k
+from tierlm.quant.low_bit_k import LowBitKWeight, quantize_low_bit_k
 from tierlm.quant.q5 import FiveBitWeight, quantize_q5
 from tierlm.quant.q6k import Q6KWeight, quantize_q6k
 from tierlm.quant.modes import (
@@ -32,6 +33,8 @@ from tierlm.quant.modes import (
     IQ4_NL,
     IQ4_XS,
     MIXED_SOURCE,
+    Q2_K,
+    Q3_K,
     Q4_K,
     Q5_0,
     Q5_1,
@@ -78,6 +81,7 @@ _OWN_LAYOUT_QUANTIZERS = {
     Q4_K: quantize_q4k, Q6_K: quantize_q6k,
     Q5_0: lambda t: quantize_q5(t, "Q5_0"), Q5_1: lambda t: quantize_q5(t, "Q5_1"), Q5_K: lambda t: quantize_q5(t, "Q5_K"),
     IQ4_NL: lambda t: quantize_iq4(t, "IQ4_NL"), IQ4_XS: lambda t: quantize_iq4(t, "IQ4_XS"),
+    Q2_K: lambda t: quantize_low_bit_k(t, "Q2_K"), Q3_K: lambda t: quantize_low_bit_k(t, "Q3_K"),
 }  # fmt: skip
 
 
@@ -89,6 +93,8 @@ def encode_carried(weight) -> tuple[str, dict[str, Any], dict[str, Any]]:
         return "q6k", weight.tensors(), {}
     if isinstance(weight, IQ4Weight):
         return ("iq4x" if weight.superblocks is not None else "iq4"), weight.tensors(), {}
+    if isinstance(weight, LowBitKWeight):
+        return ("q3k" if weight.highbits is not None else "q2k"), weight.tensors(), {}
     if isinstance(weight, FiveBitWeight):
         return ("q5k" if weight.superblocks is not None else "q5"), weight.tensors(), {}
     return "int8", weight.tensors(), {"group_size": weight.group_size}
@@ -120,8 +126,9 @@ def decode(record, parts: Mapping[str, Any], *, device="cpu", dtype=None):
     if record.encoding == "int4":
         weight = Int4Weight.from_tensors(parts, record.meta["group_size"], dtype=dtype)
         return weight if torch.device(device).type == "cpu" else weight.to(device)
-    if record.encoding in ("q4k", "q6k", "q5", "q5k", "iq4", "iq4x"):
-        kind = {"q4k": Q4KWeight, "q6k": Q6KWeight, "iq4": IQ4Weight, "iq4x": IQ4Weight}.get(record.encoding, FiveBitWeight)
+    if record.encoding in ("q4k", "q6k", "q5", "q5k", "iq4", "iq4x", "q2k", "q3k"):
+        kind = {"q4k": Q4KWeight, "q6k": Q6KWeight, "iq4": IQ4Weight, "iq4x": IQ4Weight, "q2k": LowBitKWeight,
+                "q3k": LowBitKWeight}.get(record.encoding, FiveBitWeight)  # fmt: skip
         weight = kind.from_tensors(parts, dtype=dtype)
         return weight if torch.device(device).type == "cpu" else weight.to(device)
     if record.encoding == "plain":

@@ -20,6 +20,8 @@ from tierlm.quant.modes import (
     Q6_K,
     Q8_0,
     Q8_0_GROUP,
+    Q2_K,
+    Q3_K,
     QuantMode,
     int4_fits,
     parse_quant_mode,
@@ -31,10 +33,13 @@ ENCODINGS = {"plain": ({"data"}, set()), "int8": ({"qweight", "scales"}, {"offse
              "int4": ({"packed", "scales"}, {"offsets"}), "q4k": ({"packed", "superblocks"}, set()),
              "q6k": ({"packed", "high", "superblocks"}, set()), "q5": ({"codes", "scales"}, {"offsets"}),
              "q5k": ({"codes", "superblocks"}, set()), "iq4": ({"packed", "scales"}, set()),
-             "iq4x": ({"packed", "superblocks"}, set())}  # fmt: skip
+             "iq4x": ({"packed", "superblocks"}, set()), "q2k": ({"crumbs", "superblocks"}, set()),
+             "q3k": ({"crumbs", "highbits", "superblocks"}, set())}  # fmt: skip
 # Bytes per 256 columns of the super-blocks: q4k (GGUF Q4_K, quant/q4k.py) fp16 d and dmin, 8
 # sub-scales, 8 sub-mins; q6k (GGUF Q6_K, quant/q6k.py) fp16 d and 16 int8 sub-scales.
-SUPER_COLUMNS, SUPER_BYTES = 256, {"q4k": 20, "q6k": 18, "q5k": 20, "iq4x": 10}
+# q2k/q3k (GGUF Q2_K/Q3_K, quant/low_bit_k.py): fp16 d, dmin and 16 bytes of sub-scales and mins;
+# fp16 d and 12 bytes of 6-bit sub-scales.
+SUPER_COLUMNS, SUPER_BYTES = 256, {"q4k": 20, "q6k": 18, "q5k": 20, "iq4x": 10, "q2k": 20, "q3k": 14}
 FIVE_BIT_CHUNK = 20  # q5, q5k (GGUF Q5_0/Q5_1/Q5_K, quant/q5.py): per 32 columns 16 nibble bytes, 4 high-bit bytes
 
 # Canonical names of 2-D weights kept in fp32 under every mode: an MoE router's near-tied logits
@@ -67,6 +72,9 @@ def part_bytes(shape: tuple[int, ...], mode: QuantMode, name: str | None = None)
         return [elements // 2, elements // 4, out_features * (in_features // SUPER_COLUMNS) * SUPER_BYTES["q6k"]]
     if mode.name == IQ4_NL:
         return [elements // 2, elements // 32 * 2]
+    if mode.name in (Q2_K, Q3_K):
+        superblocks = out_features * (in_features // SUPER_COLUMNS) * SUPER_BYTES["q2k" if mode.name == Q2_K else "q3k"]
+        return [elements // 4, superblocks] if mode.name == Q2_K else [elements // 4, elements // 8, superblocks]
     if mode.name == IQ4_XS:
         return [elements // 2, out_features * (in_features // SUPER_COLUMNS) * SUPER_BYTES["iq4x"]]
     if mode.name in (Q5_0, Q5_1, Q5_K):
@@ -103,6 +111,8 @@ def record_mode(record) -> str:
         return Q5_K
     if record.encoding in ("iq4", "iq4x"):
         return IQ4_NL if record.encoding == "iq4" else IQ4_XS
+    if record.encoding in ("q2k", "q3k"):
+        return Q2_K if record.encoding == "q2k" else Q3_K
     if record.encoding == "q5":
         return Q5_1 if "offsets" in record.parts else Q5_0
     if record.encoding == "int8" and group == Q8_0_GROUP and not asym and record.parts["scales"].dtype == "float16":
@@ -120,6 +130,9 @@ def logical_shape(record) -> tuple[int, ...]:
     if record.encoding in ("q5", "q5k"):
         rows, width = record.parts["codes"].shape
         return rows, width // FIVE_BIT_CHUNK * 32
+    if record.encoding in ("q2k", "q3k"):
+        rows, width = record.parts["crumbs"].shape
+        return rows, 4 * width
     return tuple(record.parts["qweight" if record.encoding == "int8" else "data"].shape)
 
 
@@ -143,6 +156,8 @@ def check_record(record, shape: tuple[int, ...] | None = None) -> str | None:
         return _five_bit_problem(record, shape)
     if record.encoding == "iq4":
         return _iq4_problem(record, shape)
+    if record.encoding in ("q2k", "q3k"):
+        return _low_bit_problem(record, shape)
     if record.encoding in SUPER_BYTES:
         return _super_block_problem(record, shape)
     return _int8_problem(record, shape)
@@ -156,6 +171,19 @@ def _iq4_problem(record, shape) -> str | None:
     rows, columns = packed.shape[0], 2 * packed.shape[1]
     if scales.dtype != "float16" or tuple(scales.shape) != (rows, columns // 32):
         return f"scales are {scales.dtype}{list(scales.shape)}, expected float16 {[rows, columns // 32]}"
+    return _shape_problem((rows, columns), shape)
+
+
+def _low_bit_problem(record, shape) -> str | None:
+    """A q2k or q3k record: crumbs of whole 256-column blocks, every part the width it implies."""
+    crumbs = record.parts["crumbs"]
+    if crumbs.dtype != "uint8" or len(crumbs.shape) != 2 or (4 * crumbs.shape[1]) % SUPER_COLUMNS:
+        return f"crumbs are {crumbs.dtype}{list(crumbs.shape)}, expected 2-D uint8 of whole 256-column blocks"
+    rows, columns = crumbs.shape[0], 4 * crumbs.shape[1]
+    widths = {"superblocks": columns // SUPER_COLUMNS * SUPER_BYTES[record.encoding], "highbits": columns // 8}
+    for name, part in record.parts.items():
+        if name in widths and (part.dtype != "uint8" or tuple(part.shape) != (rows, widths[name])):
+            return f"{name} are {part.dtype}{list(part.shape)}, expected uint8 {[rows, widths[name]]}"
     return _shape_problem((rows, columns), shape)
 
 

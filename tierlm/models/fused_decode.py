@@ -6,9 +6,9 @@ of kv/formats.py's formats (read as stored: csrc/kv_formats.h; a paged cache thr
 page table), and the native library loaded
 (csrc/fused_decode.h). Then each layer whose weights are INT8
 (`Int8Weight`, any group size, symmetric or not), INT4 (`Int4Weight`: packed nibbles with fp16
-scales, symmetric or not, read as stored), GGUF Q4_K, Q6_K, Q5_0/Q5_1/Q5_K and IQ4_NL/IQ4_XS
-(`Q4KWeight`, `Q6KWeight`, `FiveBitWeight`, `IQ4Weight`: codes with their scales, read as
-stored) or fp32 tensors on the CPU, in any mix, runs as
+scales, symmetric or not, read as stored), GGUF Q4_K, Q6_K, Q5_0/Q5_1/Q5_K, IQ4_NL/IQ4_XS
+and Q2_K/Q3_K (`Q4KWeight`, `Q6KWeight`, `FiveBitWeight`, `IQ4Weight`, `LowBitKWeight`: codes
+with their scales, read as stored) or fp32 tensors on the CPU, in any mix, runs as
 `tierlm_decode_layer`: RMSNorm, QKV (+ bias), Qwen3's q/k head norms (when the block has
 `q_norm`/`k_norm`), RoPE from the model's `RotaryTable` (rotate-half or interleaved, partial
 rotary_dim), the K/V write at each row's slot and position, single-query grouped attention
@@ -281,6 +281,13 @@ def _weight_words(weight, bias, shape: tuple[int, int], keep: list) -> tuple | N
         if not _is_cpu_fp32(weight):
             return None
         return weight.data_ptr(), 0, 0, bias_ptr, rows, cols, cols, KIND_FP32, 0
+    native_words = getattr(weight, "native_words", None)
+    if native_words is not None:  # a weight that describes itself (GGUF Q2_K/Q3_K: quant/low_bit_k.py)
+        words = native_words()
+        if words is None:
+            return None
+        data, scales, offsets, group, kind, half = words
+        return data, scales, offsets, bias_ptr, rows, cols, group, kind, half
     if getattr(weight, "codebook", False):  # GGUF IQ4_NL / IQ4_XS (quant/iq4.py): read as stored
         parts = list(weight.tensors().values())
         if not all(p.is_cpu and p.is_contiguous() for p in parts):

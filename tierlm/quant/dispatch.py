@@ -76,7 +76,11 @@ class KernelChoice:
         if bias is not None and not bias.is_contiguous():
             bias = bias.contiguous()
         kernel = self.gemv if rows.shape[0] <= self.crossover else self.gemm
-        if getattr(weight, "codebook", False):  # IQ4Weight: GGUF IQ4_NL / IQ4_XS
+        if hasattr(weight, "native_words"):  # a weight that describes itself (LowBitKWeight: GGUF Q2_K/Q3_K)
+            if not hasattr(kernel, "matmul_words"):
+                kernel = self.gemm
+            out = kernel.matmul_words(rows, weight, bias)
+        elif getattr(weight, "codebook", False):  # IQ4Weight: GGUF IQ4_NL / IQ4_XS
             if not hasattr(kernel, "matmul_iq4"):
                 kernel = self.gemm
             out = kernel.matmul_iq4(rows, weight.packed, weight.scales, weight.superblocks, bias)
@@ -170,7 +174,8 @@ def calibrate(
                        dequantize4k=getattr(native, "dequantize4k_into", None),
                        dequantize6k=getattr(native, "dequantize6k_into", None),
                        dequantize5=getattr(native, "dequantize5_into", None),
-                       dequantize_iq4=getattr(native, "dequantize_iq4_into", None)) if native else BlasKernel())  # fmt: skip
+                       dequantize_iq4=getattr(native, "dequantize_iq4_into", None),
+                       dequantize_words=getattr(native, "dequantize_words_into", None)) if native else BlasKernel())  # fmt: skip
 
     out_features, in_features = shape
     gen = torch.Generator().manual_seed(0)

@@ -118,3 +118,56 @@ def dequantize_iq4(packed, scales=None, superblocks=None, out=None) -> torch.Ten
     out.copy_(values)
     out.view(n, k // 32, 32).mul_(iq4_group_scales(scales, superblocks)[..., None])
     return out
+
+
+# GGUF Q2_K / Q3_K (quant/low_bit_k.py): per 256 columns 16 groups of 16. Super-block bytes:
+# Q2_K fp16 d, fp16 dmin, 16 bytes sc | m << 4; Q3_K fp16 d, then GGUF's 12 bytes of 6-bit scales.
+Q2K_SUPER_BYTES, Q3K_SUPER_BYTES = 20, 14
+_CRUMB_SHIFTS = (0, 2, 4, 6)
+
+
+def low_bit_k_group_values(superblocks: torch.Tensor, three_bit: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Per group of 16 columns: (scales, offsets) fp32 [out, in / 16] as gguf forms them, Q2_K
+    (d * sc, -(dmin * m)) or Q3_K (d * (sc - 32), no offsets: the codes' -4 is applied to u)."""
+    rows = superblocks.shape[0]
+    if not three_bit:
+        blocks = superblocks.view(rows, -1, Q2K_SUPER_BYTES)
+        d = blocks[..., 0:2].contiguous().view(torch.float16).float()
+        dmin = blocks[..., 2:4].contiguous().view(torch.float16).float()
+        packed = blocks[..., 4:].to(torch.int32)
+        return (d * (packed & 15).float()).reshape(rows, -1), (-(dmin * (packed >> 4).float())).reshape(rows, -1)
+    blocks = superblocks.view(rows, -1, Q3K_SUPER_BYTES)
+    d = blocks[..., 0:2].contiguous().view(torch.float16).float()
+    packed = blocks[..., 2:].to(torch.int32)
+    j = torch.arange(16, device=superblocks.device)
+    low = (packed[..., j % 8] >> (4 * (j // 8))) & 15
+    high = (packed[..., 8 + j % 4] >> (2 * (j // 4))) & 3
+    return (d * ((low | (high << 4)) - 32).float()).reshape(rows, -1), None
+
+
+def codes_low_bit(crumbs: torch.Tensor, highbits: torch.Tensor | None) -> torch.Tensor:
+    """Q2_K / Q3_K codes u (0..3 / 0..7), uint8 [out, in], from the crumbs and the high bits."""
+    rows = crumbs.shape[0]
+    shifts = torch.tensor(_CRUMB_SHIFTS, dtype=torch.uint8, device=crumbs.device).view(1, 1, 4, 1)
+    u = ((crumbs.view(rows, -1, 1, 8) >> shifts) & 3).reshape(rows, -1)
+    if highbits is None:
+        return u
+    words = highbits.view(rows, -1, 4).to(torch.int64)
+    word = words[..., 0] | (words[..., 1] << 8) | (words[..., 2] << 16) | (words[..., 3] << 24)
+    bits = (word[..., None] >> torch.arange(32, device=crumbs.device)) & 1
+    return u | (bits.reshape(rows, -1).to(torch.uint8) << 2)
+
+
+def dequantize_low_bit_k(crumbs, highbits, superblocks, out=None) -> torch.Tensor:
+    """Q2_K / Q3_K: fp32 [out, in], u * s + o (Q2_K) or (u - 4) * s (Q3_K) per group of 16."""
+    scales, offsets = low_bit_k_group_values(superblocks, highbits is not None)
+    u = codes_low_bit(crumbs, highbits)
+    n, k = u.shape
+    out = torch.empty(n, k, dtype=torch.float32, device=crumbs.device) if out is None else out
+    out.copy_(u)
+    if offsets is None:
+        out.sub_(4)
+    grouped = out.view(n, k // 16, 16).mul_(scales[..., None])
+    if offsets is not None:
+        grouped.add_(offsets[..., None])
+    return out

@@ -21,6 +21,8 @@
     q6_k          GGUF's Q6_K as stored (tierlm/quant/q6k.py), 6.5625 bits: likewise
     q5_0, q5_1, q5_k  GGUF's 5-bit types as stored (tierlm/quant/q5.py), 5.5-6 bits: likewise
     iq4_nl, iq4_xs    GGUF's codebook 4-bit types as stored (tierlm/quant/iq4.py): likewise
+    q2_k, q3_k    GGUF's 2- and 3-bit K-quants as stored (tierlm/quant/low_bit_k.py), 2.625 and
+                  3.4375 bits: likewise
     fp16 / bf16 / fp32   no quantization: weights stored in that float dtype
     none          the checkpoint's weights as stored, in the compute dtype (`concrete_mode`)
     auto          a concrete mode chosen per model and device by `auto_quant` (the profiles'
@@ -52,9 +54,10 @@ Q4_K = "q4_k"  # GGUF's Q4_K: nibbles and per 256 columns fp16 d, dmin and 6-bit
 Q6_K = "q6_k"  # GGUF's Q6_K: 6-bit codes and per 256 columns fp16 d and 16 int8 sub-scales
 Q5_0, Q5_1, Q5_K = "q5_0", "q5_1", "q5_k"  # GGUF's 5-bit types (tierlm/quant/q5.py)
 IQ4_NL, IQ4_XS = "iq4_nl", "iq4_xs"  # GGUF's codebook 4-bit types (tierlm/quant/iq4.py)
+Q2_K, Q3_K = "q2_k", "q3_k"  # GGUF's 2- and 3-bit K-quants (tierlm/quant/low_bit_k.py)
 # The modes that hold a GGUF type's own layout: carried from it, never quantized from floats.
 CARRIED_ONLY = MappingProxyType({Q4_K: "Q4_K", Q6_K: "Q6_K", Q5_0: "Q5_0", Q5_1: "Q5_1", Q5_K: "Q5_K",
-                                 IQ4_NL: "IQ4_NL", IQ4_XS: "IQ4_XS"})  # fmt: skip
+                                 IQ4_NL: "IQ4_NL", IQ4_XS: "IQ4_XS", Q2_K: "Q2_K", Q3_K: "Q3_K"})  # fmt: skip
 
 _FLOATS = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
 _INT8 = re.compile(r"int8(?:-g(\d+))?(-asym)?")
@@ -112,6 +115,8 @@ def parse_quant_mode(name: str) -> QuantMode:
         return QuantMode(text, "int8", 32, asymmetric=text != Q5_0, super_blocks=True)
     if text in (IQ4_NL, IQ4_XS):
         return QuantMode(text, "int4", 32, super_blocks=True)
+    if text in (Q2_K, Q3_K):
+        return QuantMode(text, "int8", 16, asymmetric=text == Q2_K, super_blocks=True)
     if text.startswith(("mixed:", "mixed-")):
         return _mixed_mode(name, text)
     int4 = _INT4.fullmatch(text)

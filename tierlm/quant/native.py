@@ -99,6 +99,10 @@ class NativeKernel:
         lib.tierlm_iq4_matmul.restype = ctypes.c_int
         lib.tierlm_iq4_dequant.argtypes = [ptr, ptr, i64, i64, ptr, ctypes.c_int, ctypes.c_int]
         lib.tierlm_iq4_dequant.restype = ctypes.c_int
+        lib.tierlm_weight_matmul.argtypes = [ptr, i64, ptr, ptr, ctypes.c_int]
+        lib.tierlm_weight_matmul.restype = ctypes.c_int
+        lib.tierlm_weight_dequant.argtypes = [ptr, ptr, ctypes.c_int]
+        lib.tierlm_weight_dequant.restype = ctypes.c_int
         lib.tierlm_decode_layer.argtypes = [ptr, ptr, ptr]
         lib.tierlm_decode_layer.restype = ctypes.c_int
         lib.tierlm_decode_attention.argtypes = [ptr, ptr, ptr]
@@ -245,6 +249,22 @@ class NativeKernel:
             raise ValueError(f"5-bit weights cannot have K = {k} (a multiple of 32, of 256 for Q5_K)")
         return out
 
+    def matmul_words(self, x, weight, bias=None):
+        """x [M, K] fp32 @ a weight that describes itself to the kernels (`native_words()`:
+        quant/low_bit_k.py's LowBitKWeight).T (+ bias) -> [M, N] fp32."""
+        m = x.shape[0]
+        y = torch.empty(m, weight.shape[0], dtype=torch.float32)
+        words = weight_words(weight, bias)
+        if self.lib.tierlm_weight_matmul(x.data_ptr(), m, words, y.data_ptr(), torch.get_num_threads()) != 0:
+            raise ValueError(f"the native kernels cannot read {weight!r}")
+        return y
+
+    def dequantize_words_into(self, weight, out):
+        """out [N, K] fp32 = such a weight dequantized, exactly the `gguf` package's values."""
+        if self.lib.tierlm_weight_dequant(weight_words(weight), out.data_ptr(), torch.get_num_threads()) != 0:
+            raise ValueError(f"the native kernels cannot dequantize {weight!r}")
+        return out
+
     def matmul_iq4(self, x, packed, scales=None, superblocks=None, bias=None):
         """x [M, K] fp32 @ a GGUF IQ4_NL (fp16 `scales` [N, K / 32]) or IQ4_XS (`superblocks`
         [N, K / 256 * 10]) weight (tierlm/quant/iq4.py).T (+ bias) -> [M, N] fp32."""
@@ -296,6 +316,18 @@ class NativeKernel:
         if done != 0:
             raise ValueError(f"KV type {kv_type} cannot hold rows of {d} values")
         return out
+
+
+def weight_words(weight, bias=None):
+    """tl::Weight's 9 int64 words (csrc/library.cpp `weight_from_words`) for a weight with
+    `native_words()` and an fp32 CPU bias (or None); ValueError if the kernels cannot read it."""
+    words = weight.native_words()
+    if words is None:
+        raise ValueError(f"the native kernels cannot read {weight!r}: its parts must be CPU tensors")
+    data, scales, offsets, group, kind, half = words
+    rows, cols = weight.shape
+    bias_ptr = bias.data_ptr() if bias is not None else 0
+    return (ctypes.c_int64 * 9)(data, scales, offsets, bias_ptr, rows, cols, group, kind, half)
 
 
 def _half_scales(scales, offsets) -> int:

@@ -71,13 +71,15 @@ class BlasKernel:
     """
 
     def __init__(self, dequantize=dequantize_into, name="dequant-blas", block_bytes=16 << 20, dequantize4=None,
-                 dequantize4k=None, dequantize6k=None, dequantize5=None, dequantize_iq4=None):  # fmt: skip
+                 dequantize4k=None, dequantize6k=None, dequantize5=None, dequantize_iq4=None,
+                 dequantize_words=None):  # fmt: skip
         self._dequantize = dequantize
         self._dequantize4 = dequantize4 or _dequantize4_into
         self._dequantize4k = dequantize4k or gguf_layouts.dequantize4k
         self._dequantize6k = dequantize6k or gguf_layouts.dequantize6k
         self._dequantize5 = dequantize5 or gguf_layouts.dequantize5
         self._dequantize_iq4 = dequantize_iq4 or gguf_layouts.dequantize_iq4
+        self._dequantize_words = dequantize_words or _dequantize_weight_into
         self.name = name
         self.block_bytes = block_bytes
 
@@ -126,6 +128,14 @@ class BlasKernel:
             self._dequantize_iq4(packed[start:stop], part(scales), part(superblocks), block)
 
         return self._blocked(x, packed.shape[0], rows_into, bias)
+
+    def matmul_words(self, x, weight, bias=None):
+        """x [M, K] fp32 @ a weight that describes itself (`native_words()`, `row_slice`,
+        `dequantize`: quant/low_bit_k.py).T (+ bias)."""
+        def rows_into(start, stop, block):
+            self._dequantize_words(weight.row_slice(start, stop), block)
+
+        return self._blocked(x, weight.shape[0], rows_into, bias)
 
     def _blocked(self, x, n, rows_into, bias):
         """x [M, K] @ W.T for W [n, K] made a block of rows at a time by rows_into(start, stop, out)."""
@@ -181,10 +191,19 @@ class TorchKernel:
         weight = gguf_layouts.dequantize_iq4(packed, scales, superblocks).to(x.dtype)
         return F.linear(x, weight, None if bias is None else bias.to(x.dtype))
 
+    def matmul_words(self, x, weight, bias=None):
+        """The weight dequantized (in fp32, then x's dtype) and `F.linear`."""
+        return F.linear(x, weight.dequantize().to(x.dtype), None if bias is None else bias.to(x.dtype))
+
     def matmul6k(self, x, packed, high, superblocks, bias=None):
         """The Q6_K weight dequantized (in fp32, then x's dtype) and `F.linear`."""
         weight = gguf_layouts.dequantize6k(packed, high, superblocks).to(x.dtype)
         return F.linear(x, weight, None if bias is None else bias.to(x.dtype))
+
+
+def _dequantize_weight_into(weight, out):
+    """The weight's own torch reference dequantization, copied into `out`."""
+    return out.copy_(weight.dequantize())
 
 
 def _dequantize4_into(packed, scales, offsets, group, out=None):

@@ -79,8 +79,8 @@ class GgufCheckpoint:
         return out  # each part was checked finite as it was dequantized (gguf_tensors.read_tensor)
 
     def read_carried(self, names: tuple[str, ...]):
-        """The tensors `names` fused by rows holding their GGUF values exactly: Q4_K alone as a
-        Q4KWeight, other carried types as an Int8Weight of codes, scales and offsets
+        """The tensors `names` fused by rows holding their GGUF values exactly: one type with a
+        layout of its own in it (`_read_own_layout`), a mix as an Int8Weight of codes, scales and offsets
         (tierlm/weights/gguf_carry.py); None where mixed:source carries them otherwise: a type
         outside INT8_FORMS, or only Q4_0/Q4_1 (kept at 4 bits as int4)."""
         from tierlm.quant.int8 import Int8Weight
@@ -92,7 +92,7 @@ class GgufCheckpoint:
         kinds = {item.source_type for item in items}
         if not kinds <= CARRIED_SOURCE_TYPES or kinds <= FOUR_BIT_SOURCE_TYPES or len(items[0].hf_shape) != 2:
             return None
-        if kinds in ({"Q4_K"}, {"Q6_K"}, {"Q5_0"}, {"Q5_1"}, {"Q5_K"}, {"IQ4_NL"}, {"IQ4_XS"}):
+        if kinds in ({"Q4_K"}, {"Q6_K"}, {"Q5_0"}, {"Q5_1"}, {"Q5_K"}, {"IQ4_NL"}, {"IQ4_XS"}, {"Q2_K"}, {"Q3_K"}):
             return self._read_own_layout(items)
         form = combined_form(kinds)
         pieces = []
@@ -106,14 +106,14 @@ class GgufCheckpoint:
         return Int8Weight(fused[0], fused[1], form.group, offsets=fused[2] if form.asymmetric else None)
 
     def _read_own_layout(self, items):
-        """Tensors of one type with a layout of its own (Q4_K, Q6_K, Q5_0, Q5_1, Q5_K) fused by
-        rows: their blocks re-laid for the kernels (tierlm/quant/q4k.py, q6k.py, q5.py), every
-        value kept."""
-        from tierlm.quant import iq4, q4k, q5, q6k
+        """Tensors of one type with a layout of its own (Q4_K, Q6_K, Q5_0, Q5_1, Q5_K, IQ4_NL,
+        IQ4_XS, Q2_K, Q3_K) fused by rows: their blocks re-laid for the kernels (tierlm/quant/
+        q4k.py, q6k.py, q5.py, iq4.py, low_bit_k.py), every value kept."""
+        from tierlm.quant import iq4, low_bit_k, q4k, q5, q6k
         from tierlm.weights.gguf_tensors import read_raw, unpermute_rope_rows
 
         kind = items[0].source_type
-        own = iq4 if kind.startswith("IQ4") else q5
+        own = iq4 if kind.startswith("IQ4") else low_bit_k if kind in ("Q2_K", "Q3_K") else q5
         read = {"Q4_K": q4k.from_gguf_blocks, "Q6_K": q6k.from_gguf_blocks}.get(
             kind, lambda raw: own.from_gguf_blocks(raw, kind))
         pieces = []
@@ -123,7 +123,8 @@ class GgufCheckpoint:
                 parts = {name: unpermute_rope_rows(part, item.unpermute_heads) for name, part in parts.items()}
             pieces.append(parts)
         fused = {name: torch.cat([piece[name] for piece in pieces]) for name in pieces[0]}
-        layouts = {"Q4_K": q4k.Q4KWeight, "Q6_K": q6k.Q6KWeight, "IQ4_NL": iq4.IQ4Weight, "IQ4_XS": iq4.IQ4Weight}
+        layouts = {"Q4_K": q4k.Q4KWeight, "Q6_K": q6k.Q6KWeight, "IQ4_NL": iq4.IQ4Weight, "IQ4_XS": iq4.IQ4Weight,
+                   "Q2_K": low_bit_k.LowBitKWeight, "Q3_K": low_bit_k.LowBitKWeight}  # fmt: skip
         return layouts.get(kind, q5.FiveBitWeight).from_tensors(fused)
 
     def _item(self, name: str):

@@ -14,7 +14,8 @@
 // adds o * (x summed over the group), one dot over the groups per output: W = u * s + o.
 //
 // Decode-sized calls (up to four activation rows) of int8 in groups of 32 (Q8_0), of the q5
-// kinds and of Q6_K multiply in integers instead (gemv_a16.h); everything else runs the tiles below.
+// kinds and of Q6_K multiply in integers instead (gemv_a16.h); everything else runs the tiles
+// below: Q2_K/Q3_K as tile6 runs Q6_K, 2-bit crumbs (and Q3_K's high bits) widened per group of 16.
 #pragma once
 
 #include <algorithm>
@@ -266,6 +267,76 @@ inline void tile6(const float* x, int64_t ldx, const uint8_t* w, const uint8_t* 
     for (int r = 0; r < R; ++r) out[m][r] = Vec::sum(acc[r][m]);
 }
 
+// Rows [n, n + R) of a kInt2K / kInt3K weight's super-blocks as fp32 per-16-column scales s
+// [R, G] and (kInt2K) offsets o [R, G], the products gguf forms: Q2_K d * sc and -(dmin * m),
+// Q3_K d * (sc - 32) with sc unpacked from GGUF's 12 bytes (4 low bits, then 2 high bits each).
+inline void expand_low_bit_k(const Weight& W, int64_t n, int R, float* s, float* o) {
+  const int64_t bytes = W.kind == kInt3K ? 14 : 20, G = W.groups(), B = W.cols / kSuperColumns;
+  const uint8_t* super = static_cast<const uint8_t*>(W.scales) + n * B * bytes;
+  for (int r = 0; r < R; ++r)
+    for (int64_t b = 0; b < B; ++b) {
+      const uint8_t* p = super + (r * B + b) * bytes;
+      uint16_t d16;
+      __builtin_memcpy(&d16, p, 2);
+      const float d = half_to_float(d16);
+      float* sg = s + r * G + b * 16;
+      if (W.kind == kInt3K) {
+        for (int j = 0; j < 16; ++j) {
+          const int sc = ((p[2 + j % 8] >> (4 * (j / 8))) & 15) | (((p[10 + j % 4] >> (2 * (j / 4))) & 3) << 4);
+          sg[j] = d * static_cast<float>(sc - 32);
+        }
+      } else {
+        uint16_t m16;
+        __builtin_memcpy(&m16, p + 2, 2);
+        const float dmin = half_to_float(m16);
+        for (int j = 0; j < 16; ++j) {
+          sg[j] = d * static_cast<float>(p[4 + j] & 15);
+          o[r * G + b * 16 + j] = -(dmin * static_cast<float>(p[4 + j] >> 4));
+        }
+      }
+    }
+}
+
+// Q2_K / Q3_K (HIGH): out[m][r] = sum_k (u - bias)[r][k] * s[r][k / 16] * x[m][k], u from the
+// crumbs q (and high bits h); like tile6, each half of a 32-column chunk is its own group.
+template <int R, int MB, bool HIGH>
+inline void tile_low_bits(const float* x, int64_t ldx, const uint8_t* q, const uint8_t* h, int64_t K,
+                          const float* s, int64_t G, float (&out)[MB][R]) {
+  using reg = Vec::reg;
+  constexpr int L = Vec::lanes;
+  constexpr int32_t bias = HIGH ? 4 : 0;
+  const int64_t qstride = K / 4, hstride = K / 8;
+  reg acc[R][MB] = {};
+  for (int64_t c = 0; c < K / 32; ++c) {
+    if (TL_PREFETCH && (c & 7) == 0)
+      for (int r = 0; r < R; ++r) {
+        prefetch(q + (r + R) * qstride + c * 8);
+        if (HIGH) prefetch(h + (r + R) * hstride + c * 4);
+      }
+    reg s0[R], s1[R];
+    uint32_t high[R] = {};
+    for (int r = 0; r < R; ++r) {
+      s0[r] = Vec::set1(s[r * G + 2 * c]);
+      s1[r] = Vec::set1(s[r * G + 2 * c + 1]);
+      if (HIGH) __builtin_memcpy(&high[r], h + r * hstride + c * 4, 4);
+    }
+    for (int j = 0; j < 16; j += L) {
+      reg lo[R], hi[R];
+      for (int r = 0; r < R; ++r) {
+        Vec::lowbits<HIGH>(q + r * qstride + c * 8, high[r], bias, j, lo[r], hi[r]);
+        lo[r] = lo[r] * s0[r];
+        hi[r] = hi[r] * s1[r];
+      }
+      for (int m = 0; m < MB; ++m) {
+        const reg x0 = Vec::load(x + m * ldx + c * 32 + j), x1 = Vec::load(x + m * ldx + c * 32 + 16 + j);
+        for (int r = 0; r < R; ++r) acc[r][m] = Vec::fma(hi[r], x1, Vec::fma(lo[r], x0, acc[r][m]));
+      }
+    }
+  }
+  for (int m = 0; m < MB; ++m)
+    for (int r = 0; r < R; ++r) out[m][r] = Vec::sum(acc[r][m]);
+}
+
 // An int8 tile of R rows from row n (w at row n), scales `s` of any stored type (all rows').
 template <int R, int MB, typename ST>
 inline void int8_tile(const Weight& W, const float* x, int64_t ldx, const int8_t* w, const ST* s,
@@ -353,6 +424,20 @@ inline void block(const Weight& W, const float* x, int64_t ldx, const float* xs,
     expand_signed_scales<16>(W, n, R, expanded.data());
     tile6<R, MB>(x, ldx, static_cast<const uint8_t*>(W.data) + n * (K / 2),
                  static_cast<const uint8_t*>(W.offsets) + n * (K / 4), K, expanded.data(), G, out);
+  } else if (W.kind == kInt2K || W.kind == kInt3K) {
+    thread_local std::vector<float> expanded;
+    expanded.resize(2 * R * G);
+    float* s = expanded.data();
+    float* o = s + R * G;
+    expand_low_bit_k(W, n, R, s, o);
+    const uint8_t* q = static_cast<const uint8_t*>(W.data) + n * (K / 4);
+    if (W.kind == kInt3K) {
+      tile_low_bits<R, MB, true>(x, ldx, q, static_cast<const uint8_t*>(W.offsets) + n * (K / 8), K, s, G, out);
+    } else {
+      tile_low_bits<R, MB, false>(x, ldx, q, nullptr, K, s, G, out);
+      for (int m = 0; m < MB; ++m)
+        for (int r = 0; r < R; ++r) out[m][r] += dot(o + r * G, xs + m * G, G);
+    }
   } else if (W.kind == kFp32) {
     const float* unscaled = nullptr;
     tile<R, MB, false, 0>(x, ldx, static_cast<const float*>(W.data) + n * K, K, unscaled, 1, K, out);
@@ -417,8 +502,9 @@ inline void gemv_rows(const Weight& W, const float* x, int64_t ldx, int64_t M, c
 // x [M, K] summed per group of W: [M, G]; empty unless W has offsets or is int4 (whose
 // symmetric offsets are implied).
 inline std::vector<float> group_sums(const Weight& W, const float* x, int64_t ldx, int64_t M) {
-  const bool implied = W.kind == kInt4 || W.kind == kInt4K || W.kind == kInt5 || W.kind == kInt5K;
-  if ((!W.offsets || W.kind == kInt6K) && !implied) return {};
+  // Q6_K's and Q3_K's `offsets` are code bits; Q2_K's offsets are in its super-blocks.
+  const bool implied = W.kind == kInt4 || W.kind == kInt4K || W.kind == kInt5 || W.kind == kInt5K || W.kind == kInt2K;
+  if ((!W.offsets || W.kind == kInt6K || W.kind == kInt3K) && !implied) return {};
   constexpr int L = Vec::lanes;
   const int64_t K = W.cols, G = W.groups();
   std::vector<float> xs(M * G);

@@ -251,6 +251,54 @@ int tierlm_iq4_dequant(const uint8_t* packed, const void* s, int64_t N, int64_t 
   return 0;
 }
 
+// tl::Weight from its 9 int64 words {data, scales, offsets, bias, rows, cols, group, kind, half}
+// (pointers as integers, 0 for null): how Python hands any weight kind over.
+static tl::Weight weight_from_words(const int64_t* words) {
+  auto ptr = [&](int i) { return reinterpret_cast<const void*>(static_cast<intptr_t>(words[i])); };
+  return tl::Weight{ptr(0), ptr(1), ptr(2), static_cast<const float*>(ptr(3)), words[4], words[5], words[6],
+                    static_cast<int32_t>(words[7]), static_cast<int32_t>(words[8])};
+}
+
+// y[M, rows] = x[M, cols] @ W.T (+ bias) for the weight of `words`, any kind the kernels
+// implement. Returns -1 (nothing written) for a combination they do not.
+int tierlm_weight_matmul(const float* x, int64_t M, const int64_t* words, float* y, int threads) {
+  const tl::Weight W = weight_from_words(words);
+  if (!W.supported() || W.cols <= 0) return -1;
+  const std::vector<float> xs = tl::group_sums(W, x, W.cols, M);
+  tl::gemv(W, x, W.cols, M, xs.data(), y, W.rows, false, threads);
+  return 0;
+}
+
+// out[rows, cols] = the weight of `words` dequantized in fp32, exactly the `gguf` package's
+// values, for GGUF Q2_K and Q3_K (kInt2K, kInt3K; each product exact in fp32). Returns -1
+// (nothing written) for other kinds, which have entries of their own above.
+int tierlm_weight_dequant(const int64_t* words, float* out, int threads) {
+  const tl::Weight W = weight_from_words(words);
+  if ((W.kind != tl::kInt2K && W.kind != tl::kInt3K) || !W.supported() || W.cols <= 0) return -1;
+  const int64_t K = W.cols, G = W.groups();
+  const bool three = W.kind == tl::kInt3K;
+  const uint8_t* crumbs = static_cast<const uint8_t*>(W.data);
+  const uint8_t* high = static_cast<const uint8_t*>(W.offsets);
+  tl::parallel_for(W.rows, 16, threads, [&](int64_t n0, int64_t n1) {
+    std::vector<float> s(G), o(G);
+    for (int64_t n = n0; n < n1; ++n) {
+      tl::expand_low_bit_k(W, n, 1, s.data(), o.data());
+      for (int64_t c = 0; c < K / 32; ++c) {
+        const uint8_t* q = crumbs + n * (K / 4) + c * 8;
+        uint32_t bits = 0;
+        if (three) __builtin_memcpy(&bits, high + n * (K / 8) + c * 4, 4);
+        float* row = out + n * K + c * 32;
+        for (int k = 0; k < 32; ++k) {
+          const int u = ((q[k % 8] >> (2 * (k / 8))) & 3) | (((bits >> k) & 1) << 2);
+          const int64_t g = 2 * c + k / 16;
+          row[k] = three ? static_cast<float>(u - 4) * s[g] : static_cast<float>(u) * s[g] + o[g];
+        }
+      }
+    }
+  });
+  return 0;
+}
+
 // One decoder layer's decode step, x [batch, hidden] updated in place (see fused_decode.h).
 // `step` holds what every layer of a step shares; `words` this layer's 44 int64 words:
 // 4 weights (qkv, o, w13, w2) x {data, scales, offsets, bias, rows, cols, group, kind, half}

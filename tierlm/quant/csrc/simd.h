@@ -9,7 +9,8 @@
 // has it; `half_to_float` is the scalar conversion. `sixes` reads GGUF Q6_K's 2-bit high
 // parts (crumbs) as tierlm/quant/q6k.py lays them: per 32-column chunk 8 bytes, byte i holding columns i,
 // 8 + i, 16 + i and 24 + i in its bit pairs from the lowest. `fives` and `sixes` join GGUF's
-// 5- and 6-bit codes from their parts as integers, converting each register once.
+// 5- and 6-bit codes from their parts as integers, converting each register once; `lowbits`
+// does the same for GGUF Q2_K/Q3_K's 2-bit crumbs (sixes' layout) and Q3_K's high bits.
 #pragma once
 
 #include <cstdint>
@@ -119,6 +120,26 @@ struct Vec {
     lo = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_or_si512(_mm512_and_si512(b, _mm512_set1_epi32(15)), join(0, 2)), thirty_two));
     hi = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_or_si512(_mm512_srli_epi32(b, 4), join(4, 6)), thirty_two));
   }
+  // Q2_K/Q3_K's codes for columns j.. (lo) and 16 + j.. (hi) as fp32: 2-bit crumbs at q (the
+  // layout `sixes` reads), with HIGH the bit of `high` (bit i column i) as 4, minus `bias`.
+  template <bool HIGH>
+  static inline void lowbits(const uint8_t* q, uint32_t high, int32_t bias, int, reg& lo, reg& hi) {
+    const __m256i c = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q)));
+    const __m256i three = _mm256_set1_epi32(3);
+    auto join = [&](int a, int d) {
+      const __m512i low = _mm512_castsi256_si512(_mm256_and_si256(_mm256_srli_epi32(c, a), three));
+      return _mm512_inserti64x4(low, _mm256_and_si256(_mm256_srli_epi32(c, d), three), 1);
+    };
+    __m512i l = join(0, 2), h = join(4, 6);
+    if (HIGH) {
+      const __m512i four = _mm512_set1_epi32(4);
+      l = _mm512_mask_or_epi32(l, static_cast<__mmask16>(high), l, four);
+      h = _mm512_mask_or_epi32(h, static_cast<__mmask16>(high >> 16), h, four);
+    }
+    const __m512i b = _mm512_set1_epi32(bias);
+    lo = _mm512_cvtepi32_ps(_mm512_sub_epi32(l, b));
+    hi = _mm512_cvtepi32_ps(_mm512_sub_epi32(h, b));
+  }
   static inline void store(float* p, reg v) { _mm512_storeu_ps(p, v); }
   static inline reg fma(reg a, reg b, reg c) { return _mm512_fmadd_ps(a, b, c); }
   static inline float sum(reg v) { return _mm512_reduce_add_ps(v); }
@@ -184,6 +205,26 @@ struct Vec {
     auto crumb = [&](int at) { return _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(c, at), three), 4); };
     lo = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_or_si256(_mm256_and_si256(b, _mm256_set1_epi32(15)), crumb(shift)), thirty_two));
     hi = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_or_si256(_mm256_srli_epi32(b, 4), crumb(shift + 4)), thirty_two));
+  }
+  // Q2_K/Q3_K's codes (crumbs at q, HIGH: `high`'s bit i as 4 for column i, minus `bias`) for
+  // columns j.. (lo) and 16 + j.. (hi) as fp32, j 0 or 8.
+  template <bool HIGH>
+  static inline void lowbits(const uint8_t* q, uint32_t high, int32_t bias, int j, reg& lo, reg& hi) {
+    const __m256i c = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q)));
+    const __m256i three = _mm256_set1_epi32(3);
+    const int shift = j / 8 * 2;
+    __m256i l = _mm256_and_si256(_mm256_srli_epi32(c, shift), three);
+    __m256i h = _mm256_and_si256(_mm256_srli_epi32(c, shift + 4), three);
+    if (HIGH) {
+      const __m256i w = _mm256_set1_epi32(static_cast<int>(high)), one = _mm256_set1_epi32(1);
+      const __m256i at = _mm256_add_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32(j));
+      auto fours = [&](__m256i by) { return _mm256_slli_epi32(_mm256_and_si256(_mm256_srlv_epi32(w, by), one), 2); };
+      l = _mm256_or_si256(l, fours(at));
+      h = _mm256_or_si256(h, fours(_mm256_add_epi32(at, _mm256_set1_epi32(16))));
+    }
+    const __m256i b = _mm256_set1_epi32(bias);
+    lo = _mm256_cvtepi32_ps(_mm256_sub_epi32(l, b));
+    hi = _mm256_cvtepi32_ps(_mm256_sub_epi32(h, b));
   }
   static inline void store(float* p, reg v) { _mm256_storeu_ps(p, v); }
   static inline reg fma(reg a, reg b, reg c) { return _mm256_fmadd_ps(a, b, c); }
@@ -274,6 +315,23 @@ struct Vec {
     const int shift = j / 8 * 2;
     lo = __builtin_convertvector(((b & 15) | (((c >> shift) & 3) << 4)) - 32, reg);
     hi = __builtin_convertvector(((b >> 4) | (((c >> (shift + 4)) & 3) << 4)) - 32, reg);
+  }
+  // Q2_K/Q3_K's codes (crumbs at q, HIGH: `high`'s bit i as 4 for column i, minus `bias`) for
+  // columns j.. (lo) and 16 + j.. (hi) as fp32, j a multiple of 4.
+  template <bool HIGH>
+  static inline void lowbits(const uint8_t* q, uint32_t high, int32_t bias, int j, reg& lo, reg& hi) {
+    ubytes raw;
+    std::memcpy(&raw, q + j % 8, sizeof raw);
+    const ints c = __builtin_convertvector(raw, ints);
+    const int shift = j / 8 * 2;
+    ints l = (c >> shift) & 3, h = (c >> (shift + 4)) & 3;
+    if (HIGH) {
+      const ints w = ints{} + static_cast<int32_t>(high >> j), lanes = {0, 1, 2, 3};
+      l |= ((w >> lanes) & 1) << 2;
+      h |= ((w >> (lanes + 16)) & 1) << 2;
+    }
+    lo = __builtin_convertvector(l - bias, reg);
+    hi = __builtin_convertvector(h - bias, reg);
   }
   static inline void store(float* p, reg v) { std::memcpy(p, &v, sizeof v); }
   static inline reg fma(reg a, reg b, reg c) { return a * b + c; }

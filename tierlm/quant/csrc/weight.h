@@ -11,7 +11,7 @@ namespace tl {
 
 // What a Weight's data holds (the values of Weight::kind).
 enum WeightKind : int32_t { kFp32 = 0, kInt8 = 1, kInt4 = 4, kInt4K = 5, kInt6K = 6, kInt5 = 7, kInt5K = 8,
-                           kIQ4 = 9, kIQ4X = 10 };
+                           kIQ4 = 9, kIQ4X = 10, kInt2K = 11, kInt3K = 12 };
 
 // GGUF IQ4_NL / IQ4_XS's codebook: a nibble u stands for kIQ4Values[u] (times the group's scale).
 alignas(64) inline constexpr float kIQ4Values[16] = {-127, -104, -83, -65, -49, -35, -22, -10,
@@ -43,6 +43,12 @@ constexpr int64_t kSuperColumns = 256, kSuperBytes = 20;
 //   kIQ4   nibbles as kInt4's standing for kIQ4Values, group 32, fp16 scales [rows, G], no
 //          offsets, half 1 (GGUF IQ4_NL); kIQ4X the same with `scales` per 256 columns fp16 d and
 //          8 int8 sub-scales (uint8 [rows, cols / 256, 10]), W = value * d * sub, half 0 (IQ4_XS).
+//   kInt2K GGUF Q2_K (tierlm/quant/low_bit_k.py): 2-bit codes u as `sixes` reads crumbs (uint8
+//          [rows, cols / 4]), `scales` the super-blocks (uint8 [rows, cols / 256, 20]: fp16 d,
+//          fp16 dmin, 16 bytes sc | m << 4), offsets null, group 16: W = u * (d sc) - dmin m.
+//   kInt3K GGUF Q3_K: the same crumbs, `offsets` the high bits (uint8 [rows, cols / 8], per 32
+//          columns a uint32, bit i column i), `scales` [rows, cols / 256, 14] (fp16 d, GGUF's 12
+//          bytes of 6-bit sc), group 16: W = (u - 4) * (d (sc - 32)), u = crumb + 4 bit.
 // `half` says the scales (and offsets) are fp16: 1 for kInt4, either for kInt8 (`supported()`).
 // The layout is mirrored by `WeightArg` in tierlm/models/fused_decode.py.
 struct Weight {
@@ -66,6 +72,8 @@ struct Weight {
     if (kind == kInt5K) return !half && scales && !offsets && group == 32 && cols % kSuperColumns == 0;
     if (kind == kIQ4) return half && scales && !offsets && group == 32 && cols % 32 == 0;
     if (kind == kIQ4X) return !half && scales && !offsets && group == 32 && cols % kSuperColumns == 0;
+    if (kind == kInt2K || kind == kInt3K)
+      return !half && scales && (offsets != nullptr) == (kind == kInt3K) && group == 16 && cols % kSuperColumns == 0;
     return false;
   }
 };
