@@ -112,14 +112,16 @@ def gguf_bytes(path: Path) -> Counter:
 
 def artifact_bytes(directory: Path) -> Counter:
     from tierlm.cache.artifact import Artifact
-    from tierlm.cache.encodings import record_mode
+    from tierlm.cache.encodings import record_mode, stack_runs
 
     artifact = Artifact.open(directory)
     kinds: Counter = Counter()
     for block in artifact.blocks.values():
         for record in block.tensors.values():
-            kind = "f32" if record.encoding == "plain" else record_mode(record)
-            kinds[kind] += sum(part.nbytes for part in record.parts.values())
+            runs = stack_runs(record) if record.encoding == "stack" else [record]  # a row stack: each run's own
+            for run in runs:
+                kind = "f32" if run.encoding == "plain" else record_mode(run)
+                kinds[kind] += sum(part.nbytes for part in run.parts.values())
     artifact.close()
     return kinds
 

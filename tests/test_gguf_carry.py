@@ -149,20 +149,32 @@ def write_quantized_gguf(path, kinds_of, rng):
     writer.close()
 
 
-@pytest.mark.parametrize("mix", ["Q4_K_M-like", *KINDS])
+def q4_k_m_like(name: str) -> str:
+    """llama.cpp's Q4_K_M mix: Q4_K, with Q6_K for the head, attn_v and ffn_down."""
+    return "Q6_K" if name.startswith("output") or "ffn_down" in name or "attn_v" in name else "Q4_K"
+
+
+def q3_k_m_like(name: str) -> str:
+    """What llama.cpp's Q3_K_M falls back to where rows are no whole 256-value blocks (the
+    embedded model's files): Q4_0, with Q8_0 for attn_v and the head, Q4_1 for ffn_up."""
+    return "Q8_0" if name.startswith("output") or "attn_v" in name else "Q4_1" if "ffn_up" in name else "Q4_0"
+
+
+MIXES = {"Q4_K_M-like": q4_k_m_like, "Q3_K_M-like": q3_k_m_like}
+
+
+@pytest.mark.parametrize("mix", [*MIXES, *KINDS])
 def test_quantized_gguf_logits_are_transformers_gguf_loaders(tmp_path, monkeypatch, mix):
-    """Under `auto` every weight is carried in its type's exact form (Q4_K_M-like: Q4_K with Q6_K
-    for ffn_down, attn_v and the head, as llama.cpp mixes them), and the logits equal those of
-    transformers' GGUF loader, which dequantizes with the `gguf` package."""
+    """Under `auto` every weight is carried in its type's exact form (the mixes as llama.cpp makes
+    them: a weight fused from rows of two types as a row stack of each one's own form) at the
+    file's size, and the logits equal those of transformers' GGUF loader, which dequantizes with
+    the `gguf` package."""
     from tierlm.cache.artifact import Artifact
     from tierlm.cache.encodings import record_mode
     from tierlm.runtime.loader import load_model
     from tierlm.weights.gguf_import import import_gguf
 
-    def kinds_of(name: str) -> str:
-        if mix != "Q4_K_M-like":
-            return mix
-        return "Q6_K" if name.startswith(("output", )) or "ffn_down" in name or "attn_v" in name else "Q4_K"
+    kinds_of = MIXES.get(mix, lambda name: mix)
 
     path = tmp_path / "tiny.gguf"
     write_quantized_gguf(path, kinds_of, np.random.default_rng(5))
@@ -176,17 +188,20 @@ def test_quantized_gguf_logits_are_transformers_gguf_loaders(tmp_path, monkeypat
     if mix == "Q4_K_M-like":
         assert modes["layers.0/w13"] == modes["layers.0/wo"] == "q4_k"
         assert modes["layers.0/w2"] == modes["head/head"] == "q6_k"
-        assert modes["layers.0/wqkv"] == "int8-g16-asym"  # Q4_K q, k fused with a Q6_K v
+        assert modes["layers.0/wqkv"] == "q4_k*384+q6_k*128"  # Q4_K q, k fused with a Q6_K v, each as stored
+    elif mix == "Q3_K_M-like":
+        assert modes["layers.0/wqkv"] == "int4-g32*384+q8_0*128" and modes["head/head"] == "q8_0"
+        assert modes["layers.0/w13"] == "int4-g32-asym"  # Q4_0 with Q4_1: one int4 form holds both, no stack
     else:
         expected = "int4-g32" if mix == "Q4_0" else "int4-g32-asym" if mix == "Q4_1" else source_grid_mode([mix])
         assert set(modes.values()) == {expected}
-    if mix != "Q4_K_M-like":  # at their own size: within 3 % of the file's bytes
-        import gguf
+    import gguf
 
-        quantized = sum(int(t.n_bytes) for t in gguf.GGUFReader(path).tensors if t.tensor_type.name == mix)
-        stored = sum(int(np.prod(p.shape)) * np.dtype(p.dtype).itemsize for block in artifact.blocks.values()
-                     for r in block.tensors.values() if r.encoding != "plain" for p in r.parts.values())  # fmt: skip
-        assert quantized <= stored <= 1.03 * quantized, (stored, quantized)
+    # Every mix at its own size (Q4_K_M-like's wqkv a row stack): within 3 % of the file's bytes.
+    quantized = sum(int(t.n_bytes) for t in gguf.GGUFReader(path).tensors if t.tensor_type.name != "F32")
+    stored = sum(int(np.prod(p.shape)) * np.dtype(p.dtype).itemsize for block in artifact.blocks.values()
+                 for r in block.tensors.values() if r.encoding != "plain" for p in r.parts.values())  # fmt: skip
+    assert quantized <= stored <= 1.03 * quantized, (stored, quantized)
     artifact.close()
     # The planner predicts each block's bytes from the import's recorded types, before converting.
     from tierlm.models import read_config
@@ -199,16 +214,17 @@ def test_quantized_gguf_logits_are_transformers_gguf_loaders(tmp_path, monkeypat
     loaded.close()
 
 
-@pytest.mark.parametrize("kind", OWN_LAYOUTS)
+@pytest.mark.parametrize("kind", [*OWN_LAYOUTS, *MIXES])
 def test_own_layouts_decode_in_the_fused_step_as_eagerly(tmp_path, monkeypatch, kind):
-    """A decode step over Q4_K (Q6_K) weights runs natively (the fused step reads the
-    super-blocks as stored) and gives the eager path's logits."""
+    """A decode step over weights in each own layout (and over the mixes' row stacks) runs
+    natively (the fused step reads the blocks as stored, a stack's runs each by its own kernel)
+    and gives the eager path's logits."""
     from tierlm.models import fused_decode
     from tierlm.runtime.loader import load_model
     from tierlm.weights.gguf_import import import_gguf
 
     path = tmp_path / "tiny.gguf"
-    write_quantized_gguf(path, lambda name: kind, np.random.default_rng(6))
+    write_quantized_gguf(path, MIXES.get(kind, lambda name: kind), np.random.default_rng(6))
     monkeypatch.setenv("TIERLM_CACHE", str(tmp_path / "cache"))
     kinds = []
     words = fused_decode._weight_words
@@ -222,7 +238,8 @@ def test_own_layouts_decode_in_the_fused_step_as_eagerly(tmp_path, monkeypatch, 
         steps[fused] = loaded.model.forward(torch.tensor([[259]]), cache)
         loaded.close()
     want = {"Q4_K": fused_decode.KIND_INT4K, "Q6_K": fused_decode.KIND_INT6K, "Q5_K": fused_decode.KIND_INT5K,
-            "IQ4_NL": fused_decode.KIND_IQ4, "IQ4_XS": fused_decode.KIND_IQ4X, **NATIVE_KINDS}
+            "IQ4_NL": fused_decode.KIND_IQ4, "IQ4_XS": fused_decode.KIND_IQ4X, **NATIVE_KINDS,
+            **dict.fromkeys(MIXES, fused_decode.KIND_STACK)}
     assert want.get(kind, fused_decode.KIND_INT5) in kinds
     torch.testing.assert_close(steps["1"], steps["0"], rtol=0, atol=DECODE_ATOL)
 
@@ -330,7 +347,7 @@ def test_own_layouts_without_native_kernels(kind):
 def test_lora_on_a_gguf_base_changes_only_the_touched_weights_format(tmp_path, monkeypatch):
     """A LoRA adapter over a Q4_K_M-like import: the weights it leaves alone are carried as stored;
     the ones it changes are re-quantized into the format their sources are carried in (q4_k, q6_k,
-    int8-g16-asym), the same in a full `--lora` conversion and in a variant over the base, whose
+    a row stack of both), the same in a full `--lora` conversion and in a variant over the base, whose
     blocks read byte for byte as the full conversion's. The logits stay within the re-quantization
     error of the merged weights computed in float."""
     import transformers
@@ -342,11 +359,8 @@ def test_lora_on_a_gguf_base_changes_only_the_touched_weights_format(tmp_path, m
     from tierlm.runtime.loader import load_model
     from tierlm.weights.gguf_import import import_gguf
 
-    def kinds_of(name: str) -> str:
-        return "Q6_K" if name.startswith("output") or "ffn_down" in name or "attn_v" in name else "Q4_K"
-
     path = tmp_path / "tiny.gguf"
-    write_quantized_gguf(path, kinds_of, np.random.default_rng(8))
+    write_quantized_gguf(path, q4_k_m_like, np.random.default_rng(8))
     out = import_gguf(path, tmp_path / "out")
     monkeypatch.setenv("TIERLM_CACHE", str(tmp_path / "cache"))
     transformers.LlamaForCausalLM(transformers.AutoConfig.from_pretrained(out)).save_pretrained(tmp_path / "shapes")
@@ -356,7 +370,7 @@ def test_lora_on_a_gguf_base_changes_only_the_touched_weights_format(tmp_path, m
     variant = Artifact.open(ensure_variant_artifact(ConversionRequest(out, (), "mixed-source"), pairs))
     modes = {f"{b}/{t}": record_mode(r) for b, block in full.blocks.items() for t, r in block.tensors.items()
              if r.encoding != "plain" and b == "layers.0"}  # fmt: skip
-    assert modes == {"layers.0/wqkv": "int8-g16-asym", "layers.0/wo": "q4_k", "layers.0/w13": "q4_k",
+    assert modes == {"layers.0/wqkv": "q4_k*384+q6_k*128", "layers.0/wo": "q4_k", "layers.0/w13": "q4_k",
                      "layers.0/w2": "q6_k"}  # fmt: skip
     for name in variant.blocks:
         assert bytes(variant.read_bytes(name).numpy()) == bytes(full.read_bytes(name).numpy()), name

@@ -20,14 +20,16 @@ from tierlm.cache.encodings import (  # noqa: F401
     logical_shape,
     part_bytes,
     record_mode,
+    stack_runs,
 )
 from tierlm.quant.int4 import Int4Weight, int4_on_source_grid, quantize_int4
 from tierlm.quant.int8 import Int8Weight, q8_0_on_source_grid, quantize_int8, quantize_q8_0
 from tierlm.quant.iq4 import IQ4Weight, quantize_iq4
-from tierlm.quant.q4k import Q4KWeight, quantize_q4k
 from tierlm.quant.low_bit_k import LowBitKWeight, quantize_low_bit_k
+from tierlm.quant.q4k import Q4KWeight, quantize_q4k
 from tierlm.quant.q5 import FiveBitWeight, quantize_q5
 from tierlm.quant.q6k import Q6KWeight, quantize_q6k
+from tierlm.quant.row_stack import RowStack
 from tierlm.quant.modes import (
     GRID_SOURCE_MODE,
     IQ4_NL,
@@ -47,8 +49,9 @@ from tierlm.quant.modes import (
 
 # Bump when the same inputs would encode to different bytes (2: asym modes carry Q4_0/Q5_x grids
 # exactly; 3: mixed:source carries Q8_0 tensors as q8_0; 4: mixed:source carries every GGUF
-# type's codes exactly, read from its blocks: tierlm/weights/gguf_carry.py, Q4_K as q4_k).
-CODEC_VERSION = 4
+# type's codes exactly, read from its blocks: tierlm/weights/gguf_carry.py, Q4_K as q4_k; 5: Q2_K
+# and Q3_K in their own layouts, weights fused from rows of several types as row stacks).
+CODEC_VERSION = 5
 
 parse_mode = parse_quant_mode
 
@@ -62,6 +65,14 @@ def encode(tensor, mode: QuantMode, name: str | None = None) -> tuple[str, dict[
         return _encode_on_source_grid(tensor)
     if mode.mixed:
         raise ValueError(f"{mode.name} is chosen per tensor: encode each with its concrete mode")
+    if mode.weight_dtype == "stack":  # each run of rows in its own mode (quant/row_stack.py)
+        runs, start = [], 0
+        for run_mode, rows in mode.rows:
+            runs.append((rows, *encode(tensor[start : start + rows], run_mode, name)))
+            start += rows
+        if start != tensor.shape[0]:
+            raise ValueError(f"{mode.name} covers {start} rows, the weight has {tensor.shape[0]}")
+        return _stack_record(runs)
     if mode.super_blocks:  # a GGUF type's own layout: a LoRA variant's changed weights of such a base
         return encode_carried(_OWN_LAYOUT_QUANTIZERS[mode.name](tensor))
     if mode.weight_dtype == "int4":
@@ -85,8 +96,19 @@ _OWN_LAYOUT_QUANTIZERS = {
 }  # fmt: skip
 
 
+def _stack_record(runs) -> tuple[str, dict[str, Any], dict[str, Any]]:
+    """(rows, encoding, parts, meta) per run as one `stack` record (cache/encodings.py stack_runs)."""
+    parts = {f"{i}.{name}": part for i, (_, _, run_parts, _) in enumerate(runs) for name, part in run_parts.items()}
+    meta = {"runs": [{"encoding": encoding, "rows": rows, "meta": run_meta} for rows, encoding, _, run_meta in runs]}
+    return "stack", parts, meta
+
+
 def encode_carried(weight) -> tuple[str, dict[str, Any], dict[str, Any]]:
     """A weight read from a GGUF's blocks (GgufCheckpoint.read_carried) as `encode` returns it."""
+    if isinstance(weight, RowStack):
+        return _stack_record([(run.shape[0], *encode_carried(run)) for run in weight.runs])
+    if isinstance(weight, Int4Weight):  # a GGUF Q4_0 / Q4_1 run of a row stack
+        return "int4", weight.tensors(), {"group_size": weight.group_size}
     if isinstance(weight, Q4KWeight):
         return "q4k", weight.tensors(), {}
     if isinstance(weight, Q6KWeight):
@@ -120,6 +142,9 @@ def decode(record, parts: Mapping[str, Any], *, device="cpu", dtype=None):
     Plain tensors already in the target dtype on the CPU stay views of the block buffer.
     """
     dtype = dtype or torch.float32
+    if record.encoding == "stack":
+        return RowStack([decode(run, {name: parts[f"{i}.{name}"] for name in run.parts}, device=device, dtype=dtype)
+                         for i, run in enumerate(stack_runs(record))], dtype=dtype)  # fmt: skip
     if record.encoding == "int8":
         weight = Int8Weight.from_tensors(parts, record.meta.get("group_size"), dtype=dtype)
         return weight if torch.device(device).type == "cpu" else weight.to(device)

@@ -10,6 +10,9 @@ validated with these rules alone; tierlm/cache/codec.py encodes and decodes the 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any
+
 from tierlm.quant.modes import (
     IQ4_NL,
     IQ4_XS,
@@ -66,6 +69,10 @@ def part_bytes(shape: tuple[int, ...], mode: QuantMode, name: str | None = None)
     if mode.mixed:
         raise ValueError(f"{mode.name} is chosen per tensor: size each with its concrete mode")
     out_features, in_features = shape
+    if mode.weight_dtype == "stack":
+        if sum(rows for _, rows in mode.rows) != out_features:
+            raise ValueError(f"{mode.name} covers {sum(r for _, r in mode.rows)} rows, the weight has {out_features}")
+        return [part for run, rows in mode.rows for part in part_bytes((rows, in_features), run, name)]
     if mode.name == Q4_K:
         return [elements // 2, out_features * (in_features // SUPER_COLUMNS) * SUPER_BYTES["q4k"]]
     if mode.name == Q6_K:
@@ -99,8 +106,40 @@ def int4_fallback(mode: QuantMode) -> QuantMode:
     return parse_quant_mode("int8-g32-asym" if mode.asymmetric else "int8-g32")
 
 
+@dataclass(frozen=True)
+class StackRun:
+    """One run of rows of a `stack` record, read as a record of its own: its encoding, its parts
+    (their names without the run's "i." prefix) and its meta."""
+
+    encoding: str
+    parts: dict[str, Any]
+    meta: dict[str, Any]
+    rows: int
+
+
+def stack_runs(record) -> list[StackRun]:
+    """A `stack` record's runs (tierlm/quant/row_stack.py): meta["runs"] lists each one's
+    encoding, rows and meta; its parts are named "i.<part>". ValueError if malformed."""
+    runs = record.meta.get("runs")
+    if not isinstance(runs, list) or len(runs) < 2:
+        raise ValueError("a stack needs a list of at least two runs in its meta")
+    out = []
+    for i, run in enumerate(runs):
+        if not isinstance(run, dict) or run.get("encoding") in (None, "stack", "plain") or \
+                not isinstance(run.get("rows"), int) or run["rows"] <= 0:  # fmt: skip
+            raise ValueError(f"run {i} is {run!r}, expected a quantized encoding and a positive row count")
+        prefix = f"{i}."
+        parts = {name[len(prefix):]: part for name, part in record.parts.items() if name.startswith(prefix)}
+        out.append(StackRun(run["encoding"], parts, dict(run.get("meta") or {}), run["rows"]))
+    if sum(len(run.parts) for run in out) != len(record.parts):
+        raise ValueError(f"parts {sorted(record.parts)} are not all named after a run")
+    return out
+
+
 def record_mode(record) -> str:
     """The concrete quant mode a quantized record was stored in ("int4-g32-asym", "int8", ...)."""
+    if record.encoding == "stack":
+        return "+".join(f"{record_mode(run)}*{run.rows}" for run in stack_runs(record))
     group = record.meta.get("group_size")
     asym = "-asym" if "offsets" in record.parts else ""
     if record.encoding == "q4k":
@@ -124,6 +163,9 @@ def record_mode(record) -> str:
 
 def logical_shape(record) -> tuple[int, ...]:
     """The [out, in] (or 1-D) shape a record decodes to, whatever its encoding packs."""
+    if record.encoding == "stack":
+        runs = stack_runs(record)
+        return sum(run.rows for run in runs), logical_shape(runs[0])[1]
     if record.encoding in ("int4", "q4k", "q6k", "iq4", "iq4x"):
         rows, half = record.parts["packed"].shape
         return rows, 2 * half
@@ -139,6 +181,8 @@ def logical_shape(record) -> tuple[int, ...]:
 def check_record(record, shape: tuple[int, ...] | None = None) -> str | None:
     """Why `decode` could not turn `record` (an artifact's TensorRecord) into a tensor of
     `shape` (None: any shape), or None when it can. Manifests are checked with it on open."""
+    if record.encoding == "stack":
+        return _stack_problem(record, shape)
     if record.encoding not in ENCODINGS:
         return f"unknown encoding {record.encoding!r}"
     required, optional = ENCODINGS[record.encoding]
@@ -161,6 +205,25 @@ def check_record(record, shape: tuple[int, ...] | None = None) -> str | None:
     if record.encoding in SUPER_BYTES:
         return _super_block_problem(record, shape)
     return _int8_problem(record, shape)
+
+
+def _stack_problem(record, shape) -> str | None:
+    """A stack record: well-formed runs, each a valid record of the same width, rows adding up."""
+    try:
+        runs = stack_runs(record)
+    except ValueError as err:
+        return f"stack: {err}"
+    width = None
+    for i, run in enumerate(runs):
+        problem = check_record(run)
+        if problem is None and logical_shape(run)[0] != run.rows:
+            problem = f"holds {logical_shape(run)[0]} rows, its meta says {run.rows}"
+        if problem is None and width not in (None, logical_shape(run)[1]):
+            problem = f"is {logical_shape(run)[1]} columns wide, run 0 is {width}"
+        if problem is not None:
+            return f"stack run {i}: {problem}"
+        width = logical_shape(run)[1]
+    return _shape_problem((sum(run.rows for run in runs), width), shape)
 
 
 def _iq4_problem(record, shape) -> str | None:

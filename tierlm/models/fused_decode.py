@@ -41,6 +41,7 @@ _c_ptr, _c_i64, _c_i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32
 
 # tl::WeightKind (csrc/gemv.h): what a weight's data holds.
 KIND_FP32, KIND_INT8, KIND_INT4, KIND_INT4K, KIND_INT6K, KIND_INT5, KIND_INT5K, KIND_IQ4, KIND_IQ4X = 0, 1, 4, 5, 6, 7, 8, 9, 10
+KIND_STACK = 13  # `data` an array of `group` tl::Weight runs of rows (quant/row_stack.py)
 # tl::KVType (csrc/kv_formats.h): how the KV cache holds keys and values.
 KV_TYPES = {"f32": 0, "f16": 1, "bf16": 2, "q8_0": 3, "q4_0": 4}
 # The weights a dense layer's call reads, and an attention-only call's.
@@ -281,6 +282,14 @@ def _weight_words(weight, bias, shape: tuple[int, int], keep: list) -> tuple | N
         if not _is_cpu_fp32(weight):
             return None
         return weight.data_ptr(), 0, 0, bias_ptr, rows, cols, cols, KIND_FP32, 0
+    runs = getattr(weight, "runs", None)
+    if runs is not None:  # a row stack: its runs' words in an array that `keep` holds for the call
+        described = [_weight_words(run, None, tuple(run.shape), keep) for run in runs]
+        if any(d is None or d[7] == KIND_STACK for d in described):
+            return None
+        array = (WeightArg * len(runs))(*(WeightArg(*d) for d in described))
+        keep.append(array)
+        return ctypes.addressof(array), 0, 0, bias_ptr, rows, cols, len(runs), KIND_STACK, 0
     native_words = getattr(weight, "native_words", None)
     if native_words is not None:  # a weight that describes itself (GGUF Q2_K/Q3_K: quant/low_bit_k.py)
         words = native_words()

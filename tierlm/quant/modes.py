@@ -23,6 +23,9 @@
     iq4_nl, iq4_xs    GGUF's codebook 4-bit types as stored (tierlm/quant/iq4.py): likewise
     q2_k, q3_k    GGUF's 2- and 3-bit K-quants as stored (tierlm/quant/low_bit_k.py), 2.625 and
                   3.4375 bits: likewise
+    MODE*ROWS+MODE*ROWS...   a weight fused from rows of several GGUF types, each run of rows in
+                  its own type's mode (q4_k*5120+q6_k*1024: a Q4_K q and k with a Q6_K v;
+                  tierlm/quant/row_stack.py): what mixed:source stores such a weight in
     fp16 / bf16 / fp32   no quantization: weights stored in that float dtype
     none          the checkpoint's weights as stored, in the compute dtype (`concrete_mode`)
     auto          a concrete mode chosen per model and device by `auto_quant` (the profiles'
@@ -74,7 +77,8 @@ class QuantMode:
 
     `group_size` is None for per-channel int8, for float and mixed modes; `asymmetric` adds
     offsets; `target_bytes` is a mixed mode's size target (None: mixed:source); `half_scales`:
-    int8 with fp16 scales (q8_0), else fp32; `super_blocks`: GGUF Q4_K's layout (q4_k).
+    int8 with fp16 scales (q8_0), else fp32; `super_blocks`: GGUF Q4_K's layout (q4_k); `rows`:
+    a stack's (weight_dtype "stack") runs of rows, each (its mode, its row count), in order.
     """
 
     name: str
@@ -84,10 +88,11 @@ class QuantMode:
     target_bytes: int | None = None
     half_scales: bool = False
     super_blocks: bool = False
+    rows: tuple[tuple[QuantMode, int], ...] = ()
 
     @property
     def quantized(self) -> bool:
-        return self.weight_dtype in ("int8", "int4", "mixed")
+        return self.weight_dtype in ("int8", "int4", "mixed", "stack")
 
     @property
     def mixed(self) -> bool:
@@ -119,6 +124,8 @@ def parse_quant_mode(name: str) -> QuantMode:
         return QuantMode(text, "int8", 16, asymmetric=text == Q2_K, super_blocks=True)
     if text.startswith(("mixed:", "mixed-")):
         return _mixed_mode(name, text)
+    if "*" in text:
+        return _stack_mode(name, text)
     int4 = _INT4.fullmatch(text)
     if int4:
         size = int(int4.group(1))
@@ -141,6 +148,21 @@ def parse_quant_mode(name: str) -> QuantMode:
             f"use a multiple of 16 between {_MIN_GROUP} and {_MAX_GROUP}, e.g. int8-g128",
         )
     raise TierlmError(f"unknown quant mode {name!r}", f"use one of: {mode_choices()}")
+
+
+def _stack_mode(name: str, text: str) -> QuantMode:
+    """MODE*ROWS+MODE*ROWS...: each run of rows in a mode of its own (never itself a stack)."""
+    runs = []
+    for run in text.split("+"):
+        mode_name, _, count = run.partition("*")
+        if not count.isdigit() or int(count) <= 0 or "*" in mode_name:
+            raise TierlmError(f"quant mode {name!r}: {run!r} is not MODE*ROWS",
+                              "a stack lists runs like q4_k*5120+q6_k*1024")  # fmt: skip
+        mode = parse_quant_mode(mode_name)
+        if mode.mixed:
+            raise TierlmError(f"quant mode {name!r}: a run of rows needs a concrete mode, not {mode_name}")
+        runs.append((mode, int(count)))
+    return QuantMode("+".join(f"{m.name}*{n}" for m, n in runs), "stack", rows=tuple(runs))
 
 
 def _mixed_mode(name: str, text: str) -> QuantMode:
@@ -197,6 +219,9 @@ def check_mode_name(name: str) -> str:
     text = name.strip().lower()
     if text not in (AUTO, AS_STORED):
         mode = parse_quant_mode(text)
+        if mode.weight_dtype == "stack":
+            raise TierlmError(f"{mode.name} is how mixed:source stores a weight fused from rows of several GGUF "
+                              "types; it is no mode to convert with", "use auto (mixed:source) on such a GGUF")  # fmt: skip
         if mode.super_blocks:
             kind = CARRIED_ONLY[mode.name]
             raise TierlmError(f"{mode.name} holds a GGUF's {kind} tensors as they are; it does not quantize "
@@ -257,10 +282,32 @@ FLOAT_SOURCE_MODE = "int8"
 ACCELERATOR_MODE = "int8"
 
 
-def source_grid_mode(source_types: Iterable[str]) -> str:
+def own_mode(kind: str) -> str | None:
+    """The mode that holds a GGUF type's tensors alone, each value and no more bytes (q4_k for
+    Q4_K, q8_0 for Q8_0, int4-g32(-asym) for Q4_0/Q4_1), or None: the type has none."""
+    kind = kind.upper()
+    own_layout = {k: mode for mode, k in CARRIED_ONLY.items()}
+    return own_layout.get(kind) or {"Q8_0": Q8_0, "Q4_0": "int4-g32", "Q4_1": "int4-g32-asym"}.get(kind)
+
+
+def source_grid_mode(source_types: Iterable[str], source_rows: Iterable[int] | None = None) -> str:
     """mixed:source's mode for a weight made of tensors stored as `source_types` (GGUF type names,
-    "" where unknown): int4-g32 for Q4_0 alone, int4-g32-asym for Q4_0/Q4_1, for other carried
-    types the int8 form that holds them all exactly (`combined_form`), else int8-g32-asym."""
+    "" where unknown) fused by rows: int4-g32 for Q4_0 alone, int4-g32-asym for Q4_0/Q4_1, a type
+    with a layout of its own in it; types that each have one, with their `source_rows` known, a
+    stack of runs (`MODE*ROWS+...`); other carried types the int8 form that holds them all exactly
+    (`combined_form`), else int8-g32-asym."""
+    source_types = list(source_types)
+    rows = list(source_rows) if source_rows is not None else []
+    modes = [own_mode(kind) for kind in source_types]
+    four_bit = {kind.upper() for kind in source_types} <= FOUR_BIT_SOURCE_TYPES  # one int4 form holds both
+    if len(set(modes)) > 1 and None not in modes and len(rows) == len(modes) and not four_bit:
+        runs: list[list] = []
+        for mode, count in zip(modes, rows):
+            if runs and runs[-1][0] == mode:
+                runs[-1][1] += count
+            else:
+                runs.append([mode, count])
+        return "+".join(f"{mode}*{count}" for mode, count in runs)
     kinds = {kind.upper() for kind in source_types}
     if kinds == {"Q4_0"}:
         return "int4-g32"

@@ -83,18 +83,65 @@ class GgufCheckpoint:
         layout of its own in it (`_read_own_layout`), a mix as an Int8Weight of codes, scales and offsets
         (tierlm/weights/gguf_carry.py); None where mixed:source carries them otherwise: a type
         outside INT8_FORMS, or only Q4_0/Q4_1 (kept at 4 bits as int4)."""
-        from tierlm.quant.int8 import Int8Weight
-        from tierlm.quant.modes import CARRIED_SOURCE_TYPES, FOUR_BIT_SOURCE_TYPES, combined_form
-        from tierlm.weights.gguf_carry import as_form, carry_rows
-        from tierlm.weights.gguf_tensors import read_raw, unpermute_rope_rows
+        from tierlm.quant.modes import CARRIED_ONLY, CARRIED_SOURCE_TYPES, FOUR_BIT_SOURCE_TYPES, combined_form, own_mode
 
         items = [self._item(n) for n in names]
         kinds = {item.source_type for item in items}
         if not kinds <= CARRIED_SOURCE_TYPES or kinds <= FOUR_BIT_SOURCE_TYPES or len(items[0].hf_shape) != 2:
             return None
-        if kinds in ({"Q4_K"}, {"Q6_K"}, {"Q5_0"}, {"Q5_1"}, {"Q5_K"}, {"IQ4_NL"}, {"IQ4_XS"}, {"Q2_K"}, {"Q3_K"}):
+        if len(kinds) == 1 and next(iter(kinds)) in CARRIED_ONLY.values():
             return self._read_own_layout(items)
-        form = combined_form(kinds)
+        if len(kinds) > 1 and all(own_mode(kind) for kind in kinds):  # as modes.source_grid_mode predicts
+            return self._read_stack(items)
+        return self._read_int8_form(items, combined_form(kinds))
+
+    def _read_stack(self, items):
+        """Tensors of several types fused by rows as a RowStack: each run of one type in the form
+        that holds it alone (its own layout, q8_0, or int4 for Q4_0/Q4_1)."""
+        from itertools import groupby
+
+        from tierlm.quant.modes import CARRIED_ONLY, INT8_FORMS
+        from tierlm.quant.row_stack import RowStack
+
+        runs = []
+        for kind, group in groupby(items, key=lambda item: item.source_type):
+            group = list(group)
+            if kind in CARRIED_ONLY.values():
+                runs.append(self._read_own_layout(group))
+            elif kind in ("Q4_0", "Q4_1"):
+                runs.append(self._read_int4(group))
+            else:
+                runs.append(self._read_int8_form(group, INT8_FORMS[kind]))
+        return RowStack(runs)
+
+    def _read_int4(self, items):
+        """Q4_0 / Q4_1 tensors (one type) fused by rows as the Int4Weight holding them: GGUF's
+        nibbles are int4.py's packing, d its scales, Q4_1's m its offsets (W = u d + m)."""
+        from tierlm.quant.int4 import Int4Weight
+        from tierlm.weights.gguf_tensors import read_raw, unpermute_rope_rows
+
+        asymmetric = items[0].source_type == "Q4_1"
+        size = 20 if asymmetric else 18
+        pieces = []
+        for item in items:
+            blocks = read_raw(item, self.source).reshape(item.hf_shape[0], -1, size)
+            parts = [blocks[..., size - 16 :], blocks[..., 0:2], blocks[..., 2:4] if asymmetric else None]
+            parts = [None if p is None else np.ascontiguousarray(p).reshape(item.hf_shape[0], -1) for p in parts]
+            if item.unpermute_heads:  # rows move whole: every part of a row alike
+                parts = [None if p is None else unpermute_rope_rows(p, item.unpermute_heads) for p in parts]
+            pieces.append(parts)
+        packed, scales, offsets = (None if column[0] is None else torch.from_numpy(np.concatenate(column))
+                                   for column in zip(*pieces))  # fmt: skip
+        half = lambda t: None if t is None else t.view(torch.float16)  # noqa: E731
+        return Int4Weight(packed, half(scales), 32, offsets=half(offsets))
+
+    def _read_int8_form(self, items, form):
+        """Tensors of carried types fused by rows as an Int8Weight in `form` (one that holds
+        every one of them exactly: tierlm/weights/gguf_carry.py)."""
+        from tierlm.quant.int8 import Int8Weight
+        from tierlm.weights.gguf_carry import as_form, carry_rows
+        from tierlm.weights.gguf_tensors import read_raw, unpermute_rope_rows
+
         pieces = []
         for item in items:
             rows = as_form(carry_rows(item.source_type, read_raw(item, self.source), item.hf_shape[1]), form)

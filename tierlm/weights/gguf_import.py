@@ -664,5 +664,6 @@ def _write_model_dir(gguf_path: Path, out: Path, key: str, progress: Progress | 
             "tensor_types": _tensor_types(plan),
             "tensor_type_bytes": _tensor_type_bytes(plan),
             "tensor_type_of": {item.hf_name: item.tensor.tensor_type.name for item in plan},
+            "tensor_rows_of": {item.hf_name: item.hf_shape[0] for item in plan},  # a fused weight's runs
         },
     )

@@ -20,7 +20,8 @@ from tierlm.errors import TierlmError
 # 3: the content key is a sha256 of the whole file (it sampled regions, so an edit between them
 #    returned the stale import). Older imports are listed as another format and imported afresh.
 # 4: no float copy: the weights are read from the GGUF itself ("weights": WEIGHTS_IN_GGUF).
-IMPORT_FORMAT_VERSION = 4
+# 5: the receipt records each tensor's rows (mixed:source's row stacks are predicted from them).
+IMPORT_FORMAT_VERSION = 5
 RECORD_NAME = "tierlm-import.json"
 WEIGHTS_IN_GGUF = "gguf"
 
@@ -50,6 +51,12 @@ def source_types_by_name(model_dir: Path) -> dict[str, str]:
     `model_dir` is not an import, or an import older than the record)."""
     record = read_import_record(model_dir) or {}
     return dict(record.get("tensor_type_of") or {})
+
+
+def source_rows_by_name(model_dir: Path) -> dict[str, int]:
+    """HF tensor name -> its rows (output features), as an import recorded them ({} likewise)."""
+    record = read_import_record(model_dir) or {}
+    return dict(record.get("tensor_rows_of") or {})
 
 
 def gguf_content_key(gguf_path: Path) -> str:

@@ -8,7 +8,7 @@
 //   x += attn @ Wo.T + bo               phase 3
 //   h = RMSNorm(x)                      (caller thread)
 //   act = SiLU(h @ Wg.T + bg) * (h @ Wu.T + bu), gate and up rows of a tile in one task
-//                                       phase 4
+//                                       phase 4 (a row stack's runs one after the other)
 //   x += act @ W2.T + b2                phase 5
 //
 // The layout of LayerArgs is mirrored by `LayerArgs` in tierlm/models/fused_decode.py.
@@ -163,18 +163,25 @@ inline void decode_layer(const LayerArgs& a, float* x) {
   decode_attention(a, x);
   std::vector<float> h(B * H), gate(B * I), up(B * I);
   for (int64_t b = 0; b < B; ++b) rms_norm(x + b * H, H, a.mlp_norm, a.eps, h.data() + b * H);
-  std::vector<float> xs = group_sums(a.w13, h.data(), H, B);
-  const Activations16 h16 = quantize16(a.w13, h.data(), H, B);
-  const int64_t R = rows_per_tile(B), tiles = (I + R - 1) / R;
-  parallel_for(tiles, tile_grain(tiles, threads), threads, [&](int64_t t0, int64_t t1) {
-    const int64_t i0 = t0 * R, i1 = std::min(I, t1 * R);
-    gemv_rows(a.w13, h.data(), H, B, xs.data(), i0, i1, gate.data() + i0, I, false, &h16);
-    gemv_rows(a.w13, h.data(), H, B, xs.data(), I + i0, I + i1, up.data() + i0, I, false, &h16);
+  if (a.w13.kind == kStack) {  // gate and up stored apart: each run by its own kernel, then SiLU
+    std::vector<float> both(B * 2 * I);
+    gemv(a.w13, h.data(), H, B, nullptr, both.data(), 2 * I, false, threads);
     for (int64_t b = 0; b < B; ++b)
-      for (int64_t i = i0; i < i1; ++i) gate[b * I + i] = silu(gate[b * I + i]) * up[b * I + i];
-  });
+      for (int64_t i = 0; i < I; ++i) gate[b * I + i] = silu(both[b * 2 * I + i]) * both[b * 2 * I + I + i];
+  } else {
+    const std::vector<float> xs = group_sums(a.w13, h.data(), H, B);
+    const Activations16 h16 = quantize16(a.w13, h.data(), H, B);
+    const int64_t R = rows_per_tile(B), tiles = (I + R - 1) / R;
+    parallel_for(tiles, tile_grain(tiles, threads), threads, [&](int64_t t0, int64_t t1) {
+      const int64_t i0 = t0 * R, i1 = std::min(I, t1 * R);
+      gemv_rows(a.w13, h.data(), H, B, xs.data(), i0, i1, gate.data() + i0, I, false, &h16);
+      gemv_rows(a.w13, h.data(), H, B, xs.data(), I + i0, I + i1, up.data() + i0, I, false, &h16);
+      for (int64_t b = 0; b < B; ++b)
+        for (int64_t i = i0; i < i1; ++i) gate[b * I + i] = silu(gate[b * I + i]) * up[b * I + i];
+    });
+  }
 
-  xs = group_sums(a.w2, gate.data(), I, B);
+  std::vector<float> xs = group_sums(a.w2, gate.data(), I, B);
   gemv(a.w2, gate.data(), I, B, xs.data(), x, H, true, threads);
 }
 

@@ -11,7 +11,7 @@ namespace tl {
 
 // What a Weight's data holds (the values of Weight::kind).
 enum WeightKind : int32_t { kFp32 = 0, kInt8 = 1, kInt4 = 4, kInt4K = 5, kInt6K = 6, kInt5 = 7, kInt5K = 8,
-                           kIQ4 = 9, kIQ4X = 10, kInt2K = 11, kInt3K = 12 };
+                           kIQ4 = 9, kIQ4X = 10, kInt2K = 11, kInt3K = 12, kStack = 13 };
 
 // GGUF IQ4_NL / IQ4_XS's codebook: a nibble u stands for kIQ4Values[u] (times the group's scale).
 alignas(64) inline constexpr float kIQ4Values[16] = {-127, -104, -83, -65, -49, -35, -22, -10,
@@ -49,6 +49,10 @@ constexpr int64_t kSuperColumns = 256, kSuperBytes = 20;
 //   kInt3K GGUF Q3_K: the same crumbs, `offsets` the high bits (uint8 [rows, cols / 8], per 32
 //          columns a uint32, bit i column i), `scales` [rows, cols / 256, 14] (fp16 d, GGUF's 12
 //          bytes of 6-bit sc), group 16: W = (u - 4) * (d (sc - 32)), u = crumb + 4 bit.
+//   kStack rows fused from weights of several kinds (tierlm/quant/row_stack.py): `data` an array
+//          of `group` Weights (none itself a stack, each with its own rows, all `cols` wide, no
+//          bias: the stack's applies), rows [0, r0) the first's, then the next's; scales,
+//          offsets null, half 0.
 // `half` says the scales (and offsets) are fp16: 1 for kInt4, either for kInt8 (`supported()`).
 // The layout is mirrored by `WeightArg` in tierlm/models/fused_decode.py.
 struct Weight {
@@ -60,7 +64,8 @@ struct Weight {
   int32_t kind;
   int32_t half;
 
-  int64_t groups() const { return kind != kFp32 ? (cols + group - 1) / group : 1; }
+  int64_t groups() const { return kind != kFp32 && kind != kStack ? (cols + group - 1) / group : 1; }
+  const Weight* runs() const { return static_cast<const Weight*>(data); }
   // The combinations the kernels implement; anything else must be refused before a call.
   bool supported() const {
     if (kind == kFp32) return !scales && !offsets;
@@ -72,6 +77,16 @@ struct Weight {
     if (kind == kInt5K) return !half && scales && !offsets && group == 32 && cols % kSuperColumns == 0;
     if (kind == kIQ4) return half && scales && !offsets && group == 32 && cols % 32 == 0;
     if (kind == kIQ4X) return !half && scales && !offsets && group == 32 && cols % kSuperColumns == 0;
+    if (kind == kStack) {
+      if (!data || scales || offsets || half || group < 1) return false;
+      int64_t total = 0;
+      for (int64_t i = 0; i < group; ++i) {
+        const Weight& run = runs()[i];
+        if (run.kind == kStack || run.bias || run.cols != cols || run.rows < 1 || !run.supported()) return false;
+        total += run.rows;
+      }
+      return total == rows;
+    }
     if (kind == kInt2K || kind == kInt3K)
       return !half && scales && (offsets != nullptr) == (kind == kInt3K) && group == 16 && cols % kSuperColumns == 0;
     return false;
