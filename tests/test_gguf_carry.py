@@ -1,6 +1,7 @@
-"""mixed:source carries every GGUF quantized type exactly: codes, scales and offsets read from the
-blocks (tierlm/weights/gguf_carry.py), so the artifact dequantizes bit for bit to what the `gguf`
-package gives, and a model's logits are those of transformers' GGUF loader.
+"""mixed:source carries every GGUF quantized type exactly at its own size: each type's codes and
+scales read from its blocks into the form that holds it (tierlm/weights/gguf_carry.py), so the
+artifact dequantizes bit for bit to what the `gguf` package gives, and a model's logits are those
+of transformers' GGUF loader.
 """
 
 from __future__ import annotations
@@ -12,26 +13,19 @@ import torch
 from tests.test_gguf_import import assert_logits_are_gguf_loaders, byte_level_vocab, gguf_name, gguf_writer
 from tests.tiny import DECODE_ATOL
 from tierlm.errors import TierlmError
-from tierlm.quant.int8 import Int8Weight
 from tierlm.quant.low_bit_k import NATIVE_KINDS
-from tierlm.quant.modes import INT8_FORMS, combined_form, form_mode, source_grid_mode
-from tierlm.weights.gguf_carry import as_form, carry_rows
+from tierlm.quant.modes import CARRIED_SOURCE_TYPES, source_grid_mode
+from tierlm.weights.gguf_carry import carry_weight
 from tierlm.weights.gguf_tensors import SCALE_FIELDS
 
-KINDS = sorted(INT8_FORMS)
+KINDS = sorted(CARRIED_SOURCE_TYPES)
 OWN_LAYOUTS = ["Q4_K", "Q6_K", "Q5_0", "Q5_1", "Q5_K", "IQ4_NL", "IQ4_XS", "Q2_K", "Q3_K"]
 LOW_BIT_K = ("Q2_K", "Q3_K")  # weights that describe themselves to the kernels (`native_words`)
 
 
 def read_own_layout(kind: str, raw: np.ndarray):
-    """GGUF blocks of `kind` in tierlm's own layout for it (quant/q4k.py, q6k.py, q5.py, iq4.py,
-    low_bit_k.py)."""
-    from tierlm.quant import iq4, low_bit_k, q4k, q5, q6k
-
-    blocks = torch.from_numpy(raw)
-    if kind in ("Q4_K", "Q6_K"):
-        return (q4k if kind == "Q4_K" else q6k).from_gguf_blocks(blocks)
-    return (iq4 if kind.startswith("IQ4") else low_bit_k if kind in LOW_BIT_K else q5).from_gguf_blocks(blocks, kind)
+    """GGUF blocks of `kind` in the form tierlm carries them in (gguf_carry.carry_weight)."""
+    return carry_weight(kind, raw)
 
 
 def random_blocks(kind: str, rows: int, cols: int, rng, *, spread: float | None = None) -> np.ndarray:
@@ -56,16 +50,11 @@ def random_blocks(kind: str, rows: int, cols: int, rng, *, spread: float | None 
     return raw
 
 
-def dequantized_by_tierlm(rows) -> np.ndarray:
-    offsets = None if rows.offsets is None else torch.from_numpy(rows.offsets)
-    weight = Int8Weight(torch.from_numpy(rows.codes), torch.from_numpy(rows.scales), rows.form.group, offsets=offsets)
-    return weight.dequantize().numpy()
-
-
 @pytest.mark.parametrize("kind", KINDS)
-def test_each_type_is_carried_bit_for_bit(kind):
+def test_each_type_is_carried_bit_for_bit_at_its_own_size(kind):
     """Random blocks, plus edge blocks: zero scales, the largest fp16 scales with the largest
-    sub-scales and codes (products at the edge of fp32's exact range), all-equal bytes."""
+    sub-scales and codes (products at the edge of fp32's exact range), all-equal bytes. The form
+    takes the file's bytes (the super-block layouts keep 6-bit sub-scales a byte each: <= 3 % more)."""
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
     from gguf.quants import dequantize
 
@@ -85,34 +74,13 @@ def test_each_type_is_carried_bit_for_bit(kind):
     edge[2::3][:, codes] = 0x00
     with np.errstate(over="ignore", invalid="ignore"):
         expected = dequantize(raw, qtype).reshape(8, cols)
-    carried = carry_rows(kind, raw, cols)
-    assert carried.form == INT8_FORMS[kind] and carried.codes.dtype == np.int8
-    got = dequantized_by_tierlm(carried)
+    carried = carry_weight(kind, raw)
+    assert raw.nbytes <= carried.nbytes <= 1.03 * raw.nbytes
+    got = carried.dequantize().numpy()
     finite = np.isfinite(expected)
     assert finite[4:].all()
     np.testing.assert_array_equal(got[finite], expected[finite])
     assert not np.isfinite(got[~finite]).any()  # 65504 x the largest sub-scale overflows alike
-
-
-def test_fused_types_share_the_finest_exact_form():
-    """Q4_K rows fused with Q6_K and Q8_0 rows (as a wqkv whose v is Q6_K): one int8-g16-asym form
-    holds them all exactly."""
-    from gguf import GGMLQuantizationType
-    from gguf.quants import dequantize
-
-    rng = np.random.default_rng(4)
-    kinds = ["Q4_K", "Q6_K", "Q8_0"]
-    form = combined_form(kinds)
-    assert form_mode(form) == source_grid_mode(kinds) == "int8-g16-asym"
-    assert source_grid_mode(["Q8_0", "Q5_0", "Q4_0"]) == "q8_0"  # all fp16 d per 32
-    pieces, expected = [], []
-    for kind in kinds:
-        raw = random_blocks(kind, 4, 256, rng)
-        pieces.append(as_form(carry_rows(kind, raw, 256), form))
-        expected.append(dequantize(raw, getattr(GGMLQuantizationType, kind)).reshape(4, 256))
-    fused = type(pieces[0])(*(np.concatenate(parts) for parts in zip(*[(p.codes, p.scales, p.offsets) for p in pieces])),
-                            form)  # fmt: skip
-    np.testing.assert_array_equal(dequantized_by_tierlm(fused), np.concatenate(expected))
 
 
 def write_quantized_gguf(path, kinds_of, rng):

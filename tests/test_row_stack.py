@@ -23,7 +23,7 @@ def stack_of(kinds_rows, cols=512, seed=0) -> RowStack:
 def test_modes_name_each_run_and_only_where_every_type_has_a_form_of_its_own():
     assert source_grid_mode(["Q4_K", "Q4_K", "Q6_K"], [2048, 512, 512]) == "q4_k*2560+q6_k*512"
     assert source_grid_mode(["Q4_0", "Q8_0", "Q4_0"], [64, 32, 32]) == "int4-g32*64+q8_0*32+int4-g32*32"
-    assert source_grid_mode(["Q4_K", "Q6_K"]) == "int8-g16-asym"  # rows unknown: one form holding both
+    assert source_grid_mode(["Q4_K", "Q6_K"]) == "int8-g32-asym"  # rows unknown (no import record): the int8 grid
     assert source_grid_mode(["Q4_K", "F16"], [8, 8]) == "int8-g32-asym"  # a float run has no carried form
     assert source_grid_mode(["Q4_0", "Q4_1"], [8, 8]) == "int4-g32-asym"
     mode = parse_quant_mode("q4_k*2560+q6_k*512")

@@ -14,8 +14,8 @@
     mixed:SIZE    int8 or int4 chosen per tensor so the weights fit SIZE (e.g. mixed:5.2GiB), the
                   most sensitive tensors kept at 8 bits (tierlm/quant/mixed.py)
     mixed:source  each tensor on the smallest grid that holds its source exactly: a GGUF Q4_0
-                  tensor int4-g32, Q4_1 int4-g32-asym, Q4_K q4_k, Q8_0 q8_0, the other types
-                  in an int8 form (INT8_FORMS), a float or unknown grid int8-g32-asym
+                  tensor int4-g32, Q4_1 int4-g32-asym, Q8_0 q8_0, the other types in their own
+                  layouts (q4_k, ...), a float or unknown grid int8-g32-asym
     q4_k          GGUF's Q4_K as stored (tierlm/quant/q4k.py), 4.625 bits a weight: carried
                   from Q4_K tensors only, never quantized from floats
     q6_k          GGUF's Q6_K as stored (tierlm/quant/q6k.py), 6.5625 bits: likewise
@@ -251,28 +251,12 @@ GRID_SOURCE_MODE = "int8-g32-asym"
 FOUR_BIT_SOURCE_TYPES = frozenset({"Q4_0", "Q4_1"})
 
 
-@dataclass(frozen=True)
-class Int8Form:
-    """How a GGUF type's values are int8 codes times a scale (plus an offset) per `group`
-    columns, exactly: every product of its fp16 scale, sub-scale and code fits fp32's 24 bits, so
-    q * s (+ o) is bit for bit the `gguf` package's dequantization (tierlm/weights/gguf_carry.py)."""
-
-    group: int
-    asymmetric: bool
-    half_scales: bool  # the scale is the block's own fp16 d (q8_0's form)
-
-
-# GGUF types mixed:source carries exactly as int8 codes (the 4-bit Q4_0/Q4_1 alone stay int4):
-# Q8_0, Q5_0 and IQ4_NL at q8_0's 8.5 bits; the K-quants and IQ4_XS with fp32 scales per
-# sub-block, until their own kernels read the super-block scales as stored.
-INT8_FORMS = MappingProxyType({
-    "Q8_0": Int8Form(32, False, True), "Q5_0": Int8Form(32, False, True), "IQ4_NL": Int8Form(32, False, True),
-    "Q4_0": Int8Form(32, False, True), "Q4_1": Int8Form(32, True, False), "Q5_1": Int8Form(32, True, False),
-    "Q4_K": Int8Form(32, True, False), "Q5_K": Int8Form(32, True, False), "IQ4_XS": Int8Form(32, False, False),
-    "Q6_K": Int8Form(16, False, False), "Q3_K": Int8Form(16, False, False), "Q2_K": Int8Form(16, True, False),
-})  # fmt: skip
-# GGUF types mixed:source carries exactly; `auto` picks mixed:source for a source holding any.
-CARRIED_SOURCE_TYPES = frozenset(INT8_FORMS)
+# GGUF types mixed:source carries exactly at their own size (tierlm/weights/gguf_carry.py), each
+# in the mode that holds it alone: its own layout, q8_0, or int4 for Q4_0/Q4_1.
+_OWN_MODES = MappingProxyType({**{kind: mode for mode, kind in CARRIED_ONLY.items()},
+                               "Q8_0": Q8_0, "Q4_0": "int4-g32", "Q4_1": "int4-g32-asym"})  # fmt: skip
+# `auto` picks mixed:source for a source holding any of these.
+CARRIED_SOURCE_TYPES = frozenset(_OWN_MODES)
 # Float sources: per-channel int8. In RESULTS.md it is the only int8 mode measured to meet the
 # speed targets (decode 0.76x llama.cpp Q8_0, 2.12x tierlm fp32; int8-g32-asym: 0.50x, 1.40x) and
 # its perplexity cost (+0.42%) is well inside the +1.5% target. int8-g128 halves that cost (+0.20%)
@@ -285,55 +269,30 @@ ACCELERATOR_MODE = "int8"
 def own_mode(kind: str) -> str | None:
     """The mode that holds a GGUF type's tensors alone, each value and no more bytes (q4_k for
     Q4_K, q8_0 for Q8_0, int4-g32(-asym) for Q4_0/Q4_1), or None: the type has none."""
-    kind = kind.upper()
-    own_layout = {k: mode for mode, k in CARRIED_ONLY.items()}
-    return own_layout.get(kind) or {"Q8_0": Q8_0, "Q4_0": "int4-g32", "Q4_1": "int4-g32-asym"}.get(kind)
+    return _OWN_MODES.get(kind.upper())
 
 
 def source_grid_mode(source_types: Iterable[str], source_rows: Iterable[int] | None = None) -> str:
     """mixed:source's mode for a weight made of tensors stored as `source_types` (GGUF type names,
-    "" where unknown) fused by rows: int4-g32 for Q4_0 alone, int4-g32-asym for Q4_0/Q4_1, a type
-    with a layout of its own in it; types that each have one, with their `source_rows` known, a
-    stack of runs (`MODE*ROWS+...`); other carried types the int8 form that holds them all exactly
-    (`combined_form`), else int8-g32-asym."""
-    source_types = list(source_types)
+    "" where unknown) fused by rows: one carried type's own mode; Q4_0 with Q4_1 int4-g32-asym
+    (one int4 form holds both); several carried types, their `source_rows` known, a row stack of
+    each run's own mode (`MODE*ROWS+...`, tierlm/quant/row_stack.py); anything else int8-g32-asym."""
+    source_types = [kind.upper() for kind in source_types]
     rows = list(source_rows) if source_rows is not None else []
-    modes = [own_mode(kind) for kind in source_types]
-    four_bit = {kind.upper() for kind in source_types} <= FOUR_BIT_SOURCE_TYPES  # one int4 form holds both
-    if len(set(modes)) > 1 and None not in modes and len(rows) == len(modes) and not four_bit:
-        runs: list[list] = []
-        for mode, count in zip(modes, rows):
-            if runs and runs[-1][0] == mode:
-                runs[-1][1] += count
-            else:
-                runs.append([mode, count])
-        return "+".join(f"{mode}*{count}" for mode, count in runs)
-    kinds = {kind.upper() for kind in source_types}
-    if kinds == {"Q4_0"}:
-        return "int4-g32"
+    kinds = set(source_types)
+    if len(kinds) == 1 and own_mode(source_types[0]):
+        return own_mode(source_types[0])
     if kinds and kinds <= FOUR_BIT_SOURCE_TYPES:
         return "int4-g32-asym"
-    own_layout = {kind: mode for mode, kind in CARRIED_ONLY.items()}
-    if len(kinds) == 1 and next(iter(kinds)) in own_layout:
-        return own_layout[next(iter(kinds))]
-    if kinds and kinds <= CARRIED_SOURCE_TYPES:
-        return form_mode(combined_form(kinds))
+    if kinds and kinds <= CARRIED_SOURCE_TYPES and len(rows) == len(source_types):
+        runs: list[list] = []
+        for kind, count in zip(source_types, rows):
+            if runs and runs[-1][0] == own_mode(kind):
+                runs[-1][1] += count
+            else:
+                runs.append([own_mode(kind), count])
+        return "+".join(f"{mode}*{count}" for mode, count in runs)
     return GRID_SOURCE_MODE
-
-
-def combined_form(kinds: Iterable[str]) -> Int8Form:
-    """The int8 form that holds tensors of all these carried types exactly once fused by rows: the
-    finest group, offsets if any has them, fp16 scales only if every one's are its fp16 d."""
-    forms = [INT8_FORMS[kind.upper()] for kind in kinds]
-    return Int8Form(min(f.group for f in forms), any(f.asymmetric for f in forms),
-                    all(f.half_scales and f.group == forms[0].group for f in forms))  # fmt: skip
-
-
-def form_mode(form: Int8Form) -> str:
-    """The concrete mode name an int8 form is stored as (q8_0 for fp16 scales per 32)."""
-    if form.half_scales:
-        return Q8_0
-    return f"int8-g{form.group}{'-asym' if form.asymmetric else ''}"
 
 
 def auto_quant(source_types: Iterable[str] = (), *, accelerator: bool = False) -> str:

@@ -79,100 +79,30 @@ class GgufCheckpoint:
         return out  # each part was checked finite as it was dequantized (gguf_tensors.read_tensor)
 
     def read_carried(self, names: tuple[str, ...]):
-        """The tensors `names` fused by rows holding their GGUF values exactly: one type with a
-        layout of its own in it (`_read_own_layout`), a mix as an Int8Weight of codes, scales and offsets
-        (tierlm/weights/gguf_carry.py); None where mixed:source carries them otherwise: a type
-        outside INT8_FORMS, or only Q4_0/Q4_1 (kept at 4 bits as int4)."""
-        from tierlm.quant.modes import CARRIED_ONLY, CARRIED_SOURCE_TYPES, FOUR_BIT_SOURCE_TYPES, combined_form, own_mode
+        """The tensors `names` fused by rows holding their GGUF values exactly at their own size
+        (tierlm/weights/gguf_carry.py): one type as its form, several as a RowStack of each run's
+        form (modes.source_grid_mode names it); None where mixed:source carries them otherwise: a
+        type outside CARRIED_SOURCE_TYPES, or only Q4_0/Q4_1 (read as floats onto int4's grid)."""
+        from itertools import groupby
+
+        from tierlm.quant.modes import CARRIED_SOURCE_TYPES, FOUR_BIT_SOURCE_TYPES
+        from tierlm.quant.row_stack import RowStack
+        from tierlm.weights.gguf_carry import carry_weight, fused_rows
+        from tierlm.weights.gguf_tensors import read_raw, unpermute_rope_rows
 
         items = [self._item(n) for n in names]
         kinds = {item.source_type for item in items}
         if not kinds <= CARRIED_SOURCE_TYPES or kinds <= FOUR_BIT_SOURCE_TYPES or len(items[0].hf_shape) != 2:
             return None
-        if len(kinds) == 1 and next(iter(kinds)) in CARRIED_ONLY.values():
-            return self._read_own_layout(items)
-        if len(kinds) > 1 and all(own_mode(kind) for kind in kinds):  # as modes.source_grid_mode predicts
-            return self._read_stack(items)
-        return self._read_int8_form(items, combined_form(kinds))
 
-    def _read_stack(self, items):
-        """Tensors of several types fused by rows as a RowStack: each run of one type in the form
-        that holds it alone (its own layout, q8_0, or int4 for Q4_0/Q4_1)."""
-        from itertools import groupby
+        def carried(item):
+            raw = read_raw(item, self.source)
+            if item.unpermute_heads:  # a row's blocks move whole
+                raw = unpermute_rope_rows(raw, item.unpermute_heads)
+            return carry_weight(item.source_type, raw)
 
-        from tierlm.quant.modes import CARRIED_ONLY, INT8_FORMS
-        from tierlm.quant.row_stack import RowStack
-
-        runs = []
-        for kind, group in groupby(items, key=lambda item: item.source_type):
-            group = list(group)
-            if kind in CARRIED_ONLY.values():
-                runs.append(self._read_own_layout(group))
-            elif kind in ("Q4_0", "Q4_1"):
-                runs.append(self._read_int4(group))
-            else:
-                runs.append(self._read_int8_form(group, INT8_FORMS[kind]))
-        return RowStack(runs)
-
-    def _read_int4(self, items):
-        """Q4_0 / Q4_1 tensors (one type) fused by rows as the Int4Weight holding them: GGUF's
-        nibbles are int4.py's packing, d its scales, Q4_1's m its offsets (W = u d + m)."""
-        from tierlm.quant.int4 import Int4Weight
-        from tierlm.weights.gguf_tensors import read_raw, unpermute_rope_rows
-
-        asymmetric = items[0].source_type == "Q4_1"
-        size = 20 if asymmetric else 18
-        pieces = []
-        for item in items:
-            blocks = read_raw(item, self.source).reshape(item.hf_shape[0], -1, size)
-            parts = [blocks[..., size - 16 :], blocks[..., 0:2], blocks[..., 2:4] if asymmetric else None]
-            parts = [None if p is None else np.ascontiguousarray(p).reshape(item.hf_shape[0], -1) for p in parts]
-            if item.unpermute_heads:  # rows move whole: every part of a row alike
-                parts = [None if p is None else unpermute_rope_rows(p, item.unpermute_heads) for p in parts]
-            pieces.append(parts)
-        packed, scales, offsets = (None if column[0] is None else torch.from_numpy(np.concatenate(column))
-                                   for column in zip(*pieces))  # fmt: skip
-        half = lambda t: None if t is None else t.view(torch.float16)  # noqa: E731
-        return Int4Weight(packed, half(scales), 32, offsets=half(offsets))
-
-    def _read_int8_form(self, items, form):
-        """Tensors of carried types fused by rows as an Int8Weight in `form` (one that holds
-        every one of them exactly: tierlm/weights/gguf_carry.py)."""
-        from tierlm.quant.int8 import Int8Weight
-        from tierlm.weights.gguf_carry import as_form, carry_rows
-        from tierlm.weights.gguf_tensors import read_raw, unpermute_rope_rows
-
-        pieces = []
-        for item in items:
-            rows = as_form(carry_rows(item.source_type, read_raw(item, self.source), item.hf_shape[1]), form)
-            parts = [rows.codes, rows.scales] + ([rows.offsets] if rows.offsets is not None else [])
-            if item.unpermute_heads:  # rows move whole: codes, scales and offsets alike
-                parts = [unpermute_rope_rows(p, item.unpermute_heads) for p in parts]
-            pieces.append(parts)
-        fused = [torch.from_numpy(np.ascontiguousarray(np.concatenate(column))) for column in zip(*pieces)]
-        return Int8Weight(fused[0], fused[1], form.group, offsets=fused[2] if form.asymmetric else None)
-
-    def _read_own_layout(self, items):
-        """Tensors of one type with a layout of its own (Q4_K, Q6_K, Q5_0, Q5_1, Q5_K, IQ4_NL,
-        IQ4_XS, Q2_K, Q3_K) fused by rows: their blocks re-laid for the kernels (tierlm/quant/
-        q4k.py, q6k.py, q5.py, iq4.py, low_bit_k.py), every value kept."""
-        from tierlm.quant import iq4, low_bit_k, q4k, q5, q6k
-        from tierlm.weights.gguf_tensors import read_raw, unpermute_rope_rows
-
-        kind = items[0].source_type
-        own = iq4 if kind.startswith("IQ4") else low_bit_k if kind in ("Q2_K", "Q3_K") else q5
-        read = {"Q4_K": q4k.from_gguf_blocks, "Q6_K": q6k.from_gguf_blocks}.get(
-            kind, lambda raw: own.from_gguf_blocks(raw, kind))
-        pieces = []
-        for item in items:
-            parts = read(torch.from_numpy(read_raw(item, self.source))).tensors()
-            if item.unpermute_heads:  # whole rows move: every part of a row alike
-                parts = {name: unpermute_rope_rows(part, item.unpermute_heads) for name, part in parts.items()}
-            pieces.append(parts)
-        fused = {name: torch.cat([piece[name] for piece in pieces]) for name in pieces[0]}
-        layouts = {"Q4_K": q4k.Q4KWeight, "Q6_K": q6k.Q6KWeight, "IQ4_NL": iq4.IQ4Weight, "IQ4_XS": iq4.IQ4Weight,
-                   "Q2_K": low_bit_k.LowBitKWeight, "Q3_K": low_bit_k.LowBitKWeight}  # fmt: skip
-        return layouts.get(kind, q5.FiveBitWeight).from_tensors(fused)
+        runs = [fused_rows([carried(item) for item in run]) for _, run in groupby(items, key=lambda i: i.source_type)]
+        return runs[0] if len(runs) == 1 else RowStack(runs)
 
     def _item(self, name: str):
         found = self._planned.get(name)
