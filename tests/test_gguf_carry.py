@@ -83,18 +83,11 @@ def test_each_type_is_carried_bit_for_bit_at_its_own_size(kind):
     assert not np.isfinite(got[~finite]).any()  # 65504 x the largest sub-scale overflows alike
 
 
-def write_quantized_gguf(path, kinds_of, rng):
-    """A Llama-shaped GGUF (hidden 256, so K-quants' 256-value blocks fit every row) whose 2-D
-    tensors are random blocks of the type `kinds_of(gguf name)`; norms F32."""
-    import transformers
-    from gguf import GGMLQuantizationType
-
+def llama_writer(path, config, name: str):
+    """A GGUFWriter for a llama-architecture file of `config` with the byte-level tokenizer."""
     tokens, types, merges = byte_level_vocab()
-    config = transformers.LlamaConfig(vocab_size=len(tokens), hidden_size=256, intermediate_size=512, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, head_dim=64,
-                                      max_position_embeddings=256, rms_norm_eps=1e-6, tie_word_embeddings=False)  # fmt: skip
-    writer = gguf_writer(path, "llama", config, "tiny quantized")
-    writer.add_rope_dimension_count(64)
+    writer = gguf_writer(path, "llama", config, name)
+    writer.add_rope_dimension_count(config.head_dim)
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre("smollm")
     writer.add_token_list(tokens)
@@ -102,6 +95,19 @@ def write_quantized_gguf(path, kinds_of, rng):
     writer.add_token_merges(merges)
     writer.add_bos_token_id(1)
     writer.add_eos_token_id(2)
+    return writer
+
+
+def write_quantized_gguf(path, kinds_of, rng):
+    """A Llama-shaped GGUF (hidden 256, so K-quants' 256-value blocks fit every row) whose 2-D
+    tensors are random blocks of the type `kinds_of(gguf name)`; norms F32."""
+    import transformers
+    from gguf import GGMLQuantizationType
+
+    config = transformers.LlamaConfig(vocab_size=len(byte_level_vocab()[0]), hidden_size=256, intermediate_size=512,
+                                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                                      max_position_embeddings=256, rms_norm_eps=1e-6, tie_word_embeddings=False)  # fmt: skip
+    writer = llama_writer(path, config, "tiny quantized")
     model = transformers.LlamaForCausalLM(config)
     for name, tensor in model.state_dict().items():
         if tensor.dim() == 1:

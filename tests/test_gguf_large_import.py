@@ -20,8 +20,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.test_gguf_carry import random_blocks
-from tests.test_gguf_import import byte_level_vocab, gguf_writer
+from tests.test_gguf_carry import llama_writer, random_blocks
+from tests.test_gguf_import import byte_level_vocab
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]  # a child in a cgroup; 8 GiB written and read
 
@@ -62,20 +62,12 @@ def write_streamed_gguf(path: Path) -> int:
     import transformers
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-    tokens, types, merges = byte_level_vocab()
-    config = transformers.LlamaConfig(vocab_size=len(tokens), hidden_size=HIDDEN, intermediate_size=INTER,
+    vocab = len(byte_level_vocab()[0])
+    config = transformers.LlamaConfig(vocab_size=vocab, hidden_size=HIDDEN, intermediate_size=INTER,
                                       num_hidden_layers=LAYERS, num_attention_heads=32, num_key_value_heads=8,
                                       head_dim=128, max_position_embeddings=8192, rms_norm_eps=1e-5)  # fmt: skip
-    writer = gguf_writer(path, "llama", config, "8B-shaped Q4_K_M")
-    writer.add_rope_dimension_count(128)
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("smollm")
-    writer.add_token_list(tokens)
-    writer.add_token_types(types)
-    writer.add_token_merges(merges)
-    writer.add_bos_token_id(1)
-    writer.add_eos_token_id(2)
-    plan = q4_k_m_plan(len(tokens))
+    writer = llama_writer(path, config, "8B-shaped Q4_K_M")
+    plan = q4_k_m_plan(vocab)
     total = 0
     for name, shape, kind in plan:
         if kind == "F32":

@@ -39,7 +39,7 @@ from tierlm.progress import Progress, ProgressFactory
 from tierlm.quant.mixed import ALLOCATOR_VERSION, OPTIONS
 from tierlm.quant.modes import mode_text, source_grid_mode
 from tierlm.weights.checkpoint import check_finite, open_checkpoint
-from tierlm.weights.import_record import source_rows_by_name, source_types_by_name
+from tierlm.weights.import_record import recorded_sources
 
 # Files besides the weights that make an artifact directory a complete model for the runtime.
 MODEL_FILES = (
@@ -159,14 +159,10 @@ def _sources(model_dir: Path, config: ModelConfig, merger):
 def _source_modes_of(model_dir: Path, layout, touched: set[str]) -> dict:
     """"block/name" -> the concrete mode mixed:source carries the sources of each weight a LoRA
     adapter changes in (their GGUF types as the import recorded them; floats: int8-g32-asym)."""
-    by_name, rows_of = source_types_by_name(model_dir), source_rows_by_name(model_dir)
-
-    def mode_of(sources):
-        rows = [rows_of[s] for s in sources] if all(s in rows_of for s in sources) else None
-        return codec.parse_mode(source_grid_mode([by_name.get(s, "") for s in sources], rows))
-
-    return {f"{block}/{name}": mode_of(sources) for block, entries in layout.items()
-            for name, sources in entries.items() if touched.intersection(sources)}  # fmt: skip
+    describe = recorded_sources(model_dir)
+    return {f"{block}/{name}": codec.parse_mode(source_grid_mode(*describe(sources)))
+            for block, entries in layout.items() for name, sources in entries.items()
+            if touched.intersection(sources)}  # fmt: skip
 
 
 def _carried_reader(model_dir: Path, config: ModelConfig, touched: set[str]):

@@ -200,8 +200,6 @@ def check_record(record, shape: tuple[int, ...] | None = None) -> str | None:
         return _five_bit_problem(record, shape)
     if record.encoding == "iq4":
         return _iq4_problem(record, shape)
-    if record.encoding in ("q2k", "q3k"):
-        return _low_bit_problem(record, shape)
     if record.encoding in SUPER_BYTES:
         return _super_block_problem(record, shape)
     return _int8_problem(record, shape)
@@ -237,19 +235,6 @@ def _iq4_problem(record, shape) -> str | None:
     return _shape_problem((rows, columns), shape)
 
 
-def _low_bit_problem(record, shape) -> str | None:
-    """A q2k or q3k record: crumbs of whole 256-column blocks, every part the width it implies."""
-    crumbs = record.parts["crumbs"]
-    if crumbs.dtype != "uint8" or len(crumbs.shape) != 2 or (4 * crumbs.shape[1]) % SUPER_COLUMNS:
-        return f"crumbs are {crumbs.dtype}{list(crumbs.shape)}, expected 2-D uint8 of whole 256-column blocks"
-    rows, columns = crumbs.shape[0], 4 * crumbs.shape[1]
-    widths = {"superblocks": columns // SUPER_COLUMNS * SUPER_BYTES[record.encoding], "highbits": columns // 8}
-    for name, part in record.parts.items():
-        if name in widths and (part.dtype != "uint8" or tuple(part.shape) != (rows, widths[name])):
-            return f"{name} are {part.dtype}{list(part.shape)}, expected uint8 {[rows, widths[name]]}"
-    return _shape_problem((rows, columns), shape)
-
-
 def _five_bit_problem(record, shape) -> str | None:
     """A q5 or q5k record: whole 20-byte chunks; fp16 scales (offsets) per 32 columns, or
     super-blocks per 256."""
@@ -269,13 +254,21 @@ def _five_bit_problem(record, shape) -> str | None:
     return _shape_problem((rows, columns), shape)
 
 
+# The part of each super-block layout that holds the codes' low bits, and columns per byte of it.
+_CODE_PARTS = {"q4k": ("packed", 2), "q6k": ("packed", 2), "iq4x": ("packed", 2), "q2k": ("crumbs", 4),
+               "q3k": ("crumbs", 4)}  # fmt: skip
+
+
 def _super_block_problem(record, shape) -> str | None:
-    """A q4k or q6k record: whole 256-column blocks, every part the width its layout implies."""
-    packed = record.parts["packed"]
-    if packed.dtype != "uint8" or len(packed.shape) != 2 or (2 * packed.shape[1]) % SUPER_COLUMNS:
-        return f"packed is {packed.dtype}{list(packed.shape)}, expected 2-D uint8 of whole 256-column blocks"
-    rows, columns = packed.shape[0], 2 * packed.shape[1]
-    widths = {"superblocks": columns // SUPER_COLUMNS * SUPER_BYTES[record.encoding], "high": columns // 4}
+    """A q4k, q6k, q2k or q3k record: whole 256-column blocks, every part the width its layout
+    implies (q6k's `high` 2 bits a column, q3k's `highbits` 1)."""
+    name, per_byte = _CODE_PARTS[record.encoding]
+    codes = record.parts[name]
+    if codes.dtype != "uint8" or len(codes.shape) != 2 or (per_byte * codes.shape[1]) % SUPER_COLUMNS:
+        return f"{name} is {codes.dtype}{list(codes.shape)}, expected 2-D uint8 of whole 256-column blocks"
+    rows, columns = codes.shape[0], per_byte * codes.shape[1]
+    widths = {"superblocks": columns // SUPER_COLUMNS * SUPER_BYTES[record.encoding], "high": columns // 4,
+              "highbits": columns // 8}  # fmt: skip
     for name, part in record.parts.items():
         if name in widths and (part.dtype != "uint8" or tuple(part.shape) != (rows, widths[name])):
             return f"{name} are {part.dtype}{list(part.shape)}, expected uint8 {[rows, widths[name]]}"

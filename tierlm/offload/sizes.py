@@ -75,7 +75,7 @@ from tierlm.quant.modes import (
     parse_quant_mode,
     source_grid_mode,
 )
-from tierlm.weights.import_record import source_rows_by_name, source_tensor_types, source_types_by_name
+from tierlm.weights.import_record import recorded_sources, source_tensor_types
 
 PREFILL_CHUNK = 512  # tokens per prefill step; the engine and the batch runner import it from here
 HOT_CACHE_ROWS = 4096  # embedding rows the hot cache may hold (Zipfian tokens: most lookups)
@@ -276,15 +276,12 @@ def predicted_modes(config: ModelConfig, blocks, mode: QuantMode, model_dir: Pat
 def _source_modes(config: ModelConfig, model_dir: Path | None, keys: list[str]) -> dict[str, str]:
     """mixed:source's prediction from an import's recorded tensor types (every weight on the
     int8 grid where none were recorded)."""
-    by_name = source_types_by_name(model_dir) if model_dir is not None else {}
-    rows_of = source_rows_by_name(model_dir) if model_dir is not None else {}
+    describe = recorded_sources(model_dir)
     layout = family_description(config).checkpoint_layout(config)
     out = {}
     for key in keys:
         block, tensor = key.split("/", 1)
-        sources = layout.get(block, {}).get(tensor, ())
-        rows = [rows_of[source] for source in sources] if all(source in rows_of for source in sources) else None
-        out[key] = source_grid_mode([by_name.get(source, "") for source in sources], rows)
+        out[key] = source_grid_mode(*describe(layout.get(block, {}).get(tensor, ())))
     return out
 
 

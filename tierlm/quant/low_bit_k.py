@@ -25,7 +25,6 @@ from collections.abc import Mapping
 
 import torch
 
-from tierlm.quant.dispatch import kernel_choice
 from tierlm.quant.gguf_layouts import (
     Q2K_SUPER_BYTES,
     Q3K_SUPER_BYTES,
@@ -34,6 +33,7 @@ from tierlm.quant.gguf_layouts import (
     dequantize_low_bit_k,
     low_bit_k_group_values,
 )
+from tierlm.quant.packed import PartsWeight
 
 GROUP = 16
 BLOCK_BYTES = {"Q2_K": 84, "Q3_K": 110}  # GGUF's blocks of 256 columns
@@ -41,7 +41,7 @@ BLOCK_BYTES = {"Q2_K": 84, "Q3_K": 110}  # GGUF's blocks of 256 columns
 NATIVE_KINDS = {"Q2_K": 11, "Q3_K": 12}
 
 
-class LowBitKWeight:
+class LowBitKWeight(PartsWeight):
     """uint8 `crumbs` [out, in / 4], `superblocks` and, for Q3_K, `highbits` [out, in / 8]."""
 
     group_size = GROUP
@@ -70,25 +70,6 @@ class LowBitKWeight:
     @property
     def shape(self) -> torch.Size:
         return torch.Size((self.crumbs.shape[0], 4 * self.crumbs.shape[1]))
-
-    @property
-    def device(self) -> torch.device:
-        return self.crumbs.device
-
-    @property
-    def nbytes(self) -> int:
-        return sum(part.nbytes for part in self.tensors().values())
-
-    def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        """x [..., in] @ W.T (+ bias [out]) -> [..., out] in x's dtype, with W = dequantize()."""
-        kernels = self.kernels or kernel_choice(x.device)
-        return kernels.linear(x, self, bias)
-
-    def rows(self, ids: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
-        """Embedding lookup: ids (any shape) -> dequantized rows [*ids.shape, in] in `dtype`."""
-        flat = ids.reshape(-1)
-        rows = LowBitKWeight(**{n: p.index_select(0, flat) for n, p in self.tensors().items()}).dequantize()
-        return rows.to(dtype or self.dtype).view(*ids.shape, rows.shape[1])
 
     def dequantize(self) -> torch.Tensor:
         """The float weight as fp32 [out, in] (the reference every kernel must match)."""

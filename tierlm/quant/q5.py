@@ -25,7 +25,6 @@ from collections.abc import Mapping
 
 import torch
 
-from tierlm.quant.dispatch import kernel_choice
 from tierlm.quant.gguf_layouts import (
     FIVE_BIT_CHUNK,
     Q4K_SUPER_BYTES,
@@ -34,12 +33,13 @@ from tierlm.quant.gguf_layouts import (
     dequantize5,
     five_bit_group_values,
 )
+from tierlm.quant.packed import PartsWeight
 
 GROUP = 32
 CHUNK_BYTES = FIVE_BIT_CHUNK
 
 
-class FiveBitWeight:
+class FiveBitWeight(PartsWeight):
     """uint8 `codes` [out, in / 32 * 20] with fp16 `scales` (+ `offsets`) [out, in / 32], or
     `superblocks` [out, in / 256 * 20] (module docstring)."""
 
@@ -70,26 +70,6 @@ class FiveBitWeight:
     @property
     def shape(self) -> torch.Size:
         return torch.Size((self.codes.shape[0], self.codes.shape[1] // CHUNK_BYTES * GROUP))
-
-    @property
-    def device(self) -> torch.device:
-        return self.codes.device
-
-    @property
-    def nbytes(self) -> int:
-        return sum(part.nbytes for part in self.tensors().values())
-
-    def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        """x [..., in] @ W.T (+ bias [out]) -> [..., out] in x's dtype, with W = dequantize()."""
-        kernels = self.kernels or kernel_choice(x.device)
-        return kernels.linear(x, self, bias)
-
-    def rows(self, ids: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
-        """Embedding lookup: ids (any shape) -> dequantized rows [*ids.shape, in] in `dtype`."""
-        flat = ids.reshape(-1)
-        parts = {name: part.index_select(0, flat) for name, part in self.tensors().items()}
-        rows = FiveBitWeight(**parts).dequantize()
-        return rows.to(dtype or self.dtype).view(*ids.shape, rows.shape[1])
 
     def dequantize(self) -> torch.Tensor:
         """The float weight as fp32 [out, in] (the reference every kernel must match)."""

@@ -46,17 +46,18 @@ def source_tensor_types(model_dir: Path) -> dict[str, int]:
     return dict(record.get("tensor_types") or {})
 
 
-def source_types_by_name(model_dir: Path) -> dict[str, str]:
-    """HF tensor name -> the GGUF type it was stored in, as an import recorded it ({} when
-    `model_dir` is not an import, or an import older than the record)."""
-    record = read_import_record(model_dir) or {}
-    return dict(record.get("tensor_type_of") or {})
+def recorded_sources(model_dir: Path | None):
+    """sources (HF tensor names fused by rows) -> (their GGUF types as an import in `model_dir`
+    recorded them, "" where unknown; their rows, or None unless all are recorded): what
+    modes.source_grid_mode takes."""
+    record = (read_import_record(model_dir) if model_dir is not None else None) or {}
+    types, rows = dict(record.get("tensor_type_of") or {}), dict(record.get("tensor_rows_of") or {})
 
+    def describe(sources):
+        counts = [rows[s] for s in sources] if all(s in rows for s in sources) else None
+        return [types.get(s, "") for s in sources], counts
 
-def source_rows_by_name(model_dir: Path) -> dict[str, int]:
-    """HF tensor name -> its rows (output features), as an import recorded them ({} likewise)."""
-    record = read_import_record(model_dir) or {}
-    return dict(record.get("tensor_rows_of") or {})
+    return describe
 
 
 def gguf_content_key(gguf_path: Path) -> str:

@@ -15,7 +15,7 @@
 //
 // Decode-sized calls (up to four activation rows) of int8 in groups of 32 (Q8_0), of the q5
 // kinds and of Q6_K multiply in integers instead (gemv_a16.h); everything else runs the tiles
-// below: Q2_K/Q3_K as tile6 runs Q6_K, 2-bit crumbs (and Q3_K's high bits) widened per group of 16.
+// below: Q2_K/Q3_K like Q6_K (tile16), 2-bit crumbs (and Q3_K's high bits) widened per group of 16.
 #pragma once
 
 #include <algorithm>
@@ -229,44 +229,6 @@ inline void expand_signed_scales(const Weight& W, int64_t n, int R, float* s) {
     }
 }
 
-// Q6_K: out[m][r] = sum_k (lo + 16 hi - 32)[r][k] * s[r][k / 16] * x[m][k]. Each half of a
-// 32-column chunk is its own group, so weights are scaled as widened (one multiply more than
-// tile4's deferred scaling, whose two accumulators per half would not fit in registers).
-template <int R, int MB>
-inline void tile6(const float* x, int64_t ldx, const uint8_t* w, const uint8_t* q, int64_t K, const float* s,
-                  int64_t G, float (&out)[MB][R]) {
-  using reg = Vec::reg;
-  constexpr int L = Vec::lanes;
-  const int64_t stride = K / 2, qstride = K / 4;
-  reg acc[R][MB] = {};
-  for (int64_t c = 0; c < K / 32; ++c) {
-    if (TL_PREFETCH && (c & 3) == 0)
-      for (int r = 0; r < R; ++r) {
-        prefetch(w + (r + R) * stride + c * 16);
-        prefetch(q + (r + R) * qstride + c * 8);
-      }
-    reg s0[R], s1[R];
-    for (int r = 0; r < R; ++r) {
-      s0[r] = Vec::set1(s[r * G + 2 * c]);
-      s1[r] = Vec::set1(s[r * G + 2 * c + 1]);
-    }
-    for (int j = 0; j < 16; j += L) {
-      reg lo[R], hi[R];
-      for (int r = 0; r < R; ++r) {
-        Vec::sixes(w + r * stride + c * 16 + j, q + r * qstride + c * 8, j, lo[r], hi[r]);
-        lo[r] = lo[r] * s0[r];
-        hi[r] = hi[r] * s1[r];
-      }
-      for (int m = 0; m < MB; ++m) {
-        const reg x0 = Vec::load(x + m * ldx + c * 32 + j), x1 = Vec::load(x + m * ldx + c * 32 + 16 + j);
-        for (int r = 0; r < R; ++r) acc[r][m] = Vec::fma(hi[r], x1, Vec::fma(lo[r], x0, acc[r][m]));
-      }
-    }
-  }
-  for (int m = 0; m < MB; ++m)
-    for (int r = 0; r < R; ++r) out[m][r] = Vec::sum(acc[r][m]);
-}
-
 // Rows [n, n + R) of a kInt2K / kInt3K weight's super-blocks as fp32 per-16-column scales s
 // [R, G] and (kInt2K) offsets o [R, G], the products gguf forms: Q2_K d * sc and -(dmin * m),
 // Q3_K d * (sc - 32) with sc unpacked from GGUF's 12 bytes (4 low bits, then 2 high bits each).
@@ -297,33 +259,59 @@ inline void expand_low_bit_k(const Weight& W, int64_t n, int R, float* s, float*
     }
 }
 
-// Q2_K / Q3_K (HIGH): out[m][r] = sum_k (u - bias)[r][k] * s[r][k / 16] * x[m][k], u from the
-// crumbs q (and high bits h); like tile6, each half of a 32-column chunk is its own group.
-template <int R, int MB, bool HIGH>
-inline void tile_low_bits(const float* x, int64_t ldx, const uint8_t* q, const uint8_t* h, int64_t K,
-                          const float* s, int64_t G, float (&out)[MB][R]) {
+// The codes of the kinds whose 32-column chunks are two groups of 16, read for `tile16`: each
+// `load`s columns j.. (lo) and 16 + j.. (hi) of chunk c of row r as fp32 codes, less their bias.
+struct SixBitCodes {  // Q6_K: low nibbles w (int4.py's packing), 2-bit high parts q; (lo + 16 hi) - 32
+  const uint8_t *w, *q;
+  int64_t K;
+  static constexpr int kPrefetchEvery = 4;  // chunks per 64-byte line of the nibbles
+  void prefetch(int r, int64_t c) const {
+    tl::prefetch(w + r * (K / 2) + c * 16);
+    tl::prefetch(q + r * (K / 4) + c * 8);
+  }
+  void load(int r, int64_t c, int j, Vec::reg& lo, Vec::reg& hi) const {
+    Vec::sixes(w + r * (K / 2) + c * 16 + j, q + r * (K / 4) + c * 8, j, lo, hi);
+  }
+};
+
+template <bool HIGH>
+struct LowBitCodes {  // Q2_K: crumbs q; Q3_K (HIGH): crumbs + 4 x the high bit in h, less 4
+  const uint8_t *q, *h;
+  int64_t K;
+  static constexpr int kPrefetchEvery = 8;  // chunks per 64-byte line of the crumbs
+  void prefetch(int r, int64_t c) const {
+    tl::prefetch(q + r * (K / 4) + c * 8);
+    if (HIGH) tl::prefetch(h + r * (K / 8) + c * 4);
+  }
+  void load(int r, int64_t c, int j, Vec::reg& lo, Vec::reg& hi) const {
+    uint32_t word = 0;
+    if (HIGH) __builtin_memcpy(&word, h + r * (K / 8) + c * 4, 4);
+    Vec::lowbits<HIGH>(q + r * (K / 4) + c * 8, word, HIGH ? 4 : 0, j, lo, hi);
+  }
+};
+
+// Q6_K, Q2_K, Q3_K: out[m][r] = sum_k code[r][k] * s[r][k / 16] * x[m][k], rows from `codes`'
+// first. Each half of a 32-column chunk is its own group, so codes are scaled as widened (one
+// multiply more than tile4's deferred per-group scaling, whose two accumulators per half would
+// not fit in registers).
+template <int R, int MB, typename Codes>
+inline void tile16(const float* x, int64_t ldx, const Codes& codes, int64_t K, const float* s, int64_t G,
+                   float (&out)[MB][R]) {
   using reg = Vec::reg;
   constexpr int L = Vec::lanes;
-  constexpr int32_t bias = HIGH ? 4 : 0;
-  const int64_t qstride = K / 4, hstride = K / 8;
   reg acc[R][MB] = {};
   for (int64_t c = 0; c < K / 32; ++c) {
-    if (TL_PREFETCH && (c & 7) == 0)
-      for (int r = 0; r < R; ++r) {
-        prefetch(q + (r + R) * qstride + c * 8);
-        if (HIGH) prefetch(h + (r + R) * hstride + c * 4);
-      }
+    if (TL_PREFETCH && c % Codes::kPrefetchEvery == 0)
+      for (int r = 0; r < R; ++r) codes.prefetch(r + R, c);
     reg s0[R], s1[R];
-    uint32_t high[R] = {};
     for (int r = 0; r < R; ++r) {
       s0[r] = Vec::set1(s[r * G + 2 * c]);
       s1[r] = Vec::set1(s[r * G + 2 * c + 1]);
-      if (HIGH) __builtin_memcpy(&high[r], h + r * hstride + c * 4, 4);
     }
     for (int j = 0; j < 16; j += L) {
       reg lo[R], hi[R];
       for (int r = 0; r < R; ++r) {
-        Vec::lowbits<HIGH>(q + r * qstride + c * 8, high[r], bias, j, lo[r], hi[r]);
+        codes.load(r, c, j, lo[r], hi[r]);
         lo[r] = lo[r] * s0[r];
         hi[r] = hi[r] * s1[r];
       }
@@ -422,8 +410,9 @@ inline void block(const Weight& W, const float* x, int64_t ldx, const float* xs,
     thread_local std::vector<float> expanded;
     expanded.resize(R * G);
     expand_signed_scales<16>(W, n, R, expanded.data());
-    tile6<R, MB>(x, ldx, static_cast<const uint8_t*>(W.data) + n * (K / 2),
-                 static_cast<const uint8_t*>(W.offsets) + n * (K / 4), K, expanded.data(), G, out);
+    const SixBitCodes codes{static_cast<const uint8_t*>(W.data) + n * (K / 2),
+                            static_cast<const uint8_t*>(W.offsets) + n * (K / 4), K};
+    tile16<R, MB>(x, ldx, codes, K, expanded.data(), G, out);
   } else if (W.kind == kInt2K || W.kind == kInt3K) {
     thread_local std::vector<float> expanded;
     expanded.resize(2 * R * G);
@@ -432,9 +421,10 @@ inline void block(const Weight& W, const float* x, int64_t ldx, const float* xs,
     expand_low_bit_k(W, n, R, s, o);
     const uint8_t* q = static_cast<const uint8_t*>(W.data) + n * (K / 4);
     if (W.kind == kInt3K) {
-      tile_low_bits<R, MB, true>(x, ldx, q, static_cast<const uint8_t*>(W.offsets) + n * (K / 8), K, s, G, out);
+      const LowBitCodes<true> codes{q, static_cast<const uint8_t*>(W.offsets) + n * (K / 8), K};
+      tile16<R, MB>(x, ldx, codes, K, s, G, out);
     } else {
-      tile_low_bits<R, MB, false>(x, ldx, q, nullptr, K, s, G, out);
+      tile16<R, MB>(x, ldx, LowBitCodes<false>{q, nullptr, K}, K, s, G, out);
       for (int m = 0; m < MB; ++m)
         for (int r = 0; r < R; ++r) out[m][r] += dot(o + r * G, xs + m * G, G);
     }
