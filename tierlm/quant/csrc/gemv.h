@@ -193,70 +193,70 @@ inline int rows_per_tile(int64_t M) {
 #endif
 }
 
+// The fp16 value stored (unaligned) at p, as fp32.
+inline float half_at(const uint8_t* p) {
+  uint16_t h;
+  __builtin_memcpy(&h, p, 2);
+  return half_to_float(h);
+}
+
+// f(r, b, p, d) for super-block b of each row n + r (r < R) of W: p its `bytes` bytes, d its
+// leading fp16 scale as fp32 (every super-block layout starts with its d).
+template <typename F>
+inline void each_super_block(const Weight& W, int64_t n, int R, int64_t bytes, F&& f) {
+  const int64_t B = W.cols / kSuperColumns;
+  const uint8_t* super = static_cast<const uint8_t*>(W.scales) + n * B * bytes;
+  for (int r = 0; r < R; ++r)
+    for (int64_t b = 0; b < B; ++b) {
+      const uint8_t* p = super + (r * B + b) * bytes;
+      f(r, b, p, half_at(p));
+    }
+}
+
 // Rows [n, n + R) of a kInt4K weight's super-blocks as fp32 per-group scales s [R, G] and
 // offsets o [R, G] (d * sc, -(dmin * m): the products gguf forms, exact in fp32).
 inline void expand_super_blocks(const Weight& W, int64_t n, int R, float* s, float* o) {
-  const int64_t K = W.cols, G = W.groups(), B = K / kSuperColumns;
-  const uint8_t* super = static_cast<const uint8_t*>(W.scales) + n * B * kSuperBytes;
-  for (int r = 0; r < R; ++r)
-    for (int64_t b = 0; b < B; ++b) {
-      const uint8_t* p = super + (r * B + b) * kSuperBytes;
-      uint16_t d16, dmin16;
-      __builtin_memcpy(&d16, p, 2);
-      __builtin_memcpy(&dmin16, p + 2, 2);
-      const float d = half_to_float(d16), dmin = half_to_float(dmin16);
-      for (int j = 0; j < 8; ++j) {
-        s[r * G + b * 8 + j] = d * static_cast<float>(p[4 + j]);
-        o[r * G + b * 8 + j] = -(dmin * static_cast<float>(p[12 + j]));
-      }
+  const int64_t G = W.groups();
+  each_super_block(W, n, R, kSuperBytes, [&](int r, int64_t b, const uint8_t* p, float d) {
+    const float dmin = half_at(p + 2);
+    for (int j = 0; j < 8; ++j) {
+      s[r * G + b * 8 + j] = d * static_cast<float>(p[4 + j]);
+      o[r * G + b * 8 + j] = -(dmin * static_cast<float>(p[12 + j]));
     }
+  });
 }
 
 // Rows [n, n + R) of a weight whose super-blocks are fp16 d then SUBS int8 sub-scales (kInt6K:
 // 16 per 256 columns, kIQ4X: 8) as fp32 scales s [R, SUBS * cols / 256]: d * sub, as gguf forms them.
 template <int SUBS>
 inline void expand_signed_scales(const Weight& W, int64_t n, int R, float* s) {
-  constexpr int64_t bytes = 2 + SUBS;
-  const int64_t K = W.cols, G = W.groups(), B = K / kSuperColumns;
-  const uint8_t* super = static_cast<const uint8_t*>(W.scales) + n * B * bytes;
-  for (int r = 0; r < R; ++r)
-    for (int64_t b = 0; b < B; ++b) {
-      const uint8_t* p = super + (r * B + b) * bytes;
-      uint16_t d16;
-      __builtin_memcpy(&d16, p, 2);
-      const float d = half_to_float(d16);
-      for (int j = 0; j < SUBS; ++j) s[r * G + b * SUBS + j] = d * static_cast<float>(static_cast<int8_t>(p[2 + j]));
-    }
+  const int64_t G = W.groups();
+  each_super_block(W, n, R, 2 + SUBS, [&](int r, int64_t b, const uint8_t* p, float d) {
+    for (int j = 0; j < SUBS; ++j) s[r * G + b * SUBS + j] = d * static_cast<float>(static_cast<int8_t>(p[2 + j]));
+  });
 }
 
 // Rows [n, n + R) of a kInt2K / kInt3K weight's super-blocks as fp32 per-16-column scales s
 // [R, G] and (kInt2K) offsets o [R, G], the products gguf forms: Q2_K d * sc and -(dmin * m),
 // Q3_K d * (sc - 32) with sc unpacked from GGUF's 12 bytes (4 low bits, then 2 high bits each).
 inline void expand_low_bit_k(const Weight& W, int64_t n, int R, float* s, float* o) {
-  const int64_t bytes = W.kind == kInt3K ? 14 : 20, G = W.groups(), B = W.cols / kSuperColumns;
-  const uint8_t* super = static_cast<const uint8_t*>(W.scales) + n * B * bytes;
-  for (int r = 0; r < R; ++r)
-    for (int64_t b = 0; b < B; ++b) {
-      const uint8_t* p = super + (r * B + b) * bytes;
-      uint16_t d16;
-      __builtin_memcpy(&d16, p, 2);
-      const float d = half_to_float(d16);
-      float* sg = s + r * G + b * 16;
-      if (W.kind == kInt3K) {
-        for (int j = 0; j < 16; ++j) {
-          const int sc = ((p[2 + j % 8] >> (4 * (j / 8))) & 15) | (((p[10 + j % 4] >> (2 * (j / 4))) & 3) << 4);
-          sg[j] = d * static_cast<float>(sc - 32);
-        }
-      } else {
-        uint16_t m16;
-        __builtin_memcpy(&m16, p + 2, 2);
-        const float dmin = half_to_float(m16);
-        for (int j = 0; j < 16; ++j) {
-          sg[j] = d * static_cast<float>(p[4 + j] & 15);
-          o[r * G + b * 16 + j] = -(dmin * static_cast<float>(p[4 + j] >> 4));
-        }
+  const int64_t G = W.groups();
+  const bool three = W.kind == kInt3K;
+  each_super_block(W, n, R, three ? 14 : 20, [&](int r, int64_t b, const uint8_t* p, float d) {
+    float* sg = s + r * G + b * 16;
+    if (three) {
+      for (int j = 0; j < 16; ++j) {
+        const int sc = ((p[2 + j % 8] >> (4 * (j / 8))) & 15) | (((p[10 + j % 4] >> (2 * (j / 4))) & 3) << 4);
+        sg[j] = d * static_cast<float>(sc - 32);
       }
+      return;
     }
+    const float dmin = half_at(p + 2);
+    for (int j = 0; j < 16; ++j) {
+      sg[j] = d * static_cast<float>(p[4 + j] & 15);
+      o[r * G + b * 16 + j] = -(dmin * static_cast<float>(p[4 + j] >> 4));
+    }
+  });
 }
 
 // The codes of the kinds whose 32-column chunks are two groups of 16, read for `tile16`: each
