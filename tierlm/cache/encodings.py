@@ -214,13 +214,15 @@ def _stack_problem(record, shape) -> str | None:
     width = None
     for i, run in enumerate(runs):
         problem = check_record(run)
-        if problem is None and logical_shape(run)[0] != run.rows:
-            problem = f"holds {logical_shape(run)[0]} rows, its meta says {run.rows}"
-        if problem is None and width not in (None, logical_shape(run)[1]):
-            problem = f"is {logical_shape(run)[1]} columns wide, run 0 is {width}"
+        if problem is None:
+            rows, columns = logical_shape(run)
+            if rows != run.rows:
+                problem = f"holds {rows} rows, its meta says {run.rows}"
+            elif width not in (None, columns):
+                problem = f"is {columns} columns wide, run 0 is {width}"
+            width = columns
         if problem is not None:
             return f"stack run {i}: {problem}"
-        width = logical_shape(run)[1]
     return _shape_problem((sum(run.rows for run in runs), width), shape)
 
 

@@ -34,7 +34,7 @@ import torch
 from tierlm.blocks import layer_block
 from tierlm.device.cpu import fused_decode_enabled
 from tierlm.quant.kernel_api import KernelUnavailable
-from tierlm.quant.native import load_native
+from tierlm.quant.native import load_native, weight_words
 
 _c_ptr, _c_i64, _c_i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32
 
@@ -290,13 +290,8 @@ def _weight_words(weight, bias, shape: tuple[int, int], keep: list) -> tuple | N
         array = (WeightArg * len(runs))(*(WeightArg(*d) for d in described))
         keep.append(array)
         return ctypes.addressof(array), 0, 0, bias_ptr, rows, cols, len(runs), KIND_STACK, 0
-    native_words = getattr(weight, "native_words", None)
-    if native_words is not None:  # a weight that describes itself (GGUF Q2_K/Q3_K: quant/low_bit_k.py)
-        words = native_words()
-        if words is None:
-            return None
-        data, scales, offsets, group, kind, half = words
-        return data, scales, offsets, bias_ptr, rows, cols, group, kind, half
+    if hasattr(weight, "native_words"):  # a weight that describes itself (GGUF Q2_K/Q3_K: quant/low_bit_k.py)
+        return weight_words(weight, bias_ptr)
     if getattr(weight, "codebook", False):  # GGUF IQ4_NL / IQ4_XS (quant/iq4.py): read as stored
         parts = list(weight.tensors().values())
         if not all(p.is_cpu and p.is_contiguous() for p in parts):

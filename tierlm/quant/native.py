@@ -254,14 +254,14 @@ class NativeKernel:
         quant/low_bit_k.py's LowBitKWeight).T (+ bias) -> [M, N] fp32."""
         m = x.shape[0]
         y = torch.empty(m, weight.shape[0], dtype=torch.float32)
-        words = weight_words(weight, bias)
+        words = _words_array(weight, bias)
         if self.lib.tierlm_weight_matmul(x.data_ptr(), m, words, y.data_ptr(), torch.get_num_threads()) != 0:
             raise ValueError(f"the native kernels cannot read {weight!r}")
         return y
 
     def dequantize_words_into(self, weight, out):
         """out [N, K] fp32 = such a weight dequantized, exactly the `gguf` package's values."""
-        if self.lib.tierlm_weight_dequant(weight_words(weight), out.data_ptr(), torch.get_num_threads()) != 0:
+        if self.lib.tierlm_weight_dequant(_words_array(weight), out.data_ptr(), torch.get_num_threads()) != 0:
             raise ValueError(f"the native kernels cannot dequantize {weight!r}")
         return out
 
@@ -318,16 +318,23 @@ class NativeKernel:
         return out
 
 
-def weight_words(weight, bias=None):
-    """tl::Weight's 9 int64 words (csrc/library.cpp `weight_from_words`) for a weight with
-    `native_words()` and an fp32 CPU bias (or None); ValueError if the kernels cannot read it."""
+def weight_words(weight, bias_ptr: int = 0) -> tuple | None:
+    """tl::Weight's 9 words (csrc/library.cpp `weight_from_words`) for a weight with
+    `native_words()` and the address of its fp32 CPU bias (0: none); None off the CPU."""
     words = weight.native_words()
     if words is None:
-        raise ValueError(f"the native kernels cannot read {weight!r}: its parts must be CPU tensors")
+        return None
     data, scales, offsets, group, kind, half = words
     rows, cols = weight.shape
-    bias_ptr = bias.data_ptr() if bias is not None else 0
-    return (ctypes.c_int64 * 9)(data, scales, offsets, bias_ptr, rows, cols, group, kind, half)
+    return data, scales, offsets, bias_ptr, rows, cols, group, kind, half
+
+
+def _words_array(weight, bias=None):
+    """`weight_words` as the int64 array the entry points take; ValueError where there are none."""
+    words = weight_words(weight, bias.data_ptr() if bias is not None else 0)
+    if words is None:
+        raise ValueError(f"the native kernels cannot read {weight!r}: its parts must be CPU tensors")
+    return (ctypes.c_int64 * 9)(*words)
 
 
 def _half_scales(scales, offsets) -> int:

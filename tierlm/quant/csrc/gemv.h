@@ -351,7 +351,7 @@ inline void finish(const Weight& W, const float* xs, int64_t n, float (&out)[MB]
       if (W.kind == kInt4 || W.kind == kInt5) {
         const uint16_t* o = static_cast<const uint16_t*>(W.offsets);
         const uint16_t* s = static_cast<const uint16_t*>(W.scales);
-        v += o ? dot_half(o + (n + r) * G, sums, G) : (W.kind == kInt4 ? -8.0f : -16.0f) * dot_half(s + (n + r) * G, sums, G);
+        v += o ? dot(o + (n + r) * G, sums, G) : (W.kind == kInt4 ? -8.0f : -16.0f) * dot(s + (n + r) * G, sums, G);
       } else if (W.kind == kInt8 && W.offsets) {
         v += dot(static_cast<const float*>(W.offsets) + (n + r) * G, sums, G);
       }

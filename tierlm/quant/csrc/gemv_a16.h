@@ -190,7 +190,7 @@ inline void a16_rows(const Weight& W, const Activations16& a, const float* xs, i
       hi = I::sub(I::or_where(I::high_nibbles(v), high >> 16, 16), bias);
     };
     const uint16_t* o = static_cast<const uint16_t*>(W.offsets);
-    auto offset = [&](int64_t n, const float* sums) { return dot_half(o + n * G, sums, G); };
+    auto offset = [&](int64_t n, const float* sums) { return dot(o + n * G, sums, G); };
     a16_rows_offsets<MB>(o, W, a, xs, n0, n1, y, ldy, accumulate, codes, group_scales<uint16_t>(W), offset);
   } else {  // kInt6K (Q6_K): (lo + 16 hi - 32) d sc[j], j per 16 columns, applied to the codes
     const uint8_t* w = static_cast<const uint8_t*>(W.data);

@@ -189,7 +189,7 @@ inline void for_group_codes(int32_t type, const void* codes, int64_t g, Body bod
 inline float kv_dot(int32_t type, const float* q, const void* codes, const uint16_t* scales, int64_t D) {
   constexpr int L = Vec::lanes;
   if (type == kKVF32) return dot(q, static_cast<const float*>(codes), D);
-  if (type == kKVF16) return dot_half(static_cast<const uint16_t*>(codes), q, D);
+  if (type == kKVF16) return dot(static_cast<const uint16_t*>(codes), q, D);
   if (type == kKVBF16) {
     const uint16_t* c = static_cast<const uint16_t*>(codes);
     Vec::reg acc = Vec::zero();

@@ -343,24 +343,21 @@ struct Vec {
 };
 #endif
 
-// Dot products over n values, Vec::lanes at a time: fp32 with fp32, and fp16 (uint16_t bits) with fp32.
-inline float dot(const float* a, const float* b, int64_t n) {
-  constexpr int L = Vec::lanes;
-  Vec::reg acc = Vec::zero();
-  int64_t i = 0;
-  for (; i + L <= n; i += L) acc = Vec::fma(Vec::load(a + i), Vec::load(b + i), acc);
-  float s = Vec::sum(acc);
-  for (; i < n; ++i) s += a[i] * b[i];
-  return s;
-}
+// A stored value as fp32: fp32 as is, fp16 (uint16_t bits) widened; `Vec` lanes of them likewise.
+inline float scale_value(float s) { return s; }
+inline float scale_value(uint16_t s) { return half_to_float(s); }
+inline Vec::reg load_values(const float* p) { return Vec::load(p); }
+inline Vec::reg load_values(const uint16_t* p) { return Vec::load_half(p); }
 
-inline float dot_half(const uint16_t* a, const float* b, int64_t n) {
+// The dot product of n stored values (fp32, or fp16 bits) with n fp32 values, Vec::lanes at a time.
+template <typename T>
+inline float dot(const T* a, const float* b, int64_t n) {
   constexpr int L = Vec::lanes;
   Vec::reg acc = Vec::zero();
   int64_t i = 0;
-  for (; i + L <= n; i += L) acc = Vec::fma(Vec::load_half(a + i), Vec::load(b + i), acc);
+  for (; i + L <= n; i += L) acc = Vec::fma(load_values(a + i), Vec::load(b + i), acc);
   float s = Vec::sum(acc);
-  for (; i < n; ++i) s += half_to_float(a[i]) * b[i];
+  for (; i < n; ++i) s += scale_value(a[i]) * b[i];
   return s;
 }
 

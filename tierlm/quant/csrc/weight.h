@@ -98,8 +98,4 @@ inline void prefetch(const T* p) {
   __builtin_prefetch(p, 0, 2);
 }
 
-// A stored scale as fp32: fp32 as is, fp16 (uint16_t bits) widened.
-inline float scale_value(float s) { return s; }
-inline float scale_value(uint16_t s) { return half_to_float(s); }
-
 }  // namespace tl
