@@ -1,7 +1,8 @@
-"""The integer decode path (quant/csrc/gemv_a16.h): up to four activation rows quantized to int16
-per 32 columns and multiplied with the weights' codes in integers, for Q8_0, int8-g32 (with and
-without offsets), Q5_0, Q5_1 and Q6_K, on the default build (AVX-512 here) and the AVX2 build; the
-portable build, more rows and the int4 and Q4_K kinds keep the fp32 tiles.
+"""The integer paths: decode rows (quant/csrc/gemv_a16.h: up to four activation rows quantized to
+int16 per 32 columns and multiplied with the weights' codes in integers, for Q8_0, int8-g32 (with
+and without offsets), Q5_0, Q5_1 and Q6_K; more rows and the int4 and Q4_K kinds keep the fp32
+tiles) and the prefill GEMM (quant/csrc/gemm_a16.h: every stored kind, any number of rows), on the
+default build (AVX-512 here) and the AVX2 build; the portable build has neither.
 
 The reference models the quantization exactly (scale = the group's largest magnitude / 32767,
 codes rounded half to even in fp32): the kernel must equal it within fp32 summation error, which
@@ -19,7 +20,9 @@ import torch
 from tests.test_gguf_carry import random_blocks, read_own_layout
 from tierlm.quant.int4 import quantize_int4
 from tierlm.quant.int8 import quantize_int8, quantize_q8_0
+from tierlm.quant.modes import CARRIED_SOURCE_TYPES
 from tierlm.quant.native import load_native
+from tierlm.weights.gguf_carry import carry_weight
 
 FLOAT = 1e-6  # the fp32 tiles' summation error, of the output's magnitude
 INTEGER = 3e-7  # the integer path's: its sums are exact, only each group's scaling rounds
@@ -138,3 +141,79 @@ def test_values_int16_cannot_carry_keep_the_float_path(native_builds, kind):
         got, want = matmul(native, x, None).double(), x.double() @ dense.double().T
         size = float((x.double().abs() @ dense.abs().double().T).max())
         assert bool(((got - want).abs() <= rounding_bound(x, dense) + FLOAT * size).all())
+
+
+def stored_weight(kind: str, rows: int, cols: int, seed: int):
+    """A weight of GGUF type `kind` from random blocks, or of a tierlm mode (int8 per channel or
+    in groups, int4 with a ragged last group), as the kernels read it."""
+    values = torch.randn(rows, cols, generator=torch.Generator().manual_seed(seed)) * 0.05
+    if kind == "int8":
+        return quantize_int8(values, cols)
+    if kind == "int8-g64-asym":
+        return quantize_int8(values, 64, asymmetric=True)
+    if kind == "int4-g128-asym":
+        return quantize_int4(values, 128, asymmetric=True)
+    return carry_weight(kind, random_blocks(kind, rows, cols, np.random.default_rng(seed), spread=0.05))
+
+
+def representable_activations(rows: int, cols: int, seed: int) -> torch.Tensor:
+    """x whose every group int16 codes carry exactly: integers times a power of two per group, one
+    of them +-32767 (the group's scale is then the power of two itself), over a range of scales."""
+    gen = torch.Generator().manual_seed(seed)
+    codes = torch.randint(-32767, 32768, (rows, cols // 32, 32), generator=gen).double()
+    codes[..., 3] = 32767.0 * torch.where(torch.rand(rows, cols // 32, generator=gen) < 0.5, -1.0, 1.0)
+    scale = torch.pow(2.0, torch.randint(-30, -8, (rows, cols // 32, 1), generator=gen).double())
+    return (codes * scale).flatten(-2).float()
+
+
+GEMM_KINDS = sorted(CARRIED_SOURCE_TYPES) + ["int8", "int8-g64-asym", "int4-g128-asym"]
+
+
+@pytest.mark.parametrize("kind", GEMM_KINDS)
+def test_prefill_gemm_is_exact_where_int16_carries_the_activations(native_builds, kind):
+    """On activations int16 codes carry exactly, the integer GEMM equals the float64 product up to
+    each group's fp32 scaling, for every stored kind: codes, scales and offsets as gguf forms them.
+    Rows that are no whole register block (37) or several passes over the panels (300), rows of
+    the weight that fill no whole panel (45), a bias; the portable build has no integer GEMM."""
+    cols = 768 if kind in ("int8", "int8-g64-asym", "int4-g128-asym") else 512
+    weight = stored_weight(kind, 45, cols, 11)
+    dense, bias = weight.dequantize().double(), torch.randn(45)
+    for native in native_builds:
+        for rows in (1, 37, 300):
+            x = representable_activations(rows, cols, rows)
+            got = native.gemm(x, weight, bias)
+            if native.isa < 256:
+                assert got is None
+                continue
+            exact = x.double() @ dense.T + bias.double()
+            size = float((x.double().abs() @ dense.abs().T).max())
+            assert float((got.double() - exact).abs().max()) <= 2 * INTEGER * size + 1e-6, (native.name, rows)
+
+
+@pytest.mark.parametrize("kind", ["Q8_0", "Q6_K", "IQ4_NL"])
+def test_prefill_gemm_rounds_activations_within_their_bound(native_builds, kind):
+    """Activations with an outlier in every group: the GEMM is the int16 model of x (gemv_a16.h's
+    numerics) within fp32 summation, far from the fp32 product, yet within the rounding's bound."""
+    weight = stored_weight(kind, 40, 512, 5)
+    dense = weight.dequantize()
+    x = outlier_activations(20, 9, 512)
+    for native in native_builds[:1] + [b for b in native_builds[1:] if b.isa >= 256]:
+        got = native.gemm(x, weight).double()
+        exact, quantized = x.double() @ dense.double().T, int16_activations(x) @ dense.double().T
+        size = float((x.double().abs() @ dense.abs().double().T).max())
+        assert float((quantized - exact).abs().max()) > 10 * INTEGER * size
+        assert float((got - quantized).abs().max()) <= 2 * INTEGER * size, native.name
+        assert bool(((got - exact).abs() <= rounding_bound(x, dense) + FLOAT * size).all())
+
+
+def test_prefill_gemm_refuses_what_int16_cannot_carry_and_linear_falls_back():
+    """NaN or inf in x: the native GEMM writes nothing (None) and `linear` dequantizes into BLAS,
+    which carries them to the outputs as torch's product does; fp32 weights have no integer path."""
+    native, weight = load_native(), stored_weight("Q8_0", 40, 512, 5)
+    x = torch.randn(16, 512)
+    x[3, 100] = float("nan")
+    assert native.gemm(x, weight) is None
+    got, want = weight.linear(x), x @ weight.dequantize().T
+    assert torch.equal(got.isnan(), want.isnan()) and bool(got[3].isnan().all())
+    assert native.gemm(torch.randn(16, 512), weight.dequantize()) is None
+

@@ -194,6 +194,7 @@ def test_own_layouts_decode_in_the_fused_step_as_eagerly(tmp_path, monkeypatch, 
     natively (the fused step reads the blocks as stored, a stack's runs each by its own kernel)
     and gives the eager path's logits."""
     from tierlm.models import fused_decode
+    from tierlm.quant import native
     from tierlm.runtime.loader import load_model
     from tierlm.weights.gguf_import import import_gguf
 
@@ -201,8 +202,8 @@ def test_own_layouts_decode_in_the_fused_step_as_eagerly(tmp_path, monkeypatch, 
     write_quantized_gguf(path, MIXES.get(kind, lambda name: kind), np.random.default_rng(6))
     monkeypatch.setenv("TIERLM_CACHE", str(tmp_path / "cache"))
     kinds = []
-    words = fused_decode._weight_words
-    monkeypatch.setattr(fused_decode, "_weight_words", lambda *a: kinds.append((w := words(*a)) and w[7]) or w)
+    words = native.describe_weight
+    monkeypatch.setattr(fused_decode, "describe_weight", lambda *a: kinds.append((w := words(*a)) and w[7]) or w)
     steps = {}
     for fused in ("1", "0"):
         monkeypatch.setenv("TIERLM_FUSED", fused)
@@ -211,10 +212,10 @@ def test_own_layouts_decode_in_the_fused_step_as_eagerly(tmp_path, monkeypatch, 
         loaded.model.forward(torch.tensor([[1, 70, 80, 90]]), cache)
         steps[fused] = loaded.model.forward(torch.tensor([[259]]), cache)
         loaded.close()
-    want = {"Q4_K": fused_decode.KIND_INT4K, "Q6_K": fused_decode.KIND_INT6K, "Q5_K": fused_decode.KIND_INT5K,
-            "IQ4_NL": fused_decode.KIND_IQ4, "IQ4_XS": fused_decode.KIND_IQ4X, **NATIVE_KINDS,
-            **dict.fromkeys(MIXES, fused_decode.KIND_STACK)}
-    assert want.get(kind, fused_decode.KIND_INT5) in kinds
+    want = {"Q4_K": native.KIND_INT4K, "Q6_K": native.KIND_INT6K, "Q5_K": native.KIND_INT5K,
+            "IQ4_NL": native.KIND_IQ4, "IQ4_XS": native.KIND_IQ4X, **NATIVE_KINDS,
+            **dict.fromkeys(MIXES, native.KIND_STACK)}
+    assert want.get(kind, native.KIND_INT5) in kinds
     torch.testing.assert_close(steps["1"], steps["0"], rtol=0, atol=DECODE_ATOL)
 
 

@@ -28,6 +28,7 @@ import torch.nn.functional as F
 
 from tests.tiny import decode_steps
 from tierlm.models import fused_decode
+from tierlm.quant import native
 from tierlm.quant.int4 import Int4Weight, dequantize4, quantize_int4
 from tierlm.runtime.loader import load_model
 
@@ -217,20 +218,20 @@ def test_build_runs_the_int4_fused_step_like_eager(build, decode_checkpoint, mon
 
 def test_weight_words_describe_int4_and_refuse_what_the_native_code_cannot_read():
     qw = quantize_int4(_weight(8, 64, seed=0), 32, asymmetric=True)
-    words = fused_decode._weight_words(qw, None, (8, 64), [])
+    words = native.describe_weight(qw, None, (8, 64), [])
     assert words == (qw.packed.data_ptr(), qw.scales.data_ptr(), qw.offsets.data_ptr(), 0, 8, 64, 32,
-                     fused_decode.KIND_INT4, 1)  # fmt: skip
-    assert fused_decode._weight_words(qw, None, (8, 32), []) is None  # another shape
+                     native.KIND_INT4, 1)  # fmt: skip
+    assert native.describe_weight(qw, None, (8, 32), []) is None  # another shape
     fake = SimpleNamespace(packed=qw.packed, scales=qw.scales.float(), offsets=None, group_size=32, shape=qw.shape)
-    assert fused_decode._weight_words(fake, None, (8, 64), []) is None  # fp32 scales
+    assert native.describe_weight(fake, None, (8, 64), []) is None  # fp32 scales
     one_group = qw.scales[:, :1].contiguous()
     fake = SimpleNamespace(packed=qw.packed, scales=one_group, offsets=None, group_size=64, shape=qw.shape)
-    assert fused_decode._weight_words(fake, None, (8, 64), []) is not None  # one group of 64
+    assert native.describe_weight(fake, None, (8, 64), []) is not None  # one group of 64
     fake.group_size = 48
-    assert fused_decode._weight_words(fake, None, (8, 64), []) is None  # no multiple of 32
+    assert native.describe_weight(fake, None, (8, 64), []) is None  # no multiple of 32
     fake = SimpleNamespace(packed=qw.packed.t().contiguous().t(), scales=qw.scales, offsets=None, group_size=32,
                            shape=qw.shape)  # fmt: skip
-    assert fused_decode._weight_words(fake, None, (8, 64), []) is None  # not contiguous
+    assert native.describe_weight(fake, None, (8, 64), []) is None  # not contiguous
 
 
 # -- AVX-512: compiled only ----------------------------------------------------------------------

@@ -20,6 +20,7 @@ from tests.tiny import DECODE_ATOL, decode_steps
 from tierlm.cache import codec
 from tierlm.cache.encodings import part_bytes
 from tierlm.models import fused_decode
+from tierlm.quant import native
 from tierlm.quant.int8 import Int8Weight, q8_0_on_source_grid, quantize_q8_0
 from tierlm.quant.modes import parse_quant_mode, source_grid_mode
 from tierlm.runtime.loader import load_model
@@ -169,8 +170,8 @@ def test_fused_decode_on_q8_0_weights_matches_eager(case, decode_checkpoint, mon
     loaded = _q8_0_model(decode_checkpoint(case))
     with loaded.model.store.block("layers.0") as w:
         assert w["w13"].scales.dtype == torch.float16 and w["w13"].offsets is None
-        words = fused_decode._weight_words(w["w13"], None, tuple(w["w13"].shape), [])
-        assert words[-2:] == (fused_decode.KIND_INT8, 1)  # read as stored: fp16 scales
+        words = native.describe_weight(w["w13"], None, tuple(w["w13"].shape), [])
+        assert words[-2:] == (native.KIND_INT8, 1)  # read as stored: fp16 scales
     ids = torch.randint(0, loaded.config.vocab_size, (1, 7), generator=torch.Generator().manual_seed(3))
     monkeypatch.setenv("TIERLM_FUSED", "0")
     expected, expected_tokens = decode_steps(loaded, ids, 10)

@@ -87,7 +87,7 @@ def test_the_fused_step_kernels_read_a_stack_as_its_runs(rows):
     its own kernel into its columns, the stack's bias split across them."""
     import ctypes
 
-    from tierlm.models.fused_decode import KIND_STACK, WeightArg, _weight_words
+    from tierlm.quant.native import KIND_STACK, WeightArg, describe_weight as _weight_words
     from tierlm.quant.dispatch import cpu_kernel_choice
 
     native = cpu_kernel_choice(torch.get_num_threads()).gemv

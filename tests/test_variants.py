@@ -192,7 +192,7 @@ def test_choose_mode_weighs_memory_and_time():
 def test_selection_switches_rows_and_falls_back_from_fused_decode(base, adapter):
     """A mixed selection hands RowSwitched weights, which the fused decode step declines (the
     layer runs eagerly); a batch of one merged variant gets plain weights."""
-    from tierlm.models.fused_decode import _weight_words
+    from tierlm.quant.native import describe_weight as _weight_words
 
     base_dir = artifact(base, "fp32")
     loaded = load_model(base_dir, device="cpu")

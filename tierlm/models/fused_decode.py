@@ -34,30 +34,17 @@ import torch
 from tierlm.blocks import layer_block
 from tierlm.device.cpu import fused_decode_enabled
 from tierlm.quant.kernel_api import KernelUnavailable
-from tierlm.quant.native import load_native, weight_words
+from tierlm.quant.native import WeightArg, describe_weight, is_cpu_fp32, load_native
 
 _c_ptr, _c_i64, _c_i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32
 
 
-# tl::WeightKind (csrc/gemv.h): what a weight's data holds.
-KIND_FP32, KIND_INT8, KIND_INT4, KIND_INT4K, KIND_INT6K, KIND_INT5, KIND_INT5K, KIND_IQ4, KIND_IQ4X = 0, 1, 4, 5, 6, 7, 8, 9, 10
-KIND_STACK = 13  # `data` an array of `group` tl::Weight runs of rows (quant/row_stack.py)
 # tl::KVType (csrc/kv_formats.h): how the KV cache holds keys and values.
 KV_TYPES = {"f32": 0, "f16": 1, "bf16": 2, "q8_0": 3, "q4_0": 4}
 # The weights a dense layer's call reads, and an attention-only call's.
 DENSE, ATTENTION = ("wqkv", "wo", "w13", "w2"), ("wqkv", "wo")
 # A layer's words (csrc/library.cpp kWordsPerLayer): 4 weights of 9, 4 norms, 4 cache pointers.
 WORDS_PER_LAYER = 44
-
-
-class WeightArg(ctypes.Structure):
-    """tl::Weight (csrc/gemv.h): `kind` is KIND_FP32, KIND_INT8 (fp32 scales, or fp16 with
-    `half` = 1), KIND_INT4 (packed nibbles, `half` = 1: fp16 scales and offsets) or KIND_INT4K
-    (the same nibbles, `scales` the GGUF Q4_K super-blocks of quant/q4k.py, `half` = 0)."""
-
-    _fields_ = [("data", _c_ptr), ("scales", _c_ptr), ("offsets", _c_ptr), ("bias", _c_ptr),
-                ("rows", _c_i64), ("cols", _c_i64), ("group", _c_i64), ("kind", _c_i32),
-                ("half", _c_i32)]  # fmt: skip
 
 
 class LayerArgs(ctypes.Structure):
@@ -212,7 +199,7 @@ class FusedStep:
         return entry(ctypes.addressof(self._args), ctypes.addressof(block), x.data_ptr()) == 0
 
     def _fits(self, x: torch.Tensor) -> bool:
-        return _is_cpu_fp32(x) and x.numel() == self._args.batch * self._args.hidden
+        return is_cpu_fp32(x) and x.numel() == self._args.batch * self._args.hidden
 
     def _cache_words(self, layer: int) -> list[int]:
         """The KV cache's four pointers (keys, values, key scales, value scales) at `layer`."""
@@ -227,7 +214,7 @@ class FusedStep:
             if name not in names:
                 words += [0] * 9  # not read by an attention-only call
                 continue
-            described = _weight_words(w[name], w.get(bias), shapes[name], keep)
+            described = describe_weight(w[name], w.get(bias), shapes[name], keep)
             if described is None:
                 return None
             words += described
@@ -237,7 +224,7 @@ class FusedStep:
             norm = w.get(name)
             if norm is None and (name in ("q_norm", "k_norm") or (name == "mlp_norm" and "w13" not in names)):
                 words.append(0)
-            elif _is_cpu_fp32(norm) and norm.numel() == size:
+            elif is_cpu_fp32(norm) and norm.numel() == size:
                 words.append(norm.data_ptr())
             else:
                 return None
@@ -259,92 +246,3 @@ class LayerWords:
         built = build()
         self._by_block[id(tensors)] = (tensors, built)  # holding the block keeps its id unique
         return built
-
-
-def _is_cpu_fp32(t) -> bool:
-    return isinstance(t, torch.Tensor) and t.dtype == torch.float32 and t.is_cpu and t.is_contiguous()
-
-
-def _weight_words(weight, bias, shape: tuple[int, int], keep: list) -> tuple | None:
-    """`weight` (fp32 tensor, Int8Weight or Int4Weight of `shape`) and its bias as tl::Weight's
-    9 words (data, scales, offsets, bias, rows, cols, group, kind, half); None if unsupported."""
-    if weight.shape != shape:
-        return None
-    bias_ptr = 0
-    if bias is not None:
-        if not (isinstance(bias, torch.Tensor) and bias.is_cpu and bias.numel() == shape[0]):
-            return None
-        bias = bias.float().contiguous()
-        keep.append(bias)  # a converted copy must outlive the call
-        bias_ptr = bias.data_ptr()
-    rows, cols = shape
-    if isinstance(weight, torch.Tensor):
-        if not _is_cpu_fp32(weight):
-            return None
-        return weight.data_ptr(), 0, 0, bias_ptr, rows, cols, cols, KIND_FP32, 0
-    runs = getattr(weight, "runs", None)
-    if runs is not None:  # a row stack: its runs' words in an array that `keep` holds for the call
-        described = [_weight_words(run, None, tuple(run.shape), keep) for run in runs]
-        if any(d is None or d[7] == KIND_STACK for d in described):
-            return None
-        array = (WeightArg * len(runs))(*(WeightArg(*d) for d in described))
-        keep.append(array)
-        return ctypes.addressof(array), 0, 0, bias_ptr, rows, cols, len(runs), KIND_STACK, 0
-    if hasattr(weight, "native_words"):  # a weight that describes itself (GGUF Q2_K/Q3_K: quant/low_bit_k.py)
-        return weight_words(weight, bias_ptr)
-    if getattr(weight, "codebook", False):  # GGUF IQ4_NL / IQ4_XS (quant/iq4.py): read as stored
-        parts = list(weight.tensors().values())
-        if not all(p.is_cpu and p.is_contiguous() for p in parts):
-            return None
-        if weight.superblocks is not None:
-            return weight.packed.data_ptr(), weight.superblocks.data_ptr(), 0, bias_ptr, rows, cols, 32, KIND_IQ4X, 0
-        return weight.packed.data_ptr(), weight.scales.data_ptr(), 0, bias_ptr, rows, cols, 32, KIND_IQ4, 1
-    codes = getattr(weight, "codes", None)
-    if codes is not None:  # GGUF Q5_0 / Q5_1 / Q5_K (quant/q5.py): read as stored
-        parts = list(weight.tensors().values())
-        if not all(p.is_cpu and p.is_contiguous() for p in parts):
-            return None
-        if weight.superblocks is not None:
-            return codes.data_ptr(), weight.superblocks.data_ptr(), 0, bias_ptr, rows, cols, 32, KIND_INT5K, 0
-        offsets = weight.offsets.data_ptr() if weight.offsets is not None else 0
-        return codes.data_ptr(), weight.scales.data_ptr(), offsets, bias_ptr, rows, cols, 32, KIND_INT5, 1
-    superblocks = getattr(weight, "superblocks", None)
-    if superblocks is not None:  # GGUF Q4_K / Q6_K (quant/q4k.py, q6k.py): read as stored
-        high = getattr(weight, "high", None)
-        parts = [weight.packed, superblocks] + ([high] if high is not None else [])
-        if not all(p.is_cpu and p.is_contiguous() for p in parts):
-            return None
-        if high is not None:
-            return weight.packed.data_ptr(), superblocks.data_ptr(), high.data_ptr(), bias_ptr, rows, cols, 16, KIND_INT6K, 0
-        return weight.packed.data_ptr(), superblocks.data_ptr(), 0, bias_ptr, rows, cols, 32, KIND_INT4K, 0
-    if getattr(weight, "packed", None) is not None:
-        return _int4_words(weight, bias_ptr, rows, cols)
-    qweight = getattr(weight, "qweight", None)
-    if qweight is None or not qweight.is_cpu or qweight.dtype != torch.int8:
-        return None
-    offsets = weight.offsets_2d
-    offsets_ptr = offsets.data_ptr() if offsets is not None else 0
-    scales = weight.scales_2d  # fp32, or fp16 (symmetric: GGUF Q8_0's form)
-    half = int(scales.dtype == torch.float16)
-    if half and offsets is not None:
-        return None
-    return qweight.data_ptr(), scales.data_ptr(), offsets_ptr, bias_ptr, rows, cols, weight.group, KIND_INT8, half
-
-
-def _int4_words(weight, bias_ptr: int, rows: int, cols: int) -> tuple | None:
-    """An Int4Weight's words, if its parts are what the native code reads: contiguous CPU uint8
-    packed [rows, cols / 2], float16 scales (and offsets) [rows, G], group and cols multiples of 32."""
-    packed, scales, offsets, group = weight.packed, weight.scales, weight.offsets, weight.group_size
-    if not isinstance(group, int) or group <= 0 or group % 32 or cols % 32:
-        return None
-    if packed.dtype != torch.uint8 or tuple(packed.shape) != (rows, cols // 2):
-        return None
-    want = (rows, -(-cols // group))
-    parts = [packed, scales] + ([offsets] if offsets is not None else [])
-    if any(not (p.is_cpu and p.is_contiguous()) for p in parts):
-        return None
-    for part in parts[1:]:
-        if part.dtype != torch.float16 or tuple(part.shape) != want:
-            return None
-    offsets_ptr = offsets.data_ptr() if offsets is not None else 0
-    return packed.data_ptr(), scales.data_ptr(), offsets_ptr, bias_ptr, rows, cols, group, KIND_INT4, 1

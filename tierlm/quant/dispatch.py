@@ -76,6 +76,11 @@ class KernelChoice:
         if bias is not None and not bias.is_contiguous():
             bias = bias.contiguous()
         kernel = self.gemv if rows.shape[0] <= self.crossover else self.gemm
+        if kernel is self.gemm and hasattr(self.gemv, "gemm"):
+            # Prefill multiplied in integers where the native build can (csrc/gemm_a16.h), else BLAS.
+            out = self.gemv.gemm(rows, weight, bias)
+            if out is not None:
+                return out.to(x.dtype) if x.dim() == 2 else out.to(x.dtype).view(*x.shape[:-1], out_features)
         if hasattr(weight, "native_words"):  # a weight that describes itself (LowBitKWeight: GGUF Q2_K/Q3_K)
             if not hasattr(kernel, "matmul_words"):
                 kernel = self.gemm

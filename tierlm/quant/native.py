@@ -65,6 +65,20 @@ BUILD_RECORD = "last-build-seconds"
 FIRST_BUILD_GUESS_S = 35
 
 
+# tl::WeightKind (csrc/weight.h): what a weight's data holds.
+KIND_FP32, KIND_INT8, KIND_INT4, KIND_INT4K, KIND_INT6K, KIND_INT5, KIND_INT5K, KIND_IQ4, KIND_IQ4X = 0, 1, 4, 5, 6, 7, 8, 9, 10
+KIND_STACK = 13  # `data` an array of `group` tl::Weight runs of rows (quant/row_stack.py)
+
+
+class WeightArg(ctypes.Structure):
+    """tl::Weight (csrc/weight.h): a weight as the native entry points read it, its fields the
+    9 words `describe_weight` gives (data, scales, offsets, bias, rows, cols, group, kind, half)."""
+
+    _fields_ = [("data", ctypes.c_void_p), ("scales", ctypes.c_void_p), ("offsets", ctypes.c_void_p),
+                ("bias", ctypes.c_void_p), ("rows", ctypes.c_int64), ("cols", ctypes.c_int64),
+                ("group", ctypes.c_int64), ("kind", ctypes.c_int32), ("half", ctypes.c_int32)]  # fmt: skip
+
+
 class NativeKernel:
     """The compiled library behind the `Int8Kernel` interface (see `kernel_api`), plus the INT4
     entry points (`matmul4`, `dequantize4_into`).
@@ -101,6 +115,8 @@ class NativeKernel:
         lib.tierlm_iq4_dequant.restype = ctypes.c_int
         lib.tierlm_weight_matmul.argtypes = [ptr, i64, ptr, ptr, ctypes.c_int]
         lib.tierlm_weight_matmul.restype = ctypes.c_int
+        lib.tierlm_weight_gemm.argtypes = [ptr, i64, ptr, ptr, ctypes.c_int]
+        lib.tierlm_weight_gemm.restype = ctypes.c_int
         lib.tierlm_weight_dequant.argtypes = [ptr, ptr, ctypes.c_int]
         lib.tierlm_weight_dequant.restype = ctypes.c_int
         lib.tierlm_decode_layer.argtypes = [ptr, ptr, ptr]
@@ -257,6 +273,21 @@ class NativeKernel:
         words = _words_array(weight, bias)
         if self.lib.tierlm_weight_matmul(x.data_ptr(), m, words, y.data_ptr(), torch.get_num_threads()) != 0:
             raise ValueError(f"the native kernels cannot read {weight!r}")
+        return y
+
+    def gemm(self, x, weight, bias=None):
+        """x [M, K] fp32 @ weight.T (+ bias) -> [M, N] fp32 multiplied in integers (csrc/gemm_a16.h:
+        prefill-sized M, activations as int16 per 32 columns), for any quantized weight this build
+        multiplies so; None where it does not (fp32 weights, the portable build, a NaN in x)."""
+        keep = []
+        words = describe_weight(weight, bias, tuple(weight.shape), keep)
+        if words is None or words[7] == KIND_STACK:
+            return None
+        m = x.shape[0]
+        y = torch.empty(m, weight.shape[0], dtype=torch.float32)
+        array = (ctypes.c_int64 * 9)(*words)
+        if self.lib.tierlm_weight_gemm(x.data_ptr(), m, array, y.data_ptr(), torch.get_num_threads()) != 0:
+            return None
         return y
 
     def dequantize_words_into(self, weight, out):
@@ -471,3 +502,92 @@ def _run_compiler(command: list[str], report) -> tuple[int, str, str]:
                     report(0, 1)
     except OSError as err:
         raise KernelUnavailable(f"{command[0]} failed to run: {err}") from None
+
+
+def is_cpu_fp32(t) -> bool:
+    return isinstance(t, torch.Tensor) and t.dtype == torch.float32 and t.is_cpu and t.is_contiguous()
+
+
+def describe_weight(weight, bias, shape: tuple[int, int], keep: list) -> tuple | None:
+    """`weight` (fp32 tensor, Int8Weight or Int4Weight of `shape`) and its bias as tl::Weight's
+    9 words (data, scales, offsets, bias, rows, cols, group, kind, half); None if unsupported."""
+    if weight.shape != shape:
+        return None
+    bias_ptr = 0
+    if bias is not None:
+        if not (isinstance(bias, torch.Tensor) and bias.is_cpu and bias.numel() == shape[0]):
+            return None
+        bias = bias.float().contiguous()
+        keep.append(bias)  # a converted copy must outlive the call
+        bias_ptr = bias.data_ptr()
+    rows, cols = shape
+    if isinstance(weight, torch.Tensor):
+        if not is_cpu_fp32(weight):
+            return None
+        return weight.data_ptr(), 0, 0, bias_ptr, rows, cols, cols, KIND_FP32, 0
+    runs = getattr(weight, "runs", None)
+    if runs is not None:  # a row stack: its runs' words in an array that `keep` holds for the call
+        described = [describe_weight(run, None, tuple(run.shape), keep) for run in runs]
+        if any(d is None or d[7] == KIND_STACK for d in described):
+            return None
+        array = (WeightArg * len(runs))(*(WeightArg(*d) for d in described))
+        keep.append(array)
+        return ctypes.addressof(array), 0, 0, bias_ptr, rows, cols, len(runs), KIND_STACK, 0
+    if hasattr(weight, "native_words"):  # a weight that describes itself (GGUF Q2_K/Q3_K: quant/low_bit_k.py)
+        return weight_words(weight, bias_ptr)
+    if getattr(weight, "codebook", False):  # GGUF IQ4_NL / IQ4_XS (quant/iq4.py): read as stored
+        parts = list(weight.tensors().values())
+        if not all(p.is_cpu and p.is_contiguous() for p in parts):
+            return None
+        if weight.superblocks is not None:
+            return weight.packed.data_ptr(), weight.superblocks.data_ptr(), 0, bias_ptr, rows, cols, 32, KIND_IQ4X, 0
+        return weight.packed.data_ptr(), weight.scales.data_ptr(), 0, bias_ptr, rows, cols, 32, KIND_IQ4, 1
+    codes = getattr(weight, "codes", None)
+    if codes is not None:  # GGUF Q5_0 / Q5_1 / Q5_K (quant/q5.py): read as stored
+        parts = list(weight.tensors().values())
+        if not all(p.is_cpu and p.is_contiguous() for p in parts):
+            return None
+        if weight.superblocks is not None:
+            return codes.data_ptr(), weight.superblocks.data_ptr(), 0, bias_ptr, rows, cols, 32, KIND_INT5K, 0
+        offsets = weight.offsets.data_ptr() if weight.offsets is not None else 0
+        return codes.data_ptr(), weight.scales.data_ptr(), offsets, bias_ptr, rows, cols, 32, KIND_INT5, 1
+    superblocks = getattr(weight, "superblocks", None)
+    if superblocks is not None:  # GGUF Q4_K / Q6_K (quant/q4k.py, q6k.py): read as stored
+        high = getattr(weight, "high", None)
+        parts = [weight.packed, superblocks] + ([high] if high is not None else [])
+        if not all(p.is_cpu and p.is_contiguous() for p in parts):
+            return None
+        if high is not None:
+            return weight.packed.data_ptr(), superblocks.data_ptr(), high.data_ptr(), bias_ptr, rows, cols, 16, KIND_INT6K, 0
+        return weight.packed.data_ptr(), superblocks.data_ptr(), 0, bias_ptr, rows, cols, 32, KIND_INT4K, 0
+    if getattr(weight, "packed", None) is not None:
+        return _int4_words(weight, bias_ptr, rows, cols)
+    qweight = getattr(weight, "qweight", None)
+    if qweight is None or not qweight.is_cpu or qweight.dtype != torch.int8:
+        return None
+    offsets = weight.offsets_2d
+    offsets_ptr = offsets.data_ptr() if offsets is not None else 0
+    scales = weight.scales_2d  # fp32, or fp16 (symmetric: GGUF Q8_0's form)
+    half = int(scales.dtype == torch.float16)
+    if half and offsets is not None:
+        return None
+    return qweight.data_ptr(), scales.data_ptr(), offsets_ptr, bias_ptr, rows, cols, weight.group, KIND_INT8, half
+
+
+def _int4_words(weight, bias_ptr: int, rows: int, cols: int) -> tuple | None:
+    """An Int4Weight's words, if its parts are what the native code reads: contiguous CPU uint8
+    packed [rows, cols / 2], float16 scales (and offsets) [rows, G], group and cols multiples of 32."""
+    packed, scales, offsets, group = weight.packed, weight.scales, weight.offsets, weight.group_size
+    if not isinstance(group, int) or group <= 0 or group % 32 or cols % 32:
+        return None
+    if packed.dtype != torch.uint8 or tuple(packed.shape) != (rows, cols // 2):
+        return None
+    want = (rows, -(-cols // group))
+    parts = [packed, scales] + ([offsets] if offsets is not None else [])
+    if any(not (p.is_cpu and p.is_contiguous()) for p in parts):
+        return None
+    for part in parts[1:]:
+        if part.dtype != torch.float16 or tuple(part.shape) != want:
+            return None
+    offsets_ptr = offsets.data_ptr() if offsets is not None else 0
+    return packed.data_ptr(), scales.data_ptr(), offsets_ptr, bias_ptr, rows, cols, group, KIND_INT4, 1

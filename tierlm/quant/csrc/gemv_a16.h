@@ -89,8 +89,10 @@ inline void a16_rows(const Weight& W, const Activations16& a, const float* xs, i
   constexpr int64_t SPAN = 64;  // groups whose combined scales are formed together, on the stack
   alignas(32) float weight_scales[SPAN], combined[MB][SPAN];
   for (int64_t n = n0; n < n1; ++n) {
-    __m256 total[MB];
-    for (int m = 0; m < MB; ++m) total[m] = _mm256_setzero_ps();
+    // Two accumulators per activation row, even and odd groups: the FMA chain of one would
+    // bound a row to one group per FMA latency.
+    __m256 total[MB], other[MB];
+    for (int m = 0; m < MB; ++m) total[m] = other[m] = _mm256_setzero_ps();
     for (int64_t g0 = 0; g0 < G; g0 += SPAN) {
       const int64_t g1 = std::min(G, g0 + SPAN);
       scales(n, g0, g1, weight_scales);
@@ -101,18 +103,24 @@ inline void a16_rows(const Weight& W, const Activations16& a, const float* xs, i
           _mm256_store_ps(combined[m] + i, _mm256_mul_ps(_mm256_load_ps(weight_scales + i), _mm256_loadu_ps(ax + i)));
         for (; i < g1 - g0; ++i) combined[m][i] = weight_scales[i] * ax[i];
       }
-      for (int64_t g = g0; g < g1; ++g) {
+      auto group = [&](int64_t g, __m256* acc) __attribute__((always_inline)) {
         I::reg lo, hi;
         codes(n, g, lo, hi);
         for (int m = 0; m < MB; ++m) {
           const int16_t* x = a.codes.data() + m * K + g * 32;
           const I::reg sums = I::dot(I::dot(I::zero(), lo, I::load(x)), hi, I::load(x + 16));
-          total[m] = I::scaled(sums, combined[m][g - g0], total[m]);
+          acc[m] = I::scaled(sums, combined[m][g - g0], acc[m]);
         }
+      };
+      int64_t g = g0;
+      for (; g + 2 <= g1; g += 2) {
+        group(g, total);
+        group(g + 1, other);
       }
+      if (g < g1) group(g, total);
     }
     for (int m = 0; m < MB; ++m) {
-      float v = I::sum(total[m]);
+      float v = I::sum(_mm256_add_ps(total[m], other[m]));
       if constexpr (OFFSETS) v += offset(n, xs + m * H);
       if (W.bias) v += W.bias[n];
       float& dst = y[m * ldy + (n - n0)];

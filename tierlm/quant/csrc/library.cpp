@@ -5,6 +5,7 @@
 #include <vector>
 
 #include "fused_decode.h"
+#include "gemm_a16.h"
 #include "gemv.h"
 #include "pool.h"
 
@@ -267,6 +268,14 @@ int tierlm_weight_matmul(const float* x, int64_t M, const int64_t* words, float*
   const std::vector<float> xs = tl::group_sums(W, x, W.cols, M);
   tl::gemv(W, x, W.cols, M, xs.data(), y, W.rows, false, threads);
   return 0;
+}
+
+// y[M, rows] = x[M, cols] @ W.T (+ bias) for the weight of `words`, multiplied in integers
+// (gemm_a16.h: prefill-sized M). Returns -1 (nothing written) where W has no integer path in
+// this build or x holds NaN or inf: the caller dequantizes into BLAS instead.
+int tierlm_weight_gemm(const float* x, int64_t M, const int64_t* words, float* y, int threads) {
+  const tl::Weight W = weight_from_words(words);
+  return M > 0 && tl::gemm_a16(W, x, M, y, W.rows, threads) ? 0 : -1;
 }
 
 // out[rows, cols] = the weight of `words` dequantized in fp32, exactly the `gguf` package's

@@ -1,0 +1,362 @@
+// Prefill-sized products multiplied in integers: y[M, N] = x[M, K] @ W.T (+ bias) for many
+// activation rows, every weight kind but fp32 and row stacks, read as stored.
+//
+// x is quantized once per call to int16 per 32 columns (gemv_a16.h's quantize_group16: the
+// decode rows' numerics, each value within 1.5e-5 of its group's largest magnitude). W is
+// expanded a panel of `PanelOps::lanes` rows at a time into its integer codes (Q8_0's int8,
+// nibbles, Q5's and Q6_K's joined bits, Q2_K/Q3_K's crumbs, IQ4's codebook values) with fp32
+// scales and offsets per group of 16 or 32 columns, as gguf forms them, and the codes laid out
+// as column pairs: word p of lane r holds row r's codes at columns 2p and 2p + 1. One pairwise
+// int32 dot (vpdpwssd, or vpmaddwd + vpaddd) then multiplies two columns of every row of the
+// panel by one activation row's broadcast pair, with no horizontal sums; each group's int32
+// sums are scaled once into fp32: y = sum_g s_w s_x (codes . x codes) + sum_g o_w (x summed
+// over g). |code| <= 127, |x code| <= 32767 and 32 products a group keep every sum < 2^27.
+// Each panel is expanded once per block of activation rows and serves all of them (the fp32
+// path instead writes every dequantized weight to memory and reads it back in BLAS).
+#pragma once
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "gemv.h"
+#include "gemv_a16.h"
+#include "pool.h"
+#include "weight.h"
+
+namespace tl {
+
+// Activation rows quantized and multiplied together per pass over the panels: bounds the
+// int16 copy of x (kGemmRowBlock x K) that every panel reads from cache.
+constexpr int64_t kGemmRowBlock = 256;
+
+// Columns per scale of W's codes: 16 for the kinds whose sub-blocks are 16 wide, else 32.
+inline int64_t code_group(const Weight& W) {
+  return W.kind == kInt6K || W.kind == kInt2K || W.kind == kInt3K ? 16 : 32;
+}
+
+// Whether gemm_a16 multiplies W: every stored kind whose columns come in whole 32-column
+// chunks (int8 only in groups that are whole chunks), on the x86 builds.
+inline bool has_gemm_a16_path(const Weight& W) {
+  if (!Ints16::available || !W.supported() || W.cols <= 0 || W.cols % 32 != 0) return false;
+  if (W.kind == kInt8) return W.group % 32 == 0 || W.group >= W.cols;
+  return W.kind != kFp32 && W.kind != kStack;
+}
+
+// 32 ones: a group's sum as a dot product.
+alignas(64) inline constexpr float kOnes[32] = {1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1,
+                                                1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1};
+
+// IQ4_NL / IQ4_XS's codebook as the integers it holds (kIQ4Values).
+inline constexpr int8_t kIQ4Codes[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+
+// Row n's 32 codes of chunk c (columns 32c..32c+31) of W, less the bias the kind subtracts
+// (Q4_0's 8, Q5_0's 16, Q6_K's 32, Q3_K's 4: its offsets then need no term of their own).
+inline void chunk_codes(const Weight& W, int64_t n, int64_t c, int16_t* out) {
+  const int64_t K = W.cols;
+  const uint8_t* bytes = static_cast<const uint8_t*>(W.data);
+  switch (W.kind) {
+    case kInt8: {
+      const int8_t* w = static_cast<const int8_t*>(W.data) + n * K + c * 32;
+      for (int k = 0; k < 32; ++k) out[k] = w[k];
+      return;
+    }
+    case kInt4:
+    case kInt4K:
+    case kIQ4:
+    case kIQ4X: {  // int4.py's packing: byte k holds column k (low nibble) and 16 + k (high)
+      const uint8_t* b = bytes + n * (K / 2) + c * 16;
+      const int bias = W.kind == kInt4 && !W.offsets ? 8 : 0;
+      for (int k = 0; k < 16; ++k) {
+        const int lo = b[k] & 15, hi = b[k] >> 4;
+        if (W.kind == kIQ4 || W.kind == kIQ4X) {
+          out[k] = kIQ4Codes[lo];
+          out[16 + k] = kIQ4Codes[hi];
+        } else {
+          out[k] = static_cast<int16_t>(lo - bias);
+          out[16 + k] = static_cast<int16_t>(hi - bias);
+        }
+      }
+      return;
+    }
+    case kInt5:
+    case kInt5K: {  // 16 bytes of nibbles, then the fifth bits (bit k column k)
+      const uint8_t* chunk = bytes + (n * (K / 32) + c) * 20;
+      uint32_t high;
+      std::memcpy(&high, chunk + 16, 4);
+      const int bias = W.kind == kInt5 && !W.offsets ? 16 : 0;
+      for (int k = 0; k < 16; ++k) {
+        out[k] = static_cast<int16_t>(((chunk[k] & 15) | ((high >> k) & 1) << 4) - bias);
+        out[16 + k] = static_cast<int16_t>(((chunk[k] >> 4) | ((high >> (16 + k)) & 1) << 4) - bias);
+      }
+      return;
+    }
+    case kInt6K: {  // low nibbles as int4's, 2-bit high parts: byte k % 8, bits 2 (k / 8)
+      const uint8_t* b = bytes + n * (K / 2) + c * 16;
+      const uint8_t* q = static_cast<const uint8_t*>(W.offsets) + n * (K / 4) + c * 8;
+      for (int k = 0; k < 32; ++k) {
+        const int lo = k < 16 ? b[k] & 15 : b[k - 16] >> 4;
+        out[k] = static_cast<int16_t>(lo + 16 * ((q[k % 8] >> (2 * (k / 8))) & 3) - 32);
+      }
+      return;
+    }
+    default: {  // kInt2K, kInt3K: crumbs as Q6_K's high parts, Q3_K's third bit a word per chunk
+      const uint8_t* q = bytes + n * (K / 4) + c * 8;
+      uint32_t bits = 0;
+      if (W.kind == kInt3K) std::memcpy(&bits, static_cast<const uint8_t*>(W.offsets) + n * (K / 8) + c * 4, 4);
+      const int bias = W.kind == kInt3K ? 4 : 0;
+      for (int k = 0; k < 32; ++k)
+        out[k] = static_cast<int16_t>((((q[k % 8] >> (2 * (k / 8))) & 3) | ((bits >> k) & 1) << 2) - bias);
+      return;
+    }
+  }
+}
+
+// Row n's scales s [K / code_group] and offsets o (left untouched where the kind has none:
+// returns false), one per group of code_group(W) columns, as gguf forms them.
+inline bool row_scales(const Weight& W, int64_t n, float* s, float* o) {
+  const int64_t K = W.cols, G = W.groups(), chunks = K / 32;
+  switch (W.kind) {
+    case kInt8: {  // groups of any multiple of 32 (or the whole row): repeated per chunk
+      const int64_t per = std::min(W.group, K) / 32;
+      for (int64_t c = 0; c < chunks; ++c) {
+        const int64_t g = std::min(c / per, G - 1);
+        s[c] = W.half ? half_to_float(static_cast<const uint16_t*>(W.scales)[n * G + g])
+                      : static_cast<const float*>(W.scales)[n * G + g];
+        if (W.offsets) o[c] = static_cast<const float*>(W.offsets)[n * G + g];
+      }
+      return W.offsets != nullptr;
+    }
+    case kInt4:
+    case kInt5:
+    case kIQ4: {  // fp16 scales (and offsets) per group, a multiple of 32 columns
+      const int64_t per = W.group / 32;
+      const uint16_t* scales = static_cast<const uint16_t*>(W.scales) + n * G;
+      const uint16_t* offsets = static_cast<const uint16_t*>(W.offsets);
+      for (int64_t c = 0; c < chunks; ++c) {
+        s[c] = half_to_float(scales[c / per]);
+        if (offsets) o[c] = half_to_float(offsets[n * G + c / per]);
+      }
+      return offsets != nullptr;
+    }
+    case kInt4K:
+    case kInt5K:
+      expand_super_blocks(W, n, 1, s, o);
+      return true;
+    case kIQ4X:
+      expand_signed_scales<8>(W, n, 1, s);
+      return false;
+    case kInt6K:
+      expand_signed_scales<16>(W, n, 1, s);
+      return false;
+    default:  // kInt2K, kInt3K
+      expand_low_bit_k(W, n, 1, s, o);
+      return W.kind == kInt2K;
+  }
+}
+
+#if TIERLM_ISA >= 256
+
+// The registers a panel is multiplied in: `lanes` weight rows (int32 lanes of column pairs).
+#if TIERLM_ISA == 512
+struct PanelOps {
+  static constexpr int lanes = 16, rows = 8;  // rows: activation rows per register block
+  using ireg = __m512i;
+  using freg = __m512;
+  static ireg izero() { return _mm512_setzero_si512(); }
+  static freg fzero() { return _mm512_setzero_ps(); }
+  static ireg load(const int32_t* p) { return _mm512_loadu_si512(p); }
+  // acc += the pairwise products of w with the pair at p broadcast to every lane.
+  static ireg dot(ireg acc, ireg w, const int32_t* p) {
+#if defined(__AVX512VNNI__) && defined(__GNUC__)
+    // As written (the broadcast from memory embedded, acc updated in place): GCC 12 otherwise
+    // copies every accumulator once a step (measured 2x slower).
+    __asm__("vpdpwssd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(w), "m"(*p));
+    return acc;
+#elif defined(__AVX512VNNI__)
+    return _mm512_dpwssd_epi32(acc, w, _mm512_set1_epi32(*p));
+#else
+    return _mm512_add_epi32(acc, _mm512_madd_epi16(w, _mm512_set1_epi32(*p)));
+#endif
+  }
+  static freg loadf(const float* p) { return _mm512_loadu_ps(p); }
+  static freg set1(float v) { return _mm512_set1_ps(v); }
+  static freg mul(freg a, freg b) { return _mm512_mul_ps(a, b); }
+  static freg add(freg a, freg b) { return _mm512_add_ps(a, b); }
+  static freg fma(freg a, freg b, freg c) { return _mm512_fmadd_ps(a, b, c); }
+  static freg cvt(ireg v) { return _mm512_cvtepi32_ps(v); }
+  static void store(float* p, freg v, int count) {
+    _mm512_mask_storeu_ps(p, static_cast<__mmask16>((1u << count) - 1), v);
+  }
+};
+#else
+struct PanelOps {
+  static constexpr int lanes = 8, rows = 4;
+  using ireg = __m256i;
+  using freg = __m256;
+  static ireg izero() { return _mm256_setzero_si256(); }
+  static freg fzero() { return _mm256_setzero_ps(); }
+  static ireg load(const int32_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+  static ireg dot(ireg acc, ireg w, const int32_t* p) {
+#if defined(__AVXVNNI__) || (defined(__AVX512VNNI__) && defined(__AVX512VL__))
+    return _mm256_dpwssd_epi32(acc, w, _mm256_set1_epi32(*p));
+#else
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(w, _mm256_set1_epi32(*p)));
+#endif
+  }
+  static freg loadf(const float* p) { return _mm256_loadu_ps(p); }
+  static freg set1(float v) { return _mm256_set1_ps(v); }
+  static freg mul(freg a, freg b) { return _mm256_mul_ps(a, b); }
+  static freg add(freg a, freg b) { return _mm256_add_ps(a, b); }
+  static freg fma(freg a, freg b, freg c) { return _mm256_fmadd_ps(a, b, c); }
+  static freg cvt(ireg v) { return _mm256_cvtepi32_ps(v); }
+  static void store(float* p, freg v, int count) {
+    if (count == lanes) return _mm256_storeu_ps(p, v);
+    alignas(32) float tmp[8];
+    _mm256_store_ps(tmp, v);
+    std::memcpy(p, tmp, count * sizeof(float));
+  }
+};
+#endif
+
+// One panel of W: `lanes` rows' codes as column pairs [K / 2][lanes], their scales and
+// offsets [groups][lanes] (rows past W's last: zero codes and scales).
+struct CodePanel {
+  std::vector<int32_t> pairs;
+  std::vector<float> scales, offsets;
+  bool has_offsets = false;
+
+  void expand(const Weight& W, int64_t n0, int count) {
+    constexpr int L = PanelOps::lanes;
+    const int64_t K = W.cols, GW = code_group(W), G = K / GW;
+    pairs.assign(K / 2 * L, 0);
+    scales.assign(G * L, 0.0f);
+    offsets.assign(G * L, 0.0f);
+    std::vector<float> s(G), o(G, 0.0f);
+    alignas(64) int16_t codes[32];
+    has_offsets = false;
+    for (int r = 0; r < count; ++r) {
+      has_offsets |= row_scales(W, n0 + r, s.data(), o.data());
+      for (int64_t g = 0; g < G; ++g) {
+        scales[g * L + r] = s[g];
+        offsets[g * L + r] = o[g];
+      }
+      for (int64_t c = 0; c < K / 32; ++c) {
+        chunk_codes(W, n0 + r, c, codes);
+        int32_t* dst = pairs.data() + c * 16 * L + r;
+        for (int p = 0; p < 16; ++p)
+          dst[p * L] = static_cast<int32_t>(static_cast<uint16_t>(codes[2 * p])) |
+                       static_cast<int32_t>(static_cast<uint32_t>(static_cast<uint16_t>(codes[2 * p + 1])) << 16);
+      }
+    }
+  }
+};
+
+// The activation rows quantized for the panels, `PanelOps::rows` (MR) rows at a time: block b
+// holds pair p (columns 2p, 2p + 1 as int16 codes) of its row i at pairs[(b * K / 2 + p) * MR + i],
+// so one step's MR broadcasts read one cache line; scales [rows, K / 32] and sums [rows, K / GW]
+// (x summed per code group, for the offsets' share). Rows past M: zero codes and scales.
+struct PairedRows {
+  std::vector<int32_t> pairs;
+  std::vector<float> scales, sums;
+};
+
+// x [M, K] as PairedRows for weights of code group GW; false where a value is NaN or inf.
+inline bool pair_rows(const float* x, int64_t M, int64_t K, int64_t GW, int threads, PairedRows& out) {
+  constexpr int MR = PanelOps::rows;
+  const int64_t blocks = (M + MR - 1) / MR, Ga = K / 32, G = K / GW;
+  out.pairs.assign(blocks * MR * K / 2, 0);
+  out.scales.assign(blocks * MR * Ga, 0.0f);
+  out.sums.assign(blocks * MR * G, 0.0f);
+  std::atomic<bool> finite{true};
+  parallel_for(M, 16, threads, [&](int64_t m0, int64_t m1) {
+    alignas(64) int16_t codes[32];
+    for (int64_t m = m0; m < m1; ++m) {
+      const float* row = x + m * K;
+      int32_t* dst = out.pairs.data() + (m / MR) * (K / 2) * MR + m % MR;
+      for (int64_t g = 0; g < Ga; ++g) {
+        if (!quantize_group16(row + g * 32, codes, out.scales.data() + m * Ga + g)) {
+          finite.store(false, std::memory_order_relaxed);
+          return;
+        }
+        for (int p = 0; p < 16; ++p) {
+          int32_t pair;
+          std::memcpy(&pair, codes + 2 * p, 4);
+          dst[(g * 16 + p) * MR] = pair;
+        }
+      }
+      for (int64_t g = 0; g < G; ++g) out.sums[m * G + g] = dot(row + g * GW, kOnes, GW);
+    }
+  });
+  return finite.load();
+}
+
+// y[m, n0 + r] for the MR activation rows of block b (rows m < M only) and the panel's rows
+// r < count: per code group, int32 sums of column pairs, then scaled into fp32.
+inline void panel_block(const CodePanel& panel, int64_t K, int64_t GW, const PairedRows& x, int64_t b, int64_t M,
+                        float* y, int64_t ldy, int64_t n0, int count, const float* bias) {
+  using P = PanelOps;
+  constexpr int L = P::lanes, MR = P::rows;
+  const int64_t G = K / GW, step = GW / 2, Ga = K / 32;
+  const int32_t* xb = x.pairs.data() + b * (K / 2) * MR;
+  const float* xscale = x.scales.data() + b * MR * Ga;
+  const float* xsum = x.sums.data() + b * MR * G;
+  typename P::freg acc[MR];
+  for (int i = 0; i < MR; ++i) acc[i] = P::fzero();
+  for (int64_t g = 0; g < G; ++g) {
+    typename P::ireg sums[MR];
+    for (int i = 0; i < MR; ++i) sums[i] = P::izero();
+    const int32_t* w = panel.pairs.data() + g * step * L;
+    const int32_t* xp = xb + g * step * MR;
+    for (int64_t p = 0; p < step; ++p) {
+      const typename P::ireg wv = P::load(w + p * L);
+      for (int i = 0; i < MR; ++i) sums[i] = P::dot(sums[i], wv, xp + p * MR + i);
+    }
+    const typename P::freg ws = P::loadf(panel.scales.data() + g * L);
+    const int64_t ga = g * GW / 32;
+    for (int i = 0; i < MR; ++i) acc[i] = P::fma(P::cvt(sums[i]), P::mul(ws, P::set1(xscale[i * Ga + ga])), acc[i]);
+    if (panel.has_offsets) {
+      const typename P::freg wo = P::loadf(panel.offsets.data() + g * L);
+      for (int i = 0; i < MR; ++i) acc[i] = P::fma(wo, P::set1(xsum[i * G + g]), acc[i]);
+    }
+  }
+  alignas(64) float lanes[L] = {};
+  if (bias) std::memcpy(lanes, bias + n0, count * sizeof(float));
+  const typename P::freg bv = P::loadf(lanes);
+  for (int i = 0; i < MR && b * MR + i < M; ++i) P::store(y + (b * MR + i) * ldy + n0, P::add(acc[i], bv), count);
+}
+
+#endif
+
+// y[M, N] (row stride ldy) = x[M, K] @ W.T (+ W.bias). False (nothing written) where W has no
+// integer path here (has_gemm_a16_path) or x holds a value int16 codes cannot carry.
+inline bool gemm_a16(const Weight& W, const float* x, int64_t M, float* y, int64_t ldy, int threads) {
+#if TIERLM_ISA >= 256
+  if (!has_gemm_a16_path(W)) return false;
+  constexpr int L = PanelOps::lanes, MR = PanelOps::rows;
+  const int64_t K = W.cols, N = W.rows, GW = code_group(W);
+  PairedRows paired;  // every row quantized before anything is written: a NaN refuses the call
+  if (!pair_rows(x, M, K, GW, threads, paired)) return false;
+  const int64_t panels = (N + L - 1) / L, blocks = (M + MR - 1) / MR, per_pass = kGemmRowBlock / MR;
+  for (int64_t b0 = 0; b0 < blocks; b0 += per_pass) {
+    const int64_t b1 = std::min(blocks, b0 + per_pass);
+    parallel_for(panels, 1, threads, [&](int64_t p0, int64_t p1) {
+      thread_local CodePanel panel;
+      for (int64_t p = p0; p < p1; ++p) {
+        const int64_t n0 = p * L;
+        const int count = static_cast<int>(std::min<int64_t>(L, N - n0));
+        panel.expand(W, n0, count);
+        for (int64_t b = b0; b < b1; ++b) panel_block(panel, K, GW, paired, b, M, y, ldy, n0, count, W.bias);
+      }
+    });
+  }
+  return true;
+#else
+  (void)W, (void)x, (void)M, (void)y, (void)ldy, (void)threads;
+  return false;
+#endif
+}
+
+}  // namespace tl
