@@ -73,6 +73,8 @@ def weights(kind: str):
         if parts["offsets"] is not None:  # Q5_1: W = u * s + o, the share o alone with s = 0
             load_native().dequantize5_into(parts["codes"], torch.zeros_like(parts["scales"]), parts["offsets"], None,
                                            offsets)  # fmt: skip
+        else:  # Q5_0: W = (u - 16) * s, the share -16 s added from x's sums as offsets are
+            offsets = -16 * parts["scales"].float().repeat_interleave(32, 1)
         return weight.dequantize(), offsets, lambda native, x, bias: native.matmul5(x, *parts.values(), bias)
     values = torch.randn(rows, cols, generator=gen) * 0.05
     if kind.startswith("int4"):

@@ -3,7 +3,8 @@
 A `KernelChoice` names two kernels: `gemv` for few activation rows (decode, small batches),
 where the int8 weight bytes stream from memory once, and `gemm` for many rows (prefill),
 where dequantizing blocks into BLAS wins; `crossover` is the largest row count still sent
-to `gemv`. On CPUs `calibrate` makes the choice: it loads each candidate (a loader that
+to `gemv`. Past it, a native `gemv` kernel's integer GEMM (csrc/gemm_a16.h) runs first and
+dequantize+BLAS only where it declines (fp32 weights, the portable build, NaN or inf in x). On CPUs `calibrate` makes the choice: it loads each candidate (a loader that
 raises KernelUnavailable is skipped with its reason), times them at batch 1 on a
 representative layer, then finds the crossover against dequantize+BLAS. Accelerators use
 torch ops (dequantize to bf16/fp16 + the device GEMM).

@@ -9,7 +9,11 @@ and wraps its entry points:
   widened to fp32 in registers and FMA'd with up to 4 activation rows, a tile of rows at a
   time, each cache line prefetching the next tile's; a group's partial dot is scaled once per
   group. Only the int8 bytes cross the memory bus and accumulation is fp32: W8A16.
-- `dequantize_into`: fp32 rows of a weight block, for the dequantize-then-BLAS path (prefill).
+- `gemm`: the same product for many rows (prefill) multiplied in integers (csrc/gemm_a16.h):
+  activations quantized to int16 per 32 columns, any stored kind expanded a panel of rows at
+  a time into its integer codes; None where the build or the input has no such path.
+- `dequantize_into`: fp32 rows of a weight block, for the dequantize-then-BLAS path (prefill
+  where `gemm` declines, and accelerators).
 - `matmul4`: the same product for INT4 weights (tierlm/quant/int4.py: packed nibbles, fp16
   scales and offsets per group of a multiple of 32 columns, all read as stored, no fp32 copy):
   W = u * s + o (o = -8 s when symmetric); each group's fp32 dot with the nibbles is scaled

@@ -512,9 +512,11 @@ inline std::vector<float> group_sums(const Weight& W, const float* x, int64_t ld
   return xs;
 }
 
-// Chunks of tiles per parallel_for call: several per thread, so a slow thread holds little.
+// Chunks of tiles per parallel_for call: two per thread. Each claim is an atomic on a line the
+// threads share (150-350 ns a round trip between cores here): decode's small products measured
+// ~10 % faster than with eight a thread, and the pool's adaptive mode covers a descheduled helper.
 inline int64_t tile_grain(int64_t tiles, int threads) {
-  return std::max<int64_t>(1, tiles / (8 * std::max(threads, 1)));
+  return std::max<int64_t>(1, tiles / (2 * std::max(threads, 1)));
 }
 
 // y[M, ldy] (+)= x @ W.T over all of W's rows, in parallel over tiles of rows.

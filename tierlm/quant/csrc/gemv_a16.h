@@ -187,19 +187,22 @@ inline void a16_rows(const Weight& W, const Activations16& a, const float* xs, i
     else a16_rows_offsets<MB>(o, W, a, xs, n0, n1, y, ldy, accumulate, codes, group_scales<float>(W), offset);
   } else if (W.kind == kInt5) {  // per 32 columns 16 bytes of nibbles, then the fifth bits (bit i column i)
     const uint8_t* w = static_cast<const uint8_t*>(W.data);
-    // Q5_0 (no offsets) is (u - 16) s: subtracted here, so no offsets' share is left to add.
-    const I::reg bias = I::splat(W.offsets ? 0 : 16);
     auto codes = [&](int64_t n, int64_t g, I::reg& lo, I::reg& hi) __attribute__((always_inline)) {
       const uint8_t* chunk = w + (n * G + g) * 20;
       const I::reg v = I::widen(chunk);
       uint32_t high;
       std::memcpy(&high, chunk + 16, 4);
-      lo = I::sub(I::or_where(I::low_nibbles(v), high & 0xffffu, 16), bias);
-      hi = I::sub(I::or_where(I::high_nibbles(v), high >> 16, 16), bias);
+      lo = I::or_where(I::low_nibbles(v), high & 0xffffu, 16);
+      hi = I::or_where(I::high_nibbles(v), high >> 16, 16);
     };
+    // Q5_1 is u s + o; Q5_0's (u - 16) s is u s plus the offsets -16 s, added from x's group
+    // sums as Q5_1's are (two subtractions a group fewer on a path the unpacking bounds).
     const uint16_t* o = static_cast<const uint16_t*>(W.offsets);
-    auto offset = [&](int64_t n, const float* sums) { return dot(o + n * G, sums, G); };
-    a16_rows_offsets<MB>(o, W, a, xs, n0, n1, y, ldy, accumulate, codes, group_scales<uint16_t>(W), offset);
+    const uint16_t* s = static_cast<const uint16_t*>(W.scales);
+    auto offset = [&](int64_t n, const float* sums) {
+      return o ? dot(o + n * G, sums, G) : -16.0f * dot(s + n * G, sums, G);
+    };
+    a16_rows<MB, true>(W, a, xs, n0, n1, y, ldy, accumulate, codes, group_scales<uint16_t>(W), offset);
   } else {  // kInt6K (Q6_K): (lo + 16 hi - 32) d sc[j], j per 16 columns, applied to the codes
     const uint8_t* w = static_cast<const uint8_t*>(W.data);
     const uint8_t* q = static_cast<const uint8_t*>(W.offsets);
