@@ -26,8 +26,13 @@ vendor/llama.cpp: `cmake -B build -DGGML_NATIVE=ON && ninja -C build llama-bench
 and point `TIERLM_LLAMA_CPP_BIN` at the folder holding the two binaries. Without them the
 llama.cpp rows are skipped with a message.
 
+`--also Q4_K_M,...` adds the embedded model re-quantized to those types; `--shape-1b` a 1B-shaped
+model (`write_1b_shaped`: Llama-3.2-1B's layers, the embedded tokenizer, random F16 weights) made
+into Q8_0 and Q4_K_M files by llama-quantize. Each file's tierlm row also gives its ratios against
+llama.cpp on the same file.
+
 Run from the repo root: `.venv/bin/python benchmarks/bench_vs_llamacpp.py` (~8 min on 2 cores,
-plus ~1 min probing the machine afresh first).
+plus ~1 min probing the machine afresh first; `--shape-1b` adds ~10 min and 6 GB of scratch).
 """
 
 from __future__ import annotations
@@ -57,6 +62,7 @@ class Config:
     threads: str  # as shown: "2", "1", "default (N)"
     run: Callable[[], dict]
     samples: list[dict] = field(default_factory=list)
+    peer: str = ""  # the llama.cpp row on the same file, for the same-file ratios
 
 
 def llama_cpp_bin(name: str) -> Path | None:
@@ -92,6 +98,52 @@ model = sys.argv[6] or None
 with open_session(model, load_profile("24gb"), device="cpu", quant=quant, threads=threads) as s:
     print(json.dumps(run_bench(s, prompt, gen, runs)))
 """
+
+
+# Llama-3.2-1B's layers with the embedded model's tokenizer (49,152 tokens, tied embeddings):
+# 1.07 B weights, the size class the issue's "1B-shaped file" names.
+SHAPE_1B = {"embedding_length": 2048, "block_count": 16, "feed_forward_length": 8192, "attention.head_count": 32,
+            "attention.head_count_kv": 8, "rope.dimension_count": 64}  # fmt: skip
+
+
+def write_1b_shaped(path: Path, tokenizer_from: Path) -> None:
+    """An F16 GGUF of SHAPE_1B with random weights (normal, std 0.02; norms 1) and `tokenizer_from`'s
+    tokenizer and chat template, for llama-quantize to make the files both engines read."""
+    import gguf
+    import numpy as np
+
+    reader = gguf.GGUFReader(tokenizer_from)
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_name("1B-shaped (random weights)")
+    for field in reader.fields.values():  # the tokenizer as the embedded model has it
+        if field.name.startswith("tokenizer."):
+            sub = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
+            writer.add_key_value(field.name, field.contents(), field.types[0], sub)
+    vocab = len(reader.fields["tokenizer.ggml.tokens"].data)
+    for key, value in {**SHAPE_1B, "context_length": 8192, "vocab_size": vocab}.items():
+        writer.add_uint32(f"llama.{key}", value)
+    writer.add_float32("llama.rope.freq_base", 500000.0)
+    writer.add_float32("llama.attention.layer_norm_rms_epsilon", 1e-5)
+    writer.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
+    hidden, inter = SHAPE_1B["embedding_length"], SHAPE_1B["feed_forward_length"]
+    kv = SHAPE_1B["attention.head_count_kv"] * SHAPE_1B["rope.dimension_count"]
+    rng = np.random.default_rng(0)
+    shapes = {"token_embd.weight": (vocab, hidden), "output_norm.weight": (hidden,)}
+    for i in range(SHAPE_1B["block_count"]):
+        shapes |= {f"blk.{i}.attn_norm.weight": (hidden,), f"blk.{i}.ffn_norm.weight": (hidden,),
+                   f"blk.{i}.attn_q.weight": (hidden, hidden), f"blk.{i}.attn_k.weight": (kv, hidden),
+                   f"blk.{i}.attn_v.weight": (kv, hidden), f"blk.{i}.attn_output.weight": (hidden, hidden),
+                   f"blk.{i}.ffn_gate.weight": (inter, hidden), f"blk.{i}.ffn_up.weight": (inter, hidden),
+                   f"blk.{i}.ffn_down.weight": (hidden, inter)}  # fmt: skip
+    for name, shape in shapes.items():
+        if len(shape) == 1:
+            writer.add_tensor(name, np.ones(shape, dtype=np.float32))
+        else:
+            writer.add_tensor(name, (rng.standard_normal(shape, dtype=np.float32) * 0.02).astype(np.float16))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
 
 
 def tierlm_bench(quant: str, threads: int, prompt: int, gen: int, runs: int, env: dict | None = None,
@@ -149,6 +201,8 @@ def main() -> None:
     parser.add_argument("--also", default="", help="more llama-quantize types (e.g. Q4_K_M,Q6_K): tierlm auto on "
                         "each file beside llama.cpp on the same file, quiet")  # fmt: skip
     parser.add_argument("--only-files", action="store_true", help="only the rows of the files (no int8/fp32/... rows)")
+    parser.add_argument("--shape-1b", action="store_true", help="also a 1B-shaped model (write_1b_shaped): tierlm "
+                        "auto beside llama.cpp on its Q8_0 and Q4_K_M files, quiet")  # fmt: skip
     args = parser.parse_args()
 
     from tierlm.weights.embedded import embedded_gguf_path, ensure_embedded_model
@@ -185,7 +239,7 @@ def main() -> None:
 
         configs += [
             # The same Q8_0 file for both: tierlm's auto carries every tensor as q8_0.
-            Config(QUIET, "tierlm auto on the Q8_0 file (= q8_0, fused)", "2", tierlm("auto", 2, model=q8)),
+            Config(QUIET, "tierlm auto on the Q8_0 file (= q8_0, fused)", "2", tierlm("auto", 2, model=q8), peer=PEER),
             Config(BUSY, "tierlm auto on the Q8_0 file (= q8_0, fused)", "default", tierlm("auto", 0, model=q8)),
             Config(QUIET, PEER, "2", peer(q8, 2)),
             Config(QUIET, PEER4, "2", peer(q4, 2)),
@@ -199,8 +253,21 @@ def main() -> None:
             subprocess.run([str(quantize), "--allow-requantize", str(q4), str(other), kind],
                            capture_output=True, check=True, timeout=600)  # fmt: skip
             tierlm_bench("auto", 2, 8, 2, 1, model=other)
-            configs += [Config(QUIET, f"tierlm auto on the {kind} file (fused)", "2", tierlm("auto", 2, model=other)),
+            configs += [Config(QUIET, f"tierlm auto on the {kind} file (fused)", "2", tierlm("auto", 2, model=other),
+                               peer=f"llama.cpp {kind}"),
                         Config(QUIET, f"llama.cpp {kind}", "2", peer(other, 2))]
+        if args.shape_1b:
+            f16 = scratch / "1b-shaped-f16.gguf"
+            write_1b_shaped(f16, q4)
+            for kind in ("Q8_0", "Q4_K_M"):
+                other = scratch / f"1b-shaped-{kind.lower()}.gguf"
+                subprocess.run([str(quantize), str(f16), str(other), kind], capture_output=True, check=True,
+                               timeout=1800)  # fmt: skip
+                tierlm_bench("auto", 2, 8, 2, 1, model=other)
+                configs += [Config(QUIET, f"tierlm auto on the 1B-shaped {kind} file (fused)", "2",
+                                   tierlm("auto", 2, model=other), peer=f"llama.cpp 1B-shaped {kind}"),
+                            Config(QUIET, f"llama.cpp 1B-shaped {kind}", "2", peer(other, 2))]  # fmt: skip
+            f16.unlink()
     else:
         print("llama.cpp rows skipped: llama-bench / llama-quantize not found "
               "(set TIERLM_LLAMA_CPP_BIN to the folder holding them)\n")  # fmt: skip
@@ -240,12 +307,12 @@ def report(configs: list[Config], host: dict, load_before, load_after, args) -> 
 
     print(f"CPU {host['cpu']}, {host['isa']}, L3 {host['l3_mib']} MiB, {host['cpus']} usable CPUs; "
           f"load average {load_before[0]:.2f} before, {load_after[0]:.2f} after")  # fmt: skip
-    print(f"SmolLM2-135M-Instruct, prompt {args.prompt} tokens, {args.gen} generated; median of "
+    print(f"SmolLM2-135M-Instruct{' (and the 1B-shaped model)' if args.shape_1b else ''}, prompt {args.prompt} tokens, {args.gen} generated; median of "
           f"{args.rounds} interleaved rounds (tierlm: median of {args.runs} runs each; llama-bench: "
           f"mean of {args.reps} repetitions each)\n")  # fmt: skip
     print("| condition | engine | threads | prefill tok/s | decode tok/s | prefill vs Q8_0 | decode vs Q8_0 "
-          "| decode vs Q4_1 | decode vs predicted |")  # fmt: skip
-    print("|---|---|---|---|---|---|---|---|---|")
+          "| decode vs Q4_1 | decode vs predicted | prefill, decode vs llama.cpp on the same file |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for config in configs:
         prefill, decode = median(config, "prefill"), median(config, "decode")
         peer = find(config.condition, PEER)
@@ -257,8 +324,12 @@ def report(configs: list[Config], host: dict, load_before, load_after, args) -> 
         shown_threads = config.threads
         if config.threads == "default" and config.samples:
             shown_threads = f"default ({config.samples[0].get('threads')})"
+        same = find(config.condition, config.peer) if config.peer else None
+        same_file = (f"{prefill / median(same, 'prefill'):.2f}x, {decode / median(same, 'decode'):.2f}x"
+                     if same and prefill and decode else "")  # fmt: skip
         print(f"| {config.condition} | {config.engine} | {shown_threads} | {prefill:.0f} | {decode:.1f} | "
-              f"{vs['prefill']} | {vs['decode']} | {vs4} | {f'{decode / predicted:.0%}' if predicted else 'n/a'} |")  # fmt: skip
+              f"{vs['prefill']} | {vs['decode']} | {vs4} | {f'{decode / predicted:.0%}' if predicted else 'n/a'} "
+              f"| {same_file} |")  # fmt: skip
     busy, alone = find(BUSY, "tierlm int8 (fused)"), find(ONE_THREAD, "tierlm int8 (fused)")
     if busy and alone:
         print(f"\none core busy: tierlm default decode is {median(busy, 'decode') / median(alone, 'decode'):.2f}x "

@@ -218,4 +218,6 @@ def test_prefill_gemm_refuses_what_int16_cannot_carry_and_linear_falls_back():
     got, want = weight.linear(x), x @ weight.dequantize().T
     assert torch.equal(got.isnan(), want.isnan()) and bool(got[3].isnan().all())
     assert native.gemm(torch.randn(16, 512), weight.dequantize()) is None
+    with pytest.raises(ValueError, match="no contiguous fp32 CPU"):
+        native.gemm(torch.randn(16, 256), weight)
 

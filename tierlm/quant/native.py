@@ -283,6 +283,8 @@ class NativeKernel:
         """x [M, K] fp32 @ weight.T (+ bias) -> [M, N] fp32 multiplied in integers (csrc/gemm_a16.h:
         prefill-sized M, activations as int16 per 32 columns), for any quantized weight this build
         multiplies so; None where it does not (fp32 weights, the portable build, a NaN in x)."""
+        if x.dim() != 2 or x.shape[1] != weight.shape[1] or not is_cpu_fp32(x):
+            raise ValueError(f"x {list(x.shape)} {x.dtype} is no contiguous fp32 CPU [M, {weight.shape[1]}]")
         keep = []
         words = describe_weight(weight, bias, tuple(weight.shape), keep)
         if words is None or words[7] == KIND_STACK:

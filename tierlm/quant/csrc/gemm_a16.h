@@ -221,21 +221,71 @@ struct PanelOps {
 };
 #endif
 
+// Row n's codes [K] as chunk_codes gives them, the common kinds a register at a time.
+inline void row_codes(const Weight& W, int64_t n, int16_t* out) {
+  using I = Ints16;
+  const int64_t K = W.cols, chunks = K / 32;
+  const uint8_t* bytes = static_cast<const uint8_t*>(W.data);
+  switch (W.kind) {
+    case kInt8: {
+      const int8_t* w = static_cast<const int8_t*>(W.data) + n * K;
+      for (int64_t k = 0; k < K; k += 16) I::store(out + k, I::widen(w + k));
+      return;
+    }
+    case kInt4:
+    case kInt4K: {
+      const I::reg bias = I::splat(W.kind == kInt4 && !W.offsets ? 8 : 0);
+      for (int64_t c = 0; c < chunks; ++c) {
+        const I::reg v = I::widen(bytes + n * (K / 2) + c * 16);
+        I::store(out + c * 32, I::sub(I::low_nibbles(v), bias));
+        I::store(out + c * 32 + 16, I::sub(I::high_nibbles(v), bias));
+      }
+      return;
+    }
+    case kInt5:
+    case kInt5K: {
+      const I::reg bias = I::splat(W.kind == kInt5 && !W.offsets ? 16 : 0);
+      for (int64_t c = 0; c < chunks; ++c) {
+        const uint8_t* chunk = bytes + (n * chunks + c) * 20;
+        const I::reg v = I::widen(chunk);
+        uint32_t high;
+        std::memcpy(&high, chunk + 16, 4);
+        I::store(out + c * 32, I::sub(I::or_where(I::low_nibbles(v), high & 0xffffu, 16), bias));
+        I::store(out + c * 32 + 16, I::sub(I::or_where(I::high_nibbles(v), high >> 16, 16), bias));
+      }
+      return;
+    }
+    case kInt6K: {
+      const uint8_t* q = static_cast<const uint8_t*>(W.offsets) + n * (K / 4);
+      for (int64_t c = 0; c < chunks; ++c) {
+        I::reg lo, hi;
+        I::sixes(bytes + n * (K / 2) + c * 16, q + c * 8, lo, hi);
+        I::store(out + c * 32, lo);
+        I::store(out + c * 32 + 16, hi);
+      }
+      return;
+    }
+    default:
+      for (int64_t c = 0; c < chunks; ++c) chunk_codes(W, n, c, out + c * 32);
+  }
+}
+
 // One panel of W: `lanes` rows' codes as column pairs [K / 2][lanes], their scales and
 // offsets [groups][lanes] (rows past W's last: zero codes and scales).
 struct CodePanel {
   std::vector<int32_t> pairs;
   std::vector<float> scales, offsets;
+  std::vector<int16_t> rows;  // the panel's codes row by row [lanes][K], before the transpose
   bool has_offsets = false;
 
   void expand(const Weight& W, int64_t n0, int count) {
     constexpr int L = PanelOps::lanes;
-    const int64_t K = W.cols, GW = code_group(W), G = K / GW;
-    pairs.assign(K / 2 * L, 0);
+    const int64_t K = W.cols, GW = code_group(W), G = K / GW, P = K / 2;
+    pairs.resize(P * L);
+    rows.assign(L * K, 0);
     scales.assign(G * L, 0.0f);
     offsets.assign(G * L, 0.0f);
     std::vector<float> s(G), o(G, 0.0f);
-    alignas(64) int16_t codes[32];
     has_offsets = false;
     for (int r = 0; r < count; ++r) {
       has_offsets |= row_scales(W, n0 + r, s.data(), o.data());
@@ -243,14 +293,11 @@ struct CodePanel {
         scales[g * L + r] = s[g];
         offsets[g * L + r] = o[g];
       }
-      for (int64_t c = 0; c < K / 32; ++c) {
-        chunk_codes(W, n0 + r, c, codes);
-        int32_t* dst = pairs.data() + c * 16 * L + r;
-        for (int p = 0; p < 16; ++p)
-          dst[p * L] = static_cast<int32_t>(static_cast<uint16_t>(codes[2 * p])) |
-                       static_cast<int32_t>(static_cast<uint32_t>(static_cast<uint16_t>(codes[2 * p + 1])) << 16);
-      }
+      row_codes(W, n0 + r, rows.data() + r * K);
     }
+    // Column pairs as one int32 each: a transpose of [L][P] words into [P][L].
+    for (int64_t p = 0; p < P; ++p)
+      for (int r = 0; r < L; ++r) std::memcpy(&pairs[p * L + r], rows.data() + (r * P + p) * 2, 4);
   }
 };
 

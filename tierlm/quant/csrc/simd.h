@@ -374,6 +374,7 @@ struct Ints16 {
   static inline reg splat(int16_t v) { return _mm256_set1_epi16(v); }
   static inline reg sub(reg a, reg b) { return _mm256_sub_epi16(a, b); }
   static inline reg load(const int16_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+  static inline void store(int16_t* p, reg v) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), v); }
   static inline reg widen(const uint8_t* p) { return _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
   static inline reg widen(const int8_t* p) { return _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
   static inline reg low_nibbles(reg v) { return _mm256_and_si256(v, _mm256_set1_epi16(15)); }
