@@ -1,6 +1,6 @@
 """The integer paths: decode rows (quant/csrc/gemv_a16.h: up to four activation rows quantized to
 int16 per 32 columns and multiplied with the weights' codes in integers, for Q8_0, int8-g32 (with
-and without offsets), Q5_0, Q5_1 and Q6_K; more rows and the int4 and Q4_K kinds keep the fp32
+and without offsets), Q5_0, Q5_1, Q6_K and Q4_K; more rows and the int4 kinds keep the fp32
 tiles) and the prefill GEMM (quant/csrc/gemm_a16.h: every stored kind, any number of rows), on the
 default build (AVX-512 here) and the AVX2 build; the portable build has neither.
 
@@ -97,7 +97,7 @@ def native_builds(native_build):
     return [load_native(), native_build]
 
 
-INTEGER_KINDS = {"Q8_0", "int8-g32", "int8-g32-asym", "Q5_0", "Q5_1", "Q6_K"}  # int4 and Q4_K: fp32 tiles
+INTEGER_KINDS = {"Q8_0", "int8-g32", "int8-g32-asym", "Q5_0", "Q5_1", "Q6_K", "Q4_K"}  # int4: fp32 tiles
 KINDS = ["Q8_0", "int8-g32", "int8-g32-asym", "Q5_0", "Q5_1", "int4-g32", "int4-g32-asym", "int4-g128-asym", "Q4_K",
          "Q6_K"]
 

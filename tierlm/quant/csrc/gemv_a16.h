@@ -41,9 +41,10 @@ constexpr int64_t kA16MaxRows = 4;
 inline bool has_a16_path(const Weight& W) {
   if (!Ints16::available || W.cols % 32 != 0) return false;
   if (W.kind == kInt8) return W.group == 32;
-  // int4 and Q4_K stay on the fp32 tiles: their nibbles widen to fp32 cheaply on AVX-512, and
-  // the integer path measured slower on the embedded Q4_1 model (65-96 vs 90-118 tok/s).
-  return W.kind == kInt5 || W.kind == kInt6K;
+  // int4 stays on the fp32 tiles: its nibbles widen to fp32 cheaply on AVX-512, and the integer
+  // path measured slower on the embedded Q4_1 model (65-96 vs 90-118 tok/s). Q4_K's tiles expand
+  // every super-block's scales per call: on a 1B-shaped Q4_K_M they ran at a third of llama.cpp.
+  return W.kind == kInt5 || W.kind == kInt6K || W.kind == kInt4K;
 }
 
 #if TIERLM_ISA >= 256
@@ -203,7 +204,7 @@ inline void a16_rows(const Weight& W, const Activations16& a, const float* xs, i
       return o ? dot(o + n * G, sums, G) : -16.0f * dot(s + n * G, sums, G);
     };
     a16_rows<MB, true>(W, a, xs, n0, n1, y, ldy, accumulate, codes, group_scales<uint16_t>(W), offset);
-  } else {  // kInt6K (Q6_K): (lo + 16 hi - 32) d sc[j], j per 16 columns, applied to the codes
+  } else if (W.kind == kInt6K) {  // Q6_K: (lo + 16 hi - 32) d sc[j], j per 16 columns, applied to the codes
     const uint8_t* w = static_cast<const uint8_t*>(W.data);
     const uint8_t* q = static_cast<const uint8_t*>(W.offsets);
     const uint8_t* super = static_cast<const uint8_t*>(W.scales);
@@ -215,6 +216,37 @@ inline void a16_rows(const Weight& W, const Activations16& a, const float* xs, i
       hi = I::times(hi, subs[1]);
     };
     a16_rows<MB, false>(W, a, xs, n0, n1, y, ldy, accumulate, codes, super_block_d(W), none);
+  } else if (W.kind == kInt4K) {  // Q4_K: u (d sc[j]) - dmin m[j] per 32 columns, nibbles as int4's
+    const uint8_t* w = static_cast<const uint8_t*>(W.data);
+    const uint8_t* super = static_cast<const uint8_t*>(W.scales);
+    const int64_t B = K / kSuperColumns;
+    auto codes = [&](int64_t n, int64_t g, I::reg& lo, I::reg& hi) __attribute__((always_inline)) {
+      const I::reg v = I::widen(w + n * (K / 2) + g * 16);
+      lo = I::low_nibbles(v);
+      hi = I::high_nibbles(v);
+    };
+    // g0 and g1 are whole super-blocks (8 groups each): SPAN and the column count are multiples.
+    auto scales = [super, B](int64_t n, int64_t g0, int64_t g1, float* out) __attribute__((always_inline)) {
+      for (int64_t b = g0 / 8; b < g1 / 8; ++b) {
+        const uint8_t* p = super + (n * B + b) * kSuperBytes;
+        uint16_t d;
+        std::memcpy(&d, p, 2);
+        const float df = half_to_float(d);
+        for (int j = 0; j < 8; ++j) out[b * 8 + j - g0] = df * static_cast<float>(p[4 + j]);
+      }
+    };
+    auto offset = [&](int64_t n, const float* sums) {  // sum_g -(dmin m[g]) * (x summed over g)
+      float total = 0.0f;
+      for (int64_t b = 0; b < B; ++b) {
+        const uint8_t* p = super + (n * B + b) * kSuperBytes;
+        uint16_t dmin;
+        std::memcpy(&dmin, p + 2, 2);
+        const float mf = half_to_float(dmin);
+        for (int j = 0; j < 8; ++j) total += -(mf * static_cast<float>(p[12 + j])) * sums[b * 8 + j];
+      }
+      return total;
+    };
+    a16_rows<MB, true>(W, a, xs, n0, n1, y, ldy, accumulate, codes, scales, offset);
   }
 }
 
