@@ -106,9 +106,12 @@ def teacher_forced_top1(loaded, ids: list[int]) -> torch.Tensor:
 
 
 # Measured 2026-12-02 on these 1023 predictions (2-core AMD EPYC): q8_0 0.9951, q4_0 0.8866 with
-# the Hadamard rotation (kv/codec.py), 0.9912 and 0.8475 without it. The floors leave room for
-# other CPUs' summation order; q4_0's would catch the rotation's loss, and both a broken codec.
-FLOORS = {"q8_0": 0.99, "q4_0": 0.86}
+# the Hadamard rotation (kv/codec.py), 0.9912 and 0.8475 without it. 2026-12-03, the prompt's
+# products in integers (quant/csrc/gemm_a16.h; the f32 cache's top-1 identical at all 1023
+# positions to the fp32 BLAS path's): q8_0 0.9883, q4_0 0.8983, the codes' rounding falling on
+# other near-ties. The floors leave room for such shifts and other CPUs' summation order; q4_0's
+# would catch the rotation's loss, and both a broken codec.
+FLOORS = {"q8_0": 0.985, "q4_0": 0.86}
 
 
 @pytest.fixture(scope="module")
