@@ -225,26 +225,31 @@ inline void a16_rows(const Weight& W, const Activations16& a, const float* xs, i
       lo = I::low_nibbles(v);
       hi = I::high_nibbles(v);
     };
+    // A super-block's 8 sub-scales or sub-mins (6-bit, a byte each) as fp32 times its fp16 factor.
+    auto eight = [](const uint8_t* bytes, uint16_t factor) __attribute__((always_inline)) {
+      const __m256 v = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(bytes))));
+      return _mm256_mul_ps(v, _mm256_set1_ps(half_to_float(factor)));  // exact: fp16 times 6 bits
+    };
     // g0 and g1 are whole super-blocks (8 groups each): SPAN and the column count are multiples.
-    auto scales = [super, B](int64_t n, int64_t g0, int64_t g1, float* out) __attribute__((always_inline)) {
+    auto scales = [super, B, eight](int64_t n, int64_t g0, int64_t g1, float* out) __attribute__((always_inline)) {
       for (int64_t b = g0 / 8; b < g1 / 8; ++b) {
         const uint8_t* p = super + (n * B + b) * kSuperBytes;
         uint16_t d;
         std::memcpy(&d, p, 2);
-        const float df = half_to_float(d);
-        for (int j = 0; j < 8; ++j) out[b * 8 + j - g0] = df * static_cast<float>(p[4 + j]);
+        _mm256_store_ps(out + (b * 8 - g0), eight(p + 4, d));
       }
     };
-    auto offset = [&](int64_t n, const float* sums) {  // sum_g -(dmin m[g]) * (x summed over g)
-      float total = 0.0f;
+    // sum_g -(dmin m[g]) * (x summed over g), 8 groups a step: a scalar sum here was one
+    // dependent add per 32 columns, as long as the group's products.
+    auto offset = [&](int64_t n, const float* sums) {
+      __m256 total = _mm256_setzero_ps();
       for (int64_t b = 0; b < B; ++b) {
         const uint8_t* p = super + (n * B + b) * kSuperBytes;
         uint16_t dmin;
         std::memcpy(&dmin, p + 2, 2);
-        const float mf = half_to_float(dmin);
-        for (int j = 0; j < 8; ++j) total += -(mf * static_cast<float>(p[12 + j])) * sums[b * 8 + j];
+        total = _mm256_fnmadd_ps(eight(p + 12, dmin), _mm256_loadu_ps(sums + b * 8), total);
       }
-      return total;
+      return sum8(total);
     };
     a16_rows<MB, true>(W, a, xs, n0, n1, y, ldy, accumulate, codes, scales, offset);
   }
