@@ -9,7 +9,7 @@
 // fp32 tiles only by the activations' rounding. A row is read front to back before the next:
 // memory order, which the hardware prefetcher streams (the tiles' 8 interleaved rows measured
 // 1.4x slower from DRAM for q5_0). Kinds: kInt8 in groups of 32 (GGUF Q8_0, int8-g32), kInt5
-// (Q5_0, Q5_1) and kInt6K (Q6_K, its 16-column sub-scales multiplied into the codes); the others,
+// (Q5_0, Q5_1), kInt4K (Q4_K) and kInt6K (Q6_K, a scale per 16 columns); the others,
 // non-finite activations and the portable build keep the fp32 tiles.
 #pragma once
 
@@ -77,40 +77,57 @@ inline bool quantize_group16(const float* x, int16_t* codes, float* scale) {
 }
 
 // Weight rows [n0, n1) times the MB activation rows, finished: y[m * ldy + n - n0] is set to,
-// or added, sum_g s(n, g) * a.scales[m][g] * (codes . a.codes over 32-column group g), plus
-// sum_h o(n, h) * xs[m][h] over W's groups h where the kind keeps offsets apart (OFFSETS), plus
-// the bias. CODES(n, g, lo, hi) yields row n's group g as int16 codes (columns 0..15, 16..31);
-// SCALES(n, g0, g1, out) writes s(n, g) for g in [g0, g1); OFFSETS_DOT(n, sums) is
-// sum_h o(n, h) * sums[h].
-template <int MB, bool OFFSETS, typename Codes, typename Scales, typename Offset>
+// or added, sum_g,p s(n, g, p) * a.scales[m][g] * (codes . a.codes over part p of 32-column group
+// g), plus sum_h o(n, h) * xs[m][h] over W's groups h where the kind keeps offsets apart
+// (OFFSETS), plus the bias. PARTS is 1 (a scale per 32 columns) or 2 (per 16: columns 0..15,
+// 16..31). CODES(n, g, lo, hi) yields row n's group g as int16 codes (columns 0..15, 16..31);
+// SCALES(n, g0, g1, out) writes s(n, g, p) for g in [g0, g1) to out[(g - g0) * PARTS + p];
+// OFFSETS_DOT(n, sums) is sum_h o(n, h) * sums[h].
+template <int MB, bool OFFSETS, int PARTS = 1, typename Codes, typename Scales, typename Offset>
 inline void a16_rows(const Weight& W, const Activations16& a, const float* xs, int64_t n0, int64_t n1, float* y,
                      int64_t ldy, bool accumulate, Codes codes, Scales scales, Offset offset) {
   using I = Ints16;
+  static_assert(PARTS == 1 || PARTS == 2);
   const int64_t K = W.cols, G = K / 32, H = W.groups();
   constexpr int64_t SPAN = 64;  // groups whose combined scales are formed together, on the stack
-  alignas(32) float weight_scales[SPAN], combined[MB][SPAN];
+  alignas(32) float weight_scales[SPAN * PARTS], combined[MB][SPAN * PARTS];
   for (int64_t n = n0; n < n1; ++n) {
-    // Two accumulators per activation row, even and odd groups: the FMA chain of one would
-    // bound a row to one group per FMA latency.
+    // Two accumulators per activation row (even and odd groups, or a group's two parts): the
+    // FMA chain of one would bound a row to one group per FMA latency.
     __m256 total[MB], other[MB];
     for (int m = 0; m < MB; ++m) total[m] = other[m] = _mm256_setzero_ps();
     for (int64_t g0 = 0; g0 < G; g0 += SPAN) {
       const int64_t g1 = std::min(G, g0 + SPAN);
       scales(n, g0, g1, weight_scales);
-      for (int m = 0; m < MB; ++m) {  // the weight's scale times the activations', 8 groups a step
+      for (int m = 0; m < MB; ++m) {  // the weight's scales times the activations', 8 a step
         const float* ax = a.scales.data() + m * G + g0;
         int64_t i = 0;
-        for (; i + 8 <= g1 - g0; i += 8)
-          _mm256_store_ps(combined[m] + i, _mm256_mul_ps(_mm256_load_ps(weight_scales + i), _mm256_loadu_ps(ax + i)));
-        for (; i < g1 - g0; ++i) combined[m][i] = weight_scales[i] * ax[i];
+        if constexpr (PARTS == 1) {
+          for (; i + 8 <= g1 - g0; i += 8)
+            _mm256_store_ps(combined[m] + i, _mm256_mul_ps(_mm256_load_ps(weight_scales + i), _mm256_loadu_ps(ax + i)));
+        } else {  // each activation scale twice, beside its group's two parts
+          const __m256i twice = _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3);
+          for (; i + 4 <= g1 - g0; i += 4) {
+            const __m256 x = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(_mm_loadu_ps(ax + i)), twice);
+            _mm256_store_ps(combined[m] + 2 * i, _mm256_mul_ps(_mm256_load_ps(weight_scales + 2 * i), x));
+          }
+        }
+        for (; i < g1 - g0; ++i)
+          for (int p = 0; p < PARTS; ++p) combined[m][i * PARTS + p] = weight_scales[i * PARTS + p] * ax[i];
       }
       auto group = [&](int64_t g, __m256* acc) __attribute__((always_inline)) {
         I::reg lo, hi;
         codes(n, g, lo, hi);
         for (int m = 0; m < MB; ++m) {
           const int16_t* x = a.codes.data() + m * K + g * 32;
-          const I::reg sums = I::dot(I::dot(I::zero(), lo, I::load(x)), hi, I::load(x + 16));
-          acc[m] = I::scaled(sums, combined[m][g - g0], acc[m]);
+          const float* c = combined[m] + (g - g0) * PARTS;
+          if constexpr (PARTS == 1) {
+            const I::reg sums = I::dot(I::dot(I::zero(), lo, I::load(x)), hi, I::load(x + 16));
+            acc[m] = I::scaled(sums, c[0], acc[m]);
+          } else {
+            total[m] = I::scaled(I::dot(I::zero(), lo, I::load(x)), c[0], total[m]);
+            other[m] = I::scaled(I::dot(I::zero(), hi, I::load(x + 16)), c[1], other[m]);
+          }
         }
       };
       int64_t g = g0;
@@ -155,21 +172,6 @@ inline auto group_scales(const Weight& W) {
   };
 }
 
-// GGUF Q6_K's super-blocks (per 256 columns 18 bytes, fp16 d first) as s(n, g) = d: its int8
-// sub-scales are multiplied into the codes instead.
-inline auto super_block_d(const Weight& W) {
-  const uint8_t* super = static_cast<const uint8_t*>(W.scales);
-  const int64_t B = W.cols / kSuperColumns;
-  // g0 and g1 are whole super-blocks: SPAN and the column count are multiples of 8 groups.
-  return [super, B](int64_t n, int64_t g0, int64_t g1, float* out) __attribute__((always_inline)) {
-    for (int64_t b = g0 / 8; b < g1 / 8; ++b) {
-      uint16_t d;
-      std::memcpy(&d, super + (n * B + b) * 18, 2);
-      _mm256_store_ps(out + (b * 8 - g0), _mm256_set1_ps(half_to_float(d)));
-    }
-  };
-}
-
 template <int MB>
 inline void a16_rows(const Weight& W, const Activations16& a, const float* xs, int64_t n0, int64_t n1,
                      float* y, int64_t ldy, bool accumulate) {
@@ -204,18 +206,28 @@ inline void a16_rows(const Weight& W, const Activations16& a, const float* xs, i
       return o ? dot(o + n * G, sums, G) : -16.0f * dot(s + n * G, sums, G);
     };
     a16_rows<MB, true>(W, a, xs, n0, n1, y, ldy, accumulate, codes, group_scales<uint16_t>(W), offset);
-  } else if (W.kind == kInt6K) {  // Q6_K: (lo + 16 hi - 32) d sc[j], j per 16 columns, applied to the codes
+  } else if (W.kind == kInt6K) {  // Q6_K: (lo + 16 hi - 32) d sc[j], j per 16 columns: two parts a group
     const uint8_t* w = static_cast<const uint8_t*>(W.data);
     const uint8_t* q = static_cast<const uint8_t*>(W.offsets);
     const uint8_t* super = static_cast<const uint8_t*>(W.scales);
     const int64_t B = K / kSuperColumns;
     auto codes = [&](int64_t n, int64_t g, I::reg& lo, I::reg& hi) __attribute__((always_inline)) {
-      const int8_t* subs = reinterpret_cast<const int8_t*>(super + (n * B + g / 8) * 18 + 2 + 2 * (g % 8));
       I::sixes(w + n * (K / 2) + g * 16, q + n * (K / 4) + g * 8, lo, hi);
-      lo = I::times(lo, subs[0]);  // |code - 32| * |sub| <= 4096: exact in int16
-      hi = I::times(hi, subs[1]);
     };
-    a16_rows<MB, false>(W, a, xs, n0, n1, y, ldy, accumulate, codes, super_block_d(W), none);
+    // s(n, g, p) = d sc[2 g + p], 16 a super-block (g0 and g1 are whole ones, as for Q4_K).
+    auto scales = [super, B](int64_t n, int64_t g0, int64_t g1, float* out) __attribute__((always_inline)) {
+      for (int64_t b = g0 / 8; b < g1 / 8; ++b) {
+        const uint8_t* p = super + (n * B + b) * 18;
+        uint16_t d;
+        std::memcpy(&d, p, 2);
+        const __m256 df = _mm256_set1_ps(half_to_float(d));
+        for (int h = 0; h < 2; ++h) {  // exact: fp16 times an int8
+          const __m256i subs = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 2 + 8 * h)));
+          _mm256_store_ps(out + 2 * (b * 8 - g0) + 8 * h, _mm256_mul_ps(_mm256_cvtepi32_ps(subs), df));
+        }
+      }
+    };
+    a16_rows<MB, false, 2>(W, a, xs, n0, n1, y, ldy, accumulate, codes, scales, none);
   } else if (W.kind == kInt4K) {  // Q4_K: u (d sc[j]) - dmin m[j] per 32 columns, nibbles as int4's
     const uint8_t* w = static_cast<const uint8_t*>(W.data);
     const uint8_t* super = static_cast<const uint8_t*>(W.scales);

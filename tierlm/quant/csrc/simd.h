@@ -400,17 +400,19 @@ struct Ints16 {
   // nibbles at p, 8 bytes of 2-bit high parts at q, byte i holding columns i, 8 + i, 16 + i
   // and 24 + i from its lowest bits): columns 0..15 (lo) and 16..31 (hi).
   static inline void sixes(const uint8_t* p, const uint8_t* q, reg& lo, reg& hi) {
-    const reg v = widen(p);
-    const __m128i raw = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q));
-    const reg c = _mm256_cvtepu8_epi16(_mm_unpacklo_epi64(raw, raw));  // the 8 bytes twice
-    const reg three = _mm256_set1_epi16(3), thirty_two = _mm256_set1_epi16(32);
-    // Lanes 0..7 take each byte's bits 0-1, lanes 8..15 bits 2-3 (hi: bits 4-5 and 6-7).
-    const reg low = _mm256_and_si256(_mm256_blend_epi32(c, _mm256_srli_epi16(c, 2), 0xF0), three);
-    const reg high = _mm256_and_si256(_mm256_blend_epi32(_mm256_srli_epi16(c, 4), _mm256_srli_epi16(c, 6), 0xF0), three);
-    lo = _mm256_sub_epi16(_mm256_or_si256(low_nibbles(v), _mm256_slli_epi16(low, 4)), thirty_two);
-    hi = _mm256_sub_epi16(_mm256_or_si256(high_nibbles(v), _mm256_slli_epi16(high, 4)), thirty_two);
+    // Joined as bytes, 32 columns a register, then widened: half the instructions of joining
+    // in int16 lanes. Column c's nibble goes to byte c; its crumb is bits 2 (c / 8) of byte c % 8,
+    // so each 64-bit quarter of the broadcast high parts is shifted by its own amount.
+    const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    const __m256i nibbles = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(v, 4), v), _mm256_set1_epi8(15));
+    int64_t parts;
+    std::memcpy(&parts, q, 8);
+    const __m256i crumbs = _mm256_srlv_epi64(_mm256_set1_epi64x(parts), _mm256_setr_epi64x(0, 2, 4, 6));
+    const __m256i high = _mm256_and_si256(_mm256_slli_epi16(crumbs, 4), _mm256_set1_epi8(0x30));
+    const __m256i codes = _mm256_sub_epi8(_mm256_or_si256(nibbles, high), _mm256_set1_epi8(32));
+    lo = _mm256_cvtepi8_epi16(_mm256_castsi256_si128(codes));
+    hi = _mm256_cvtepi8_epi16(_mm256_extracti128_si256(codes, 1));
   }
-  static inline reg times(reg v, int16_t factor) { return _mm256_mullo_epi16(v, _mm256_set1_epi16(factor)); }
   static inline __m256 scaled(reg sums, float scale, __m256 total) {
     return _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_set1_ps(scale), total);
   }
