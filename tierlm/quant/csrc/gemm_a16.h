@@ -246,12 +246,10 @@ inline void row_codes(const Weight& W, int64_t n, int16_t* out) {
     case kInt5K: {
       const I::reg bias = I::splat(W.kind == kInt5 && !W.offsets ? 16 : 0);
       for (int64_t c = 0; c < chunks; ++c) {
-        const uint8_t* chunk = bytes + (n * chunks + c) * 20;
-        const I::reg v = I::widen(chunk);
-        uint32_t high;
-        std::memcpy(&high, chunk + 16, 4);
-        I::store(out + c * 32, I::sub(I::or_where(I::low_nibbles(v), high & 0xffffu, 16), bias));
-        I::store(out + c * 32 + 16, I::sub(I::or_where(I::high_nibbles(v), high >> 16, 16), bias));
+        I::reg lo, hi;
+        I::fives(bytes + (n * chunks + c) * 20, lo, hi);
+        I::store(out + c * 32, I::sub(lo, bias));
+        I::store(out + c * 32 + 16, I::sub(hi, bias));
       }
       return;
     }

@@ -191,12 +191,7 @@ inline void a16_rows(const Weight& W, const Activations16& a, const float* xs, i
   } else if (W.kind == kInt5) {  // per 32 columns 16 bytes of nibbles, then the fifth bits (bit i column i)
     const uint8_t* w = static_cast<const uint8_t*>(W.data);
     auto codes = [&](int64_t n, int64_t g, I::reg& lo, I::reg& hi) __attribute__((always_inline)) {
-      const uint8_t* chunk = w + (n * G + g) * 20;
-      const I::reg v = I::widen(chunk);
-      uint32_t high;
-      std::memcpy(&high, chunk + 16, 4);
-      lo = I::or_where(I::low_nibbles(v), high & 0xffffu, 16);
-      hi = I::or_where(I::high_nibbles(v), high >> 16, 16);
+      I::fives(w + (n * G + g) * 20, lo, hi);
     };
     // Q5_1 is u s + o; Q5_0's (u - 16) s is u s plus the offsets -16 s, added from x's group
     // sums as Q5_1's are (two subtractions a group fewer on a path the unpacking bounds).
