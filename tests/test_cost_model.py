@@ -139,3 +139,54 @@ def test_bench_reports_the_measured_share_of_the_prediction():
               "load_s": 1.0}  # fmt: skip
     text = format_bench(result)
     assert "predicted decode 50.00 tok/s (measured 90% of it)" in text
+
+
+def _with_modes(sizes, modes: dict[str, str], each: int):
+    """`sizes` whose every layer's `modes` tensors are stored in those modes, `each` bytes apiece."""
+    chosen = {f"{b}/{t}": m for b in sizes.names if b.startswith("layers.") for t, m in modes.items()}
+    return replace(sizes, tensor_modes=chosen, tensor_bytes=dict.fromkeys(chosen, each))
+
+
+def test_each_stored_format_costs_its_bytes_at_its_measured_rate(tmp_path):
+    """A format the probe timed at half int8's rate costs twice its bytes; one it did not time, and a
+    model without per-weight modes, costs them at int8's rate; a row stack's runs share its bytes
+    by their rows."""
+    config, sizes, profile, placed = smollm2_plan(tmp_path, FIGURES)
+    each = 100_000
+    mixed = _with_modes(sizes, {"wo": "q6_k", "w2": "q4_k", "wqkv": "q6_k*3+q5_0*1"}, each)
+    timed = replace(FIGURES, format_factors=(("q6_k", 0.5), ("q5_0", 0.8)))
+    base = decode_terms(config, mixed, profile, FIGURES, placed, accelerator=False)["device bandwidth"]
+    priced = decode_terms(config, mixed, profile, timed, placed, accelerator=False)["device bandwidth"]
+    # Per layer: wo's bytes once more (1/0.5 - 1), wqkv's 3/4 of that, its q5_0 quarter 1/0.8 - 1;
+    # q4_k untimed: as int8.
+    extra = 30 * each * (1.0 + 0.75 * 1.0 + 0.25 * 0.25)
+    assert priced - base == pytest.approx(extra / FIGURES.device_bytes_per_s)
+    plain = decode_terms(config, sizes, profile, timed, placed, accelerator=False)
+    assert plain == decode_terms(config, sizes, profile, FIGURES, placed, accelerator=False)
+
+
+def test_format_factors_survive_the_probe_record():
+    figures = replace(FIGURES, format_factors=(("q4_k", 1.25), ("q6_k", 0.6)))
+    again = Bandwidths.from_dict(json.loads(json.dumps(figures.to_dict())))
+    assert again == figures
+    assert again.format_factor("q6_k") == 0.6 and again.format_factor("int8") == 1.0
+
+
+def test_the_probe_times_every_carried_format_against_int8(monkeypatch):
+    """Each carried GGUF type's rate relative to int8's, keyed by the mode the artifact records for
+    it (one 16 MiB copy each here: the real probe cycles copies past the last cache)."""
+    import math
+
+    import torch
+
+    from tierlm.probe import bandwidth
+    from tierlm.quant.modes import CARRIED_SOURCE_TYPES, own_mode
+
+    monkeypatch.setattr(bandwidth, "last_level_cache_bytes", lambda: 0)
+    monkeypatch.setattr(bandwidth, "MIN_WEIGHT_BYTES", 16 * MiB)
+    factors = dict(bandwidth.format_factors(torch.device("cpu"), torch.float32))
+    assert set(factors) == {own_mode(kind) for kind in CARRIED_SOURCE_TYPES}
+    assert all(math.isfinite(f) and f > 0 for f in factors.values()), factors
+    # Q8_0 reads 8-bit codes as int8 does, on the integer path: within 2x of its rate.
+    assert 0.5 < factors["q8_0"] < 2, factors
+    assert bandwidth.format_factors(torch.device("meta"), torch.float32) == ()

@@ -262,7 +262,11 @@ def _probe_lines(found: dict) -> list[str]:
                f"{bw.device_flops / 1e9:.1f} GFLOP/s, {bw.per_block_overhead_s * 1e3:.2f} ms per layer, "
                f"{bw.per_token_overhead_s * 1e3:.2f} ms per token, {bw.per_row_s * 1e9:.0f} ns per row")  # fmt: skip
     name = Path(found["path"]).stem
-    lines = [f"probe     {name}: {figures}", f"{'':9} {'probed just now' if found['refreshed'] else probe_age_text(record)}"]
+    lines = [f"probe     {name}: {figures}"]
+    if bw.format_factors:  # each carried format's weight bytes/s, as the planner prices it
+        rates = ", ".join(f"{mode} {bw.device_bytes_per_s * factor / 1e9:.1f}" for mode, factor in bw.format_factors)
+        lines.append(f"{'':9} formats (GB/s): {rates}")
+    lines.append(f"{'':9} {'probed just now' if found['refreshed'] else probe_age_text(record)}")
     last = last_run_text(record)
     return lines + ([f"{'':9} {last}"] if last and not found["refreshed"] else [])
 

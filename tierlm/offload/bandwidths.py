@@ -66,6 +66,9 @@ class Bandwidths:
     per_row_s             extra cost of a weight row at batch 1 on the compute device, per
                           row of 1/K of the 4096-wide probe's: a [N, K] matmul takes
                           bytes / device_bytes_per_s + N x (1 - K / 4096) x per_row_s
+    format_factors        (mode, factor) per stored format the probe timed on a CPU: its weight
+                          bytes/s over int8's (probe/bandwidth.py `format_factors`); a mode
+                          not listed, and every mode on an accelerator, at int8's rate
     path_corrections      at most one Correction per path (PATHS); the figures above stay the
                           probe's, `for_path` applies a path's correction to them
     """
@@ -79,6 +82,7 @@ class Bandwidths:
     per_block_overhead_s: float
     per_token_overhead_s: float = 0.0
     per_row_s: float = 0.0
+    format_factors: tuple[tuple[str, float], ...] = ()
     device: str = "cpu"
     notes: tuple[str, ...] = ()
     path_corrections: tuple[Correction, ...] = ()
@@ -102,14 +106,20 @@ class Bandwidths:
         others = tuple(c for c in self.path_corrections if c.path != path)
         return replace(self, path_corrections=(*others, Correction(path, factors, source, at)))
 
+    def format_factor(self, mode: str) -> float:
+        """Bytes/s of weights stored in `mode` over int8's (1 where the probe timed none)."""
+        return dict(self.format_factors).get(mode, 1.0)
+
     def to_dict(self) -> dict:
-        return {**asdict(self), "notes": list(self.notes), "path_corrections": [c.to_dict() for c in self.path_corrections]}
+        return {**asdict(self), "notes": list(self.notes), "format_factors": [list(f) for f in self.format_factors],
+                "path_corrections": [c.to_dict() for c in self.path_corrections]}  # fmt: skip
 
     @classmethod
     def from_dict(cls, raw: dict) -> "Bandwidths":
         known = {f.name for f in fields(cls)}
         values = {k: v for k, v in raw.items() if k in known}
         values["notes"] = tuple(values.get("notes", ()))
+        values["format_factors"] = tuple((str(mode), float(factor)) for mode, factor in values.get("format_factors") or ())
         values["path_corrections"] = tuple(Correction.from_dict(c) for c in values.get("path_corrections") or ())
         return cls(**values)
 

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
+from functools import cached_property
 from pathlib import Path
 from typing import Mapping
 
@@ -117,6 +118,26 @@ class BlockSizes:
     @property
     def total(self) -> int:
         return sum(self.nbytes.values())
+
+    def format_bytes(self, block: str) -> tuple[tuple[str, float], ...]:
+        """(mode, stored bytes) of `block`'s own matrices per concrete mode, where the artifact chose
+        per weight (`tensor_modes`; empty otherwise). A row stack's bytes are shared among its
+        runs by their rows."""
+        return self._format_bytes.get(block, ())
+
+    @cached_property
+    def _format_bytes(self) -> dict[str, tuple[tuple[str, float], ...]]:
+        from tierlm.quant.modes import parse_quant_mode
+
+        totals: dict[str, dict[str, float]] = {}
+        for key, mode in self.tensor_modes.items():
+            block, nbytes = key.split("/", 1)[0], float(self.tensor_bytes.get(key, 0))
+            runs = parse_quant_mode(mode).rows if "*" in mode else ((mode, 1),)
+            rows = sum(count for _, count in runs)
+            for run, count in runs:
+                name = getattr(run, "name", run)
+                totals.setdefault(block, {})[name] = totals.get(block, {}).get(name, 0.0) + nbytes * count / rows
+        return {block: tuple(modes.items()) for block, modes in totals.items()}
 
     def only(self, names) -> "BlockSizes":
         """These sizes restricted to the blocks `names` (a pipeline stage's: StageSpan.blocks),

@@ -8,6 +8,7 @@ import re
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from tierlm.device.backend import DeviceBackend
@@ -20,6 +21,8 @@ SHORT_ROW = 576
 # Weights cycled: twice the CPU's last-level cache, so each pass streams from memory as a
 # model's layers do; at least 64 MiB, at most 1 GiB (accelerators: 256 MiB, beyond any L2).
 MIN_WEIGHT_BYTES, MAX_WEIGHT_BYTES, ACCELERATOR_WEIGHT_BYTES = 64 << 20, 1 << 30, 256 << 20
+# The format probe's working set at most: 13 weight types, each timed in one regime as int8 is.
+FORMAT_WEIGHT_BYTES = 128 << 20
 COPY_BYTES = 64 << 20  # link probe: one 64 MiB host -> device copy
 DISK_BYTES = 128 << 20  # disk probe: a 128 MiB temporary file, read cold
 DISK_READS = 3  # cold reads of it; the fastest counts
@@ -47,6 +50,49 @@ def int8_bytes_per_s(device, dtype, cols: int = MATRIX) -> float:
 
     seconds = _best_seconds(sweep, device, reps=5)
     return sum(w.nbytes for w in weights) / seconds
+
+
+def format_factors(device, dtype) -> tuple[tuple[str, float], ...]:
+    """Each carried GGUF type's weight bytes/s at batch 1 relative to per-channel int8's, as
+    (mode, factor) pairs: a format's bytes cost what its kernel's unpacking makes them cost
+    (Q6_K's 6.56 bits widen slower than Q8_0's 8.5; Q4_K's 4.5 bits may stream faster). CPUs
+    only: accelerators dequantize every format to the compute dtype alike, so none is timed
+    there (empty: every mode at int8's rate).
+
+    Each type and int8 are timed alike: 4096-wide rows, 16 MiB a copy, copies cycled past the
+    last cache up to FORMAT_WEIGHT_BYTES (the factor is a ratio in one regime, so a smaller set
+    than `int8_bytes_per_s`'s serves). The blocks are filled with one byte: the kernels' time
+    does not depend on the values, and 0x11 makes every fp16 scale a finite number."""
+    if device.type != "cpu":
+        return ()
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    from tierlm.quant.modes import CARRIED_SOURCE_TYPES, own_mode
+    from tierlm.weights.gguf_carry import carry_weight, fused_rows
+
+    working = min(max(2 * last_level_cache_bytes(), MIN_WEIGHT_BYTES), FORMAT_WEIGHT_BYTES)
+    x = torch.randn(1, MATRIX, generator=torch.Generator().manual_seed(0)).to(dtype)
+
+    def rate(base, nbytes: int) -> float:
+        # Copies by concatenating the parts (a fresh tensor each): cheaper than building anew.
+        weights = [base] + [fused_rows((base,)) for _ in range(-(-working // nbytes) - 1)]
+
+        def sweep():
+            for weight in weights:
+                weight.linear(x)
+
+        return len(weights) * nbytes / _best_seconds(sweep, device, reps=3)
+
+    int8 = quantize_int8(torch.randn(MATRIX, MATRIX, generator=torch.Generator().manual_seed(0)))  # 16 MiB
+    int8_rate = rate(int8, int8.qweight.nbytes)
+    factors = []
+    for kind in sorted(CARRIED_SOURCE_TYPES):
+        block, size = GGML_QUANT_SIZES[GGMLQuantizationType[kind]]
+        row_bytes = MATRIX // block * size
+        rows = (16 << 20) // row_bytes
+        base = carry_weight(kind, np.full((rows, row_bytes), 0x11, dtype=np.uint8))
+        factors.append((own_mode(kind), rate(base, rows * row_bytes) / int8_rate))
+    return tuple(factors)
 
 
 def gemm_flops(device, dtype) -> float:

@@ -32,8 +32,9 @@ from tierlm.paths import cache_root
 
 # 2: weights cycled past the last-level cache (v1's 64 MiB sat in a 260 MiB L3), best of 3
 # cold disk reads. 3: the per-layer and per-token overheads timed on the real decode path, and
-# the cost of a weight row (short rows stream slower).
-PROBE_VERSION = 3
+# the cost of a weight row (short rows stream slower). 4: each carried GGUF format's rate
+# relative to int8's (Bandwidths.format_factors).
+PROBE_VERSION = 4
 KEPT_CORRECTIONS = 5  # the newest corrections kept in the record, for `doctor` and `plan`
 
 

@@ -20,7 +20,8 @@ from tierlm.cache.synthetic import write_synthetic_artifact
 from tierlm.device.resolve import compute_dtype
 from tierlm.offload.bandwidths import Bandwidths
 from tierlm.paths import cache_root
-from tierlm.probe.bandwidth import SHORT_ROW, disk_bytes_per_s, gemm_flops, int8_bytes_per_s, link_bytes_per_s, probe_device, row_seconds
+from tierlm.probe.bandwidth import (SHORT_ROW, disk_bytes_per_s, format_factors, gemm_flops, int8_bytes_per_s,
+                                    link_bytes_per_s, probe_device, row_seconds)  # fmt: skip
 from tierlm.probe.record import save_bandwidths
 from tierlm.runtime.engine import Engine
 from tierlm.runtime.loader import load_model
@@ -64,6 +65,7 @@ def probe(device=None) -> Bandwidths:
         per_block_overhead_s=per_block,
         per_token_overhead_s=per_token,
         per_row_s=row_seconds(device_bw, short_bw),
+        format_factors=format_factors(device, dtype),
         device=str(device),
         notes=tuple(notes),
     )

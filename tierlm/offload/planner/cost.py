@@ -4,7 +4,9 @@ limit binds it, and the bandwidths under which it takes what a run measured.
 Seconds per decode step of `batch_size` tokens; per 512-token chunk for prefill:
     device    sum over device-computed blocks of max(bytes / device_bytes_per_s + rows x
               (1 - hidden / 4096) x per_row_s, 2 x params x tokens / device_flops), rows =
-              params / hidden (short rows stream slower than the probe's 4096-wide ones)
+              params / hidden (short rows stream slower than the probe's 4096-wide ones);
+              the bytes of each stored format count divided by its rate relative to int8's
+              (Bandwidths.format_factors, timed by the probe on CPUs)
     host      the same for CPU-computed blocks with host_bytes_per_s / host_flops
     dispatch  layers x per_block_overhead_s + per_token_overhead_s, both measured by the probe
               on the real decode path (+1 per_block per CPU-computed layer: the hand-over)
@@ -70,13 +72,14 @@ def _terms(ctx: _Context, tiers, computes, split: "_Split", tokens: int, prefill
             read = sizes.bytes_used(block)
             # Prefill computes the head for the last position only.
             flops = 2.0 * sizes.params[block] * (1 if prefill and block == HEAD else tokens)
+        priced = read if block == EMBED else _priced_bytes(ctx, block, read, bw)
         if computes[block] == HOST:
-            terms["host bandwidth"] += max(read / _rate(bw.host_bytes_per_s), flops / _rate(bw.host_flops))
+            terms["host bandwidth"] += max(priced / _rate(bw.host_bytes_per_s), flops / _rate(bw.host_flops))
             if is_layer(block) and ctx.accelerator:
                 terms["dispatch overhead"] += bw.per_block_overhead_s
         else:
             terms["device bandwidth"] += max(
-                read / _rate(bw.device_bytes_per_s) + _row_seconds(ctx, block, bw), flops / _rate(bw.device_flops)
+                priced / _rate(bw.device_bytes_per_s) + _row_seconds(ctx, block, bw), flops / _rate(bw.device_flops)
             )
         if block == EMBED or tiers[block] == DEVICE or computes[block] == HOST:
             continue
@@ -111,10 +114,11 @@ def _expert_terms(ctx: _Context, split: _Split, tokens: int) -> dict[str, float]
         read = used * sizes.bytes_used(block)
         flops = 2.0 * sizes.params[block] * tokens * picked
         on_host = tier == HOST and split.host_compute
+        priced = _priced_bytes(ctx, block, read, bw)
         if on_host:
-            terms["host bandwidth"] += max(read / _rate(bw.host_bytes_per_s), flops / _rate(bw.host_flops))
+            terms["host bandwidth"] += max(priced / _rate(bw.host_bytes_per_s), flops / _rate(bw.host_flops))
         else:
-            terms["device bandwidth"] += max(read / _rate(bw.device_bytes_per_s) + used * _row_seconds(ctx, block, bw),
+            terms["device bandwidth"] += max(priced / _rate(bw.device_bytes_per_s) + used * _row_seconds(ctx, block, bw),
                                              flops / _rate(bw.device_flops))  # fmt: skip
         if tier == DISK:
             terms["disk"] += read / _rate(bw.disk_bytes_per_s)
@@ -122,6 +126,21 @@ def _expert_terms(ctx: _Context, split: _Split, tokens: int) -> dict[str, float]
             terms["link"] += read / _rate(bw.link_bytes_per_s)
     ctx.memo[key] = terms
     return terms
+
+
+def _priced_bytes(ctx: _Context, block: str, read: float, bw: Bandwidths) -> float:
+    """`read` bytes of `block` as int8 bytes taking the same time: each stored format's share
+    divided by its measured rate relative to int8's (Bandwidths.format_factors), so a Q6_K
+    block that widens at half int8's rate costs twice its bytes."""
+    if not bw.format_factors:
+        return read
+    source = ctx.sizes.source_block(block)
+    stored = ctx.sizes.nbytes.get(source, 0)
+    formats = ctx.sizes.format_bytes(source)
+    if not stored or not formats:
+        return read
+    extra = sum(nbytes * (1.0 / bw.format_factor(mode) - 1.0) for mode, nbytes in formats)
+    return read * (1.0 + extra / stored)
 
 
 def _figures(ctx: _Context, tiers: Mapping[str, str]) -> Bandwidths:
