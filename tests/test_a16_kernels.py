@@ -1,8 +1,9 @@
 """The integer paths: decode rows (quant/csrc/gemv_a16.h: up to four activation rows quantized to
 int16 per 32 columns and multiplied with the weights' codes in integers, for Q8_0, int8-g32 (with
-and without offsets), Q5_0, Q5_1, Q6_K and Q4_K; more rows and the int4 kinds keep the fp32
-tiles) and the prefill GEMM (quant/csrc/gemm_a16.h: every stored kind, any number of rows), on the
-default build (AVX-512 here) and the AVX2 build; the portable build has neither.
+and without offsets), Q5_0, Q5_1, Q5_K, Q6_K and Q4_K, and on AVX2 int4 in groups of 32 and
+IQ4_NL/IQ4_XS; more rows and the other kinds keep the fp32 tiles) and the prefill GEMM
+(quant/csrc/gemm_a16.h: every stored kind, any number of rows), on the default build (-march=native)
+and the AVX2 build; the portable build has neither.
 
 The reference models the quantization exactly (scale = the group's largest magnitude / 32767,
 codes rounded half to even in fp32): the kernel must equal it within fp32 summation error, which
@@ -56,7 +57,7 @@ def weights(kind: str):
     with 37 rows; K 576 (SmolLM2's hidden size, no multiple of 256), 768 for the super-block kinds.
     The kernels add the offsets' share from x summed per group, unquantized."""
     rows, gen = 37, torch.Generator().manual_seed(7)
-    cols = 768 if kind in ("Q4_K", "Q6_K") else COLS
+    cols = 768 if kind in ("Q4_K", "Q6_K", "Q5_K", "IQ4_XS") else COLS
     offsets = torch.zeros(rows, cols)
     if kind in ("Q4_K", "Q6_K"):
         weight = read_own_layout(kind, random_blocks(kind, rows, cols, np.random.default_rng(3)))
@@ -67,10 +68,19 @@ def weights(kind: str):
             load_native().dequantize4k_into(parts["packed"], no_d, offsets)
         name = "matmul4k" if kind == "Q4_K" else "matmul6k"
         return weight.dequantize(), offsets, lambda native, x, bias: getattr(native, name)(x, *parts.values(), bias)
+    if kind.startswith("IQ4"):  # W = codebook value * s: no offsets
+        weight = read_own_layout(kind, random_blocks(kind, rows, cols, np.random.default_rng(3)))
+        parts = weight.tensors()
+        return weight.dequantize(), offsets, lambda native, x, bias: native.matmul_iq4(
+            x, parts["packed"], parts.get("scales"), parts.get("superblocks"), bias)
     if kind.startswith("Q5"):
         weight = read_own_layout(kind, random_blocks(kind, rows, cols, np.random.default_rng(3)))
         parts = {name: weight.tensors().get(name) for name in ("codes", "scales", "offsets", "superblocks")}
-        if parts["offsets"] is not None:  # Q5_1: W = u * s + o, the share o alone with s = 0
+        if parts["superblocks"] is not None:  # Q5_K: as Q4_K, the share -dmin * m alone with d = 0
+            no_d = parts["superblocks"].clone()
+            no_d.view(rows, -1, 20)[..., :2] = 0
+            load_native().dequantize5_into(parts["codes"], None, None, no_d, offsets)
+        elif parts["offsets"] is not None:  # Q5_1: W = u * s + o, the share o alone with s = 0
             load_native().dequantize5_into(parts["codes"], torch.zeros_like(parts["scales"]), parts["offsets"], None,
                                            offsets)  # fmt: skip
         else:  # Q5_0: W = (u - 16) * s, the share -16 s added from x's sums as offsets are
@@ -82,6 +92,8 @@ def weights(kind: str):
         weight = quantize_int4(values, group, asymmetric=kind.endswith("asym"))
         if weight.offsets is not None:
             offsets = weight.offsets.float().repeat_interleave(group, 1)[:, :cols]
+        else:  # (u - 8) * s: the share -8 s added from x's sums, as Q5_0's -16 s is
+            offsets = -8 * weight.scales.float().repeat_interleave(group, 1)[:, :cols]
         return weight.dequantize(), offsets, lambda native, x, bias: native.matmul4(x, weight.packed, weight.scales,
                                                                                     weight.offsets, group, bias)  # fmt: skip
     weight = quantize_q8_0(values) if kind == "Q8_0" else quantize_int8(values, 32, asymmetric=kind == "int8-g32-asym")
@@ -97,9 +109,12 @@ def native_builds(native_build):
     return [load_native(), native_build]
 
 
-INTEGER_KINDS = {"Q8_0", "int8-g32", "int8-g32-asym", "Q5_0", "Q5_1", "Q6_K", "Q4_K"}  # int4: fp32 tiles
-KINDS = ["Q8_0", "int8-g32", "int8-g32-asym", "Q5_0", "Q5_1", "int4-g32", "int4-g32-asym", "int4-g128-asym", "Q4_K",
-         "Q6_K"]
+INTEGER_KINDS = {"Q8_0", "int8-g32", "int8-g32-asym", "Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q4_K"}
+# On the integer rows on AVX2 only (gemv_a16.h has_a16_path: AVX-512's fp32 tiles widen nibbles
+# cheaply); int4 in groups of 128 keeps the fp32 tiles everywhere.
+AVX2_INTEGER_KINDS = {"int4-g32", "int4-g32-asym", "IQ4_NL", "IQ4_XS"}
+KINDS = ["Q8_0", "int8-g32", "int8-g32-asym", "Q5_0", "Q5_1", "Q5_K", "int4-g32", "int4-g32-asym", "int4-g128-asym",
+         "Q4_K", "Q6_K", "IQ4_NL", "IQ4_XS"]
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -107,7 +122,7 @@ def test_decode_rows_multiply_int16_activations_exactly(native_builds, kind):
     dense, offsets, matmul = weights(kind)
     bias = torch.randn(dense.shape[0])
     for native in native_builds:
-        integer = native.isa >= 256 and kind in INTEGER_KINDS
+        integer = native.isa >= 256 and kind in INTEGER_KINDS or native.isa == 256 and kind in AVX2_INTEGER_KINDS
         for rows in range(1, 7):
             x = outlier_activations(rows, rows, dense.shape[1])
             got = matmul(native, x, bias).double()

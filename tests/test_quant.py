@@ -12,8 +12,8 @@ from tests.test_a16_kernels import rounding_bound
 from tests.tiers import quick
 from tierlm.errors import TierlmError
 from tierlm.paths import kernels_root
-from tierlm.quant.dispatch import KernelChoice, calibrate
-from tierlm.quant.int8 import Int8Weight, quantize_int8
+from tierlm.quant.dispatch import DECODE_ROWS, INTEGER_GEMM_ROWS, KernelChoice, calibrate
+from tierlm.quant.int8 import Int8Weight, quantize_int8, quantize_q8_0
 from tierlm.quant.kernel_api import KernelUnavailable
 from tierlm.quant.modes import parse_quant_mode
 from tierlm.quant.native import FLAGS, load_native
@@ -217,6 +217,21 @@ def test_linear_on_3d_input_with_and_without_bias(kernels, group_size):
             _assert_matches(y, _reference(x, qw, b))
 
 
+def test_prompts_past_a_fixed_row_count_multiply_in_integers_whatever_was_timed(kernels):
+    """The integer GEMM's numerics differ from the tiles' and BLAS's, so which one runs is a row
+    count, not a timing: past INTEGER_GEMM_ROWS it runs whatever crossover calibration found."""
+    if "native" not in kernels or kernels["native"].isa < 256:
+        pytest.skip("no integer GEMM in this build")
+    qw = quantize_q8_0(_weight(48, 96))
+    for crossover in (2, 64):
+        qw.kernels = _fixed_choice(kernels, crossover=crossover)
+        x = torch.randn(INTEGER_GEMM_ROWS + 1, 96)
+        assert torch.equal(qw.linear(x), kernels["native"].gemm(x, qw))
+    qw.kernels = _fixed_choice(kernels, crossover=2)  # fewer rows past the crossover: BLAS
+    x = torch.randn(INTEGER_GEMM_ROWS, 96)
+    assert torch.equal(qw.linear(x), kernels["blas-native"].matmul(x, qw.qweight, qw.scales_2d, qw.group))
+
+
 def test_bf16_activations_come_back_bf16(kernels):
     qw = quantize_int8(_weight(64, 96))
     qw.kernels = _fixed_choice(kernels)
@@ -303,8 +318,10 @@ def test_calibration_picks_the_measured_fastest(tmp_path, kernels):
     assert set(batch1) == {kernels["native"].name, "native-dequant+blas"}
     assert choice.gemv.name == min(batch1, key=batch1.get)
     assert choice.gemm.name == "native-dequant+blas"
-    # Every row count sent to gemv was measured no slower there than in the GEMM path.
-    for rows in {r for _, r, _ in choice.timings if 1 < r <= choice.crossover}:
+    # Every row count sent to gemv was measured no slower there than in the GEMM path (decode's
+    # few rows stay on the native rows whatever was measured: their numerics are the integer path's).
+    assert choice.crossover >= DECODE_ROWS
+    for rows in {r for _, r, _ in choice.timings if DECODE_ROWS < r <= choice.crossover}:
         at = {name: seconds for name, r, seconds in choice.timings if r == rows}
         assert at[choice.gemv.name] <= at[choice.gemm.name]
 

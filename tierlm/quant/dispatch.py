@@ -3,8 +3,9 @@
 A `KernelChoice` names two kernels: `gemv` for few activation rows (decode, small batches),
 where the int8 weight bytes stream from memory once, and `gemm` for many rows (prefill),
 where dequantizing blocks into BLAS wins; `crossover` is the largest row count still sent
-to `gemv`. Past it, a native `gemv` kernel's integer GEMM (csrc/gemm_a16.h) runs first and
-dequantize+BLAS only where it declines (fp32 weights, the portable build, NaN or inf in x). On CPUs `calibrate` makes the choice: it loads each candidate (a loader that
+to `gemv`. Past INTEGER_GEMM_ROWS rows (a fixed count, not a timed one: it changes the numerics)
+a native `gemv` kernel's integer GEMM (csrc/gemm_a16.h) runs first, and the timed choice only
+where it declines (fp32 weights, the portable build, NaN or inf in x). On CPUs `calibrate` makes the choice: it loads each candidate (a loader that
 raises KernelUnavailable is skipped with its reason), times them at batch 1 on a
 representative layer, then finds the crossover against dequantize+BLAS. Accelerators use
 torch ops (dequantize to bf16/fp16 + the device GEMM).
@@ -33,6 +34,14 @@ from tierlm.quant.torch_kernels import BlasKernel, TorchKernel
 CALIBRATION_SHAPE = (2048, 4096)
 # Row counts tried for the gemv -> gemm crossover, in order; the first where gemm wins ends it.
 CROSSOVER_ROWS = (2, 4, 8, 16, 32, 64)
+# Rows past which the native integer GEMM runs, fixed rather than timed: its numerics (x as int16
+# per 32 columns) differ from the fp32 tiles', and a crossover timed per process made a prompt's
+# logits depend on the machine's load at start-up. Measured on Zen 3 (AVX2, 2 threads): the
+# tiles and the GEMM tie at ~32 rows (the GEMM expands each weight once per call), the GEMM is
+# 1.2-1.6x faster at 64.
+INTEGER_GEMM_ROWS = 32
+# The activation rows the native decode rows multiply in integers (csrc/gemv_a16.h kA16MaxRows).
+DECODE_ROWS = 4
 
 KernelLoader = Callable[[Path | None], Int8Kernel]  # build dir -> the kernel, or KernelUnavailable
 
@@ -76,12 +85,12 @@ class KernelChoice:
             rows = rows.contiguous()
         if bias is not None and not bias.is_contiguous():
             bias = bias.contiguous()
-        kernel = self.gemv if rows.shape[0] <= self.crossover else self.gemm
-        if kernel is self.gemm and hasattr(self.gemv, "gemm"):
-            # Prefill multiplied in integers where the native build can (csrc/gemm_a16.h), else BLAS.
+        if rows.shape[0] > INTEGER_GEMM_ROWS and hasattr(self.gemv, "gemm"):
+            # Prefill multiplied in integers where the native build can (csrc/gemm_a16.h), else below.
             out = self.gemv.gemm(rows, weight, bias)
             if out is not None:
                 return out.to(x.dtype) if x.dim() == 2 else out.to(x.dtype).view(*x.shape[:-1], out_features)
+        kernel = self.gemv if rows.shape[0] <= self.crossover else self.gemm
         if hasattr(weight, "native_words"):  # a weight that describes itself (LowBitKWeight: GGUF Q2_K/Q3_K)
             if not hasattr(kernel, "matmul_words"):
                 kernel = self.gemm
@@ -204,6 +213,10 @@ def calibrate(
             if time.perf_counter() - started > budget_s or timed(blas, rows) < timed(gemv, rows):
                 break
             crossover = rows
+    if hasattr(gemv, "gemm"):
+        # Decode's few rows stay on the native rows whatever the sweep saw (a busy machine can
+        # end it before its first step): they are its integer path, with its numerics.
+        crossover = max(crossover, DECODE_ROWS)
     return KernelChoice(gemv, blas, crossover, True, tuple(skipped), tuple(timings))
 
 

@@ -49,9 +49,6 @@ inline bool has_gemm_a16_path(const Weight& W) {
 alignas(64) inline constexpr float kOnes[32] = {1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1,
                                                 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1};
 
-// IQ4_NL / IQ4_XS's codebook as the integers it holds (kIQ4Values).
-inline constexpr int8_t kIQ4Codes[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
-
 // Row n's 32 codes of chunk c (columns 32c..32c+31) of W, less the bias the kind subtracts
 // (Q4_0's 8, Q5_0's 16, Q6_K's 32, Q3_K's 4: its offsets then need no term of their own).
 inline void chunk_codes(const Weight& W, int64_t n, int64_t c, int16_t* out) {

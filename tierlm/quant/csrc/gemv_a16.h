@@ -41,10 +41,16 @@ constexpr int64_t kA16MaxRows = 4;
 inline bool has_a16_path(const Weight& W) {
   if (!Ints16::available || W.cols % 32 != 0) return false;
   if (W.kind == kInt8) return W.group == 32;
-  // int4 stays on the fp32 tiles: its nibbles widen to fp32 cheaply on AVX-512, and the integer
-  // path measured slower on the embedded Q4_1 model (65-96 vs 90-118 tok/s). Q4_K's tiles expand
-  // every super-block's scales per call: on a 1B-shaped Q4_K_M they ran at a third of llama.cpp.
-  return W.kind == kInt5 || W.kind == kInt6K || W.kind == kInt4K;
+#if TIERLM_ISA == 256
+  // AVX2 widens nibbles to fp32 a register at a time (AVX-512 a cheap 16-lane convert): the
+  // fp32 tiles ran int4 and IQ4 at 13 and 6-7 GB/s here (Zen 3, 2 threads), where these rows
+  // run int4 at ~2x. On AVX-512 the tiles measured faster for the embedded Q4_1 model.
+  if (W.kind == kInt4 || W.kind == kIQ4) return W.group == 32;
+  if (W.kind == kIQ4X) return true;
+#endif
+  // Q4_K's and Q5_K's tiles expand every super-block's scales per call: on a 1B-shaped Q4_K_M
+  // they ran at a third of llama.cpp.
+  return W.kind == kInt5 || W.kind == kInt6K || W.kind == kInt4K || W.kind == kInt5K;
 }
 
 #if TIERLM_ISA >= 256
@@ -172,6 +178,44 @@ inline auto group_scales(const Weight& W) {
   };
 }
 
+// Q4_K's and Q5_K's super-blocks (kSuperBytes each: fp16 d, fp16 dmin, 8 sub-scales, 8 sub-mins)
+// as a16_rows' SCALES, s(n, g) = d sc[g % 8], and OFFSETS_DOT, sum_g -(dmin m[g % 8]) x_g: the
+// sub-scales and sub-mins widened 8 at a time, the offsets summed in a vector (a scalar sum was
+// one dependent add per 32 columns, as long as the group's products).
+inline __m256 eight_times(const uint8_t* bytes, uint16_t factor) {  // 8 bytes times fp16: exact
+  const __m256 v = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(bytes))));
+  return _mm256_mul_ps(v, _mm256_set1_ps(half_to_float(factor)));
+}
+
+inline auto k_scales(const Weight& W) {
+  const uint8_t* super = static_cast<const uint8_t*>(W.scales);
+  const int64_t B = W.cols / kSuperColumns;
+  // g0 and g1 are whole super-blocks (8 groups each): SPAN and the column count are multiples.
+  return [super, B](int64_t n, int64_t g0, int64_t g1, float* out) __attribute__((always_inline)) {
+    for (int64_t b = g0 / 8; b < g1 / 8; ++b) {
+      const uint8_t* p = super + (n * B + b) * kSuperBytes;
+      uint16_t d;
+      std::memcpy(&d, p, 2);
+      _mm256_store_ps(out + (b * 8 - g0), eight_times(p + 4, d));
+    }
+  };
+}
+
+inline auto k_offsets(const Weight& W) {
+  const uint8_t* super = static_cast<const uint8_t*>(W.scales);
+  const int64_t B = W.cols / kSuperColumns;
+  return [super, B](int64_t n, const float* sums) {
+    __m256 total = _mm256_setzero_ps();
+    for (int64_t b = 0; b < B; ++b) {
+      const uint8_t* p = super + (n * B + b) * kSuperBytes;
+      uint16_t dmin;
+      std::memcpy(&dmin, p + 2, 2);
+      total = _mm256_fnmadd_ps(eight_times(p + 12, dmin), _mm256_loadu_ps(sums + b * 8), total);
+    }
+    return sum8(total);
+  };
+}
+
 template <int MB>
 inline void a16_rows(const Weight& W, const Activations16& a, const float* xs, int64_t n0, int64_t n1,
                      float* y, int64_t ldy, bool accumulate) {
@@ -223,42 +267,50 @@ inline void a16_rows(const Weight& W, const Activations16& a, const float* xs, i
       }
     };
     a16_rows<MB, false, 2>(W, a, xs, n0, n1, y, ldy, accumulate, codes, scales, none);
-  } else if (W.kind == kInt4K) {  // Q4_K: u (d sc[j]) - dmin m[j] per 32 columns, nibbles as int4's
+  } else if (W.kind == kInt4K || W.kind == kInt5K) {  // u (d sc[j]) - dmin m[j] per 32 columns
     const uint8_t* w = static_cast<const uint8_t*>(W.data);
-    const uint8_t* super = static_cast<const uint8_t*>(W.scales);
-    const int64_t B = K / kSuperColumns;
+    auto nibbles = [&](int64_t n, int64_t g, I::reg& lo, I::reg& hi) __attribute__((always_inline)) {
+      const I::reg v = I::widen(w + n * (K / 2) + g * 16);  // Q4_K: int4's packing
+      lo = I::low_nibbles(v);
+      hi = I::high_nibbles(v);
+    };
+    auto fives = [&](int64_t n, int64_t g, I::reg& lo, I::reg& hi) __attribute__((always_inline)) {
+      I::fives(w + (n * G + g) * 20, lo, hi);  // Q5_K: Q5_0's chunks
+    };
+    if (W.kind == kInt4K) a16_rows<MB, true>(W, a, xs, n0, n1, y, ldy, accumulate, nibbles, k_scales(W), k_offsets(W));
+    else a16_rows<MB, true>(W, a, xs, n0, n1, y, ldy, accumulate, fives, k_scales(W), k_offsets(W));
+  } else if (W.kind == kInt4) {  // int4.py's nibbles, u s + o or (u - 8) s per 32 columns
+    const uint8_t* w = static_cast<const uint8_t*>(W.data);
     auto codes = [&](int64_t n, int64_t g, I::reg& lo, I::reg& hi) __attribute__((always_inline)) {
       const I::reg v = I::widen(w + n * (K / 2) + g * 16);
       lo = I::low_nibbles(v);
       hi = I::high_nibbles(v);
     };
-    // A super-block's 8 sub-scales or sub-mins (6-bit, a byte each) as fp32 times its fp16 factor.
-    auto eight = [](const uint8_t* bytes, uint16_t factor) __attribute__((always_inline)) {
-      const __m256 v = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(bytes))));
-      return _mm256_mul_ps(v, _mm256_set1_ps(half_to_float(factor)));  // exact: fp16 times 6 bits
+    const uint16_t* o = static_cast<const uint16_t*>(W.offsets);
+    const uint16_t* s = static_cast<const uint16_t*>(W.scales);
+    auto offset = [&](int64_t n, const float* sums) {  // symmetric: -8 s, added as Q5_0's -16 s is
+      return o ? dot(o + n * G, sums, G) : -8.0f * dot(s + n * G, sums, G);
     };
-    // g0 and g1 are whole super-blocks (8 groups each): SPAN and the column count are multiples.
-    auto scales = [super, B, eight](int64_t n, int64_t g0, int64_t g1, float* out) __attribute__((always_inline)) {
+    a16_rows<MB, true>(W, a, xs, n0, n1, y, ldy, accumulate, codes, group_scales<uint16_t>(W), offset);
+  } else if (W.kind == kIQ4 || W.kind == kIQ4X) {  // nibbles indexing the codebook, times s
+    const uint8_t* w = static_cast<const uint8_t*>(W.data);
+    auto codes = [&](int64_t n, int64_t g, I::reg& lo, I::reg& hi) __attribute__((always_inline)) {
+      I::codebook(w + n * (K / 2) + g * 16, kIQ4Codes, lo, hi);
+    };
+    const uint8_t* super = static_cast<const uint8_t*>(W.scales);
+    const int64_t B = K / kSuperColumns;
+    // IQ4_XS: per 256 columns fp16 d, then 8 int8 sub-scales: s(n, g) = d sub[g % 8] (exact).
+    auto sub_scales = [super, B](int64_t n, int64_t g0, int64_t g1, float* out) __attribute__((always_inline)) {
       for (int64_t b = g0 / 8; b < g1 / 8; ++b) {
-        const uint8_t* p = super + (n * B + b) * kSuperBytes;
+        const uint8_t* p = super + (n * B + b) * 10;
         uint16_t d;
         std::memcpy(&d, p, 2);
-        _mm256_store_ps(out + (b * 8 - g0), eight(p + 4, d));
+        const __m256 subs = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 2))));
+        _mm256_store_ps(out + (b * 8 - g0), _mm256_mul_ps(subs, _mm256_set1_ps(half_to_float(d))));
       }
     };
-    // sum_g -(dmin m[g]) * (x summed over g), 8 groups a step: a scalar sum here was one
-    // dependent add per 32 columns, as long as the group's products.
-    auto offset = [&](int64_t n, const float* sums) {
-      __m256 total = _mm256_setzero_ps();
-      for (int64_t b = 0; b < B; ++b) {
-        const uint8_t* p = super + (n * B + b) * kSuperBytes;
-        uint16_t dmin;
-        std::memcpy(&dmin, p + 2, 2);
-        total = _mm256_fnmadd_ps(eight(p + 12, dmin), _mm256_loadu_ps(sums + b * 8), total);
-      }
-      return sum8(total);
-    };
-    a16_rows<MB, true>(W, a, xs, n0, n1, y, ldy, accumulate, codes, scales, offset);
+    if (W.kind == kIQ4) a16_rows<MB, false>(W, a, xs, n0, n1, y, ldy, accumulate, codes, group_scales<uint16_t>(W), none);
+    else a16_rows<MB, false>(W, a, xs, n0, n1, y, ldy, accumulate, codes, sub_scales, none);
   }
 }
 

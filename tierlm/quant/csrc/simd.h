@@ -407,6 +407,14 @@ struct Ints16 {
     return _mm256_or_si256(v, _mm256_and_si256(_mm256_cmpeq_epi16(set, lane_bits), _mm256_set1_epi16(16)));
 #endif
   }
+  // A 32-column chunk of nibbles (int4's packing: byte k holds columns k and 16 + k) as the int8
+  // values they index in `table` (16 entries: GGUF IQ4's codebook), looked up as bytes.
+  static inline void codebook(const uint8_t* p, const int8_t* table, reg& lo, reg& hi) {
+    const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    const __m128i t = _mm_loadu_si128(reinterpret_cast<const __m128i*>(table)), low = _mm_set1_epi8(15);
+    lo = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(t, _mm_and_si128(v, low)));
+    hi = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(t, _mm_and_si128(_mm_srli_epi16(v, 4), low)));
+  }
   // Q6_K's codes minus 32 for a 32-column chunk (simd.h's `Vec::sixes` layout: 16 bytes of
   // nibbles at p, 8 bytes of 2-bit high parts at q, byte i holding columns i, 8 + i, 16 + i
   // and 24 + i from its lowest bits): columns 0..15 (lo) and 16..31 (hi).
