@@ -187,6 +187,8 @@ def test_the_probe_times_every_carried_format_against_int8(monkeypatch):
     factors = dict(bandwidth.format_factors(torch.device("cpu"), torch.float32))
     assert set(factors) == {own_mode(kind) for kind in CARRIED_SOURCE_TYPES}
     assert all(math.isfinite(f) and f > 0 for f in factors.values()), factors
-    # Q8_0 reads 8-bit codes as int8 does, on the integer path: within 2x of its rate.
-    assert 0.5 < factors["q8_0"] < 2, factors
+    # Q8_0 reads 8-bit codes as int8 does, on the integer path: near its rate. A float fallback
+    # (dequantize, then BLAS) would be ~10x slower; the band's width is for a machine whose speed
+    # moves between the two timings (a shared VM here moved 2x within minutes).
+    assert 0.25 < factors["q8_0"] < 4, factors
     assert bandwidth.format_factors(torch.device("meta"), torch.float32) == ()
