@@ -131,12 +131,12 @@ class BlockSizes:
 
         totals: dict[str, dict[str, float]] = {}
         for key, mode in self.tensor_modes.items():
-            block, nbytes = key.split("/", 1)[0], float(self.tensor_bytes.get(key, 0))
-            runs = parse_quant_mode(mode).rows if "*" in mode else ((mode, 1),)
+            nbytes = float(self.tensor_bytes.get(key, 0))
+            runs = [(run.name, count) for run, count in parse_quant_mode(mode).rows] if "*" in mode else [(mode, 1)]
             rows = sum(count for _, count in runs)
-            for run, count in runs:
-                name = getattr(run, "name", run)
-                totals.setdefault(block, {})[name] = totals.get(block, {}).get(name, 0.0) + nbytes * count / rows
+            block = totals.setdefault(key.split("/", 1)[0], {})
+            for name, count in runs:
+                block[name] = block.get(name, 0.0) + nbytes * count / rows
         return {block: tuple(modes.items()) for block, modes in totals.items()}
 
     def only(self, names) -> "BlockSizes":

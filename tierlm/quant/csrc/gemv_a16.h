@@ -9,8 +9,9 @@
 // fp32 tiles only by the activations' rounding. A row is read front to back before the next:
 // memory order, which the hardware prefetcher streams (the tiles' 8 interleaved rows measured
 // 1.4x slower from DRAM for q5_0). Kinds: kInt8 in groups of 32 (GGUF Q8_0, int8-g32), kInt5
-// (Q5_0, Q5_1), kInt4K (Q4_K) and kInt6K (Q6_K, a scale per 16 columns); the others,
-// non-finite activations and the portable build keep the fp32 tiles.
+// (Q5_0, Q5_1), kInt4K and kInt5K (Q4_K, Q5_K), kInt6K (Q6_K, a scale per 16 columns), and on
+// AVX2 kInt4 in groups of 32 (Q4_0, Q4_1) and kIQ4/kIQ4X (has_a16_path); the others, non-finite
+// activations and the portable build keep the fp32 tiles.
 #pragma once
 
 #include <algorithm>
@@ -222,6 +223,17 @@ inline void a16_rows(const Weight& W, const Activations16& a, const float* xs, i
   using I = Ints16;
   const int64_t K = W.cols, G = K / 32;
   auto none = [](int64_t, const float*) { return 0.0f; };
+  const uint8_t* bytes = static_cast<const uint8_t*>(W.data);
+  // int4.py's packing (int4, Q4_K): byte k of a group holds columns k (low nibble) and 16 + k.
+  auto nibbles = [bytes, K](int64_t n, int64_t g, I::reg& lo, I::reg& hi) __attribute__((always_inline)) {
+    const I::reg v = I::widen(bytes + n * (K / 2) + g * 16);
+    lo = I::low_nibbles(v);
+    hi = I::high_nibbles(v);
+  };
+  // 5-bit chunks (Q5_0, Q5_1, Q5_K): per 32 columns 16 bytes of nibbles, then the fifth bits.
+  auto fives = [bytes, G](int64_t n, int64_t g, I::reg& lo, I::reg& hi) __attribute__((always_inline)) {
+    I::fives(bytes + (n * G + g) * 20, lo, hi);
+  };
   if (W.kind == kInt8) {
     const int8_t* w = static_cast<const int8_t*>(W.data);
     auto codes = [&](int64_t n, int64_t g, I::reg& lo, I::reg& hi) __attribute__((always_inline)) {
@@ -232,11 +244,7 @@ inline void a16_rows(const Weight& W, const Activations16& a, const float* xs, i
     auto offset = [&](int64_t n, const float* sums) { return dot(o + n * G, sums, G); };
     if (W.half) a16_rows<MB, false>(W, a, xs, n0, n1, y, ldy, accumulate, codes, group_scales<uint16_t>(W), none);
     else a16_rows_offsets<MB>(o, W, a, xs, n0, n1, y, ldy, accumulate, codes, group_scales<float>(W), offset);
-  } else if (W.kind == kInt5) {  // per 32 columns 16 bytes of nibbles, then the fifth bits (bit i column i)
-    const uint8_t* w = static_cast<const uint8_t*>(W.data);
-    auto codes = [&](int64_t n, int64_t g, I::reg& lo, I::reg& hi) __attribute__((always_inline)) {
-      I::fives(w + (n * G + g) * 20, lo, hi);
-    };
+  } else if (W.kind == kInt5) {
     // Q5_1 is u s + o; Q5_0's (u - 16) s is u s plus the offsets -16 s, added from x's group
     // sums as Q5_1's are (two subtractions a group fewer on a path the unpacking bounds).
     const uint16_t* o = static_cast<const uint16_t*>(W.offsets);
@@ -244,14 +252,13 @@ inline void a16_rows(const Weight& W, const Activations16& a, const float* xs, i
     auto offset = [&](int64_t n, const float* sums) {
       return o ? dot(o + n * G, sums, G) : -16.0f * dot(s + n * G, sums, G);
     };
-    a16_rows<MB, true>(W, a, xs, n0, n1, y, ldy, accumulate, codes, group_scales<uint16_t>(W), offset);
+    a16_rows<MB, true>(W, a, xs, n0, n1, y, ldy, accumulate, fives, group_scales<uint16_t>(W), offset);
   } else if (W.kind == kInt6K) {  // Q6_K: (lo + 16 hi - 32) d sc[j], j per 16 columns: two parts a group
-    const uint8_t* w = static_cast<const uint8_t*>(W.data);
     const uint8_t* q = static_cast<const uint8_t*>(W.offsets);
     const uint8_t* super = static_cast<const uint8_t*>(W.scales);
     const int64_t B = K / kSuperColumns;
     auto codes = [&](int64_t n, int64_t g, I::reg& lo, I::reg& hi) __attribute__((always_inline)) {
-      I::sixes(w + n * (K / 2) + g * 16, q + n * (K / 4) + g * 8, lo, hi);
+      I::sixes(bytes + n * (K / 2) + g * 16, q + n * (K / 4) + g * 8, lo, hi);
     };
     // s(n, g, p) = d sc[2 g + p], 16 a super-block (g0 and g1 are whole ones, as for Q4_K).
     auto scales = [super, B](int64_t n, int64_t g0, int64_t g1, float* out) __attribute__((always_inline)) {
@@ -268,34 +275,18 @@ inline void a16_rows(const Weight& W, const Activations16& a, const float* xs, i
     };
     a16_rows<MB, false, 2>(W, a, xs, n0, n1, y, ldy, accumulate, codes, scales, none);
   } else if (W.kind == kInt4K || W.kind == kInt5K) {  // u (d sc[j]) - dmin m[j] per 32 columns
-    const uint8_t* w = static_cast<const uint8_t*>(W.data);
-    auto nibbles = [&](int64_t n, int64_t g, I::reg& lo, I::reg& hi) __attribute__((always_inline)) {
-      const I::reg v = I::widen(w + n * (K / 2) + g * 16);  // Q4_K: int4's packing
-      lo = I::low_nibbles(v);
-      hi = I::high_nibbles(v);
-    };
-    auto fives = [&](int64_t n, int64_t g, I::reg& lo, I::reg& hi) __attribute__((always_inline)) {
-      I::fives(w + (n * G + g) * 20, lo, hi);  // Q5_K: Q5_0's chunks
-    };
     if (W.kind == kInt4K) a16_rows<MB, true>(W, a, xs, n0, n1, y, ldy, accumulate, nibbles, k_scales(W), k_offsets(W));
     else a16_rows<MB, true>(W, a, xs, n0, n1, y, ldy, accumulate, fives, k_scales(W), k_offsets(W));
-  } else if (W.kind == kInt4) {  // int4.py's nibbles, u s + o or (u - 8) s per 32 columns
-    const uint8_t* w = static_cast<const uint8_t*>(W.data);
-    auto codes = [&](int64_t n, int64_t g, I::reg& lo, I::reg& hi) __attribute__((always_inline)) {
-      const I::reg v = I::widen(w + n * (K / 2) + g * 16);
-      lo = I::low_nibbles(v);
-      hi = I::high_nibbles(v);
-    };
+  } else if (W.kind == kInt4) {  // u s + o or (u - 8) s per 32 columns
     const uint16_t* o = static_cast<const uint16_t*>(W.offsets);
     const uint16_t* s = static_cast<const uint16_t*>(W.scales);
     auto offset = [&](int64_t n, const float* sums) {  // symmetric: -8 s, added as Q5_0's -16 s is
       return o ? dot(o + n * G, sums, G) : -8.0f * dot(s + n * G, sums, G);
     };
-    a16_rows<MB, true>(W, a, xs, n0, n1, y, ldy, accumulate, codes, group_scales<uint16_t>(W), offset);
+    a16_rows<MB, true>(W, a, xs, n0, n1, y, ldy, accumulate, nibbles, group_scales<uint16_t>(W), offset);
   } else if (W.kind == kIQ4 || W.kind == kIQ4X) {  // nibbles indexing the codebook, times s
-    const uint8_t* w = static_cast<const uint8_t*>(W.data);
-    auto codes = [&](int64_t n, int64_t g, I::reg& lo, I::reg& hi) __attribute__((always_inline)) {
-      I::codebook(w + n * (K / 2) + g * 16, kIQ4Codes, lo, hi);
+    auto codes = [bytes, K](int64_t n, int64_t g, I::reg& lo, I::reg& hi) __attribute__((always_inline)) {
+      I::codebook(bytes + n * (K / 2) + g * 16, kIQ4Codes, lo, hi);
     };
     const uint8_t* super = static_cast<const uint8_t*>(W.scales);
     const int64_t B = K / kSuperColumns;
