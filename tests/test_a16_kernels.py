@@ -1,15 +1,17 @@
 """The integer paths: decode rows (quant/csrc/gemv_a16.h: up to four activation rows quantized to
 int16 per 32 columns and multiplied with the weights' codes in integers, for Q8_0, int8-g32 (with
-and without offsets), Q5_0, Q5_1, Q5_K, Q6_K and Q4_K, and on AVX2 int4 in groups of 32 and
-IQ4_NL/IQ4_XS; more rows and the other kinds keep the fp32 tiles) and the prefill GEMM
-(quant/csrc/gemm_a16.h: every stored kind, any number of rows), on the default build (-march=native)
-and the AVX2 build; the portable build has neither.
+and without offsets), Q5_0, Q5_1 and Q5_K, and on AVX2 int4 in groups of 32 and IQ4_NL/IQ4_XS;
+Q4_K's and Q6_K's rows quantize them to int8 per 256 columns as llama.cpp does, gemv_a8.h;
+more rows and the other kinds keep the fp32 tiles) and the prefill GEMM (quant/csrc/gemm_a16.h:
+every stored kind, any number of rows), on the default build (-march=native) and the AVX2 build;
+the portable build has neither.
 
-The reference models the quantization exactly (scale = the group's largest magnitude / 32767,
-codes rounded half to even in fp32): the kernel must equal it within fp32 summation error, which
-activations with an outlier in every group put far below the quantization's own effect, so the
-test tells the integer path from the fp32 one. Against the unquantized product the error stays
-under the bound the rounding implies, sum_k |W[n, k]| * (largest |x| of k's group) / 65534.
+The reference models the quantization exactly (scale = the group's largest magnitude / 32767, or
+/ 127 per 256 columns, codes rounded half to even in fp32): the kernel must equal it within fp32
+summation error, which activations with an outlier in every group put far below the
+quantization's own effect, so the test tells the integer path from the fp32 one. Against the
+unquantized product the error stays under the bound the rounding implies, sum_k |W[n, k]| *
+(largest |x| of k's group) / 65534 (/ 254 for the int8 blocks).
 """
 
 from __future__ import annotations
@@ -39,9 +41,28 @@ def int16_activations(x: torch.Tensor) -> torch.Tensor:
     return (codes.double() * (largest / 32767.0).double()).flatten(-2)
 
 
-def rounding_bound(x: torch.Tensor, dense: torch.Tensor) -> torch.Tensor:
-    largest = x.abs().unflatten(-1, (-1, 32)).amax(-1).repeat_interleave(32, -1).double()
-    return largest @ dense.abs().double().T / 65534
+def int8_block_activations(x: torch.Tensor) -> torch.Tensor:
+    """x as Q4_K's and Q6_K's decode rows quantize it (per 256 columns, to int8), in float64."""
+    blocks = x.unflatten(-1, (-1, 256))
+    largest = blocks.abs().amax(-1, keepdim=True)
+    inverse = torch.where(largest > 0, 127.0 / largest, torch.zeros_like(largest))
+    return (torch.round(blocks * inverse).double() * (largest / 127.0).double()).flatten(-2)
+
+
+def rounding_bound(x: torch.Tensor, dense: torch.Tensor, *, group: int = 32, levels: int = 32767) -> torch.Tensor:
+    largest = x.abs().unflatten(-1, (-1, group)).amax(-1).repeat_interleave(group, -1).double()
+    return largest @ dense.abs().double().T / (2 * levels)
+
+
+# Kinds whose decode rows take x as int8 per 256 columns (gemv_a8.h), with that rounding's bound.
+INT8_BLOCK_KINDS = {"Q4_K", "Q6_K"}
+
+
+def activation_model(kind: str):
+    """(x as kind's decode rows quantize it, the bound that rounding implies) on the integer rows."""
+    if kind in INT8_BLOCK_KINDS:
+        return int8_block_activations, lambda x, dense: rounding_bound(x, dense, group=256, levels=127)
+    return int16_activations, rounding_bound
 
 
 def outlier_activations(rows: int, seed: int, cols: int) -> torch.Tensor:
@@ -118,9 +139,10 @@ KINDS = ["Q8_0", "int8-g32", "int8-g32-asym", "Q5_0", "Q5_1", "Q5_K", "int4-g32"
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_decode_rows_multiply_int16_activations_exactly(native_builds, kind):
+def test_decode_rows_multiply_quantized_activations_exactly(native_builds, kind):
     dense, offsets, matmul = weights(kind)
     bias = torch.randn(dense.shape[0])
+    quantize, bound = activation_model(kind)
     for native in native_builds:
         integer = native.isa >= 256 and kind in INTEGER_KINDS or native.isa == 256 and kind in AVX2_INTEGER_KINDS
         for rows in range(1, 7):
@@ -128,24 +150,28 @@ def test_decode_rows_multiply_int16_activations_exactly(native_builds, kind):
             got = matmul(native, x, bias).double()
             exact = x.double() @ dense.double().T + bias.double()
             codes = (dense - offsets).double()
-            quantized = int16_activations(x) @ codes.T + x.double() @ offsets.double().T + bias.double()
+            quantized = quantize(x) @ codes.T + x.double() @ offsets.double().T + bias.double()
+            if kind in INT8_BLOCK_KINDS:  # offsets from the int8 codes' sums too, as llama.cpp's
+                quantized = quantize(x) @ dense.double().T + bias.double()
             size = float((x.double().abs() @ dense.abs().double().T).max())
             # The offsets' share is summed in fp32 from x's group sums, whose terms can be larger.
             integer_error = INTEGER * (size + float((x.double().abs() @ offsets.abs().double().T).max()))
             assert float((quantized - exact).abs().max()) > 10 * integer_error  # the paths are told apart
             if integer and rows <= 4:
                 assert float((got - quantized).abs().max()) <= integer_error, (native.name, rows)
+                assert bool(((got - exact).abs() <= bound(x, codes) + FLOAT * size).all()), (native.name, rows)
             else:
                 assert float((got - exact).abs().max()) <= FLOAT * size, (native.name, rows)
-            assert bool(((got - exact).abs() <= rounding_bound(x, codes) + FLOAT * size).all())
 
 
 @pytest.mark.parametrize("kind", ["Q8_0", "Q5_0", "Q6_K"])
 def test_values_int16_cannot_carry_keep_the_float_path(native_builds, kind):
     """NaN and inf in the activations leave no output finite that torch's product has not (the
     fp32 tiles run); an all-zero group and a group of tiny values (whose 32767 / largest would
-    overflow) are multiplied within the rounding bound."""
+    overflow) are multiplied within the rounding bound; a 256-column block of tiny values (which
+    int8 cannot scale either) keeps Q6_K's float path."""
     dense, _, matmul = weights(kind)
+    _, bound = activation_model(kind)
     for native in native_builds:
         for bad in (float("nan"), float("inf"), -float("inf")):
             x = torch.randn(1, dense.shape[1])
@@ -157,7 +183,12 @@ def test_values_int16_cannot_carry_keep_the_float_path(native_builds, kind):
         x[:, 32:64] = 1e-36
         got, want = matmul(native, x, None).double(), x.double() @ dense.double().T
         size = float((x.double().abs() @ dense.abs().double().T).max())
-        assert bool(((got - want).abs() <= rounding_bound(x, dense) + FLOAT * size).all())
+        assert bool(((got - want).abs() <= bound(x, dense) + FLOAT * size).all())
+        x[1, :256] = 1e-36
+        got, want = matmul(native, x, None).double(), x.double() @ dense.double().T
+        if kind in INT8_BLOCK_KINDS:  # the fp32 tiles for both rows
+            assert float((got - want).abs().max()) <= FLOAT * size, native.name
+        assert bool(((got - want).abs() <= bound(x, dense) + FLOAT * size).all())
 
 
 def stored_weight(kind: str, rows: int, cols: int, seed: int):

@@ -249,13 +249,16 @@ def test_super_block_kernels_on_each_isa_path(native_build, kind, rows):
     out = torch.empty(rows, cols)
     np.testing.assert_array_equal(dequantize_into(*parts.values(), out).numpy(), expected)
     reference = torch.from_numpy(expected).double()
+    from tests.test_a16_kernels import activation_model  # (it imports this module)
+
+    _, rounding = activation_model(kind)  # up to 4 rows run the integer rows, which round x
     for m in range(1, 6):
         x = torch.randn(m, cols, generator=torch.Generator().manual_seed(m))
         bias = torch.randn(rows)
         got = matmul(x, *parts.values(), bias)
         want = x.double() @ reference.T + bias.double()
         scale = (x.double().abs() @ reference.abs().T).max()
-        assert float((got.double() - want).abs().max()) <= 1e-5 * float(scale)
+        assert bool(((got.double() - want).abs() <= rounding(x, reference) + 1e-5 * float(scale)).all())
     with pytest.raises(ValueError, match="multiple of"):
         matmul(torch.randn(1, 16), *(part[:, :8].contiguous() if part is not None else None for part in parts.values()))
 

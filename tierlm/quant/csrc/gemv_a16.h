@@ -9,9 +9,9 @@
 // fp32 tiles only by the activations' rounding. A row is read front to back before the next:
 // memory order, which the hardware prefetcher streams (the tiles' 8 interleaved rows measured
 // 1.4x slower from DRAM for q5_0). Kinds: kInt8 in groups of 32 (GGUF Q8_0, int8-g32), kInt5
-// (Q5_0, Q5_1), kInt4K and kInt5K (Q4_K, Q5_K), kInt6K (Q6_K, a scale per 16 columns), and on
-// AVX2 kInt4 in groups of 32 (Q4_0, Q4_1) and kIQ4/kIQ4X (has_a16_path); the others, non-finite
-// activations and the portable build keep the fp32 tiles.
+// (Q5_0, Q5_1), kInt5K (Q5_K), and on AVX2 kInt4 in groups of 32 (Q4_0, Q4_1) and kIQ4/kIQ4X
+// (has_a16_path); kInt4K and kInt6K (Q4_K, Q6_K) take x as int8 per 256 columns instead
+// (gemv_a8.h); the others, non-finite activations and the portable build keep the fp32 tiles.
 #pragma once
 
 #include <algorithm>
@@ -20,15 +20,18 @@
 #include <cstring>
 #include <vector>
 
+#include "gemv_a8.h"
 #include "simd.h"
 #include "weight.h"
 
 namespace tl {
 
 // x [M, K] as int16 codes [M, K] and fp32 scales [M, K / 32]: x ~ code * scale per 32 columns.
+// Q4_K's and Q6_K's rows take x as int8 per 256 columns instead (gemv_a8.h: `blocks8`, codes empty).
 struct Activations16 {
   std::vector<int16_t> codes;
   std::vector<float> scales;
+  Blocks8 blocks8;
   int64_t cols = 0;
   bool usable = false;  // false: the fp32 tiles run instead
 };
@@ -66,10 +69,7 @@ inline bool quantize_group16(const float* x, int16_t* codes, float* scale) {
     big = _mm256_max_ps(big, _mm256_andnot_ps(sign, v[i]));
     nan = _mm256_or_ps(nan, _mm256_cmp_ps(v[i], v[i], _CMP_UNORD_Q));
   }
-  __m128 m = _mm_max_ps(_mm256_castps256_ps128(big), _mm256_extractf128_ps(big, 1));
-  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
-  m = _mm_max_ss(m, _mm_movehdup_ps(m));
-  const float largest = _mm_cvtss_f32(m);
+  const float largest = max8(big);
   if (_mm256_movemask_ps(nan) || largest > FLT_MAX || (largest > 0.0f && largest < FLT_MIN * 32767.0f)) return false;
   *scale = largest / 32767.0f;
   const __m256 inverse = _mm256_set1_ps(largest > 0.0f ? 32767.0f / largest : 0.0f);
@@ -84,23 +84,21 @@ inline bool quantize_group16(const float* x, int16_t* codes, float* scale) {
 }
 
 // Weight rows [n0, n1) times the MB activation rows, finished: y[m * ldy + n - n0] is set to,
-// or added, sum_g,p s(n, g, p) * a.scales[m][g] * (codes . a.codes over part p of 32-column group
-// g), plus sum_h o(n, h) * xs[m][h] over W's groups h where the kind keeps offsets apart
-// (OFFSETS), plus the bias. PARTS is 1 (a scale per 32 columns) or 2 (per 16: columns 0..15,
-// 16..31). CODES(n, g, lo, hi) yields row n's group g as int16 codes (columns 0..15, 16..31);
-// SCALES(n, g0, g1, out) writes s(n, g, p) for g in [g0, g1) to out[(g - g0) * PARTS + p];
-// OFFSETS_DOT(n, sums) is sum_h o(n, h) * sums[h].
-template <int MB, bool OFFSETS, int PARTS = 1, typename Codes, typename Scales, typename Offset>
+// or added, sum_g s(n, g) * a.scales[m][g] * (codes . a.codes over 32-column group g), plus
+// sum_h o(n, h) * xs[m][h] over W's groups h where the kind keeps offsets apart (OFFSETS), plus
+// the bias. CODES(n, g, lo, hi) yields row n's group g as int16 codes (columns 0..15, 16..31);
+// SCALES(n, g0, g1, out) writes s(n, g) for g in [g0, g1) to out[g - g0]; OFFSETS_DOT(n, sums)
+// is sum_h o(n, h) * sums[h].
+template <int MB, bool OFFSETS, typename Codes, typename Scales, typename Offset>
 inline void a16_rows(const Weight& W, const Activations16& a, const float* xs, int64_t n0, int64_t n1, float* y,
                      int64_t ldy, bool accumulate, Codes codes, Scales scales, Offset offset) {
   using I = Ints16;
-  static_assert(PARTS == 1 || PARTS == 2);
   const int64_t K = W.cols, G = K / 32, H = W.groups();
   constexpr int64_t SPAN = 64;  // groups whose combined scales are formed together, on the stack
-  alignas(32) float weight_scales[SPAN * PARTS], combined[MB][SPAN * PARTS];
+  alignas(32) float weight_scales[SPAN], combined[MB][SPAN];
   for (int64_t n = n0; n < n1; ++n) {
-    // Two accumulators per activation row (even and odd groups, or a group's two parts): the
-    // FMA chain of one would bound a row to one group per FMA latency.
+    // Two accumulators per activation row (even and odd groups): the FMA chain of one would
+    // bound a row to one group per FMA latency.
     __m256 total[MB], other[MB];
     for (int m = 0; m < MB; ++m) total[m] = other[m] = _mm256_setzero_ps();
     for (int64_t g0 = 0; g0 < G; g0 += SPAN) {
@@ -109,32 +107,17 @@ inline void a16_rows(const Weight& W, const Activations16& a, const float* xs, i
       for (int m = 0; m < MB; ++m) {  // the weight's scales times the activations', 8 a step
         const float* ax = a.scales.data() + m * G + g0;
         int64_t i = 0;
-        if constexpr (PARTS == 1) {
-          for (; i + 8 <= g1 - g0; i += 8)
-            _mm256_store_ps(combined[m] + i, _mm256_mul_ps(_mm256_load_ps(weight_scales + i), _mm256_loadu_ps(ax + i)));
-        } else {  // each activation scale twice, beside its group's two parts
-          const __m256i twice = _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3);
-          for (; i + 4 <= g1 - g0; i += 4) {
-            const __m256 x = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(_mm_loadu_ps(ax + i)), twice);
-            _mm256_store_ps(combined[m] + 2 * i, _mm256_mul_ps(_mm256_load_ps(weight_scales + 2 * i), x));
-          }
-        }
-        for (; i < g1 - g0; ++i)
-          for (int p = 0; p < PARTS; ++p) combined[m][i * PARTS + p] = weight_scales[i * PARTS + p] * ax[i];
+        for (; i + 8 <= g1 - g0; i += 8)
+          _mm256_store_ps(combined[m] + i, _mm256_mul_ps(_mm256_load_ps(weight_scales + i), _mm256_loadu_ps(ax + i)));
+        for (; i < g1 - g0; ++i) combined[m][i] = weight_scales[i] * ax[i];
       }
       auto group = [&](int64_t g, __m256* acc) __attribute__((always_inline)) {
         I::reg lo, hi;
         codes(n, g, lo, hi);
         for (int m = 0; m < MB; ++m) {
           const int16_t* x = a.codes.data() + m * K + g * 32;
-          const float* c = combined[m] + (g - g0) * PARTS;
-          if constexpr (PARTS == 1) {
-            const I::reg sums = I::dot(I::dot(I::zero(), lo, I::load(x)), hi, I::load(x + 16));
-            acc[m] = I::scaled(sums, c[0], acc[m]);
-          } else {
-            total[m] = I::scaled(I::dot(I::zero(), lo, I::load(x)), c[0], total[m]);
-            other[m] = I::scaled(I::dot(I::zero(), hi, I::load(x + 16)), c[1], other[m]);
-          }
+          const I::reg sums = I::dot(I::dot(I::zero(), lo, I::load(x)), hi, I::load(x + 16));
+          acc[m] = I::scaled(sums, combined[m][g - g0], acc[m]);
         }
       };
       int64_t g = g0;
@@ -179,7 +162,7 @@ inline auto group_scales(const Weight& W) {
   };
 }
 
-// Q4_K's and Q5_K's super-blocks (kSuperBytes each: fp16 d, fp16 dmin, 8 sub-scales, 8 sub-mins)
+// Q5_K's super-blocks (kSuperBytes each, Q4_K's layout: fp16 d, fp16 dmin, 8 sub-scales, 8 sub-mins)
 // as a16_rows' SCALES, s(n, g) = d sc[g % 8], and OFFSETS_DOT, sum_g -(dmin m[g % 8]) x_g: the
 // sub-scales and sub-mins widened 8 at a time, the offsets summed in a vector (a scalar sum was
 // one dependent add per 32 columns, as long as the group's products).
@@ -224,7 +207,7 @@ inline void a16_rows(const Weight& W, const Activations16& a, const float* xs, i
   const int64_t K = W.cols, G = K / 32;
   auto none = [](int64_t, const float*) { return 0.0f; };
   const uint8_t* bytes = static_cast<const uint8_t*>(W.data);
-  // int4.py's packing (int4, Q4_K): byte k of a group holds columns k (low nibble) and 16 + k.
+  // int4.py's packing (int4): byte k of a group holds columns k (low nibble) and 16 + k.
   auto nibbles = [bytes, K](int64_t n, int64_t g, I::reg& lo, I::reg& hi) __attribute__((always_inline)) {
     const I::reg v = I::widen(bytes + n * (K / 2) + g * 16);
     lo = I::low_nibbles(v);
@@ -253,30 +236,12 @@ inline void a16_rows(const Weight& W, const Activations16& a, const float* xs, i
       return o ? dot(o + n * G, sums, G) : -16.0f * dot(s + n * G, sums, G);
     };
     a16_rows<MB, true>(W, a, xs, n0, n1, y, ldy, accumulate, fives, group_scales<uint16_t>(W), offset);
-  } else if (W.kind == kInt6K) {  // Q6_K: (lo + 16 hi - 32) d sc[j], j per 16 columns: two parts a group
-    const uint8_t* q = static_cast<const uint8_t*>(W.offsets);
-    const uint8_t* super = static_cast<const uint8_t*>(W.scales);
-    const int64_t B = K / kSuperColumns;
-    auto codes = [&](int64_t n, int64_t g, I::reg& lo, I::reg& hi) __attribute__((always_inline)) {
-      I::sixes(bytes + n * (K / 2) + g * 16, q + n * (K / 4) + g * 8, lo, hi);
-    };
-    // s(n, g, p) = d sc[2 g + p], 16 a super-block (g0 and g1 are whole ones, as for Q4_K).
-    auto scales = [super, B](int64_t n, int64_t g0, int64_t g1, float* out) __attribute__((always_inline)) {
-      for (int64_t b = g0 / 8; b < g1 / 8; ++b) {
-        const uint8_t* p = super + (n * B + b) * 18;
-        uint16_t d;
-        std::memcpy(&d, p, 2);
-        const __m256 df = _mm256_set1_ps(half_to_float(d));
-        for (int h = 0; h < 2; ++h) {  // exact: fp16 times an int8
-          const __m256i subs = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 2 + 8 * h)));
-          _mm256_store_ps(out + 2 * (b * 8 - g0) + 8 * h, _mm256_mul_ps(_mm256_cvtepi32_ps(subs), df));
-        }
-      }
-    };
-    a16_rows<MB, false, 2>(W, a, xs, n0, n1, y, ldy, accumulate, codes, scales, none);
-  } else if (W.kind == kInt4K || W.kind == kInt5K) {  // u (d sc[j]) - dmin m[j] per 32 columns
-    if (W.kind == kInt4K) a16_rows<MB, true>(W, a, xs, n0, n1, y, ldy, accumulate, nibbles, k_scales(W), k_offsets(W));
-    else a16_rows<MB, true>(W, a, xs, n0, n1, y, ldy, accumulate, fives, k_scales(W), k_offsets(W));
+  } else if (W.kind == kInt6K) {
+    q6k_a8_rows<MB>(W, a.blocks8, n0, n1, y, ldy, accumulate);
+  } else if (W.kind == kInt4K) {
+    q4k_a8_rows<MB>(W, a.blocks8, n0, n1, y, ldy, accumulate);
+  } else if (W.kind == kInt5K) {  // u (d sc[j]) - dmin m[j] per 32 columns
+    a16_rows<MB, true>(W, a, xs, n0, n1, y, ldy, accumulate, fives, k_scales(W), k_offsets(W));
   } else if (W.kind == kInt4) {  // u s + o or (u - 8) s per 32 columns
     const uint16_t* o = static_cast<const uint16_t*>(W.offsets);
     const uint16_t* s = static_cast<const uint16_t*>(W.scales);
@@ -331,6 +296,10 @@ inline Activations16 quantize16(const Weight& W, const float* x, int64_t ldx, in
   if (!has_a16_path(W) || M > kA16MaxRows) return a;
   const int64_t K = W.cols, G = K / 32;
   a.cols = K;
+  if (W.kind == kInt6K || W.kind == kInt4K) {
+    a.usable = quantize8(x, ldx, M, K, a.blocks8);
+    return a;
+  }
   a.codes.resize(M * K);
   a.scales.resize(M * G);
   for (int64_t m = 0; m < M; ++m)
