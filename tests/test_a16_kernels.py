@@ -1,7 +1,7 @@
 """The integer paths: decode rows (quant/csrc/gemv_a16.h: up to four activation rows quantized to
 int16 per 32 columns and multiplied with the weights' codes in integers, for Q8_0, int8-g32 (with
-and without offsets), Q5_0, Q5_1 and Q5_K, and on AVX2 int4 in groups of 32 and IQ4_NL/IQ4_XS;
-Q4_K's and Q6_K's rows quantize them to int8 per 256 columns as llama.cpp does, gemv_a8.h;
+and without offsets), Q5_0 and Q5_1, and on AVX2 int4 in groups of 32 and IQ4_NL/IQ4_XS; the
+K-quants' rows (Q4_K, Q5_K, Q6_K) quantize them to int8 per 256 columns as llama.cpp does, gemv_a8.h;
 more rows and the other kinds keep the fp32 tiles) and the prefill GEMM (quant/csrc/gemm_a16.h:
 every stored kind, any number of rows), on the default build (-march=native) and the AVX2 build;
 the portable build has neither.
@@ -42,7 +42,7 @@ def int16_activations(x: torch.Tensor) -> torch.Tensor:
 
 
 def int8_block_activations(x: torch.Tensor) -> torch.Tensor:
-    """x as Q4_K's and Q6_K's decode rows quantize it (per 256 columns, to int8), in float64."""
+    """x as the K-quants' decode rows quantize it (per 256 columns, to int8), in float64."""
     blocks = x.unflatten(-1, (-1, 256))
     largest = blocks.abs().amax(-1, keepdim=True)
     inverse = torch.where(largest > 0, 127.0 / largest, torch.zeros_like(largest))
@@ -55,7 +55,7 @@ def rounding_bound(x: torch.Tensor, dense: torch.Tensor, *, group: int = 32, lev
 
 
 # Kinds whose decode rows take x as int8 per 256 columns (gemv_a8.h), with that rounding's bound.
-INT8_BLOCK_KINDS = {"Q4_K", "Q6_K"}
+INT8_BLOCK_KINDS = {"Q4_K", "Q5_K", "Q6_K"}
 
 
 def activation_model(kind: str):

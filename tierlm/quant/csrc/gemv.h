@@ -13,9 +13,10 @@
 // unsigned nibbles u is scaled once by its fp16 scale s; the offset o (-8 s when symmetric)
 // adds o * (x summed over the group), one dot over the groups per output: W = u * s + o.
 //
-// Decode-sized calls (up to four activation rows) of int8 in groups of 32 (Q8_0), of the q5
-// kinds and of Q6_K multiply in integers instead (gemv_a16.h); everything else runs the tiles
-// below: Q2_K/Q3_K like Q6_K (tile16), 2-bit crumbs (and Q3_K's high bits) widened per group of 16.
+// Decode-sized calls (up to four activation rows) of int8 in groups of 32 (Q8_0), of Q5_0/Q5_1,
+// the K-quants Q4_K/Q5_K/Q6_K (gemv_a8.h) and on AVX2 of int4 and IQ4 multiply in integers
+// instead (gemv_a16.h); everything else runs the tiles below: Q2_K/Q3_K like Q6_K (tile16), 2-bit
+// crumbs (and Q3_K's high bits) widened per group of 16.
 #pragma once
 
 #include <algorithm>

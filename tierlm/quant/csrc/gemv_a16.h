@@ -9,9 +9,10 @@
 // fp32 tiles only by the activations' rounding. A row is read front to back before the next:
 // memory order, which the hardware prefetcher streams (the tiles' 8 interleaved rows measured
 // 1.4x slower from DRAM for q5_0). Kinds: kInt8 in groups of 32 (GGUF Q8_0, int8-g32), kInt5
-// (Q5_0, Q5_1), kInt5K (Q5_K), and on AVX2 kInt4 in groups of 32 (Q4_0, Q4_1) and kIQ4/kIQ4X
-// (has_a16_path); kInt4K and kInt6K (Q4_K, Q6_K) take x as int8 per 256 columns instead
-// (gemv_a8.h); the others, non-finite activations and the portable build keep the fp32 tiles.
+// (Q5_0, Q5_1), and on AVX2 kInt4 in groups of 32 (Q4_0, Q4_1) and kIQ4/kIQ4X (has_a16_path);
+// the K-quants kInt4K, kInt5K and kInt6K (Q4_K, Q5_K, Q6_K) take x as int8 per 256 columns
+// instead (gemv_a8.h); the others, non-finite activations and the portable build keep the fp32
+// tiles.
 #pragma once
 
 #include <algorithm>
@@ -27,7 +28,7 @@
 namespace tl {
 
 // x [M, K] as int16 codes [M, K] and fp32 scales [M, K / 32]: x ~ code * scale per 32 columns.
-// Q4_K's and Q6_K's rows take x as int8 per 256 columns instead (gemv_a8.h: `blocks8`, codes empty).
+// The K-quants' rows take x as int8 per 256 columns instead (gemv_a8.h: `blocks8`, codes empty).
 struct Activations16 {
   std::vector<int16_t> codes;
   std::vector<float> scales;
@@ -162,44 +163,6 @@ inline auto group_scales(const Weight& W) {
   };
 }
 
-// Q5_K's super-blocks (kSuperBytes each, Q4_K's layout: fp16 d, fp16 dmin, 8 sub-scales, 8 sub-mins)
-// as a16_rows' SCALES, s(n, g) = d sc[g % 8], and OFFSETS_DOT, sum_g -(dmin m[g % 8]) x_g: the
-// sub-scales and sub-mins widened 8 at a time, the offsets summed in a vector (a scalar sum was
-// one dependent add per 32 columns, as long as the group's products).
-inline __m256 eight_times(const uint8_t* bytes, uint16_t factor) {  // 8 bytes times fp16: exact
-  const __m256 v = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(bytes))));
-  return _mm256_mul_ps(v, _mm256_set1_ps(half_to_float(factor)));
-}
-
-inline auto k_scales(const Weight& W) {
-  const uint8_t* super = static_cast<const uint8_t*>(W.scales);
-  const int64_t B = W.cols / kSuperColumns;
-  // g0 and g1 are whole super-blocks (8 groups each): SPAN and the column count are multiples.
-  return [super, B](int64_t n, int64_t g0, int64_t g1, float* out) __attribute__((always_inline)) {
-    for (int64_t b = g0 / 8; b < g1 / 8; ++b) {
-      const uint8_t* p = super + (n * B + b) * kSuperBytes;
-      uint16_t d;
-      std::memcpy(&d, p, 2);
-      _mm256_store_ps(out + (b * 8 - g0), eight_times(p + 4, d));
-    }
-  };
-}
-
-inline auto k_offsets(const Weight& W) {
-  const uint8_t* super = static_cast<const uint8_t*>(W.scales);
-  const int64_t B = W.cols / kSuperColumns;
-  return [super, B](int64_t n, const float* sums) {
-    __m256 total = _mm256_setzero_ps();
-    for (int64_t b = 0; b < B; ++b) {
-      const uint8_t* p = super + (n * B + b) * kSuperBytes;
-      uint16_t dmin;
-      std::memcpy(&dmin, p + 2, 2);
-      total = _mm256_fnmadd_ps(eight_times(p + 12, dmin), _mm256_loadu_ps(sums + b * 8), total);
-    }
-    return sum8(total);
-  };
-}
-
 template <int MB>
 inline void a16_rows(const Weight& W, const Activations16& a, const float* xs, int64_t n0, int64_t n1,
                      float* y, int64_t ldy, bool accumulate) {
@@ -240,8 +203,8 @@ inline void a16_rows(const Weight& W, const Activations16& a, const float* xs, i
     q6k_a8_rows<MB>(W, a.blocks8, n0, n1, y, ldy, accumulate);
   } else if (W.kind == kInt4K) {
     q4k_a8_rows<MB>(W, a.blocks8, n0, n1, y, ldy, accumulate);
-  } else if (W.kind == kInt5K) {  // u (d sc[j]) - dmin m[j] per 32 columns
-    a16_rows<MB, true>(W, a, xs, n0, n1, y, ldy, accumulate, fives, k_scales(W), k_offsets(W));
+  } else if (W.kind == kInt5K) {
+    q5k_a8_rows<MB>(W, a.blocks8, n0, n1, y, ldy, accumulate);
   } else if (W.kind == kInt4) {  // u s + o or (u - 8) s per 32 columns
     const uint16_t* o = static_cast<const uint16_t*>(W.offsets);
     const uint16_t* s = static_cast<const uint16_t*>(W.scales);
@@ -296,7 +259,7 @@ inline Activations16 quantize16(const Weight& W, const float* x, int64_t ldx, in
   if (!has_a16_path(W) || M > kA16MaxRows) return a;
   const int64_t K = W.cols, G = K / 32;
   a.cols = K;
-  if (W.kind == kInt6K || W.kind == kInt4K) {
+  if (W.kind == kInt6K || W.kind == kInt4K || W.kind == kInt5K) {
     a.usable = quantize8(x, ldx, M, K, a.blocks8);
     return a;
   }

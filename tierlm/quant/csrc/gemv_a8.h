@@ -1,14 +1,14 @@
-// Decode rows for GGUF's K-quants Q4_K and Q6_K multiplied as llama.cpp multiplies them:
+// Decode rows for GGUF's K-quants Q4_K, Q5_K and Q6_K multiplied as llama.cpp multiplies them:
 // activations as int8 per 256 columns, the weight's codes as bytes, products summed by
 // vpmaddubsw and scaled by the integer sub-scales with vpmaddwd, all in int32 across a
 // super-block, then one or two float scales.
 //
 // Why not the int16 rows (gemv_a16.h): a Q6_K group of 32 there costs ~26 instructions (codes
 // widened to int16, two dot products and two fp32 scalings per 32 columns) against ~12 here; it
-// ran at 0.56x llama.cpp's Q6_K (AVX2 Zen 3, one thread), Q4_K at 1.0x, and the two are a Q4_K_M
-// file's bytes. Here Q6_K runs at 1.1-1.2x llama.cpp, Q4_K at 1.5x. The price is llama.cpp's
-// rounding of x: each value within (largest |x| of its 256 columns) / 254 of itself, where the
-// int16 rows' 32-column groups keep it within 1.5e-5 of their largest.
+// ran at 0.56x llama.cpp's Q6_K (AVX2 Zen 3, one thread), Q5_K at 0.74x, Q4_K at 1.0x, and these
+// are a Q4_K_M or Q5_K_M file's bytes. Here Q6_K runs at 1.1-1.2x llama.cpp, Q4_K at 1.5x. The
+// price is llama.cpp's rounding of x: each value within (largest |x| of its 256 columns) / 254
+// of itself, where the int16 rows' 32-column groups keep it within 1.5e-5 of their largest.
 //
 // Column order: a pair of 32-column groups (A, B) unpacks as two registers, [A 0..15, B 0..15]
 // and [A 16..31, B 16..31] (the nibbles of both groups loaded at once), so the activations are
@@ -152,17 +152,25 @@ inline void q6k_a8_rows(const Weight& W, const Blocks8& a, int64_t n0, int64_t n
   }
 }
 
+// The 32 bits of `bits` as 32 bytes: byte i is 16 where bit i is set, else 0.
+inline __m256i sixteens(uint32_t bits) {
+  const __m256i spread = _mm256_shuffle_epi8(_mm256_set1_epi32(static_cast<int>(bits)),
+                                             _mm256_setr_epi64x(0, 0x0101010101010101, 0x0202020202020202,
+                                                                0x0303030303030303));
+  const __m256i bit = _mm256_set1_epi64x(static_cast<int64_t>(0x8040201008040201ull));
+  return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit), _mm256_set1_epi8(16));
+}
+
 // y[m * ldy + n - n0] (+)= sum_b a.scales[m][b] (d(n, b) sum_j sc(n, b, j) codes . a.codes - dmin(n, b)
-// sum_j m(n, b, j) sum(a.codes over j)) over 32-column groups j: Q4_K (u (d sc[j]) - dmin m[j]),
-// its nibbles packed as int4.py packs them, so a pair of groups loads as 32 bytes; sums exact in
-// int32 (at most 3.9e6 a lane), two roundings a super-block.
-template <int MB>
-inline void q4k_a8_rows(const Weight& W, const Blocks8& a, int64_t n0, int64_t n1, float* y, int64_t ldy,
-                        bool accumulate) {
+// sum_j m(n, b, j) sum(a.codes over j)) over 32-column groups j: Q4_K and Q5_K (u (d sc[j]) -
+// dmin m[j]), their super-blocks kInt4K's. PAIR(n, b, q, lo, hi) yields row n's groups 2q and
+// 2q + 1 of super-block b as unsigned codes in the unpacking order. Sums exact in int32 (at most
+// 8e6 a lane), two roundings a super-block.
+template <int MB, typename Pair>
+inline void k_a8_rows(const Weight& W, const Blocks8& a, int64_t n0, int64_t n1, float* y, int64_t ldy,
+                      bool accumulate, Pair pair_codes) {
   const int64_t K = W.cols, B = K / kSuperColumns;
-  const uint8_t* nibbles = static_cast<const uint8_t*>(W.data);
   const uint8_t* super = static_cast<const uint8_t*>(W.scales);
-  const __m256i low4 = _mm256_set1_epi8(15);
   // Each sub-min twice, beside the two 16-column sums of its group.
   const __m128i twice = _mm_setr_epi8(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
   for (int64_t n = n0; n < n1; ++n) {
@@ -171,19 +179,17 @@ inline void q4k_a8_rows(const Weight& W, const Blocks8& a, int64_t n0, int64_t n
     for (int64_t b = 0; b < B; ++b) {
       const uint8_t* p = super + (n * B + b) * kSuperBytes;
       const __m128i subs = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 4));
-      const uint8_t* v = nibbles + n * (K / 2) + b * 128;
       __m256i acc[MB];
       for (int m = 0; m < MB; ++m) acc[m] = _mm256_setzero_si256();
       auto pair = [&](auto index, __m256i scales) __attribute__((always_inline)) {
         constexpr int q = decltype(index)::value;
-        const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v + 32 * q));
-        const __m256i lo = _mm256_and_si256(packed, low4);
-        const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(packed, 4), low4);
+        __m256i lo, hi;
+        pair_codes(n, b, q, lo, hi);
         for (int m = 0; m < MB; ++m) {
           const int8_t* x = a.codes.data() + m * K + b * kSuperColumns + 64 * q;
           const __m256i xl = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
           const __m256i xh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 32));
-          // Each int16 pair sum is at most 2 * 15 * 127: two of them still fit before the scale.
+          // Each int16 pair sum is at most 2 * 31 * 127: two of them still fit before the scale.
           const __m256i pairs = _mm256_add_epi16(_mm256_maddubs_epi16(lo, xl), _mm256_maddubs_epi16(hi, xh));
           acc[m] = _mm256_add_epi32(acc[m], _mm256_madd_epi16(pairs, scales));
         }
@@ -211,6 +217,44 @@ inline void q4k_a8_rows(const Weight& W, const Blocks8& a, int64_t n0, int64_t n
       dst = accumulate ? dst + value : value;
     }
   }
+}
+
+// Q4_K: its nibbles packed as int4.py packs them (16 bytes a group), so a pair loads as 32 bytes.
+template <int MB>
+inline void q4k_a8_rows(const Weight& W, const Blocks8& a, int64_t n0, int64_t n1, float* y, int64_t ldy,
+                        bool accumulate) {
+  const uint8_t* nibbles = static_cast<const uint8_t*>(W.data);
+  const int64_t K = W.cols;
+  k_a8_rows<MB>(W, a, n0, n1, y, ldy, accumulate,
+                [nibbles, K](int64_t n, int64_t b, int q, __m256i& lo, __m256i& hi) __attribute__((always_inline)) {
+                  const __m256i low4 = _mm256_set1_epi8(15);
+                  const __m256i packed = _mm256_loadu_si256(
+                      reinterpret_cast<const __m256i*>(nibbles + n * (K / 2) + b * 128 + 32 * q));
+                  lo = _mm256_and_si256(packed, low4);
+                  hi = _mm256_and_si256(_mm256_srli_epi16(packed, 4), low4);
+                });
+}
+
+// Q5_K: 20 bytes a group (kInt5's chunks: 16 bytes of nibbles, then a uint32 of fifth bits, bit i
+// column i), the fifth bits of a pair regrouped as the unpacking order wants them.
+template <int MB>
+inline void q5k_a8_rows(const Weight& W, const Blocks8& a, int64_t n0, int64_t n1, float* y, int64_t ldy,
+                        bool accumulate) {
+  const uint8_t* chunks = static_cast<const uint8_t*>(W.data);
+  const int64_t G = W.cols / 32;
+  k_a8_rows<MB>(W, a, n0, n1, y, ldy, accumulate,
+                [chunks, G](int64_t n, int64_t b, int q, __m256i& lo, __m256i& hi) __attribute__((always_inline)) {
+                  const __m256i low4 = _mm256_set1_epi8(15);
+                  const uint8_t* c = chunks + (n * G + b * 8 + 2 * q) * 20;
+                  const __m256i packed = _mm256_loadu2_m128i(reinterpret_cast<const __m128i*>(c + 20),
+                                                             reinterpret_cast<const __m128i*>(c));
+                  uint32_t first, second;
+                  std::memcpy(&first, c + 16, 4);
+                  std::memcpy(&second, c + 36, 4);
+                  lo = _mm256_or_si256(_mm256_and_si256(packed, low4), sixteens((first & 0xffffu) | (second << 16)));
+                  hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(packed, 4), low4),
+                                       sixteens((first >> 16) | (second & 0xffff0000u)));
+                });
 }
 
 #endif
