@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 import torch
 
+from tests.activation_rounding import INT8_BLOCK_KINDS, activation_model, int16_activations, rounding_bound
 from tests.test_gguf_carry import random_blocks, read_own_layout
 from tierlm.quant.int4 import quantize_int4
 from tierlm.quant.int8 import quantize_int8, quantize_q8_0
@@ -30,39 +31,6 @@ from tierlm.weights.gguf_carry import carry_weight
 FLOAT = 1e-6  # the fp32 tiles' summation error, of the output's magnitude
 INTEGER = 3e-7  # the integer path's: its sums are exact, only each group's scaling rounds
 COLS = 576  # SmolLM2's hidden size: 18 groups, no multiple of 256
-
-
-def int16_activations(x: torch.Tensor) -> torch.Tensor:
-    """x as the kernels quantize it, dequantized in float64."""
-    groups = x.unflatten(-1, (-1, 32))
-    largest = groups.abs().amax(-1, keepdim=True)
-    inverse = torch.where(largest > 0, 32767.0 / largest, torch.zeros_like(largest))
-    codes = torch.round(groups * inverse)  # fp32 product, rounded half to even as cvtps2dq does
-    return (codes.double() * (largest / 32767.0).double()).flatten(-2)
-
-
-def int8_block_activations(x: torch.Tensor) -> torch.Tensor:
-    """x as the K-quants' decode rows quantize it (per 256 columns, to int8), in float64."""
-    blocks = x.unflatten(-1, (-1, 256))
-    largest = blocks.abs().amax(-1, keepdim=True)
-    inverse = torch.where(largest > 0, 127.0 / largest, torch.zeros_like(largest))
-    return (torch.round(blocks * inverse).double() * (largest / 127.0).double()).flatten(-2)
-
-
-def rounding_bound(x: torch.Tensor, dense: torch.Tensor, *, group: int = 32, levels: int = 32767) -> torch.Tensor:
-    largest = x.abs().unflatten(-1, (-1, group)).amax(-1).repeat_interleave(group, -1).double()
-    return largest @ dense.abs().double().T / (2 * levels)
-
-
-# Kinds whose decode rows take x as int8 per 256 columns (gemv_a8.h), with that rounding's bound.
-INT8_BLOCK_KINDS = {"Q4_K", "Q5_K", "Q6_K"}
-
-
-def activation_model(kind: str):
-    """(x as kind's decode rows quantize it, the bound that rounding implies) on the integer rows."""
-    if kind in INT8_BLOCK_KINDS:
-        return int8_block_activations, lambda x, dense: rounding_bound(x, dense, group=256, levels=127)
-    return int16_activations, rounding_bound
 
 
 def outlier_activations(rows: int, seed: int, cols: int) -> torch.Tensor:
@@ -150,22 +118,25 @@ def test_decode_rows_multiply_quantized_activations_exactly(native_builds, kind)
             got = matmul(native, x, bias).double()
             exact = x.double() @ dense.double().T + bias.double()
             codes = (dense - offsets).double()
-            quantized = quantize(x) @ codes.T + x.double() @ offsets.double().T + bias.double()
             if kind in INT8_BLOCK_KINDS:  # offsets from the int8 codes' sums too, as llama.cpp's
-                quantized = quantize(x) @ dense.double().T + bias.double()
+                rounded = dense.double()
+                quantized = quantize(x) @ rounded.T + bias.double()
+            else:  # offsets from x's own group sums
+                rounded = codes
+                quantized = quantize(x) @ codes.T + x.double() @ offsets.double().T + bias.double()
             size = float((x.double().abs() @ dense.abs().double().T).max())
             # The offsets' share is summed in fp32 from x's group sums, whose terms can be larger.
             integer_error = INTEGER * (size + float((x.double().abs() @ offsets.abs().double().T).max()))
             assert float((quantized - exact).abs().max()) > 10 * integer_error  # the paths are told apart
             if integer and rows <= 4:
                 assert float((got - quantized).abs().max()) <= integer_error, (native.name, rows)
-                assert bool(((got - exact).abs() <= bound(x, codes) + FLOAT * size).all()), (native.name, rows)
+                assert bool(((got - exact).abs() <= bound(x, rounded) + FLOAT * size).all()), (native.name, rows)
             else:
                 assert float((got - exact).abs().max()) <= FLOAT * size, (native.name, rows)
 
 
 @pytest.mark.parametrize("kind", ["Q8_0", "Q5_0", "Q6_K"])
-def test_values_int16_cannot_carry_keep_the_float_path(native_builds, kind):
+def test_values_the_integer_codes_cannot_carry_keep_the_float_path(native_builds, kind):
     """NaN and inf in the activations leave no output finite that torch's product has not (the
     fp32 tiles run); an all-zero group and a group of tiny values (whose 32767 / largest would
     overflow) are multiplied within the rounding bound; a 256-column block of tiny values (which

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 
+from tests.activation_rounding import activation_model
 from tests.test_gguf_import import assert_logits_are_gguf_loaders, byte_level_vocab, gguf_name, gguf_writer
 from tests.tiny import DECODE_ATOL
 from tierlm.errors import TierlmError
@@ -249,8 +250,6 @@ def test_super_block_kernels_on_each_isa_path(native_build, kind, rows):
     out = torch.empty(rows, cols)
     np.testing.assert_array_equal(dequantize_into(*parts.values(), out).numpy(), expected)
     reference = torch.from_numpy(expected).double()
-    from tests.test_a16_kernels import activation_model  # (it imports this module)
-
     _, rounding = activation_model(kind)  # up to 4 rows run the integer rows, which round x
     for m in range(1, 6):
         x = torch.randn(m, cols, generator=torch.Generator().manual_seed(m))

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.test_a16_kernels import rounding_bound
+from tests.activation_rounding import rounding_bound
 from tests.tiers import quick
 from tierlm.quant.int4 import (
     Int4Weight,

@@ -27,7 +27,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.test_a16_kernels import rounding_bound
+from tests.activation_rounding import rounding_bound
 from tests.tiny import decode_steps
 from tierlm.models import fused_decode
 from tierlm.quant import native

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.test_a16_kernels import rounding_bound
+from tests.activation_rounding import rounding_bound
 from tests.tiny import DECODE_ATOL, decode_steps
 from tierlm.cache import codec
 from tierlm.cache.encodings import part_bytes

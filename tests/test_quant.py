@@ -8,7 +8,7 @@ import platform
 import pytest
 import torch
 
-from tests.test_a16_kernels import rounding_bound
+from tests.activation_rounding import rounding_bound
 from tests.tiers import quick
 from tierlm.errors import TierlmError
 from tierlm.paths import kernels_root

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.test_a16_kernels import activation_model
+from tests.activation_rounding import activation_model
 from tests.test_gguf_carry import random_blocks, read_own_layout
 from tierlm.cache.encodings import check_record, logical_shape, part_bytes, record_mode
 from tierlm.errors import TierlmError
