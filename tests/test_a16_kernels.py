@@ -26,6 +26,7 @@ from tierlm.quant.int4 import quantize_int4
 from tierlm.quant.int8 import quantize_int8, quantize_q8_0
 from tierlm.quant.modes import CARRIED_SOURCE_TYPES
 from tierlm.quant.native import load_native
+from tierlm.quant.row_stack import RowStack
 from tierlm.weights.gguf_carry import carry_weight
 
 FLOAT = 1e-6  # the fp32 tiles' summation error, of the output's magnitude
@@ -172,6 +173,10 @@ def stored_weight(kind: str, rows: int, cols: int, seed: int):
         return quantize_int8(values, 64, asymmetric=True)
     if kind == "int4-g128-asym":
         return quantize_int4(values, 128, asymmetric=True)
+    if kind == "stack":  # runs of 13, 16 and 16 rows: the first fills no whole panel
+        rng = np.random.default_rng(seed)
+        return RowStack([carry_weight(run, random_blocks(run, n, cols, rng, spread=0.05))
+                         for run, n in (("Q4_K", 13), ("Q6_K", 16), ("Q8_0", rows - 29))])  # fmt: skip
     return carry_weight(kind, random_blocks(kind, rows, cols, np.random.default_rng(seed), spread=0.05))
 
 
@@ -185,7 +190,8 @@ def representable_activations(rows: int, cols: int, seed: int) -> torch.Tensor:
     return (codes * scale).flatten(-2).float()
 
 
-GEMM_KINDS = sorted(CARRIED_SOURCE_TYPES) + ["int8", "int8-g64-asym", "int4-g128-asym"]
+# "stack": a weight fused from rows of three types (quant/row_stack.py), each run by its own panels.
+GEMM_KINDS = sorted(CARRIED_SOURCE_TYPES) + ["int8", "int8-g64-asym", "int4-g128-asym", "stack"]
 
 
 @pytest.mark.parametrize("kind", GEMM_KINDS)

@@ -287,7 +287,7 @@ class NativeKernel:
             raise ValueError(f"x {list(x.shape)} {x.dtype} is no contiguous fp32 CPU [M, {weight.shape[1]}]")
         keep = []
         words = describe_weight(weight, bias, tuple(weight.shape), keep)
-        if words is None or words[7] == KIND_STACK:
+        if words is None:
             return None
         m = x.shape[0]
         y = torch.empty(m, weight.shape[0], dtype=torch.float32)

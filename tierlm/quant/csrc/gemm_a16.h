@@ -38,11 +38,12 @@ inline int64_t code_group(const Weight& W) {
 }
 
 // Whether gemm_a16 multiplies W: every stored kind whose columns come in whole 32-column
-// chunks (int8 only in groups that are whole chunks), on the x86 builds.
+// chunks (int8 only in groups that are whole chunks), and row stacks of those, on the x86 builds.
 inline bool has_gemm_a16_path(const Weight& W) {
   if (!Ints16::available || !W.supported() || W.cols <= 0 || W.cols % 32 != 0) return false;
   if (W.kind == kInt8) return W.group % 32 == 0 || W.group >= W.cols;
-  return W.kind != kFp32 && W.kind != kStack;
+  if (W.kind == kStack) return std::all_of(W.runs(), W.runs() + W.group, [](const Weight& run) { return has_gemm_a16_path(run); });
+  return W.kind != kFp32;
 }
 
 // 32 ones: a group's sum as a dot product.
@@ -156,15 +157,17 @@ inline bool row_scales(const Weight& W, int64_t n, float* s, float* o) {
 
 #if TIERLM_ISA >= 256
 
-// The registers a panel is multiplied in: `lanes` weight rows (int32 lanes of column pairs).
+// The registers a panel is multiplied in: `lanes` weight rows, `regs` registers of `width`
+// int32 lanes (column pairs) each, against `rows` activation rows per register block.
 #if TIERLM_ISA == 512
 struct PanelOps {
-  static constexpr int lanes = 16, rows = 8;  // rows: activation rows per register block
+  static constexpr int width = 16, regs = 1, lanes = 16, rows = 8;
   using ireg = __m512i;
   using freg = __m512;
   static ireg izero() { return _mm512_setzero_si512(); }
   static freg fzero() { return _mm512_setzero_ps(); }
   static ireg load(const int32_t* p) { return _mm512_loadu_si512(p); }
+  static ireg broadcast(const int32_t* p) { return _mm512_set1_epi32(*p); }
   // acc += the pairwise products of w with the pair at p broadcast to every lane.
   static ireg dot(ireg acc, ireg w, const int32_t* p) {
 #if defined(__AVX512VNNI__) && defined(__GNUC__)
@@ -178,43 +181,53 @@ struct PanelOps {
     return _mm512_add_epi32(acc, _mm512_madd_epi16(w, _mm512_set1_epi32(*p)));
 #endif
   }
+  static ireg dot(ireg acc, ireg w, ireg b) {
+#if defined(__AVX512VNNI__)
+    return _mm512_dpwssd_epi32(acc, w, b);
+#else
+    return _mm512_add_epi32(acc, _mm512_madd_epi16(w, b));
+#endif
+  }
   static freg loadf(const float* p) { return _mm512_loadu_ps(p); }
   static freg set1(float v) { return _mm512_set1_ps(v); }
   static freg mul(freg a, freg b) { return _mm512_mul_ps(a, b); }
   static freg add(freg a, freg b) { return _mm512_add_ps(a, b); }
   static freg fma(freg a, freg b, freg c) { return _mm512_fmadd_ps(a, b, c); }
   static freg cvt(ireg v) { return _mm512_cvtepi32_ps(v); }
-  static void store(float* p, freg v, int count) {
-    _mm512_mask_storeu_ps(p, static_cast<__mmask16>((1u << count) - 1), v);
-  }
+  static void storef(float* p, freg v) { _mm512_storeu_ps(p, v); }
 };
 #else
 struct PanelOps {
-  static constexpr int lanes = 8, rows = 4;
+  // Two registers of weight rows share each broadcast pair: per step 2 loads and 4 broadcasts
+  // feed 8 multiplies (one register against 4 rows measured half the multiplier's rate on Zen 3).
+  static constexpr int width = 8, regs = 2, lanes = 16, rows = 5;
   using ireg = __m256i;
   using freg = __m256;
   static ireg izero() { return _mm256_setzero_si256(); }
   static freg fzero() { return _mm256_setzero_ps(); }
   static ireg load(const int32_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
-  static ireg dot(ireg acc, ireg w, const int32_t* p) {
+  static ireg broadcast(const int32_t* p) { return _mm256_set1_epi32(*p); }
+  // acc += the pairwise products of w and b.
+  static ireg dot(ireg acc, ireg w, ireg b) {
 #if defined(__AVXVNNI__) || (defined(__AVX512VNNI__) && defined(__AVX512VL__))
-    return _mm256_dpwssd_epi32(acc, w, _mm256_set1_epi32(*p));
+    return _mm256_dpwssd_epi32(acc, w, b);
+#elif defined(__GNUC__)
+    // In place through one scratch register: GCC 12 otherwise copies every accumulator a step.
+    __m256i product;
+    __asm__("vpmaddwd %2, %3, %1\n\tvpaddd %1, %0, %0" : "+x"(acc), "=&x"(product) : "x"(w), "x"(b));
+    return acc;
 #else
-    return _mm256_add_epi32(acc, _mm256_madd_epi16(w, _mm256_set1_epi32(*p)));
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(w, b));
 #endif
   }
+  static ireg dot(ireg acc, ireg w, const int32_t* p) { return dot(acc, w, broadcast(p)); }
   static freg loadf(const float* p) { return _mm256_loadu_ps(p); }
   static freg set1(float v) { return _mm256_set1_ps(v); }
   static freg mul(freg a, freg b) { return _mm256_mul_ps(a, b); }
   static freg add(freg a, freg b) { return _mm256_add_ps(a, b); }
   static freg fma(freg a, freg b, freg c) { return _mm256_fmadd_ps(a, b, c); }
   static freg cvt(ireg v) { return _mm256_cvtepi32_ps(v); }
-  static void store(float* p, freg v, int count) {
-    if (count == lanes) return _mm256_storeu_ps(p, v);
-    alignas(32) float tmp[8];
-    _mm256_store_ps(tmp, v);
-    std::memcpy(p, tmp, count * sizeof(float));
-  }
+  static void storef(float* p, freg v) { _mm256_storeu_ps(p, v); }
 };
 #endif
 
@@ -290,9 +303,31 @@ struct CodePanel {
       }
       row_codes(W, n0 + r, rows.data() + r * K);
     }
-    // Column pairs as one int32 each: a transpose of [L][P] words into [P][L].
-    for (int64_t p = 0; p < P; ++p)
-      for (int r = 0; r < L; ++r) std::memcpy(&pairs[p * L + r], rows.data() + (r * P + p) * 2, 4);
+    // Column pairs as one int32 each: a transpose of [L][P] words into [P][L], 8 x 8 at a time
+    // (P is a multiple of 16: K comes in 32-column chunks).
+    const int32_t* words = reinterpret_cast<const int32_t*>(rows.data());
+    for (int r0 = 0; r0 < L; r0 += 8)
+      for (int64_t p0 = 0; p0 < P; p0 += 8) transpose8(words + r0 * P + p0, P, pairs.data() + p0 * L + r0, L);
+  }
+
+  // dst[c * dst_stride + r] = src[r * src_stride + c] for r, c < 8.
+  static void transpose8(const int32_t* src, int64_t src_stride, int32_t* dst, int64_t dst_stride) {
+    __m256 v[8], t[8];
+    for (int r = 0; r < 8; ++r) v[r] = _mm256_castsi256_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + r * src_stride)));
+    for (int r = 0; r < 8; r += 2) {  // pairs of rows interleaved, then fours, then the halves swapped
+      t[r] = _mm256_unpacklo_ps(v[r], v[r + 1]);
+      t[r + 1] = _mm256_unpackhi_ps(v[r], v[r + 1]);
+    }
+    for (int r = 0; r < 8; r += 4) {
+      v[r] = _mm256_shuffle_ps(t[r], t[r + 2], 0x44);
+      v[r + 1] = _mm256_shuffle_ps(t[r], t[r + 2], 0xEE);
+      v[r + 2] = _mm256_shuffle_ps(t[r + 1], t[r + 3], 0x44);
+      v[r + 3] = _mm256_shuffle_ps(t[r + 1], t[r + 3], 0xEE);
+    }
+    for (int c = 0; c < 4; ++c) {
+      _mm256_storeu_ps(reinterpret_cast<float*>(dst + c * dst_stride), _mm256_permute2f128_ps(v[c], v[c + 4], 0x20));
+      _mm256_storeu_ps(reinterpret_cast<float*>(dst + (c + 4) * dst_stride), _mm256_permute2f128_ps(v[c], v[c + 4], 0x31));
+    }
   }
 };
 
@@ -340,34 +375,47 @@ inline bool pair_rows(const float* x, int64_t M, int64_t K, int64_t GW, int thre
 inline void panel_block(const CodePanel& panel, int64_t K, int64_t GW, const PairedRows& x, int64_t b, int64_t M,
                         float* y, int64_t ldy, int64_t n0, int count, const float* bias) {
   using P = PanelOps;
-  constexpr int L = P::lanes, MR = P::rows;
+  constexpr int L = P::lanes, MR = P::rows, R = P::regs, V = P::width;
   const int64_t G = K / GW, step = GW / 2, Ga = K / 32;
   const int32_t* xb = x.pairs.data() + b * (K / 2) * MR;
   const float* xscale = x.scales.data() + b * MR * Ga;
   const float* xsum = x.sums.data() + b * MR * G;
-  typename P::freg acc[MR];
-  for (int i = 0; i < MR; ++i) acc[i] = P::fzero();
+  // The fp32 results live in memory: the int32 sums and the weights take every register.
+  alignas(64) float acc[MR][L] = {};
   for (int64_t g = 0; g < G; ++g) {
-    typename P::ireg sums[MR];
-    for (int i = 0; i < MR; ++i) sums[i] = P::izero();
+    typename P::ireg sums[R][MR];
+    for (int j = 0; j < R; ++j)
+      for (int i = 0; i < MR; ++i) sums[j][i] = P::izero();
     const int32_t* w = panel.pairs.data() + g * step * L;
     const int32_t* xp = xb + g * step * MR;
-    for (int64_t p = 0; p < step; ++p) {
-      const typename P::ireg wv = P::load(w + p * L);
-      for (int i = 0; i < MR; ++i) sums[i] = P::dot(sums[i], wv, xp + p * MR + i);
+    for (int64_t p = 0; p < step; ++p, w += L, xp += MR) {
+      if constexpr (R == 1) {
+        const typename P::ireg wv = P::load(w);
+        for (int i = 0; i < MR; ++i) sums[0][i] = P::dot(sums[0][i], wv, xp + i);
+      } else {
+        typename P::ireg wv[R];
+        for (int j = 0; j < R; ++j) wv[j] = P::load(w + j * V);
+        for (int i = 0; i < MR; ++i) {
+          const typename P::ireg pair = P::broadcast(xp + i);
+          for (int j = 0; j < R; ++j) sums[j][i] = P::dot(sums[j][i], wv[j], pair);
+        }
+      }
     }
-    const typename P::freg ws = P::loadf(panel.scales.data() + g * L);
     const int64_t ga = g * GW / 32;
-    for (int i = 0; i < MR; ++i) acc[i] = P::fma(P::cvt(sums[i]), P::mul(ws, P::set1(xscale[i * Ga + ga])), acc[i]);
-    if (panel.has_offsets) {
-      const typename P::freg wo = P::loadf(panel.offsets.data() + g * L);
-      for (int i = 0; i < MR; ++i) acc[i] = P::fma(wo, P::set1(xsum[i * G + g]), acc[i]);
+    for (int j = 0; j < R; ++j) {
+      const typename P::freg ws = P::loadf(panel.scales.data() + g * L + j * V);
+      const typename P::freg wo = panel.has_offsets ? P::loadf(panel.offsets.data() + g * L + j * V) : P::fzero();
+      for (int i = 0; i < MR; ++i) {
+        typename P::freg a = P::fma(P::cvt(sums[j][i]), P::mul(ws, P::set1(xscale[i * Ga + ga])), P::loadf(acc[i] + j * V));
+        if (panel.has_offsets) a = P::fma(wo, P::set1(xsum[i * G + g]), a);
+        P::storef(acc[i] + j * V, a);
+      }
     }
   }
-  alignas(64) float lanes[L] = {};
-  if (bias) std::memcpy(lanes, bias + n0, count * sizeof(float));
-  const typename P::freg bv = P::loadf(lanes);
-  for (int i = 0; i < MR && b * MR + i < M; ++i) P::store(y + (b * MR + i) * ldy + n0, P::add(acc[i], bv), count);
+  for (int i = 0; i < MR && b * MR + i < M; ++i) {
+    float* out = y + (b * MR + i) * ldy + n0;
+    for (int r = 0; r < count; ++r) out[r] = acc[i][r] + (bias ? bias[n0 + r] : 0.0f);
+  }
 }
 
 #endif
@@ -377,6 +425,16 @@ inline void panel_block(const CodePanel& panel, int64_t K, int64_t GW, const Pai
 inline bool gemm_a16(const Weight& W, const float* x, int64_t M, float* y, int64_t ldy, int threads) {
 #if TIERLM_ISA >= 256
   if (!has_gemm_a16_path(W)) return false;
+  if (W.kind == kStack) {  // each run of rows into its columns of y; a NaN in x stops the first
+    int64_t row = 0;
+    for (int64_t i = 0; i < W.group; ++i) {
+      Weight run = W.runs()[i];
+      run.bias = W.bias ? W.bias + row : nullptr;
+      if (!gemm_a16(run, x, M, y + row, ldy, threads)) return false;
+      row += run.rows;
+    }
+    return true;
+  }
   constexpr int L = PanelOps::lanes, MR = PanelOps::rows;
   const int64_t K = W.cols, N = W.rows, GW = code_group(W);
   PairedRows paired;  // every row quantized before anything is written: a NaN refuses the call
