@@ -17,7 +17,8 @@ import pytest
 import torch
 
 from tests.tiers import quick
-from tests.tiny import DECODE_ATOL, DECODE_CASES, MOE_CASES, decode_slots, decode_steps, make_case, paged_cache, scattered_slot_prompts
+from tests.tiny import (DECODE_ATOL, DECODE_CASES, MOE_CASES, decode_slots, decode_steps, make_case, paged_cache,
+                        scatter_pages, scattered_slot_prompts)
 from tierlm.models import fused_decode
 from tierlm.paths import kernels_root
 from tierlm.quant.int8 import Int8Weight
@@ -66,7 +67,7 @@ def test_fused_decode_matches_eager_batch_1(loaded, monkeypatch, fused_calls):
     expected, expected_tokens = _eager(monkeypatch, lambda: decode_steps(loaded, ids, STEPS))
     assert fused_calls == []  # TIERLM_FUSED=0 ran no fused layer
     actual, tokens = decode_steps(loaded, ids, STEPS)
-    assert fused_calls == [True] * (STEPS * loaded.config.num_hidden_layers)
+    assert fused_calls == [True] * ((STEPS + 1) * loaded.config.num_hidden_layers)  # the prefill chunk too
     assert tokens == expected_tokens
     torch.testing.assert_close(actual, expected, atol=ATOL, rtol=0)
 
@@ -81,9 +82,68 @@ def test_fused_batched_decode_matches_eager_over_slots_of_different_lengths(load
 
     expected = _eager(monkeypatch, run)
     actual = run()
-    assert fused_calls == [True] * (steps * loaded.config.num_hidden_layers)
+    assert fused_calls == [True] * ((steps + 3) * loaded.config.num_hidden_layers)  # 3 prefills, then steps
     assert torch.equal(actual.argmax(-1), expected.argmax(-1))
     torch.testing.assert_close(actual, expected, atol=ATOL, rtol=0)
+
+
+CHUNKS = ["llama-mqa-bias-head-dim-32", "qwen3-qk-norm", "mistral-window-3", "chatglm"]
+
+
+@pytest.mark.parametrize("case", quick(CHUNKS, fast=["qwen3-qk-norm"]))
+@pytest.mark.parametrize("paged", [False, True], ids=["slots", "scattered-pages"])
+def test_fused_prefill_chunks_match_eager(case, paged, decode_checkpoint, monkeypatch, fused_calls):
+    """A prompt of 40 tokens (past the 32 rows from which products run as the integer GEMM),
+    then a second chunk of 12 after it (its rows attend to the first's through the cache), then
+    decode: every position's logits as the eager path's, in a batch-1 cache and in a paged slot
+    whose pages lie scattered; both chunks and every step ran natively."""
+    if fused_decode.native_library() is None:
+        pytest.skip("no native library here (no C++ compiler): decode runs the eager path only")
+    loaded = load_model(decode_checkpoint(case), device="cpu", dtype=torch.float32, context_length=64, quant="int8")
+    ids = torch.randint(0, loaded.config.vocab_size, (1, 52), generator=torch.Generator().manual_seed(5))
+
+    def run():
+        if paged:
+            cache = paged_cache(loaded.config, loaded.max_len, 2)
+            scatter_pages(cache)
+            cache = cache.slot(1)
+        else:
+            cache = loaded.new_cache()
+        rows = [loaded.model.forward(ids[:, :40], cache, logits="all")[0], loaded.model.forward(ids[:, 40:], cache, logits="all")[0]]
+        for _ in range(3):
+            rows.append(loaded.model.forward(torch.tensor([[int(rows[-1][-1].argmax())]]), cache, logits="all")[0])
+        return torch.cat(rows)
+
+    expected = _eager(monkeypatch, run)
+    assert fused_calls == []
+    actual = run()
+    assert fused_calls == [True] * (5 * loaded.config.num_hidden_layers)
+    assert torch.equal(actual.argmax(-1), expected.argmax(-1))
+    torch.testing.assert_close(actual, expected, atol=ATOL, rtol=0)
+
+
+def test_a_chunk_reaching_past_the_fused_span_runs_eagerly_and_one_past_the_cache_is_refused(
+        decode_checkpoint, monkeypatch, fused_calls):  # fmt: skip
+    """Past FUSED_CHUNK_SPAN positions a chunk runs the eager path (its blocked attention); past
+    the cache, the fused path refuses it with the eager path's words, before writing anything."""
+    if fused_decode.native_library() is None:
+        pytest.skip("no native library here (no C++ compiler): decode runs the eager path only")
+    loaded = load_model(decode_checkpoint("llama-gqa"), device="cpu", dtype=torch.float32, context_length=64, quant="int8")
+    ids = torch.randint(0, loaded.config.vocab_size, (1, 20), generator=torch.Generator().manual_seed(6))
+    monkeypatch.setattr(fused_decode, "FUSED_CHUNK_SPAN", 16)
+    cache = loaded.new_cache()
+    loaded.model.forward(ids[:, :12], cache)
+    assert fused_calls == [True] * loaded.config.num_hidden_layers  # positions 0..11
+    fused_calls.clear()
+    loaded.model.forward(ids[:, 12:], cache)
+    assert fused_calls == []  # positions 12..19: past the span of 16
+    for fused in ("1", "0"):
+        monkeypatch.setenv("TIERLM_FUSED", fused)
+        full = loaded.new_cache()
+        loaded.model.forward(ids[:, :12], full)
+        with pytest.raises(ValueError, match=r"^76 positions exceed the KV cache \(64\)$"):
+            loaded.model.forward(torch.randint(0, 9, (1, 64)), full)
+        assert full.offset == 12
 
 
 # -- the builds: AVX2 and portable run here, AVX-512 only compiles -----------------------------
@@ -195,6 +255,6 @@ def test_moe_layers_run_their_attention_natively_like_eager(case, tmp_path, monk
     assert attention_calls == []
     actual, tokens = decode_steps(loaded, ids, STEPS)
     sparse = len(loaded.config.moe.sparse_layers)
-    assert attention_calls == [True] * (STEPS * sparse)
+    assert attention_calls == [True] * ((STEPS + 1) * sparse)
     assert tokens == expected_tokens
     torch.testing.assert_close(actual, expected, atol=ATOL, rtol=0)

@@ -243,7 +243,7 @@ def test_fused_step_reads_each_format_as_eager_does(case, name, checkpoints, mon
     exact = _eager(monkeypatch, lambda: forced_steps(_load(checkpoints(case), "f32"), ids, tokens[:-1]))
     assert fused_calls == []
     actual = forced_steps(loaded, ids, tokens[:-1])
-    assert fused_calls == [True] * (12 * loaded.config.num_hidden_layers)
+    assert fused_calls == [True] * ((12 + 1) * loaded.config.num_hidden_layers)  # the prefill chunk too
     _close_to_eager(actual, expected, exact)
 
 

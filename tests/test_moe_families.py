@@ -240,7 +240,7 @@ def test_fused_step_runs_dense_layers_and_leaves_sparse_layers_eager(checkpoints
     expected, expected_tokens = decode_steps(loaded, ids, 8)
     monkeypatch.setenv("TIERLM_FUSED", "1")
     actual, tokens = decode_steps(loaded, ids, 8)
-    assert fused_calls == [True, False, True, True, True, False] * 8  # sparse layers 1 and 5 ran eagerly
+    assert fused_calls == [True, False, True, True, True, False] * 9  # the prefill and 8 steps; sparse layers 1 and 5 eagerly
     assert tokens == expected_tokens
     torch.testing.assert_close(actual, expected, atol=1e-4, rtol=0)
 

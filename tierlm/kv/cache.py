@@ -16,7 +16,8 @@ class DecodeRows(NamedTuple):
     """What a fused or captured decode step needs of a cache: the storage of every layer
     (codes [layers, rows, kv_heads, max_len, width]; fp16 scales [..., D / 32] or None), each
     row's slot and the position its new token goes to. A paged cache (kv/paged.py) holds
-    [layers, kv_heads, pages, page_tokens, width] and gives each row's pages instead of a slot."""
+    [layers, kv_heads, pages, page_tokens, width] and gives each row's pages instead of a slot.
+    A prefill chunk (`chunk_rows`) is one slot (one page table) and one position per token."""
 
     keys: torch.Tensor
     values: torch.Tensor
@@ -159,6 +160,14 @@ class KVCache(_Contiguous, _Storage):
         rows = self.keys.shape[1]
         return DecodeRows(self.keys, self.values, list(range(rows)), [self.offset] * rows, self.key_scales,
                           self.value_scales, self.format)  # fmt: skip
+
+    def chunk_rows(self, length: int) -> DecodeRows | None:
+        """For a fused prefill chunk of a batch-1 cache: its slot and the chunk's `length` positions
+        after the offset (None for a batch of several rows: the eager path runs)."""
+        if self.keys.shape[1] != 1:
+            return None
+        return DecodeRows(self.keys, self.values, [0], list(range(self.offset, self.offset + length)),
+                          self.key_scales, self.value_scales, self.format)  # fmt: skip
 
     def advance(self, length: int) -> None:
         """Commit `length` new positions after every layer has written them."""

@@ -339,6 +339,14 @@ class PagedView(_Contiguous):
     def decode_rows(self) -> DecodeRows:
         return self.parent.decode_rows_of([self.index], [self.offset])
 
+    def chunk_rows(self, length: int) -> DecodeRows:
+        """For a fused prefill chunk: the slot's pages, reserved for `length` more positions."""
+        start = self.offset
+        self.parent.reserve(self.index, start + length)
+        return DecodeRows(self.parent.keys, self.parent.values, [self.index], list(range(start, start + length)),
+                          self.parent.key_scales, self.parent.value_scales, self.parent.format,
+                          [list(self.parent.tables[self.index])], self.parent.page_tokens)  # fmt: skip
+
     def advance(self, length: int) -> None:
         self.parent._lengths[self.index] += length
 

@@ -1,7 +1,10 @@
 """A decode step's decoder layers as one native call each, instead of ~15 eager torch ops.
 
 `LlamaModel.forward` asks `step_for` whether this step can be fused: one token per row (T == 1,
-batch 1 or a server `PagedBatch`), fp32 activations on the CPU, a KV cache of CPU buffers in any
+batch 1 or a server `PagedBatch`), or a prefill chunk of one sequence (batch 1, a `KVCache` or
+`PagedView`, reaching no further than FUSED_CHUNK_SPAN positions: its rows' keys and values are
+stored first, then each row attends over the cache; its products run as the integer GEMM,
+csrc/gemm_a16.h), fp32 activations on the CPU, a KV cache of CPU buffers in any
 of kv/formats.py's formats (read as stored: csrc/kv_formats.h; a paged cache through each row's
 page table), and the native library loaded
 (csrc/fused_decode.h). Then each layer whose weights are INT8
@@ -45,6 +48,10 @@ KV_TYPES = {"f32": 0, "f16": 1, "bf16": 2, "q8_0": 3, "q4_0": 4}
 DENSE, ATTENTION = ("wqkv", "wo", "w13", "w2"), ("wqkv", "wo")
 # A layer's words (csrc/library.cpp kWordsPerLayer): 4 weights of 9, 4 norms, 4 cache pointers.
 WORDS_PER_LAYER = 44
+# The furthest position a fused prefill chunk reaches: its attention is one query at a time
+# (csrc/attention.h), whose cost grows with the context faster than the eager path's blocked
+# attention; the two measured alike at 512 positions on the embedded model (RESULTS.md).
+FUSED_CHUNK_SPAN = 512
 
 
 class LayerArgs(ctypes.Structure):
@@ -59,7 +66,7 @@ class LayerArgs(ctypes.Structure):
                 ("batch", _c_i64), ("hidden", _c_i64), ("n_q", _c_i64), ("n_kv", _c_i64),
                 ("head_dim", _c_i64), ("inter", _c_i64), ("rotary_dim", _c_i64), ("max_len", _c_i64),
                 ("window", _c_i64), ("table_width", _c_i64), ("eps", ctypes.c_float), ("interleaved", _c_i32),
-                ("threads", _c_i32), ("kv_type", _c_i32), ("page_shift", _c_i32)]  # fmt: skip
+                ("threads", _c_i32), ("kv_type", _c_i32), ("page_shift", _c_i32), ("sequence", _c_i32)]  # fmt: skip
 
 
 @functools.lru_cache(maxsize=None)
@@ -75,17 +82,16 @@ def native_library():
 
 
 def step_for(model, cache, x: torch.Tensor) -> FusedStep | None:
-    """The fused decode step for this forward call (x: ids [B, 1] or a later stage's hidden
-    states [B, 1, H]), or None when the eager path must run."""
-    if x.shape[1] != 1 or model.device.type != "cpu" or model.dtype != torch.float32:
+    """The fused step for this forward call (x: ids [B, 1] or a later stage's hidden states
+    [B, 1, H]; or a prefill chunk of one sequence, [1, T] / [1, T, H]), or None when the eager
+    path must run."""
+    if model.device.type != "cpu" or model.dtype != torch.float32 or not fused_decode_enabled():
         return None
-    if not fused_decode_enabled():
-        return None
-    rows = cache.decode_rows() if hasattr(cache, "decode_rows") else None
+    rows = _rows_for(cache, x)
     if rows is None:
         return None
     keys, values, slots, positions = rows.keys, rows.values, rows.slots, rows.positions
-    if len(slots) != x.shape[0] or not _is_cpu_storage(rows):
+    if not _is_cpu_storage(rows):
         return None
     cfg = model.config
     layout = (len(model.span.layers), cfg.num_key_value_heads, cfg.head_dim)  # a stage caches its layers only
@@ -102,6 +108,21 @@ def step_for(model, cache, x: torch.Tensor) -> FusedStep | None:
     if lib is None:
         return None
     return FusedStep(lib, model, rows)
+
+
+def _rows_for(cache, x: torch.Tensor):
+    """The cache rows this call writes (kv/cache.py DecodeRows): one new token per row, or a
+    chunk of one sequence's positions; None where the cache offers neither for x."""
+    if x.shape[1] == 1:
+        rows = cache.decode_rows() if hasattr(cache, "decode_rows") else None
+        return rows if rows is not None and len(rows.slots) == x.shape[0] else None
+    if x.shape[0] != 1 or not hasattr(cache, "chunk_rows"):
+        return None
+    if cache.offset + x.shape[1] > cache.max_len:  # what cache.rope raises on the eager path
+        raise ValueError(f"{cache.offset + x.shape[1]} positions exceed the KV cache ({cache.max_len})")
+    if (cache.offset + x.shape[1]) > FUSED_CHUNK_SPAN:
+        return None  # past it the eager path's blocked attention is faster (RESULTS.md)
+    return cache.chunk_rows(x.shape[1])
 
 
 def _is_cpu_storage(rows) -> bool:
@@ -141,7 +162,8 @@ class FusedStep:
             self._tables = (_c_i64 * len(padded))(*padded)
             a.page_tables, a.table_width = ctypes.addressof(self._tables), width
             a.page_shift = rows.page_tokens.bit_length() - 1
-        a.batch, a.hidden = len(slots), cfg.hidden_size
+        # A prefill chunk: one slot (or page table) and a position per token.
+        a.batch, a.hidden, a.sequence = len(positions), cfg.hidden_size, int(len(positions) > len(slots))
         a.n_q, a.n_kv, a.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         a.inter, a.rotary_dim, a.max_len = cfg.intermediate_size, rotary.rotary_dim, keys.shape[3]
         if rows.page_tables is not None:  # one head's region: every page's positions

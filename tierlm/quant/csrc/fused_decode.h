@@ -1,10 +1,13 @@
-// One decoder layer's decode step for B rows (one new token each) in five pool phases:
+// One decoder layer's step for B rows in five pool phases. The rows are one new token each of
+// B sequences (a decode step), or B consecutive positions of one sequence (`sequence`: a
+// prefill chunk, whose keys and values are all stored before any row attends).
 //
-//   h = RMSNorm(x)                      (caller thread)
-//   qkv = h @ Wqkv.T + bqkv             phase 1: tiles of rows
+//   h = RMSNorm(x)                      (caller thread; a prefill chunk's rows in parallel)
+//   qkv = h @ Wqkv.T + bqkv             phase 1: tiles of rows (a chunk: the integer GEMM)
 //   per (row, query head): q/k head norm (Qwen3), RoPE, the K/V write into the row's cache
 //   slot (by the first query head of each KV group), attention over the row's span with a
 //   max-subtracted softmax                                     phase 2: one item per head
+//   (a chunk: the writes per row first, then attention per (row, head) over the cache)
 //   x += attn @ Wo.T + bo               phase 3
 //   h = RMSNorm(x)                      (caller thread)
 //   act = SiLU(h @ Wg.T + bg) * (h @ Wu.T + bu), gate and up rows of a tile in one task
@@ -19,6 +22,7 @@
 #include <vector>
 
 #include "attention.h"
+#include "gemm_a16.h"
 #include "gemv.h"
 #include "kv_formats.h"
 
@@ -49,6 +53,7 @@ struct LayerArgs {
   int32_t threads;
   int32_t kv_type;     // tl::KVType
   int32_t page_shift;  // 0: the slot layout; else log2 of a page's positions
+  int32_t sequence;    // 1: the rows are positions of row 0's sequence (its slot, its page table)
 };
 
 // out = x * rsqrt(mean(x^2) + eps) * w over n values (torch's F.rms_norm order).
@@ -75,6 +80,37 @@ inline void rope(float* v, const float* cos, const float* sin, int64_t R, bool i
   }
 }
 
+// KV head kvh's rows in the cache of `slot` (slot layout) or through page table `table` (paged).
+inline void head_rows(const LayerArgs& a, int64_t slot, int64_t table, int64_t kvh, StoredRows& keys,
+                      StoredRows& values) {
+  const int32_t type = a.kv_type;
+  const int64_t D = a.head_dim, row_bytes = kv_code_bytes(type, D);
+  const int64_t groups_per_row = kv_quantized(type) ? D / kKVGroup : 0;
+  const bool paged = a.page_shift > 0;
+  // The head's first row: of its slot (slot layout) or of its region's page 0 (paged).
+  const int64_t head_row = (paged ? kvh : slot * a.n_kv + kvh) * a.max_len;
+  const char* kc = static_cast<const char*>(a.keys) + head_row * row_bytes;
+  const char* vc = static_cast<const char*>(a.values) + head_row * row_bytes;
+  const uint16_t* ks = a.key_scales ? a.key_scales + head_row * groups_per_row : nullptr;
+  const uint16_t* vs = a.value_scales ? a.value_scales + head_row * groups_per_row : nullptr;
+  keys = StoredRows{{type, kc, ks, row_bytes, groups_per_row}};
+  values = StoredRows{{type, vc, vs, row_bytes, groups_per_row}};
+  if (paged) {
+    for (StoredRows* rows : {&keys, &values}) {
+      rows->pages = a.page_tables + table * a.table_width;
+      rows->page_shift = a.page_shift;
+    }
+  }
+}
+
+// Position pos of `rows` := v [D] in the rows' format (the cache's storage is writable: the
+// runs only read it as const).
+inline void store_row(const StoredRows& rows, int64_t pos, const float* v, int64_t D) {
+  const int64_t at = rows.row(pos);
+  uint16_t* scales = const_cast<uint16_t*>(rows.run.scales_of(at));
+  kv_store(rows.type(), v, D, const_cast<void*>(rows.run.codes(at)), scales);
+}
+
 // One query head of one row: its q (and the KV head's new k, v), the cache write, attention.
 inline void attend_head(const LayerArgs& a, const float* qkv, int64_t b, int64_t hq, float* out) {
   const int64_t D = a.head_dim, groups = a.n_q / a.n_kv, kvh = hq / groups;
@@ -92,28 +128,15 @@ inline void attend_head(const LayerArgs& a, const float* qkv, int64_t b, int64_t
   rope(q, cs, sn, a.rotary_dim, a.interleaved);
   rope(k, cs, sn, a.rotary_dim, a.interleaved);
   const int32_t type = a.kv_type;
-  const int64_t row_bytes = kv_code_bytes(type, D), groups_per_row = kv_quantized(type) ? D / kKVGroup : 0;
-  const bool paged = a.page_shift > 0;
-  // The head's first row: of its slot (slot layout) or of its region's page 0 (paged).
-  const int64_t head_row = (paged ? kvh : slot * a.n_kv + kvh) * a.max_len;
-  char* kc = static_cast<char*>(a.keys) + head_row * row_bytes;
-  char* vc = static_cast<char*>(a.values) + head_row * row_bytes;
-  uint16_t* ks = a.key_scales ? a.key_scales + head_row * groups_per_row : nullptr;
-  uint16_t* vs = a.value_scales ? a.value_scales + head_row * groups_per_row : nullptr;
-  StoredRows keys{{type, kc, ks, row_bytes, groups_per_row}}, values{{type, vc, vs, row_bytes, groups_per_row}};
-  if (paged) {
-    for (StoredRows* rows : {&keys, &values}) {
-      rows->pages = a.page_tables + b * a.table_width;
-      rows->page_shift = a.page_shift;
-    }
-  }
+  const int64_t row_bytes = kv_code_bytes(type, D);
+  StoredRows keys, values;
+  head_rows(a, slot, b, kvh, keys, values);
   // The group's first head writes the new key/value; the others read only earlier positions,
   // so no head waits for another. The new position is read from each head's own copy of what
   // the cache holds for it (the row as stored, then read back), so every head sees the same.
   if (hq % groups == 0) {
-    const int64_t at = keys.row(pos);
-    kv_store(type, k, D, kc + at * row_bytes, ks ? ks + at * groups_per_row : nullptr);
-    kv_store(type, v, D, vc + at * row_bytes, vs ? vs + at * groups_per_row : nullptr);
+    store_row(keys, pos, k, D);
+    store_row(values, pos, v, D);
   }
   std::vector<float> fresh(2 * D);
   float *k_new = fresh.data(), *v_new = k_new + D;
@@ -132,11 +155,118 @@ inline void attend_head(const LayerArgs& a, const float* qkv, int64_t b, int64_t
   attend_stored(keys, values, q, D, start, pos, k_new, v_new, scores, out);
 }
 
-inline float silu(float g) { return g / (1.0f + std::exp(-g)); }
+// SiLU(g) = g * sigmoid(g), the sigmoid from e = exp(-|g|) so the exponent is never positive:
+// 1 / (1 + e) for g >= 0, e / (1 + e) below.
+inline float silu(float g) {
+  const float e = exp_nonpositive(-std::fabs(g));
+  return g * ((g >= 0.0f ? 1.0f : e) / (1.0f + e));
+}
+
+// out[i] = SiLU(gate[i]) * up[i] (out may be gate), 8 at a time in registers where the build
+// has them: one value at a time (std::exp) measured a tenth of a prefill. exp_nonpositive's
+// steps, |g| clamped to 87 (e = 1.6e-38 there: within a float's step of its 0 in the sums).
+inline void silu_times(const float* gate, const float* up, int64_t n, float* out) {
+  int64_t i = 0;
+#if TIERLM_ISA >= 256
+  const __m256 sign = _mm256_set1_ps(-0.0f), one = _mm256_set1_ps(1.0f), shift = _mm256_set1_ps(12582912.0f);
+  for (; i + 8 <= n; i += 8) {
+    const __m256 g = _mm256_loadu_ps(gate + i);
+    const __m256 x = _mm256_max_ps(_mm256_or_ps(g, sign), _mm256_set1_ps(-87.0f));  // -|g|
+    const __m256 k = _mm256_sub_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), shift), shift);
+    __m256 r = _mm256_fnmadd_ps(k, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(k, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    for (float c : {1.3981999507e-3f, 8.3334519073e-3f, 4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f})
+      p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(c));
+    p = _mm256_add_ps(_mm256_fmadd_ps(_mm256_mul_ps(p, r), r, r), one);
+    const __m256i power = _mm256_slli_epi32(_mm256_cvttps_epi32(k), 23);
+    const __m256 e = _mm256_castsi256_ps(_mm256_add_epi32(_mm256_castps_si256(p), power));
+    const __m256 numerator = _mm256_blendv_ps(e, one, _mm256_cmp_ps(g, _mm256_setzero_ps(), _CMP_GE_OQ));
+    const __m256 sigmoid = _mm256_div_ps(numerator, _mm256_add_ps(one, e));
+    _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_mul_ps(g, sigmoid), _mm256_loadu_ps(up + i)));
+  }
+#endif
+  for (; i < n; ++i) out[i] = silu(gate[i]) * up[i];
+}
+
+// out[b] = RMSNorm(x[b]) for B rows of n values, in parallel for a prefill chunk's rows.
+inline void norm_rows(const float* x, int64_t B, int64_t n, const float* w, float eps, float* out, int threads) {
+  parallel_for(B, 16, threads, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) rms_norm(x + b * n, n, w, eps, out + b * n);
+  });
+}
+
+// y[M, ldy] (+)= x[M, W.cols] @ W.T (+ bias): the integer GEMM for a prefill chunk's rows, the
+// decode kernels for fewer rows, for weights without a GEMM path and for x it cannot carry.
+inline void rows_product(const Weight& W, const float* x, int64_t M, float* y, int64_t ldy, bool accumulate,
+                         int threads) {
+  if (M > kGemmMinRows && has_gemm_a16_path(W)) {
+    if (!accumulate && gemm_a16(W, x, M, y, ldy, threads)) return;
+    if (accumulate) {
+      std::vector<float> part(M * W.rows);
+      if (gemm_a16(W, x, M, part.data(), W.rows, threads)) {
+        for (int64_t m = 0; m < M; ++m)
+          for (int64_t n = 0; n < W.rows; ++n) y[m * ldy + n] += part[m * W.rows + n];
+        return;
+      }
+    }
+  }
+  const std::vector<float> xs = group_sums(W, x, W.cols, M);
+  gemv(W, x, W.cols, M, xs.data(), y, ldy, accumulate, threads);
+}
+
+// x += attention(RMSNorm(x)) @ Wo.T + bo for rows that are consecutive positions of one
+// sequence (a prefill chunk): every row's key and value are stored first, then each (row,
+// query head) attends over the cache, its own position read back as stored (as the eager path
+// reads the cache back), so the rows of a chunk see each other as later decode steps would.
+inline void prefill_attention(const LayerArgs& a, float* x) {
+  const int64_t T = a.batch, H = a.hidden, D = a.head_dim, nq = a.n_q, nkv = a.n_kv;
+  const int64_t width = (nq + 2 * nkv) * D, Q = nq * D, groups = nq / nkv;
+  const int threads = a.threads;
+  std::vector<float> h(T * H), qkv(T * width), attn(T * Q);
+  norm_rows(x, T, H, a.attn_norm, a.eps, h.data(), threads);
+  rows_product(a.qkv, h.data(), T, qkv.data(), width, false, threads);
+  std::vector<StoredRows> keys(nkv), values(nkv);
+  for (int64_t kvh = 0; kvh < nkv; ++kvh) head_rows(a, a.slots[0], 0, kvh, keys[kvh], values[kvh]);
+  parallel_for(T, 1, threads, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      float* row = qkv.data() + t * width;
+      const int64_t pos = a.positions[t];
+      const float* cs = a.cos + pos * a.rotary_dim;
+      const float* sn = a.sin + pos * a.rotary_dim;
+      for (int64_t head = 0; head < nq + nkv; ++head) {  // queries, then keys: normed, rotated
+        float* v = row + head * D;
+        const float* norm = head < nq ? a.q_norm : a.k_norm;
+        if (norm) rms_norm(v, D, norm, a.eps, v);
+        rope(v, cs, sn, a.rotary_dim, a.interleaved);
+      }
+      for (int64_t kvh = 0; kvh < nkv; ++kvh) {
+        store_row(keys[kvh], pos, row + (nq + kvh) * D, D);
+        store_row(values[kvh], pos, row + (nq + nkv + kvh) * D, D);
+      }
+    }
+  });
+  parallel_for(T * nq, 1, threads, [&](int64_t i0, int64_t i1) {
+    std::vector<float> scratch;
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t t = i / nq, hq = i % nq, kvh = hq / groups, pos = a.positions[t];
+      const int64_t start = a.window > 0 ? std::max<int64_t>(0, pos - a.window + 1) : 0;
+      scratch.resize(2 * D + pos - start + 1);
+      float *k_new = scratch.data(), *v_new = k_new + D, *scores = v_new + D;
+      const StoredRows &k = keys[kvh], &v = values[kvh];
+      kv_load(k.type(), k.codes(pos), k.scales_of(pos), D, k_new);
+      kv_load(v.type(), v.codes(pos), v.scales_of(pos), D, v_new);
+      attend_stored(k, v, qkv.data() + t * width + hq * D, D, start, pos, k_new, v_new, scores,
+                    attn.data() + t * Q + hq * D);
+    }
+  });
+  rows_product(a.o, attn.data(), T, x, H, true, threads);
+}
 
 // x += attention(RMSNorm(x)) @ Wo.T + bo: the layer's first half (all of a mixture-of-experts
 // layer that runs natively: its router and experts run in torch after it).
 inline void decode_attention(const LayerArgs& a, float* x) {
+  if (a.sequence && a.batch > 1) return prefill_attention(a, x);
   const int64_t B = a.batch, H = a.hidden, D = a.head_dim;
   const int64_t Nqkv = (a.n_q + 2 * a.n_kv) * D, Q = a.n_q * D;
   const int threads = a.threads;
@@ -161,14 +291,18 @@ inline void decode_layer(const LayerArgs& a, float* x) {
   const int64_t B = a.batch, H = a.hidden, I = a.inter;
   const int threads = a.threads;
   decode_attention(a, x);
-  std::vector<float> h(B * H), gate(B * I), up(B * I);
-  for (int64_t b = 0; b < B; ++b) rms_norm(x + b * H, H, a.mlp_norm, a.eps, h.data() + b * H);
-  if (a.w13.kind == kStack) {  // gate and up stored apart: each run by its own kernel, then SiLU
+  std::vector<float> h(B * H), gate(B * I);
+  norm_rows(x, B, H, a.mlp_norm, a.eps, h.data(), threads);
+  if (a.w13.kind == kStack || B > kGemmMinRows) {
+    // Gate and up as one product (a stack's runs each by its own kernel; a chunk's rows by the
+    // GEMM), then SiLU.
     std::vector<float> both(B * 2 * I);
-    gemv(a.w13, h.data(), H, B, nullptr, both.data(), 2 * I, false, threads);
-    for (int64_t b = 0; b < B; ++b)
-      for (int64_t i = 0; i < I; ++i) gate[b * I + i] = silu(both[b * 2 * I + i]) * both[b * 2 * I + I + i];
+    rows_product(a.w13, h.data(), B, both.data(), 2 * I, false, threads);
+    parallel_for(B, 16, threads, [&](int64_t b0, int64_t b1) {
+      for (int64_t b = b0; b < b1; ++b) silu_times(both.data() + b * 2 * I, both.data() + b * 2 * I + I, I, gate.data() + b * I);
+    });
   } else {
+    std::vector<float> up(B * I);
     const std::vector<float> xs = group_sums(a.w13, h.data(), H, B);
     const Activations16 h16 = quantize16(a.w13, h.data(), H, B);
     const int64_t R = rows_per_tile(B), tiles = (I + R - 1) / R;
@@ -176,13 +310,11 @@ inline void decode_layer(const LayerArgs& a, float* x) {
       const int64_t i0 = t0 * R, i1 = std::min(I, t1 * R);
       gemv_rows(a.w13, h.data(), H, B, xs.data(), i0, i1, gate.data() + i0, I, false, &h16);
       gemv_rows(a.w13, h.data(), H, B, xs.data(), I + i0, I + i1, up.data() + i0, I, false, &h16);
-      for (int64_t b = 0; b < B; ++b)
-        for (int64_t i = i0; i < i1; ++i) gate[b * I + i] = silu(gate[b * I + i]) * up[b * I + i];
+      for (int64_t b = 0; b < B; ++b) silu_times(gate.data() + b * I + i0, up.data() + b * I + i0, i1 - i0, gate.data() + b * I + i0);
     });
   }
 
-  std::vector<float> xs = group_sums(a.w2, gate.data(), I, B);
-  gemv(a.w2, gate.data(), I, B, xs.data(), x, H, true, threads);
+  rows_product(a.w2, gate.data(), B, x, H, true, threads);
 }
 
 }  // namespace tl

@@ -32,6 +32,10 @@ namespace tl {
 // int16 copy of x (kGemmRowBlock x K) that every panel reads from cache.
 constexpr int64_t kGemmRowBlock = 256;
 
+// Rows past which a product runs as this GEMM where W has it (fewer: the decode kernels), as
+// tierlm/quant/dispatch.py's INTEGER_GEMM_ROWS.
+constexpr int64_t kGemmMinRows = 32;
+
 // Columns per scale of W's codes: 16 for the kinds whose sub-blocks are 16 wide, else 32.
 inline int64_t code_group(const Weight& W) {
   return W.kind == kInt6K || W.kind == kInt2K || W.kind == kInt3K ? 16 : 32;
@@ -290,7 +294,8 @@ struct CodePanel {
     constexpr int L = PanelOps::lanes;
     const int64_t K = W.cols, GW = code_group(W), G = K / GW, P = K / 2;
     pairs.resize(P * L);
-    rows.assign(L * K, 0);
+    rows.resize(L * K);
+    std::fill(rows.begin() + count * K, rows.end(), int16_t{0});  // rows past W's last
     scales.assign(G * L, 0.0f);
     offsets.assign(G * L, 0.0f);
     std::vector<float> s(G), o(G, 0.0f);
