@@ -166,5 +166,5 @@ def test_fused_decode_runs_resident_layers_in_one_call_and_streamed_ones_alone(a
         assert greedy(config, store) == expected
     finally:
         store.close()
-    assert all(calls) and layers == [0, 1, 2, 3] * 12  # 12 decode steps, each layer native
-    assert runs == [2, 0, 0] * 12  # one call for the resident pair; the streamed ones are offered alone
+    assert all(calls) and layers == [0, 1, 2, 3] * 13  # the prefill chunk and 12 decode steps, each layer native
+    assert runs == [2, 0, 0] * 13  # one call for the resident pair; the streamed ones are offered alone
