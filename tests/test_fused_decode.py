@@ -93,14 +93,16 @@ CHUNKS = ["llama-mqa-bias-head-dim-32", "qwen3-qk-norm", "mistral-window-3", "ch
 @pytest.mark.parametrize("case", quick(CHUNKS, fast=["qwen3-qk-norm"]))
 @pytest.mark.parametrize("paged", [False, True], ids=["slots", "scattered-pages"])
 def test_fused_prefill_chunks_match_eager(case, paged, decode_checkpoint, monkeypatch, fused_calls):
-    """A prompt of 40 tokens (past the 32 rows from which products run as the integer GEMM),
-    then a second chunk of 12 after it (its rows attend to the first's through the cache), then
-    decode: every position's logits as the eager path's, in a batch-1 cache and in a paged slot
-    whose pages lie scattered; both chunks and every step ran natively."""
+    """A prompt of 100 tokens (past the 32 rows from which products run as the integer GEMM, and
+    past one tile of 64 key positions: the online softmax carries over tiles; the window case's
+    spans straddle a tile's edge), then a second chunk of 50 after it (its rows attend to the
+    first's through the cache), then decode: every position's logits as the eager path's, in a
+    batch-1 cache and in a paged slot whose pages lie scattered; both chunks and every step ran
+    natively."""
     if fused_decode.native_library() is None:
         pytest.skip("no native library here (no C++ compiler): decode runs the eager path only")
-    loaded = load_model(decode_checkpoint(case), device="cpu", dtype=torch.float32, context_length=64, quant="int8")
-    ids = torch.randint(0, loaded.config.vocab_size, (1, 52), generator=torch.Generator().manual_seed(5))
+    loaded = load_model(decode_checkpoint(case), device="cpu", dtype=torch.float32, context_length=192, quant="int8")
+    ids = torch.randint(0, loaded.config.vocab_size, (1, 150), generator=torch.Generator().manual_seed(5))
 
     def run():
         if paged:
@@ -109,7 +111,8 @@ def test_fused_prefill_chunks_match_eager(case, paged, decode_checkpoint, monkey
             cache = cache.slot(1)
         else:
             cache = loaded.new_cache()
-        rows = [loaded.model.forward(ids[:, :40], cache, logits="all")[0], loaded.model.forward(ids[:, 40:], cache, logits="all")[0]]
+        rows = [loaded.model.forward(ids[:, :100], cache, logits="all")[0],
+                loaded.model.forward(ids[:, 100:], cache, logits="all")[0]]
         for _ in range(3):
             rows.append(loaded.model.forward(torch.tensor([[int(rows[-1][-1].argmax())]]), cache, logits="all")[0])
         return torch.cat(rows)

@@ -48,10 +48,10 @@ KV_TYPES = {"f32": 0, "f16": 1, "bf16": 2, "q8_0": 3, "q4_0": 4}
 DENSE, ATTENTION = ("wqkv", "wo", "w13", "w2"), ("wqkv", "wo")
 # A layer's words (csrc/library.cpp kWordsPerLayer): 4 weights of 9, 4 norms, 4 cache pointers.
 WORDS_PER_LAYER = 44
-# The furthest position a fused prefill chunk reaches: its attention is one query at a time
-# (csrc/attention.h), whose cost grows with the context faster than the eager path's blocked
-# attention; the two measured alike at 512 positions on the embedded model (RESULTS.md).
-FUSED_CHUNK_SPAN = 512
+# The furthest position a fused prefill chunk reaches. Past it the chunk runs eagerly: torch's
+# attention outpaced the native blocks (csrc/prefill_attention.h) beyond ~2k positions on the
+# embedded model (0.96x at 2048, 0.89x at 4096, prefill tok/s of the whole prompt; RESULTS.md).
+FUSED_CHUNK_SPAN = 2048
 
 
 class LayerArgs(ctypes.Structure):

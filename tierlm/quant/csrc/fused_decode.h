@@ -7,7 +7,7 @@
 //   per (row, query head): q/k head norm (Qwen3), RoPE, the K/V write into the row's cache
 //   slot (by the first query head of each KV group), attention over the row's span with a
 //   max-subtracted softmax                                     phase 2: one item per head
-//   (a chunk: the writes per row first, then attention per (row, head) over the cache)
+//   (a chunk: the writes per row first, then attention per (KV head, block of rows))
 //   x += attn @ Wo.T + bo               phase 3
 //   h = RMSNorm(x)                      (caller thread)
 //   act = SiLU(h @ Wg.T + bg) * (h @ Wu.T + bu), gate and up rows of a tile in one task
@@ -25,6 +25,7 @@
 #include "gemm_a16.h"
 #include "gemv.h"
 #include "kv_formats.h"
+#include "prefill_attention.h"
 
 namespace tl {
 
@@ -163,24 +164,14 @@ inline float silu(float g) {
 }
 
 // out[i] = SiLU(gate[i]) * up[i] (out may be gate), 8 at a time in registers where the build
-// has them: one value at a time (std::exp) measured a tenth of a prefill. exp_nonpositive's
-// steps, |g| clamped to 87 (e = 1.6e-38 there: within a float's step of its 0 in the sums).
+// has them: one value at a time (std::exp) measured a tenth of a prefill.
 inline void silu_times(const float* gate, const float* up, int64_t n, float* out) {
   int64_t i = 0;
 #if TIERLM_ISA >= 256
-  const __m256 sign = _mm256_set1_ps(-0.0f), one = _mm256_set1_ps(1.0f), shift = _mm256_set1_ps(12582912.0f);
+  const __m256 sign = _mm256_set1_ps(-0.0f), one = _mm256_set1_ps(1.0f);
   for (; i + 8 <= n; i += 8) {
     const __m256 g = _mm256_loadu_ps(gate + i);
-    const __m256 x = _mm256_max_ps(_mm256_or_ps(g, sign), _mm256_set1_ps(-87.0f));  // -|g|
-    const __m256 k = _mm256_sub_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), shift), shift);
-    __m256 r = _mm256_fnmadd_ps(k, _mm256_set1_ps(0.693359375f), x);
-    r = _mm256_fnmadd_ps(k, _mm256_set1_ps(-2.12194440e-4f), r);
-    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-    for (float c : {1.3981999507e-3f, 8.3334519073e-3f, 4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f})
-      p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(c));
-    p = _mm256_add_ps(_mm256_fmadd_ps(_mm256_mul_ps(p, r), r, r), one);
-    const __m256i power = _mm256_slli_epi32(_mm256_cvttps_epi32(k), 23);
-    const __m256 e = _mm256_castsi256_ps(_mm256_add_epi32(_mm256_castps_si256(p), power));
+    const __m256 e = exp_nonpositive8(_mm256_or_ps(g, sign));  // exp(-|g|)
     const __m256 numerator = _mm256_blendv_ps(e, one, _mm256_cmp_ps(g, _mm256_setzero_ps(), _CMP_GE_OQ));
     const __m256 sigmoid = _mm256_div_ps(numerator, _mm256_add_ps(one, e));
     _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_mul_ps(g, sigmoid), _mm256_loadu_ps(up + i)));
@@ -216,9 +207,9 @@ inline void rows_product(const Weight& W, const float* x, int64_t M, float* y, i
 }
 
 // x += attention(RMSNorm(x)) @ Wo.T + bo for rows that are consecutive positions of one
-// sequence (a prefill chunk): every row's key and value are stored first, then each (row,
-// query head) attends over the cache, its own position read back as stored (as the eager path
-// reads the cache back), so the rows of a chunk see each other as later decode steps would.
+// sequence (a prefill chunk): every row's key and value are stored first, then each KV head's
+// queries attend over the cache a block of rows at a time (prefill_attention.h), every position
+// read back as stored (as the eager path reads the cache back).
 inline void prefill_attention(const LayerArgs& a, float* x) {
   const int64_t T = a.batch, H = a.hidden, D = a.head_dim, nq = a.n_q, nkv = a.n_kv;
   const int64_t width = (nq + 2 * nkv) * D, Q = nq * D, groups = nq / nkv;
@@ -246,18 +237,14 @@ inline void prefill_attention(const LayerArgs& a, float* x) {
       }
     }
   });
-  parallel_for(T * nq, 1, threads, [&](int64_t i0, int64_t i1) {
-    std::vector<float> scratch;
+  // One item per (KV head, block of rows), the blocks with the longest spans first.
+  const int64_t blocks = (T + kChunkRows - 1) / kChunkRows;
+  parallel_for(nkv * blocks, 1, threads, [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) {
-      const int64_t t = i / nq, hq = i % nq, kvh = hq / groups, pos = a.positions[t];
-      const int64_t start = a.window > 0 ? std::max<int64_t>(0, pos - a.window + 1) : 0;
-      scratch.resize(2 * D + pos - start + 1);
-      float *k_new = scratch.data(), *v_new = k_new + D, *scores = v_new + D;
-      const StoredRows &k = keys[kvh], &v = values[kvh];
-      kv_load(k.type(), k.codes(pos), k.scales_of(pos), D, k_new);
-      kv_load(v.type(), v.codes(pos), v.scales_of(pos), D, v_new);
-      attend_stored(k, v, qkv.data() + t * width + hq * D, D, start, pos, k_new, v_new, scores,
-                    attn.data() + t * Q + hq * D);
+      const int64_t kvh = i % nkv, t0 = (blocks - 1 - i / nkv) * kChunkRows, rows = std::min(kChunkRows, T - t0);
+      const int64_t head = kvh * groups * D;  // the group's first query head
+      attend_block(keys[kvh], values[kvh], qkv.data() + t0 * width + head, width, groups, D, a.positions + t0, rows,
+                   a.window, attn.data() + t0 * Q + head, Q);
     }
   });
   rows_product(a.o, attn.data(), T, x, H, true, threads);
