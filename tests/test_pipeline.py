@@ -30,7 +30,10 @@ from tierlm.runtime.loader import load_model
 
 pytestmark = pytest.mark.e2e  # stages are processes
 
-ATOL = 1e-4
+# Logits of the same runs in one process and across ranks (stages run one thread each; rank 0
+# and the single process two): on the embedded model up to 3.8e-5 at prefill and 8.4e-5 after
+# four batched steps on the eager path, 1.05e-4 on the fused one (logits ~20: 5e-6 of them).
+ATOL = 2e-4
 STEPS = 4
 CONTEXT = 64
 # Every family at 4 layers (3 stages split them 2 + 1 + 1), int8 as a CPU runs by default.

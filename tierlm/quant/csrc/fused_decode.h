@@ -164,20 +164,31 @@ inline float silu(float g) {
 }
 
 // out[i] = SiLU(gate[i]) * up[i] (out may be gate), 8 at a time in registers where the build
-// has them: one value at a time (std::exp) measured a tenth of a prefill.
+// has them (one value at a time, std::exp, measured a tenth of a prefill). The last few go
+// through the registers too: a value's result must not depend on where a thread's share of
+// the row begins (decode splits rows by thread count; a pipeline's stages run one thread).
 inline void silu_times(const float* gate, const float* up, int64_t n, float* out) {
-  int64_t i = 0;
 #if TIERLM_ISA >= 256
   const __m256 sign = _mm256_set1_ps(-0.0f), one = _mm256_set1_ps(1.0f);
-  for (; i + 8 <= n; i += 8) {
-    const __m256 g = _mm256_loadu_ps(gate + i);
+  auto eight = [&](const float* g8, const float* u8, float* o8) {
+    const __m256 g = _mm256_loadu_ps(g8);
     const __m256 e = exp_nonpositive8(_mm256_or_ps(g, sign));  // exp(-|g|)
     const __m256 numerator = _mm256_blendv_ps(e, one, _mm256_cmp_ps(g, _mm256_setzero_ps(), _CMP_GE_OQ));
     const __m256 sigmoid = _mm256_div_ps(numerator, _mm256_add_ps(one, e));
-    _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_mul_ps(g, sigmoid), _mm256_loadu_ps(up + i)));
+    _mm256_storeu_ps(o8, _mm256_mul_ps(_mm256_mul_ps(g, sigmoid), _mm256_loadu_ps(u8)));
+  };
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) eight(gate + i, up + i, out + i);
+  if (i < n) {
+    alignas(32) float g8[8] = {}, u8[8] = {}, o8[8];
+    std::memcpy(g8, gate + i, (n - i) * sizeof(float));
+    std::memcpy(u8, up + i, (n - i) * sizeof(float));
+    eight(g8, u8, o8);
+    std::memcpy(out + i, o8, (n - i) * sizeof(float));
   }
+#else
+  for (int64_t i = 0; i < n; ++i) out[i] = silu(gate[i]) * up[i];
 #endif
-  for (; i < n; ++i) out[i] = silu(gate[i]) * up[i];
 }
 
 // out[b] = RMSNorm(x[b]) for B rows of n values, in parallel for a prefill chunk's rows.
