@@ -118,9 +118,10 @@ def _rows_for(cache, x: torch.Tensor):
         return rows if rows is not None and len(rows.slots) == x.shape[0] else None
     if x.shape[0] != 1 or not hasattr(cache, "chunk_rows"):
         return None
-    if cache.offset + x.shape[1] > cache.max_len:  # what cache.rope raises on the eager path
-        raise ValueError(f"{cache.offset + x.shape[1]} positions exceed the KV cache ({cache.max_len})")
-    if (cache.offset + x.shape[1]) > FUSED_CHUNK_SPAN:
+    end = cache.offset + x.shape[1]
+    if end > cache.max_len:  # what cache.rope raises on the eager path
+        raise ValueError(f"{end} positions exceed the KV cache ({cache.max_len})")
+    if end > FUSED_CHUNK_SPAN:
         return None  # past it the eager path's blocked attention is faster (RESULTS.md)
     return cache.chunk_rows(x.shape[1])
 
