@@ -1,7 +1,9 @@
 """Generation: prefill + decode over a KV cache, streamed as text deltas.
 
 The engine remembers which token ids its cache holds, so a chat turn that extends the
-previous conversation only prefills the new tokens.
+previous conversation only prefills the new tokens. With drafts on (runtime/speculative.py) a
+decode step may verify several drafted tokens in one forward; the cache then keeps only the
+positions the sequence accepted.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import torch
 from tierlm.errors import TierlmError
 from tierlm.runtime.sampling import SamplingParams
 from tierlm.runtime.sequence import PREFILL_CHUNK, SequenceState
+from tierlm.runtime.speculative import DraftPolicy, DraftSettings, PromptLookup
 
 
 @dataclass
@@ -26,6 +29,9 @@ class GenerationStats:
     decode_s: float = 0.0
     ttft_s: float = 0.0
     finish_reason: str = ""  # "stop" (EOS or stop string), "length" (token limit or full context)
+    drafted: int = 0  # tokens drafted for verification (speculative decoding)
+    accepted: int = 0  # of those, tokens the target model's verification kept
+    verify_passes: int = 0  # forwards that verified drafts (each also yields one token of its own)
 
     @property
     def prefill_tokens_per_s(self) -> float:
@@ -57,12 +63,14 @@ class Generation:
 class Engine:
     """Owns a model's KV cache and runs one sequence at a time through it."""
 
-    def __init__(self, loaded, tokenizer, cache=None):
+    def __init__(self, loaded, tokenizer, cache=None, draft: DraftSettings | None = None):
+        """`draft`: how sequences draft tokens unless `generate` says otherwise (default: off)."""
         self.loaded = loaded
         self.model = loaded.model
         self.tokenizer = tokenizer
         self.cache = cache if cache is not None else loaded.new_cache()
         self.cached_ids: list[int] = []
+        self.draft = draft or DraftSettings()
 
     @property
     def context_length(self) -> int:
@@ -72,8 +80,9 @@ class Engine:
         self.cache.reset()
         self.cached_ids = []
 
-    def generate(self, prompt_ids: list[int], params: SamplingParams) -> Generation:
-        """Start generating after `prompt_ids`; nothing runs until the result is iterated."""
+    def generate(self, prompt_ids: list[int], params: SamplingParams, draft: DraftSettings | None = None) -> Generation:
+        """Start generating after `prompt_ids`; nothing runs until the result is iterated. `draft`:
+        this sequence's drafts (default: the engine's)."""
         if not prompt_ids:
             raise TierlmError("the prompt is empty")
         if len(prompt_ids) >= self.context_length:
@@ -84,23 +93,28 @@ class Engine:
             )
         state = SequenceState(prompt_ids, params, self.tokenizer, self.context_length)
         generation = Generation(iter(()), token_ids=state.token_ids)
-        generation.deltas = self._run(list(prompt_ids), state, generation.stats)
+        generation.deltas = self._run(list(prompt_ids), state, generation.stats, draft or self.draft)
         return generation
 
-    def _run(self, prompt: list[int], state: SequenceState, stats: GenerationStats) -> Iterator[str]:
+    def _run(self, prompt: list[int], state: SequenceState, stats: GenerationStats,
+             draft: DraftSettings) -> Iterator[str]:
         stats.prompt_tokens = len(prompt)
         started = time.perf_counter()
         logits = self._prefill(prompt, stats)
         stats.prefill_s = time.perf_counter() - started
+        token = state.sample(logits)
+        stats.ttft_s = time.perf_counter() - started
         decode_started = time.perf_counter()
+        lookup = PromptLookup(prompt) if draft.enabled else None
+        policy = DraftPolicy(draft.tokens) if draft.enabled else None
+        verifying: _Verification | None = None  # the pass whose rows the next tokens come from
         while True:
-            token = state.sample(logits)
-            if not state.token_ids:
-                stats.ttft_s = time.perf_counter() - started
-                decode_started = time.perf_counter()
             text, reason = state.accept(token)
             stats.new_tokens = len(state.token_ids)
             if reason is not None:
+                if verifying is not None:
+                    self._keep(verifying.kept)
+                    stats.accepted += verifying.accepted
                 stats.finish_reason = reason
                 stats.decode_s = time.perf_counter() - decode_started
                 if text:
@@ -108,7 +122,29 @@ class Engine:
                 return
             if text:
                 yield text
-            logits = self._step([token])
+            if lookup is not None:
+                lookup.extend([token])
+            if verifying is not None:
+                if verifying.standing:  # the draft stood: the next row scores the next one
+                    token = verifying.next_token(state)
+                    continue
+                self._keep(verifying.kept)
+                policy.verified(len(verifying.drafts), verifying.accepted, verifying.seconds)
+                stats.accepted += verifying.accepted
+                verifying = None
+            drafts = self._drafts(lookup, policy, state) if lookup is not None else []
+            step_started = time.perf_counter()
+            if not drafts:
+                token = state.sample(self._step([token]))
+                if policy is not None:
+                    policy.plain_step(time.perf_counter() - step_started)
+                continue
+            base = len(self.cached_ids)
+            rows = self._verify([token, *drafts])
+            verifying = _Verification(rows, drafts, base, time.perf_counter() - step_started)
+            stats.drafted += len(drafts)
+            stats.verify_passes += 1
+            token = verifying.next_token(state)
 
     def _prefill(self, prompt: list[int], stats: GenerationStats) -> torch.Tensor:
         """Reuse the cached common prefix, run the rest in chunks; logits [V] of the last token."""
@@ -131,3 +167,55 @@ class Engine:
         logits = self.model.forward(batch, self.cache, logits="last")
         self.cached_ids.extend(ids)
         return logits[0, -1]
+
+    def _verify(self, ids: list[int]) -> torch.Tensor:
+        """Logits [T, V] of every one of `ids` (a pending token and its drafts), in one forward."""
+        batch = torch.tensor([ids], dtype=torch.long, device=self.loaded.device)
+        logits = self.model.forward(batch, self.cache, logits="all")
+        self.cached_ids.extend(ids)
+        return logits[0]
+
+    def _keep(self, length: int) -> None:
+        """Roll the cache back to its first `length` positions (a rejected draft's are not the
+        sequence's); the positions past it are rewritten by the next forward."""
+        if length < len(self.cached_ids):
+            self.cache.trim(length)
+            del self.cached_ids[length:]
+
+    def _drafts(self, lookup: PromptLookup, policy: DraftPolicy, state: SequenceState) -> list[int]:
+        """Tokens to verify after the pending one: as many as the policy allows, the cache has room
+        for, and the sequence may still produce (the pass's own token included)."""
+        room = self.context_length - len(self.cached_ids) - 1
+        left = state.params.max_new_tokens - len(state.token_ids) - 1
+        limit = min(policy.allowed(), room, left)
+        return lookup.draft(limit) if limit > 0 else []
+
+
+class _Verification:
+    """One verification pass in progress: its logits rows, the drafts they check, and how far the
+    sequence has come through them. Row i scores the token after the pending one and drafts[:i]."""
+
+    def __init__(self, rows: torch.Tensor, drafts: list[int], base: int, seconds: float):
+        self.rows, self.drafts, self.base, self.seconds = rows, drafts, base, seconds
+        self.row = -1  # the row the last token came from
+        self.standing = False  # whether that token was the row's draft, accepted
+
+    def next_token(self, state: SequenceState) -> int:
+        """The token of the next row: its draft if it stands, a replacement, or (after the last
+        draft) the pass's own token."""
+        self.row += 1
+        if self.row < len(self.drafts):
+            token, self.standing = state.verify(self.rows[self.row], self.drafts[self.row])
+        else:
+            token, self.standing = state.sample(self.rows[self.row]), False
+        return token
+
+    @property
+    def accepted(self) -> int:
+        return self.row + (1 if self.standing else 0)
+
+    @property
+    def kept(self) -> int:
+        """Cache positions the sequence keeps: the pending token and the accepted drafts before the
+        last token (which, as after any step, is not in the cache yet)."""
+        return self.base + self.row + 1

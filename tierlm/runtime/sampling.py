@@ -122,11 +122,44 @@ class Sampler:
             best = int(values.argmax())
             if math.isfinite(values[best]):
                 return best
+        probs = self._probabilities(logits)
+        if probs is None:
+            return int(torch.argmax(torch.nan_to_num(logits.float(), nan=float("-inf"))))
+        return int(torch.multinomial(probs, 1, generator=self.generator))
+
+    def verify(self, logits: torch.Tensor, draft: int, seen: torch.Tensor | None = None) -> tuple[int, bool]:
+        """The token at a drafted position: (draft, True) when the draft stands, else (another
+        token, False). A draft chosen without sampling (prompt lookup, a greedy draft model) is
+        accepted with probability p(draft) and otherwise replaced by a sample of p without it —
+        together exactly p, so speculation leaves the output distribution as it was (greedy: the
+        draft stands when it is the argmax)."""
+        p = self.params
+        if p.repetition_penalty != 1.0 and seen is not None and seen.numel():
+            logits = penalize_repetition(logits, seen, p.repetition_penalty)
+        probs = None if p.greedy else self._probabilities(logits)
+        if probs is None:
+            token = self(logits)  # the penalty is applied already
+            return token, token == draft
+        chance = float(probs[draft]) if 0 <= draft < probs.shape[-1] else 0.0
+        if chance > 0 and float(torch.rand((), generator=self.generator)) < chance:
+            return draft, True
+        rest = probs.clone()
+        if chance > 0:
+            rest[draft] = 0.0
+        if float(rest.sum()) <= 0:  # p(draft) was 1 in all but rounding
+            return draft, True
+        return int(torch.multinomial(rest, 1, generator=self.generator)), False
+
+    def _probabilities(self, logits: torch.Tensor) -> torch.Tensor | None:
+        """The distribution sampled from (temperature, top-k, top-p, min-p applied; the penalty is
+        the caller's), on the CPU; None where there is nothing to sample among (greedy, or -inf
+        everywhere): take the argmax."""
+        p = self.params
         # NaN (a broken model) and +inf (an overflow) would make every probability NaN.
         logits = torch.nan_to_num(logits.float(), nan=float("-inf"), posinf=torch.finfo(torch.float32).max)
         top = logits.max()
         if p.greedy or torch.isinf(top):  # -inf everywhere: nothing to sample among
-            return int(torch.argmax(logits))
+            return None
         # Shifted to ≤ 0 first, so dividing by a small temperature gives -inf at worst, never NaN;
         # a temperature past fp32's range would become inf, and -inf / inf is NaN.
         logits = (logits - top) / min(p.temperature, torch.finfo(torch.float32).max)
@@ -136,8 +169,7 @@ class Sampler:
             logits = keep_top_p(logits, p.top_p)
         if p.min_p > 0:
             logits = keep_min_p(logits, p.min_p)
-        probs = torch.softmax(logits.float().cpu(), dim=-1)
-        return int(torch.multinomial(probs, 1, generator=self.generator))
+        return torch.softmax(logits.float().cpu(), dim=-1)
 
 
 def penalize_repetition(logits: torch.Tensor, seen: torch.Tensor, penalty: float) -> torch.Tensor:

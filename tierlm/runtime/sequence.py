@@ -53,6 +53,12 @@ class SequenceState:
         seen = torch.tensor(list(self.recent), dtype=torch.long) if self.recent else None
         return self.sampler(logits, seen)
 
+    def verify(self, logits: torch.Tensor, draft: int) -> tuple[int, bool]:
+        """The token at a drafted position from its logits [V]: (draft, True) if it stands, else
+        (its replacement, False); by the rejection rule (Sampler.verify)."""
+        seen = torch.tensor(list(self.recent), dtype=torch.long) if self.recent else None
+        return self.sampler.verify(logits, draft, seen)
+
     def accept(self, token: int) -> tuple[str, str | None]:
         """Record `token`; (text safe to emit, "stop" / "length" / None while it goes on)."""
         self.token_ids.append(token)
