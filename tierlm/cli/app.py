@@ -12,6 +12,7 @@ import typer
 from tierlm.config import MODEL_SAMPLING_FIELDS, GenerationDefaults  # light: json and dataclasses only
 from tierlm.errors import TierlmError
 from tierlm.quant.modes import mode_choices  # light: no torch
+from tierlm.runtime.speculative import DEFAULT_DRAFT_TOKENS, DRAFT_KINDS, DraftSettings  # light: no torch
 
 if TYPE_CHECKING:
     from tierlm.runtime.sampling import SamplingParams  # torch: imported where a command needs it
@@ -49,6 +50,16 @@ KVCacheOpt = typer.Option(
     None, "--kv-cache", metavar="TYPE", show_default=False,
     help="How the KV cache holds keys and values: auto (the compute dtype), f32, f16, bf16, q8_0 (8.5 bits a "
     "value) or q4_0 (4.5 bits) (default: the profile's kv_cache)",
+)
+DraftOpt = typer.Option(
+    None, "--draft", metavar="SOURCE", show_default=False,
+    help=f"Speculative decoding: draft tokens and verify them in one pass over the weights, with output "
+    f"unchanged. {' or '.join(DRAFT_KINDS)}: ngram drafts from the conversation's own tokens, strongest where "
+    "replies quote the prompt (default: off)",
+)
+DraftTokensOpt = typer.Option(
+    None, "--draft-tokens", metavar="K", show_default=False,
+    help=f"Most tokens drafted a pass, 1-64 (default {DEFAULT_DRAFT_TOKENS}); fewer while few are accepted",
 )
 MAX_NEW_TOKENS = 256
 MaxNewOpt = typer.Option(MAX_NEW_TOKENS, "--max-new-tokens", "-n", min=1, help="Most tokens to generate per reply")
@@ -141,9 +152,10 @@ class SamplingFlags(_Flags):
 
 @dataclass(frozen=True)
 class RunFlags(_Flags):
-    """--profile, --device, --dtype, --quant, --lora, --threads, --stages, --context, --kv-cache: how
-    chat, generate, bench and serve run the model (memory budget, device, compute dtype, weight
-    format, adapters, CPU threads, pipeline stages, context per sequence, KV cache format)."""
+    """--profile, --device, --dtype, --quant, --lora, --threads, --stages, --context, --kv-cache, --draft,
+    --draft-tokens: how chat, generate, bench and serve run the model (memory budget, device, compute
+    dtype, weight format, adapters, CPU threads, pipeline stages, context per sequence, KV cache format,
+    speculative decoding)."""
 
     profile: str
     device: str | None = None
@@ -154,9 +166,18 @@ class RunFlags(_Flags):
     stages: int | None = None
     context: str | None = None
     kv_cache: str | None = None
+    draft: str | None = None
+    draft_tokens: int | None = None
 
     def __post_init__(self):
         object.__setattr__(self, "lora", tuple(self.lora or ()))  # typer: a list, or None when not given
+        self.drafts  # a bad --draft or --draft-tokens is refused before anything loads
+
+    @property
+    def drafts(self) -> DraftSettings:
+        """--draft and --draft-tokens as the engine takes them."""
+        tokens = DEFAULT_DRAFT_TOKENS if self.draft_tokens is None else self.draft_tokens
+        return DraftSettings(self.draft or "off", tokens)
 
 
 def _open(model, run: RunFlags, *, variants: bool = False, batch_size=None, stage_timeout=None):
@@ -176,10 +197,13 @@ def _open(model, run: RunFlags, *, variants: bool = False, batch_size=None, stag
         raise TierlmError("LoRA variants are not served over pipeline stages",
                           "merge the adapter into the base with --lora DIR, or drop --stages")  # fmt: skip
     where = dict(device=run.device, quant=run.quant, threads=run.threads)
-    return open_session(
+    session = open_session(
         model, profiles[0], dtype=run.dtype, loras=merged, variants=named, progress=progress_factory(), **where,
         **_stage_load(profiles, stage_timeout=stage_timeout, **where),
     )
+    if run.drafts.enabled:  # only then: serve's worker keeps its own cache and never builds the engine
+        session.engine.draft = run.drafts
+    return session
 
 
 def _stage_load(profiles: list, **common) -> dict:
@@ -248,6 +272,8 @@ def chat(
     stages: Optional[int] = StagesOpt,
     context: Optional[str] = ContextOpt,
     kv_cache: Optional[str] = KVCacheOpt,
+    draft: Optional[str] = DraftOpt,
+    draft_tokens: Optional[int] = DraftTokensOpt,
     session_name: Optional[str] = typer.Option(
         None, "--session", metavar="NAME", show_default=False,
         help="Resume the conversation saved as NAME (its KV cache too, when the same model made it) and "
@@ -293,6 +319,8 @@ def generate(
     stages: Optional[int] = StagesOpt,
     context: Optional[str] = ContextOpt,
     kv_cache: Optional[str] = KVCacheOpt,
+    draft: Optional[str] = DraftOpt,
+    draft_tokens: Optional[int] = DraftTokensOpt,
 ):
     """Generate one reply. Only the generated text goes to stdout, so it can be piped."""
     sampling, run = SamplingFlags.of(locals()), RunFlags.of(locals())
@@ -607,6 +635,8 @@ def bench(
     stages: Optional[int] = StagesOpt,
     context: Optional[str] = ContextOpt,
     kv_cache: Optional[str] = KVCacheOpt,
+    draft: Optional[str] = DraftOpt,
+    draft_tokens: Optional[int] = DraftTokensOpt,
 ):
     """Measure prefill and decode speed and memory under a profile, next to the planner's prediction."""
     import json

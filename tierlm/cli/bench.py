@@ -78,6 +78,10 @@ def run_bench(session, prompt_tokens: int, new_tokens: int, runs: int) -> dict:
         "peak_rss_bytes": memory.peak_rss,
         "device_peak_bytes": memory.device_peak,
     }
+    if engine.draft.enabled:  # speculative decoding (--draft): what the timed runs drafted and kept
+        result["draft"] = {"source": engine.draft.kind, "tokens": engine.draft.tokens,
+                           "drafted": sum(s.drafted for s in samples), "accepted": sum(s.accepted for s in samples),
+                           "verify_passes": sum(s.verify_passes for s in samples)}  # fmt: skip
     placement = loaded.placement
     if placement is not None:
         result["placement"] = [{"name": b.name, "tier": b.tier, "compute": b.compute} for b in placement.blocks]
@@ -95,6 +99,8 @@ def run_bench(session, prompt_tokens: int, new_tokens: int, runs: int) -> dict:
         result["ledger"] = ledger.snapshot(loaded.device)
     if session.pipeline is not None:  # the other stages' time is in this speed: it says nothing of the probe
         result["stages"] = session.pipeline.describe()
+        return result
+    if engine.draft.enabled:  # tokens verified several a pass: not the plain decode speed the probe predicts
         return result
     source = f"bench {session.model_dir.name}, profile {session.profile.name}"
     # Decode steps attend over the prompt and half the reply on average: the KV read is predicted too.
@@ -118,6 +124,11 @@ def format_bench(result: dict) -> str:
         f"{result['ttft_s'] * 1000:.0f} ms",
         f"decode    {result['decode_tokens_per_s']:.2f} tok/s",
     ]
+    draft = result.get("draft")
+    if draft:
+        kept = f" ({draft['accepted'] / draft['drafted']:.0%})" if draft["drafted"] else ""
+        lines.append(f"drafts    {draft['source']}, up to {draft['tokens']} a pass: {draft['drafted']} drafted, "
+                     f"{draft['accepted']} accepted{kept} in {draft['verify_passes']} verification passes")  # fmt: skip
     if "predicted_decode_tokens_per_s" in result:
         ratio = result["decode_vs_predicted"]
         lines.append(

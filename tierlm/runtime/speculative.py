@@ -34,9 +34,9 @@ class DraftSettings:
 
     def __post_init__(self):
         if self.kind not in DRAFT_KINDS:
-            raise TierlmError(f"--draft {str(self.kind)[:40]!r} is not a draft source",
-                              f"use one of: {', '.join(DRAFT_KINDS)} (ngram drafts from the conversation's "
-                              "own tokens)")  # fmt: skip
+            raise TierlmError(f"--draft {str(self.kind)[:40]!r} is not a draft source: tierlm drafts from the "
+                              "conversation's own tokens (ngram); draft models are not supported yet",
+                              "use --draft ngram, or --draft off")  # fmt: skip
         if isinstance(self.tokens, bool) or not isinstance(self.tokens, int) or not 1 <= self.tokens <= MAX_DRAFT_TOKENS:
             raise TierlmError(f"--draft-tokens must be an integer from 1 to {MAX_DRAFT_TOKENS}, "
                               f"not {str(self.tokens)[:30]}",

@@ -1,0 +1,305 @@
+"""Speculative decoding (runtime/speculative.py): prompt-lookup drafts verified in one forward.
+
+Greedy output with drafts is the output without them on every family, MoE included; the cache
+rolled back after rejected drafts holds what a never-speculated run's holds; the rejection rule
+keeps the sampling distribution (checked per position against softmax, and over many seeded runs
+of a model against plain sampling); bad --draft values get one line before anything loads.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.cli_runner import run_tierlm
+from tests.tiny import DECODE_ATOL, DECODE_CASES, MOE_CASES, checkpoint_maker, make_model, write_tokenizer
+from tierlm.errors import TierlmError
+from tierlm.runtime.engine import Engine
+from tierlm.runtime.loader import load_model
+from tierlm.runtime.sampling import Sampler, SamplingParams
+from tierlm.runtime.speculative import DraftPolicy, DraftSettings, PromptLookup
+from tierlm.runtime.tokenizer import Tokenizer
+
+NGRAM = DraftSettings("ngram", 6)
+CASES = {**DECODE_CASES, **MOE_CASES}
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    made = checkpoint_maker(tmp_path_factory, CASES)
+
+    def get(case):
+        folder = made(case)
+        if not (folder / "tokenizer.json").exists():
+            write_tokenizer(folder, 320)
+        return folder
+
+    return get
+
+
+def engine_for(folder, quant: str = "none") -> Engine:
+    loaded = load_model(folder, device="cpu", dtype=torch.float32, quant=quant, context_length=160)
+    return Engine(loaded, Tokenizer.from_dir(folder))
+
+
+def looping_prompt(engine: Engine) -> list[int]:
+    """A prompt that repeats itself, so its continuation is drafted from it."""
+    return engine.tokenizer.encode("the quick brown fox jumps over the lazy dog. " * 3 + "the quick brown")
+
+
+def test_prompt_lookup_drafts_what_followed_the_latest_earlier_occurrence():
+    lookup = PromptLookup([5, 6, 7, 8, 1, 5, 6, 7, 9, 2, 5, 6])
+    # The tail (5, 6) last occurred before at 5..6, followed by 7 9 2 5 6: the latest wins.
+    assert lookup.draft(3) == [7, 9, 2]
+    lookup.extend([7])  # tail (5, 6, 7): its latest earlier occurrence is followed by 9 2 5 6 7
+    assert lookup.draft(10) == [9, 2, 5, 6, 7]
+    lookup.extend([4])  # (7, 4) never occurred before: nothing to draft
+    assert lookup.draft(4) == []
+    assert PromptLookup([1, 2, 3]).draft(4) == []  # the tail's own occurrence is not an earlier one
+
+
+def test_the_policy_halves_and_pauses_drafts_that_do_not_pay_and_grows_ones_that_do():
+    policy = DraftPolicy(8)
+    assert policy.allowed() == 0  # a plain step is timed first
+    policy.plain_step(0.010)
+    assert policy.allowed() == 8
+    policy.verified(8, 0, 0.030)  # one token in three steps' time
+    assert policy.allowed() == 4
+    policy.verified(4, 0, 0.030)
+    policy.verified(2, 0, 0.030)
+    assert policy.allowed() == 1
+    policy.verified(1, 0, 0.030)  # below one token a pass: paused
+    assert policy.allowed() == 0
+    for _ in range(DraftPolicy.PAUSE_STEPS[0]):
+        policy.plain_step(0.010)
+    assert policy.allowed() == 8  # the probe after the pause drafts the full length again
+    policy.verified(8, 0, 0.030)
+    policy.verified(4, 0, 0.030)
+    policy.verified(2, 0, 0.030)
+    policy.verified(1, 0, 0.030)
+    for _ in range(DraftPolicy.PAUSE_STEPS[0]):
+        policy.plain_step(0.010)
+    assert policy.allowed() == 0  # the second pause is twice as long
+    for _ in range(DraftPolicy.PAUSE_STEPS[0]):
+        policy.plain_step(0.010)
+    assert policy.allowed() == 8
+    policy.verified(8, 8, 0.012)  # nine tokens for 1.2 steps: full drafts stay
+    assert policy.allowed() == 8
+
+
+class ScriptedDrafts(PromptLookup):
+    """Drafts the reference continuation with every third pass's drafts wrong from their second
+    token on: verification sees drafts that stand, fall at once and fall midway, whatever the
+    family's random weights make it say."""
+
+    def __init__(self, reference: list[int], tokens: list[int], *, corrupt: bool = True):
+        self.reference, self.passes, self.corrupt = reference, 0, corrupt
+        super().__init__(tokens)
+
+    def draft(self, limit: int) -> list[int]:
+        at = len(self.tokens)
+        drafts = list(self.reference[at : at + limit])
+        self.passes += 1
+        if not self.corrupt:
+            return drafts
+        if self.passes % 3 == 0 and len(drafts) > 1:
+            drafts[1:] = [(t + 1) % 320 for t in drafts[1:]]
+        elif self.passes % 3 == 1 and drafts:
+            drafts[0] = (drafts[0] + 7) % 320
+        return drafts
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_greedy_output_with_drafts_is_the_output_without_them(checkpoint, case, monkeypatch):
+    import tierlm.runtime.engine as engine_module
+
+    engine = engine_for(checkpoint(case))
+    prompt = looping_prompt(engine)
+    greedy = SamplingParams(temperature=0, max_new_tokens=40, ignore_eos=True)
+    plain = engine.generate(prompt, greedy)
+    plain.text()
+    engine.reset()
+    monkeypatch.setattr(engine_module, "PromptLookup", lambda tokens: ScriptedDrafts(prompt + plain.token_ids, tokens))
+    drafted = engine.generate(prompt, greedy, draft=NGRAM)
+    drafted.text()
+    assert drafted.token_ids == plain.token_ids
+    assert 0 < drafted.stats.accepted < drafted.stats.drafted
+
+
+def test_drafts_are_accepted_and_rejected_and_int8_output_is_unchanged(checkpoint):
+    """On the fused int8 path too, with both outcomes exercised: a tiny random model repeats
+    itself, so some drafts stand and some do not."""
+    engine = engine_for(checkpoint("llama-gqa"), quant="int8")
+    prompt = looping_prompt(engine)
+    greedy = SamplingParams(temperature=0, max_new_tokens=64, ignore_eos=True)
+    plain = engine.generate(prompt, greedy)
+    plain.text()
+    engine.reset()
+    drafted = engine.generate(prompt, greedy, draft=NGRAM)
+    drafted.text()
+    assert drafted.token_ids == plain.token_ids
+    stats = drafted.stats
+    assert 0 < stats.accepted < stats.drafted
+
+
+def test_the_cache_after_rejected_drafts_holds_what_a_never_speculated_run_holds(checkpoint):
+    folder = checkpoint("llama-gqa")
+    prompt_engine, drafted_engine = engine_for(folder), engine_for(folder)
+    prompt = looping_prompt(prompt_engine)
+    greedy = SamplingParams(temperature=0, max_new_tokens=40, ignore_eos=True)
+    plain = prompt_engine.generate(prompt, greedy)
+    plain.text()
+    drafted = drafted_engine.generate(prompt, greedy, draft=NGRAM)
+    drafted.text()
+    assert drafted.stats.accepted < drafted.stats.drafted  # some positions were rolled back
+    assert drafted_engine.cached_ids == prompt_engine.cached_ids == prompt + plain.token_ids[:-1]
+    a, b = prompt_engine.cache, drafted_engine.cache
+    assert a.offset == b.offset == len(prompt_engine.cached_ids)
+    n = a.offset
+    torch.testing.assert_close(b.keys[..., :n, :], a.keys[..., :n, :], atol=DECODE_ATOL, rtol=0)
+    torch.testing.assert_close(b.values[..., :n, :], a.values[..., :n, :], atol=DECODE_ATOL, rtol=0)
+    # A follow-up turn reuses the rolled-back cache and continues as the plain one does.
+    follow = prompt + plain.token_ids + prompt_engine.tokenizer.encode(" over the lazy dog")
+    after_plain = prompt_engine.generate(follow, greedy)
+    after_drafted = drafted_engine.generate(follow, greedy, draft=NGRAM)
+    assert after_drafted.text() == after_plain.text()
+    assert after_drafted.stats.reused_tokens == after_plain.stats.reused_tokens == len(prompt) + len(plain.token_ids) - 1
+
+
+def test_a_stop_inside_a_verified_run_ends_there_with_the_cache_rolled_back(checkpoint):
+    folder = checkpoint("llama-gqa")
+    plain_engine, drafted_engine = engine_for(folder, "int8"), engine_for(folder, "int8")
+    prompt = looping_prompt(plain_engine)
+    free = SamplingParams(temperature=0, max_new_tokens=64, ignore_eos=True)
+    reference = plain_engine.generate(prompt, free)
+    reference.text()
+    drafted_run = drafted_engine.generate(prompt, free, draft=NGRAM)
+    drafted_run.text()
+    # Stop on a token the drafted run accepted late in the reply: limit the reply just after it.
+    limit = len(reference.token_ids) - 3
+    plain_engine.reset()
+    drafted_engine.reset()
+    params = SamplingParams(temperature=0, max_new_tokens=limit, ignore_eos=True)
+    plain = plain_engine.generate(prompt, params)
+    drafted = drafted_engine.generate(prompt, params, draft=NGRAM)
+    assert drafted.text() == plain.text()
+    assert drafted.token_ids == reference.token_ids[:limit] and drafted.stats.finish_reason == "length"
+    assert drafted_engine.cached_ids == prompt + reference.token_ids[: limit - 1]
+    assert drafted_engine.cache.offset == len(drafted_engine.cached_ids)
+
+
+@pytest.mark.parametrize("filters", [dict(), dict(top_k=3), dict(top_p=0.8), dict(min_p=0.2, temperature=0.7)])
+def test_the_rejection_rule_keeps_each_positions_distribution(filters):
+    """A drafted token accepted by p(draft), else replaced by a sample of p without it: the token
+    at the position is distributed as p, whichever token was drafted."""
+    logits = torch.tensor([2.0, 1.5, 1.0, 0.5, 0.0, -1.0, -3.0])
+    params = SamplingParams(temperature=filters.pop("temperature", 1.0), seed=7, **filters)
+    sampler = Sampler(params)
+    expected = sampler._probabilities(logits)
+    draws = 6000
+    for draft in (0, 3, 6):  # the likeliest, a middling one, one the filters may drop
+        counts = torch.zeros(len(logits))
+        accepted = 0
+        for _ in range(draws):
+            token, stood = sampler.verify(logits, draft)
+            counts[token] += 1
+            accepted += stood
+            assert stood == (token == draft)
+        assert counts[expected == 0].sum() == 0  # nothing a filter removed ever comes out
+        keep = expected > 0
+        observed, wanted = counts[keep].double(), expected[keep].double() * draws
+        statistic = float(((observed - wanted) ** 2 / wanted).sum())
+        assert chi_squared_p(statistic, int(keep.sum()) - 1) > 1e-3, (draft, counts, expected * draws)
+        assert abs(accepted / draws - float(expected[draft])) < 0.03
+
+
+class GreedyDrafts(PromptLookup):
+    """Drafts the model's own greedy continuation of the sequence (by its transformers twin): the
+    likeliest tokens in every context, so the acceptance rule decides often and both ways."""
+
+    def __init__(self, model, tokens: list[int], length: int = 3):
+        self.model, self.length = model, length
+        super().__init__(tokens)
+
+    def draft(self, limit: int) -> list[int]:
+        ids = list(self.tokens)
+        with torch.no_grad():
+            for _ in range(min(limit, self.length)):
+                ids.append(int(self.model(torch.tensor([ids])).logits[0, -1].argmax()))
+        return ids[len(self.tokens) :]
+
+
+def test_sampled_replies_with_drafts_follow_the_models_distribution(tmp_path, monkeypatch):
+    """Over many seeded runs, the tokens a tiny model samples with drafts are distributed as the
+    ones it samples without (a two-sample chi-squared test per position)."""
+    import tierlm.runtime.engine as engine_module
+
+    reference = make_model(tmp_path, vocab=320, layers=2, seed=3)
+    engine = Engine(load_model(tmp_path, device="cpu", dtype=torch.float32, context_length=96), Tokenizer.from_dir(tmp_path))
+    prompt = looping_prompt(engine)
+    runs, length = 400, 6
+    monkeypatch.setattr(engine_module, "PromptLookup", lambda tokens: GreedyDrafts(reference, tokens))
+    plain, drafted, verified, accepted = [], [], 0, 0
+    for seed in range(runs):
+        params = SamplingParams(temperature=0.1, max_new_tokens=length, ignore_eos=True, seed=seed)
+        engine.reset()
+        g = engine.generate(prompt, params)
+        g.text()
+        plain.append(g.token_ids)
+        engine.reset()
+        g = engine.generate(prompt, params, draft=NGRAM)
+        g.text()
+        drafted.append(g.token_ids)
+        verified += g.stats.verify_passes
+        accepted += g.stats.accepted
+    assert verified >= runs and accepted > runs // 2  # every run verified drafts; many stood
+    for position in range(1, length):
+        a = [ids[position] for ids in plain]
+        b = [ids[position] for ids in drafted]
+        tokens = sorted(set(a) | set(b))
+        table = [[a.count(t) for t in tokens], [b.count(t) for t in tokens]]
+        # Tokens seen fewer than 5 times together are pooled (the test's expected counts need it).
+        common = [i for i, t in enumerate(tokens) if table[0][i] + table[1][i] >= 5]
+        rare = [i for i in range(len(tokens)) if i not in common]
+        rows = [[row[i] for i in common] + [sum(row[i] for i in rare)] for row in table]
+        rows = [row if rare else row[:-1] for row in rows]
+        if len(rows[0]) < 2:
+            assert a == b or sorted(a) == sorted(b)
+            continue
+        assert contingency_p(rows) > 1e-3, (position, tokens, table)
+
+
+def chi_squared_p(statistic: float, dof: int) -> float:
+    """P(X >= statistic) for X chi-squared with `dof` degrees of freedom."""
+    return float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64),
+                                         torch.tensor(statistic / 2, dtype=torch.float64)))  # fmt: skip
+
+
+def contingency_p(rows: list[list[int]]) -> float:
+    """Pearson's test that the rows of a contingency table come from one distribution."""
+    table = torch.tensor(rows, dtype=torch.float64)
+    wanted = table.sum(1, keepdim=True) * table.sum(0, keepdim=True) / table.sum()
+    statistic = float(((table - wanted) ** 2 / wanted).sum())
+    return chi_squared_p(statistic, (table.shape[0] - 1) * (table.shape[1] - 1))
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--draft-tokens", "0"], "--draft-tokens must be an integer from 1 to 64, not 0"),
+    (["--draft-tokens", "-1"], "--draft-tokens must be an integer from 1 to 64, not -1"),
+    (["--draft-tokens", "1000"], "--draft-tokens must be an integer from 1 to 64, not 1000"),
+    (["--draft", "some-other-model"], "draft models are not supported yet"),
+])  # fmt: skip
+def test_bad_draft_flags_get_one_line_before_anything_loads(flags, message):
+    result = run_tierlm("generate", "hello", "--model", "no-such-model-anywhere", *flags)
+    assert result.returncode != 0
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and message in lines[0], result.stderr
+    assert "no-such-model" not in result.stderr  # refused before the model was looked up
+
+
+def test_draft_settings_refuse_what_the_flags_refuse():
+    with pytest.raises(TierlmError, match="not a draft source"):
+        DraftSettings("auto-ish")
+    with pytest.raises(TierlmError, match="from 1 to 64"):
+        DraftSettings("ngram", True)
+    assert not DraftSettings().enabled and DraftSettings("ngram").enabled
