@@ -180,10 +180,12 @@ class RunFlags(_Flags):
         return DraftSettings(self.draft or "off", tokens)
 
 
-def _open(model, run: RunFlags, *, variants: bool = False, batch_size=None, stage_timeout=None):
+def _open(model, run: RunFlags, *, variants: bool = False, batch_size=None, stage_timeout=None,
+          engine_drafts: bool = True):
     """The session `run` asks for: one process, or a pipeline of stages (one per profile).
     `variants` (serve): `--lora NAME=DIR` specs become variants served beside the base, the rest
-    are merged into it. `batch_size`: the sequences the planner reserves KV memory for, on every stage."""
+    are merged into it. `batch_size`: the sequences the planner reserves KV memory for, on every stage.
+    `engine_drafts`: give the session's engine --draft (serve's worker takes it from its options instead)."""
     from tierlm.cli.progress import progress_factory
     from tierlm.lora.spec import split_variant_specs
     from tierlm.profile import with_run_settings
@@ -201,7 +203,7 @@ def _open(model, run: RunFlags, *, variants: bool = False, batch_size=None, stag
         model, profiles[0], dtype=run.dtype, loras=merged, variants=named, progress=progress_factory(), **where,
         **_stage_load(profiles, stage_timeout=stage_timeout, **where),
     )
-    if run.drafts.enabled:  # only then: serve's worker keeps its own cache and never builds the engine
+    if engine_drafts and run.drafts.enabled:  # only then: the engine's first use allocates its KV cache
         session.engine.draft = run.drafts
     return session
 
@@ -714,6 +716,8 @@ def serve(
     stages: Optional[int] = StagesOpt,
     context: Optional[str] = ContextOpt,
     kv_cache: Optional[str] = KVCacheOpt,
+    draft: Optional[str] = DraftOpt,
+    draft_tokens: Optional[int] = DraftTokensOpt,
     temperature: Optional[float] = TempOpt,
     top_p: Optional[float] = TopPOpt,
     top_k: Optional[int] = TopKOpt,
@@ -747,9 +751,10 @@ def serve(
         debug_hooks=os.environ.get("TIERLM_SERVE_DEBUG_HOOKS") == "1",
         adapter_dir=adapter_dir,
         kv_spill_disk=_flag_size(kv_spill_disk, "--kv-spill-disk"),
+        draft=run.drafts,
     )
     with _open(pick_model(model_arg, model), run, variants=True, batch_size=batch_size,
-               stage_timeout=stage_timeout) as session:
+               stage_timeout=stage_timeout, engine_drafts=False) as session:
         # Sampling flags become the server's defaults for requests that omit the field.
         session.generation_defaults = sampling.over(session.generation_defaults)
         run_server(session, options, host=host, port=port)

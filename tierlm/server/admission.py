@@ -25,6 +25,7 @@ from tierlm.config import MODEL_SAMPLING_FIELDS, GenerationDefaults
 from tierlm.errors import TierlmError
 from tierlm.runtime.context_shift import drop_oldest
 from tierlm.runtime.sampling import SamplingParams, resolve_sampling
+from tierlm.runtime.speculative import DraftSettings
 from tierlm.server.access import entry
 from tierlm.server.jobs import ERROR, TEXT, Event, Job
 from tierlm.server.schemas import ApiError, Sampling, parse_body
@@ -167,9 +168,10 @@ def submit_job(request: Request, ids: list[int], sampling: Sampling, budget: Bud
     else:
         tokens = budget.max_tokens
     params = sampling_params(sampling, tokens, state.session.generation_defaults)
+    draft = draft_settings(sampling, state.options.draft)
     timeout = state.options.default_timeout if timeout is None else timeout
     job = Job(ids, params, deadline=None if timeout is None else time.monotonic() + timeout,
-              loop=asyncio.get_running_loop(), on_end=state.metrics.ended, variant=variant)
+              loop=asyncio.get_running_loop(), on_end=state.metrics.ended, variant=variant, draft=draft)
     log.job = job
     if not state.worker.submit(job):
         raise _not_queued(state.worker)
@@ -188,6 +190,14 @@ def sampling_params(sampling: Sampling, max_new_tokens: int, defaults: Generatio
         return resolve_sampling(defaults, **sent, max_new_tokens=max_new_tokens, seed=sampling.seed, stop=sampling.stop)
     except TierlmError as err:
         raise ApiError(400, str(err), code="invalid_value") from None
+
+
+def draft_settings(sampling: Sampling, served: DraftSettings) -> DraftSettings:
+    """A request's speculative decoding: the `draft` and `draft_tokens` it sent, the server's
+    (`serve --draft`, `--draft-tokens`) for what it left out."""
+    kind = served.kind if sampling.draft is None else sampling.draft
+    tokens = served.tokens if sampling.draft_tokens is None else sampling.draft_tokens
+    return DraftSettings(kind, tokens)  # the parsers bound both: never refused here
 
 
 def _not_queued(worker: Worker) -> ApiError:

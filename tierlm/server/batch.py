@@ -31,6 +31,12 @@ by both tables and copied before either writes into it, so a prefix costs no mem
 is taken from a conversation, its rows are copied out to a host-RAM store first (kv/spill.py,
 within the room the memory plan leaves free) and copied back when that conversation returns.
 
+A job with drafts on (`serve --draft ngram`, or the request's `draft`) runs speculatively: when its
+prompt-lookup drafts find tokens (runtime/speculative.py), its pending token and the drafts are
+verified by a forward over its own slot instead of the shared step, the rejection rule picks its
+tokens as the engine's does, and the slot is cut back to the positions the sequence kept. Its
+policy times those passes against the shared step and pauses drafting when they do not pay.
+
 Failures are contained where they happen: an exception in one sequence's own work (admission,
 its prefill, sampling, detokenizing, stop matching, emitting) ends that sequence alone with a
 500; only the shared decode forward's failure reaches the caller, which fails the batch.
@@ -50,6 +56,7 @@ from tierlm.kv.paged import pages_for
 from tierlm.kv.spill import HeldRows, SpillStore
 from tierlm.runtime.sampling import Sampler
 from tierlm.runtime.sequence import PREFILL_CHUNK, SequenceState
+from tierlm.runtime.speculative import DraftPolicy, PromptLookup
 from tierlm.runtime.stopping import StopMatcher
 from tierlm.server.jobs import Job
 
@@ -67,6 +74,7 @@ class ActiveSequence:
     intact: bool = True  # False once a failure may have left the slot's keys and values half written
     resume: list[int] | None = None  # after a preemption: every id fed so far, computed again
     resume_token: int | None = None  # and the token to feed after them
+    drafting: Drafting | None = None  # the job drafts tokens (speculative decoding); None: it does not
 
     @property
     def variant(self) -> str | None:
@@ -86,6 +94,14 @@ class ActiveSequence:
 
 
 @dataclass
+class Drafting:
+    """A speculative sequence's drafts: the lookup over its tokens and the policy timing its passes."""
+
+    lookup: PromptLookup
+    policy: DraftPolicy
+
+
+@dataclass
 class StepReport:
     """What one `step()` did, for the metrics."""
 
@@ -94,6 +110,8 @@ class StepReport:
     batch: int = 0  # sequences in the decode step (0: no decode step ran)
     decode_s: float = 0.0
     sampled: int = 0  # tokens generated (a finished prefill samples one too)
+    drafted: int = 0  # tokens drafted and verified (speculative sequences)
+    accepted: int = 0  # of those, the ones that stood
 
 
 class BatchRunner:
@@ -251,8 +269,20 @@ class BatchRunner:
         ready = self._ready()
         if ready:
             started = time.perf_counter()
-            for group in self._decode_groups(ready):
+            drafts = {seq: self._drafts(seq) for seq in ready if seq.drafting is not None}
+            verifying = [seq for seq in ready if drafts.get(seq)]
+            plain = [seq for seq in ready if not drafts.get(seq)]
+            for group in self._decode_groups(plain) if plain else ():
                 self._decode(group)
+            shared_s = time.perf_counter() - started
+            for seq in plain:  # what a token costs a speculative sequence that did not draft
+                if seq.drafting is not None:
+                    seq.drafting.policy.plain_step(shared_s)
+            for seq in verifying:
+                counts = self._contained(seq, self._verify, drafts[seq])
+                if counts is not None:
+                    report.drafted += counts[0]
+                    report.accepted += counts[1]
             report.batch = len(ready)
             report.decode_s = time.perf_counter() - started
         report.sampled = self._sampled - sampled_before
@@ -285,7 +315,9 @@ class BatchRunner:
         # Sampler and StopMatcher are looked up here, so tests can inject a failing one.
         state = SequenceState(job.prompt_ids, params, self.tokenizer, self.context_length,
                               sampler=Sampler(params), stops=StopMatcher(params.stop))
-        return ActiveSequence(job, slot, state)
+        draft = job.draft
+        drafting = Drafting(PromptLookup(job.prompt_ids), DraftPolicy(draft.tokens)) if draft and draft.enabled else None
+        return ActiveSequence(job, slot, state, drafting=drafting)
 
     def _contained(self, seq: ActiveSequence, work: Callable, *args):
         """`work(seq, *args)`; an exception ends `seq` alone with an error, never the batch."""
@@ -392,6 +424,43 @@ class BatchRunner:
         for seq, row in zip(ready, logits):
             self._contained(seq, self._accept, row)
 
+    def _drafts(self, seq: ActiveSequence) -> list[int]:
+        """The tokens `seq` drafts after its pending one: as many as its policy allows, its context
+        and token budget leave room for, and free pages hold (drafts never take pages from others)."""
+        length = self.cache.lengths[seq.slot]
+        left = seq.state.params.max_new_tokens - len(seq.token_ids) - 1
+        limit = min(seq.drafting.policy.allowed(), self.context_length - length - 1, left)
+        drafts = seq.drafting.lookup.draft(limit) if limit > 0 else []
+        if drafts and self.cache.pages_needed(seq.slot, length + 1 + len(drafts)) > self.cache.pool.free:
+            return []
+        return drafts
+
+    def _verify(self, seq: ActiveSequence, drafts: list[int]) -> tuple[int, int]:
+        """Feed `seq`'s pending token and `drafts` in one forward over its slot, take tokens row by
+        row while the drafts stand (the rejection rule: SequenceState.verify), then cut the slot
+        back to the positions kept; (drafted, accepted)."""
+        base = self.cache.lengths[seq.slot]
+        ids = torch.tensor([[seq.pending, *drafts]], dtype=torch.long, device=self.loaded.device)
+        self._select([seq.variant])
+        started = time.perf_counter()
+        rows = self.model.forward(ids, self.cache.slot(seq.slot), logits="all")[0]
+        seconds = time.perf_counter() - started
+        row = accepted = 0
+        while True:
+            if row < len(drafts):
+                token, stood = seq.state.verify(rows[row], drafts[row])
+            else:  # every draft stood: the last row's token is the pass's own
+                token, stood = seq.state.sample(rows[row]), False
+            if not self._take(seq, token) or not stood:
+                break
+            accepted += 1
+            row += 1
+        # The positions of the pending token and the drafts that stood before the last token
+        # taken (which, as after any step, is fed next).
+        self.cache.slot(seq.slot).trim(base + row + 1)
+        seq.drafting.policy.verified(len(drafts), accepted, seconds)
+        return len(drafts), accepted
+
     def _select(self, rows: list[str | None]) -> None:
         """Name each row's variant for the next forward (a store without variants needs nothing)."""
         select = getattr(self.model.store, "select", None)
@@ -401,7 +470,11 @@ class BatchRunner:
     def _accept(self, seq: ActiveSequence, logits: torch.Tensor) -> None:
         """Sample the next token from logits [V]; the sequence's state decides whether it goes on."""
         seq.pending = None
-        token = seq.state.sample(logits)
+        self._take(seq, seq.state.sample(logits))
+
+    def _take(self, seq: ActiveSequence, token: int) -> bool:
+        """Record `seq`'s next token and emit its text; False when the sequence ended with it."""
+        seq.pending = None
         self._sampled += 1
         if seq.job.first_token_at is None:
             seq.job.first_token_at = time.monotonic()
@@ -413,8 +486,11 @@ class BatchRunner:
         if reason is not None:
             seq.job.finish(reason, len(seq.token_ids))
             self._release(seq)
-        else:
-            seq.pending = token
+            return False
+        seq.pending = token
+        if seq.drafting is not None:
+            seq.drafting.lookup.extend([token])
+        return True
 
     def _flush(self, seq: ActiveSequence) -> None:
         """Emit text still held back: an incomplete character, a possible stop-string prefix."""

@@ -47,12 +47,14 @@ class Job:
         loop: asyncio.AbstractEventLoop,
         on_end: Callable[["Job"], None] | None = None,
         variant: str | None = None,
+        draft=None,
     ):
         """`params`: SamplingParams. `deadline`: time.monotonic() value, or None for none.
         `on_end` runs once, in whichever thread ends the job (metrics). `variant`: the LoRA
-        variant it is generated with (None: the base)."""
+        variant it is generated with (None: the base). `draft`: its DraftSettings (None: off)."""
         self.number = next(self._ids)
         self.variant = variant
+        self.draft = draft
         self.prompt_ids = prompt_ids
         self.params = params
         self.deadline = deadline

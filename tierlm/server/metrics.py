@@ -53,6 +53,10 @@ class Metrics:
         self.batch_size = Histogram("tierlm_batch_size", "Sequences per decode step", buckets=BATCH_BUCKETS,
                                     registry=r)
         self.restarts = Counter("tierlm_worker_restarts", "Worker restarts by the watchdog", registry=r)
+        self.drafted_tokens = Counter("tierlm_draft_tokens", "Tokens drafted and verified (speculative decoding)",
+                                      registry=r)  # fmt: skip
+        self.accepted_tokens = Counter("tierlm_draft_accepted_tokens", "Drafted tokens that verification kept",
+                                       registry=r)  # fmt: skip
         r.register(_LiveCollector(live))
 
     def ended(self, job: Job) -> None:
@@ -76,6 +80,8 @@ class Metrics:
 
     def step(self, report: StepReport) -> None:
         self.generated_tokens.inc(report.sampled)
+        self.drafted_tokens.inc(report.drafted)
+        self.accepted_tokens.inc(report.accepted)
         if report.batch:
             self.batch_size.observe(report.batch)
             if report.decode_s > 0:

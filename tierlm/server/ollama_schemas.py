@@ -17,6 +17,8 @@ as on the OpenAI routes; not Ollama's built-in defaults):
   stop          stop strings (at most STOP_STRINGS_MAX)
   repeat_penalty, repeat_last_n  the sampler's repetition penalty, over the last repeat_last_n
                 tokens of prompt and reply (0: off, -1: all of them, as in Ollama)
+  draft, draft_tokens  tierlm's: speculative decoding for this request ("off" or "ngram"; the
+                most tokens drafted a pass), whatever `serve --draft` says
 """
 
 from __future__ import annotations
@@ -26,7 +28,8 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from tierlm.server.schemas import SEED_RANGE, ApiError, Sampling
+from tierlm.runtime.speculative import MAX_DRAFT_TOKENS
+from tierlm.server.schemas import SEED_RANGE, ApiError, Sampling, draft_kind
 
 STOP_STRINGS_MAX = 16  # Ollama sets no limit; a model's own stops rarely number more than a few
 RANDOM_SEED = -1  # Ollama's default seed: a new random seed per request
@@ -54,7 +57,7 @@ _NO_EFFECT_OPTIONS = frozenset({"numa", "num_batch", "num_gpu", "main_gpu", "low
                                 "use_mlock", "num_thread", "num_keep", "mirostat_tau", "mirostat_eta",
                                 "penalize_newline"})
 _SAMPLING_OPTIONS = frozenset({"temperature", "top_p", "top_k", "min_p", "seed", "num_predict", "num_ctx", "stop",
-                               "repeat_penalty", "repeat_last_n"})
+                               "repeat_penalty", "repeat_last_n", "draft", "draft_tokens"})
 
 # Top-level fields accepted only at these values (None = absent).
 _NEUTRAL_FIELDS: dict[str, tuple[Any, ...]] = {
@@ -283,7 +286,8 @@ def _options(options: Any) -> OllamaOptions:
     num_ctx = _integer(options, "num_ctx", 1)
     sampling = Sampling(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, repetition_penalty=penalty,
                         repeat_last_n=window, seed=None if seed == RANDOM_SEED else seed,
-                        stop=_stop(options.get("stop")))
+                        stop=_stop(options.get("stop")), draft=draft_kind(options.get("draft"), "options.draft"),
+                        draft_tokens=_integer(options, "draft_tokens", 1, MAX_DRAFT_TOKENS))
     return OllamaOptions(sampling, num_predict=None if predict in UNLIMITED_PREDICT else predict, num_ctx=num_ctx)
 
 

@@ -7,6 +7,7 @@ from pathlib import Path
 
 from tierlm.cache.catalog import model_name
 from tierlm.errors import TierlmError
+from tierlm.runtime.speculative import DraftSettings
 
 
 @dataclass(frozen=True)
@@ -34,6 +35,8 @@ class ServerOptions:
     adapter_dir: Path | None = None  # POST /v1/adapters loads adapters only under it (or cached ones by name)
     # Disk for idle conversations' KV rows past the host RAM the plan leaves (kv/spill.py); 0: none.
     kv_spill_disk: int = 2 << 30
+    # How requests draft tokens unless they say (`draft`, `draft_tokens`): serve --draft, --draft-tokens.
+    draft: DraftSettings = DraftSettings()
 
     def __post_init__(self):
         if self.batch_size is not None and self.batch_size < 1:

@@ -10,7 +10,9 @@ lacks (tools, logprobs, penalties, ...) are accepted at their neutral value and 
 otherwise; a few informational ones (`user`, `metadata`, ...) are ignored; anything else is
 refused as unrecognized, as OpenAI does. Extensions: `timeout` (seconds, the request's
 deadline), `top_k`, `min_p` (as vLLM and llama-server take it), `repetition_penalty`,
-`repeat_last_n` (llama-server's: the tokens the penalty looks back over; 0 = off, -1 = all).
+`repeat_last_n` (llama-server's: the tokens the penalty looks back over; 0 = off, -1 = all),
+`draft` ("off" or "ngram": speculative decoding for this request, whatever `serve --draft` says)
+and `draft_tokens` (the most tokens it drafts a pass).
 Sampling fields a request omits are None here and take the model's defaults (the server's
 GenerationDefaults: runtime/model_defaults.py, or `serve`'s flags).
 
@@ -27,6 +29,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from tierlm.lora.spec import NAME_RULE, VARIANT_NAME
+from tierlm.runtime.speculative import DRAFT_KINDS, MAX_DRAFT_TOKENS
 
 STOP_STRINGS_MAX = 4  # as OpenAI allows
 SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.Generator.manual_seed accepts
@@ -74,6 +77,8 @@ class Sampling:
     repeat_last_n: int | None = None
     seed: int | None = None  # None: a random seed
     stop: tuple[str, ...] = ()
+    draft: str | None = None  # speculative decoding: "off" or "ngram" (None: the server's, serve --draft)
+    draft_tokens: int | None = None  # most tokens drafted a pass (None: the server's)
 
 
 @dataclass(frozen=True)
@@ -124,7 +129,7 @@ _COMPLETION_NEUTRAL: dict[str, tuple[Any, ...]] = {
 _IGNORED = frozenset({"user", "metadata", "store", "service_tier", "parallel_tool_calls",
                       "prompt_cache_key", "safety_identifier"})
 _SAMPLING = frozenset({"model", "stream", "stream_options", "temperature", "top_p", "top_k", "min_p",
-                       "seed", "stop", "repetition_penalty", "repeat_last_n", "timeout"})
+                       "seed", "stop", "repetition_penalty", "repeat_last_n", "timeout", "draft", "draft_tokens"})
 _CHAT_KEYS = _SAMPLING | {"messages", "max_tokens", "max_completion_tokens"}
 _COMPLETION_KEYS = _SAMPLING | {"prompt", "max_tokens"}
 _ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
@@ -270,6 +275,8 @@ def _generation(body: dict, *, messages, prompt, max_tokens, max_tokens_param, d
             repeat_last_n=_opt_int(body, "repeat_last_n", -1),
             seed=_opt_int(body, "seed", SEED_RANGE[0], SEED_RANGE[1]),
             stop=_stop(body.get("stop")),
+            draft=draft_kind(body.get("draft"), "draft"),
+            draft_tokens=_opt_int(body, "draft_tokens", 1, MAX_DRAFT_TOKENS),
         ),
         timeout=timeout,
     )
@@ -416,6 +423,14 @@ def _stop(value: Any) -> tuple[str, ...]:
 
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def draft_kind(value: Any, param: str) -> str | None:
+    """A request's `draft`: one of DRAFT_KINDS, or None when not sent."""
+    if value is None or value in DRAFT_KINDS:
+        return value
+    raise ApiError(400, f"{param} must be one of {', '.join(map(repr, DRAFT_KINDS))} (ngram: speculative decoding "
+                        "with drafts from the conversation's own tokens)", param=param, code="invalid_value")
 
 
 def _opt_int(body: Mapping, key: str, low: int, high: int | None = None) -> int | None:

@@ -3,7 +3,8 @@
 Speed (the latest decode step and prefill chunk, and the planner's prediction), memory measured
 against the budget the plan was made for, where the blocks were placed, the KV cache (with the
 tokens each slot holds), the prefix reuse of ended requests (prompt tokens, those reused from a
-slot, their ratio), context shifting (serve --context-shift) and the requests in flight. Read
+slot, their ratio), context shifting (serve --context-shift), speculative decoding (serve --draft:
+tokens drafted and accepted) and the requests in flight. Read
 when asked; the counts are the metrics' (metrics.py).
 """
 
@@ -47,9 +48,19 @@ def server_stats(state) -> dict:
             "requests": int(_sample(state.metrics, "tierlm_context_shifted_requests_total")),
             "dropped_messages": int(_sample(state.metrics, "tierlm_context_shift_dropped_messages_total")),
         },
+        "speculation": _speculation(state),
         "requests": {"active": worker.active, "queued": worker.queue_depth, "slots": state.slots,
                      "parallel": sequences_at_once(state.slots, state.options.parallel)},
     }
+
+
+def _speculation(state) -> dict:
+    """Speculative decoding: the server's default source and the tokens drafted and kept so far."""
+    drafted = int(_sample(state.metrics, "tierlm_draft_tokens_total"))
+    accepted = int(_sample(state.metrics, "tierlm_draft_accepted_tokens_total"))
+    draft = state.options.draft
+    return {"draft": draft.kind, "draft_tokens": draft.tokens, "drafted": drafted, "accepted": accepted,
+            "acceptance": accepted / drafted if drafted else None}
 
 
 def _sample(metrics, name: str) -> float:
