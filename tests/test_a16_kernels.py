@@ -1,8 +1,8 @@
-"""The integer paths: decode rows (quant/csrc/gemv_a16.h: up to four activation rows quantized to
-int16 per 32 columns and multiplied with the weights' codes in integers, for Q8_0, int8-g32 (with
-and without offsets), Q5_0 and Q5_1, and on AVX2 int4 in groups of 32 and IQ4_NL/IQ4_XS; the
-K-quants' rows (Q4_K, Q5_K, Q6_K) quantize them to int8 per 256 columns as llama.cpp does, gemv_a8.h;
-more rows and the other kinds keep the fp32 tiles) and the prefill GEMM (quant/csrc/gemm_a16.h:
+"""The integer paths: decode rows (quant/csrc/gemv_a16.h: up to 16 activation rows, four at a time,
+quantized to int16 per 32 columns and multiplied with the weights' codes in integers, each row's
+result the one it gets alone, for Q8_0, int8-g32 (with and without offsets), Q5_0 and Q5_1, and on
+AVX2 int4 in groups of 32 and IQ4_NL/IQ4_XS; the K-quants' rows (Q4_K, Q5_K, Q6_K) quantize them to
+int8 per 256 columns as llama.cpp does, gemv_a8.h; more rows and the other kinds keep the fp32 tiles) and the prefill GEMM (quant/csrc/gemm_a16.h:
 every stored kind, any number of rows), on the default build (-march=native) and the AVX2 build;
 the portable build has neither.
 
@@ -114,9 +114,12 @@ def test_decode_rows_multiply_quantized_activations_exactly(native_builds, kind)
     quantize, bound = activation_model(kind)
     for native in native_builds:
         integer = native.isa >= 256 and kind in INTEGER_KINDS or native.isa == 256 and kind in AVX2_INTEGER_KINDS
-        for rows in range(1, 7):
+        for rows in (1, 2, 3, 4, 5, 6, 9, 16, 17):
             x = outlier_activations(rows, rows, dense.shape[1])
             got = matmul(native, x, bias).double()
+            if integer and rows <= 16:  # four rows at a time: each row's result is the one it gets alone
+                alone = torch.cat([matmul(native, x[i : i + 1], bias) for i in range(rows)]).double()
+                assert torch.equal(got, alone), (native.name, rows)
             exact = x.double() @ dense.double().T + bias.double()
             codes = (dense - offsets).double()
             if kind in INT8_BLOCK_KINDS:  # offsets from the int8 codes' sums too, as llama.cpp's
@@ -129,7 +132,7 @@ def test_decode_rows_multiply_quantized_activations_exactly(native_builds, kind)
             # The offsets' share is summed in fp32 from x's group sums, whose terms can be larger.
             integer_error = INTEGER * (size + float((x.double().abs() @ offsets.abs().double().T).max()))
             assert float((quantized - exact).abs().max()) > 10 * integer_error  # the paths are told apart
-            if integer and rows <= 4:
+            if integer and rows <= 16:
                 assert float((got - quantized).abs().max()) <= integer_error, (native.name, rows)
                 assert bool(((got - exact).abs() <= bound(x, rounded) + FLOAT * size).all()), (native.name, rows)
             else:

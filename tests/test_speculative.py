@@ -58,33 +58,44 @@ def test_prompt_lookup_drafts_what_followed_the_latest_earlier_occurrence():
     assert PromptLookup([1, 2, 3]).draft(4) == []  # the tail's own occurrence is not an earlier one
 
 
-def test_the_policy_halves_and_pauses_drafts_that_do_not_pay_and_grows_ones_that_do():
+def test_the_policy_drafts_the_length_that_pays_most_at_the_measured_costs():
+    # A resident CPU: up to four tokens a pass cost about a step, nine cost three.
     policy = DraftPolicy(8)
     assert policy.allowed() == 0  # a plain step is timed first
     policy.plain_step(0.010)
-    assert policy.allowed() == 8
-    policy.verified(8, 0, 0.030)  # one token in three steps' time
-    assert policy.allowed() == 4
-    policy.verified(4, 0, 0.030)
-    policy.verified(2, 0, 0.030)
-    assert policy.allowed() == 1
-    policy.verified(1, 0, 0.030)  # below one token a pass: paused
-    assert policy.allowed() == 0
-    for _ in range(DraftPolicy.PAUSE_STEPS[0]):
+    assert policy.allowed() == 8  # nothing measured longer: as cheap as a step, the full length
+    policy.verified(8, 2, 0.030)
+    assert policy.cost(4) == pytest.approx(0.020)  # between the step and the pass measured
+    policy.verified(3, 3, 0.011)
+    assert policy.allowed() == 3  # 3 drafts at about a step beat 8 at three steps
+    # Read from disk, every pass costs one read of the weights: the longest drafts pay most.
+    streamed = DraftPolicy(8)
+    streamed.plain_step(0.100)
+    streamed.verified(8, 2, 0.104)
+    streamed.verified(3, 1, 0.101)
+    assert streamed.allowed() >= 6  # long drafts (the last few tokens add little at a = 0.5)
+
+
+def test_the_policy_pauses_drafts_that_do_not_pay_for_twice_as_long_each_time():
+    policy = DraftPolicy(4)
+    policy.plain_step(0.010)
+    for _ in range(6):  # drafts that never stand, at a step's cost and more
+        policy.verified(policy.allowed() or 1, 0, 0.012)
+        if policy.allowed() == 0:
+            break
+    assert policy.allowed() == 0 and policy.acceptance < 0.2
+    first = policy.paused
+    for _ in range(first):
+        assert policy.allowed() == 0
         policy.plain_step(0.010)
-    assert policy.allowed() == 8  # the probe after the pause drafts the full length again
-    policy.verified(8, 0, 0.030)
-    policy.verified(4, 0, 0.030)
-    policy.verified(2, 0, 0.030)
-    policy.verified(1, 0, 0.030)
-    for _ in range(DraftPolicy.PAUSE_STEPS[0]):
+    assert policy.allowed() > 0  # the probe after the pause
+    policy.verified(policy.allowed(), 0, 0.012)
+    assert policy.paused == 2 * first
+    for _ in range(2 * first):
         policy.plain_step(0.010)
-    assert policy.allowed() == 0  # the second pause is twice as long
-    for _ in range(DraftPolicy.PAUSE_STEPS[0]):
-        policy.plain_step(0.010)
-    assert policy.allowed() == 8
-    policy.verified(8, 8, 0.012)  # nine tokens for 1.2 steps: full drafts stay
-    assert policy.allowed() == 8
+    policy.verified(policy.allowed(), policy.allowed(), 0.011)  # every draft stood: no pause
+    policy.verified(policy.allowed(), policy.allowed(), 0.011)
+    assert policy.paused == 0 and policy.allowed() > 0
 
 
 class ScriptedDrafts(PromptLookup):

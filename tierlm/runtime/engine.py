@@ -108,6 +108,9 @@ class Engine:
         lookup = PromptLookup(prompt) if draft.enabled else None
         policy = DraftPolicy(draft.tokens) if draft.enabled else None
         verifying: _Verification | None = None  # the pass whose rows the next tokens come from
+        # When the step or pass that produced the current token(s) began: the policy is told what
+        # each one cost, sampling and the caller's own time between tokens included.
+        round_started: float | None = None
         while True:
             text, reason = state.accept(token)
             stats.new_tokens = len(state.token_ids)
@@ -124,24 +127,24 @@ class Engine:
                 yield text
             if lookup is not None:
                 lookup.extend([token])
+            if verifying is not None and verifying.standing:  # the next row scores the next draft
+                token = verifying.next_token(state)
+                continue
+            now = time.perf_counter()
             if verifying is not None:
-                if verifying.standing:  # the draft stood: the next row scores the next one
-                    token = verifying.next_token(state)
-                    continue
                 self._keep(verifying.kept)
-                policy.verified(len(verifying.drafts), verifying.accepted, verifying.seconds)
+                policy.verified(len(verifying.drafts), verifying.accepted, now - round_started)
                 stats.accepted += verifying.accepted
                 verifying = None
+            elif policy is not None and round_started is not None:
+                policy.plain_step(now - round_started)
+            round_started = now
             drafts = self._drafts(lookup, policy, state) if lookup is not None else []
-            step_started = time.perf_counter()
             if not drafts:
                 token = state.sample(self._step([token]))
-                if policy is not None:
-                    policy.plain_step(time.perf_counter() - step_started)
                 continue
             base = len(self.cached_ids)
-            rows = self._verify([token, *drafts])
-            verifying = _Verification(rows, drafts, base, time.perf_counter() - step_started)
+            verifying = _Verification(self._verify([token, *drafts]), drafts, base)
             stats.drafted += len(drafts)
             stats.verify_passes += 1
             token = verifying.next_token(state)
@@ -195,8 +198,8 @@ class _Verification:
     """One verification pass in progress: its logits rows, the drafts they check, and how far the
     sequence has come through them. Row i scores the token after the pending one and drafts[:i]."""
 
-    def __init__(self, rows: torch.Tensor, drafts: list[int], base: int, seconds: float):
-        self.rows, self.drafts, self.base, self.seconds = rows, drafts, base, seconds
+    def __init__(self, rows: torch.Tensor, drafts: list[int], base: int):
+        self.rows, self.drafts, self.base = rows, drafts, base
         self.row = -1  # the row the last token came from
         self.standing = False  # whether that token was the row's draft, accepted
 

@@ -8,9 +8,9 @@ for up to k + 1 tokens); each drafted token is then accepted or replaced by the 
 Drafts come from prompt lookup (`PromptLookup`): the tokens that followed the most recent earlier
 occurrence of the sequence's last n tokens — free, and strong where replies quote their prompt
 (summaries, extraction, code edits, RAG answers). `DraftPolicy` keeps speculation from costing
-more than it gains: it times verification passes against plain steps, shrinks the draft length
-when too little is accepted, and pauses drafting (for twice as long each time) when even one
-token a pass does not pay.
+more than it gains: it times passes of each length against plain steps, drafts the length that
+promises the most tokens a second at the acceptance seen, and pauses drafting (for twice as long
+each time) when no length beats plain decoding.
 """
 
 from __future__ import annotations
@@ -79,51 +79,82 @@ class PromptLookup:
 
 
 class DraftPolicy:
-    """How many tokens to draft next: adapts to the measured worth of verification passes.
+    """How many tokens to draft next, from what passes have cost and yielded.
 
-    A pass that yields `a + 1` tokens in `t_v` seconds beats plain decoding when
-    (a + 1) / t_v > 1 / t_s, t_s being a plain step's time (both smoothed). While it does, the
-    draft length grows back to the limit; when it does not, it halves, and below one token
-    drafting pauses for a number of steps that doubles at each pause (probing again after it).
+    A pass of k drafts yields E(k) = 1 + a + ... + a^k tokens on average, a being the share of
+    drafted positions that stood (smoothed over recent passes), and costs c(k) seconds: measured
+    per length and smoothed, interpolated between the lengths measured and taken as flat past the
+    longest (c(0) is a plain step). On a CPU a pass of up to four tokens costs about a step and
+    one of nine about three; read from disk, every length costs one pass over the weights. The
+    next pass drafts the k maximizing E(k) / c(k). When no k beats a plain step by MARGIN,
+    drafting pauses for a number of steps that doubles at each pause, then probes again.
     """
 
-    SMOOTHING = 0.3
+    SMOOTHING = 0.3  # weight of the newest time of a length
+    DECAY = 0.8  # weight of older passes in the acceptance counts
+    MARGIN = 1.05  # speculation must promise this much more than plain decoding
     PAUSE_STEPS = (8, 512)  # the first pause and the longest
+    PRIOR = (1.0, 2.0)  # stood, verified: the acceptance before any pass (a = 0.5)
 
     def __init__(self, limit: int):
         self.limit = limit
-        self.length = limit
-        self.step_s: float | None = None  # a plain step's smoothed time
-        self.worth: float | None = None   # smoothed (tokens a pass) * step_s / pass time
+        self.costs: dict[int, float] = {}  # drafts in a pass -> its smoothed seconds (0: a plain step)
+        self.stood, self.verified_positions = self.PRIOR
         self.paused = 0
         self.pause_steps = self.PAUSE_STEPS[0]
 
+    @property
+    def acceptance(self) -> float:
+        return self.stood / self.verified_positions
+
     def allowed(self) -> int:
-        """Tokens the next pass may draft (0: take a plain step). A plain step is measured first."""
-        if self.step_s is None or self.paused > 0:
+        """Tokens the next pass may draft (0: take a plain step). A plain step is timed first."""
+        if 0 not in self.costs or self.paused > 0:
             return 0
-        return self.length
+        return self.best()[0]
+
+    def best(self) -> tuple[int, float]:
+        """(k, expected tokens per second) of the best draft length."""
+        return max(((k, self.expected(k) / self.cost(k)) for k in range(1, self.limit + 1)), key=lambda kv: kv[1])
+
+    def expected(self, k: int) -> float:
+        a = min(self.acceptance, 1.0)
+        return k + 1.0 if a >= 1.0 else (1.0 - a ** (k + 1)) / (1.0 - a)
+
+    def cost(self, k: int) -> float:
+        if k in self.costs:
+            return self.costs[k]
+        below = max(length for length in self.costs if length < k)
+        above = [length for length in self.costs if length > k]
+        if not above:
+            return self.costs[below]
+        up = min(above)
+        share = (k - below) / (up - below)
+        return self.costs[below] + share * (self.costs[up] - self.costs[below])
 
     def plain_step(self, seconds: float) -> None:
-        self.step_s = seconds if self.step_s is None else _smooth(self.step_s, seconds, self.SMOOTHING)
+        self._time(0, seconds)
         self.paused = max(0, self.paused - 1)
 
     def verified(self, drafted: int, accepted: int, seconds: float) -> None:
-        """A pass of `drafted` tokens of which `accepted` held, in `seconds`."""
-        if self.step_s is None or seconds <= 0:
+        """A pass of `drafted` tokens of which `accepted` stood took `seconds`, its tokens' sampling
+        included."""
+        if drafted < 1 or 0 not in self.costs:
             return
-        worth = (accepted + 1) * self.step_s / seconds
-        self.worth = worth if self.worth is None else _smooth(self.worth, worth, self.SMOOTHING)
-        if accepted == drafted and self.worth >= 1.0:
-            self.length = min(self.limit, self.length * 2)
+        self._time(drafted, seconds)
+        checked = accepted + (1 if accepted < drafted else 0)  # the positions verification decided
+        self.stood = self.DECAY * self.stood + accepted
+        self.verified_positions = self.DECAY * self.verified_positions + checked
+        if self.best()[1] * self.costs[0] < self.MARGIN:
+            self.paused = self.pause_steps
+            self.pause_steps = min(self.PAUSE_STEPS[1], self.pause_steps * 2)
+        else:
             self.pause_steps = self.PAUSE_STEPS[0]
-        elif self.worth < 1.0:
-            if self.length > 1:
-                self.length = max(1, self.length // 2)
-            else:
-                self.paused = self.pause_steps
-                self.pause_steps = min(self.PAUSE_STEPS[1], self.pause_steps * 2)
-                self.length, self.worth = self.limit, None  # the probe after a pause starts afresh
+
+    def _time(self, drafted: int, seconds: float) -> None:
+        if seconds > 0:
+            old = self.costs.get(drafted)
+            self.costs[drafted] = seconds if old is None else _smooth(old, seconds, self.SMOOTHING)
 
 
 def _smooth(old: float, new: float, weight: float) -> float:

@@ -444,7 +444,6 @@ class BatchRunner:
         self._select([seq.variant])
         started = time.perf_counter()
         rows = self.model.forward(ids, self.cache.slot(seq.slot), logits="all")[0]
-        seconds = time.perf_counter() - started
         row = accepted = 0
         while True:
             if row < len(drafts):
@@ -458,7 +457,7 @@ class BatchRunner:
         # The positions of the pending token and the drafts that stood before the last token
         # taken (which, as after any step, is fed next).
         self.cache.slot(seq.slot).trim(base + row + 1)
-        seq.drafting.policy.verified(len(drafts), accepted, seconds)
+        seq.drafting.policy.verified(len(drafts), accepted, time.perf_counter() - started)
         return len(drafts), accepted
 
     def _select(self, rows: list[str | None]) -> None:

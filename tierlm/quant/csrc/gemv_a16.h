@@ -33,14 +33,21 @@ struct Activations16 {
   std::vector<int16_t> codes;
   std::vector<float> scales;
   Blocks8 blocks8;
+  // More than kA16MaxRows rows: each kA16MaxRows of them quantized as their own (codes etc. empty).
+  std::vector<Activations16> parts;
   int64_t cols = 0;
   bool usable = false;  // false: the fp32 tiles run instead
 };
 
-// Activation rows up to which the integer path runs: decode steps and small batches, where each
-// weight is used by few rows and unpacking it is the cost; a prompt's rows keep the fp32 tiles
-// (and their fp32-exact logits), whose widened weights serve every row.
+// Activation rows the integer kernels multiply at once (their accumulators fill the registers).
 constexpr int64_t kA16MaxRows = 4;
+// Activation rows up to which the integer path runs, kA16MaxRows at a time over each tile of
+// kA16TileRows weight rows (read from DRAM once, then from L1/L2): decode steps, small batches and
+// speculative verification passes (9 rows cost 4x a step in the fp32 tiles, 1.3x here). Each row's
+// result is the one it gets alone, so a verified position's logits are a decode step's. A longer
+// prompt chunk's rows keep the fp32 tiles, whose widened weights serve every row.
+constexpr int64_t kA16PartRows = 16;
+constexpr int64_t kA16TileRows = 16;
 
 // Whether W's kind has an integer path in this build.
 inline bool has_a16_path(const Weight& W) {
@@ -240,6 +247,17 @@ inline void a16_rows(const Weight& W, const Activations16& a, const float* xs, i
 inline void gemv_a16(const Weight& W, const Activations16& a, const float* xs, int64_t M, int64_t n0, int64_t n1,
                      float* y, int64_t ldy, bool accumulate) {
 #if TIERLM_ISA >= 256
+  if (!a.parts.empty()) {  // kA16MaxRows rows at a time over each tile of weight rows
+    const int64_t H = W.groups();
+    for (int64_t t0 = n0; t0 < n1; t0 += kA16TileRows) {
+      const int64_t t1 = std::min(n1, t0 + kA16TileRows);
+      for (size_t p = 0; p < a.parts.size(); ++p) {
+        const int64_t m0 = static_cast<int64_t>(p) * kA16MaxRows, rows = std::min(kA16MaxRows, M - m0);
+        gemv_a16(W, a.parts[p], xs ? xs + m0 * H : nullptr, rows, t0, t1, y + m0 * ldy + (t0 - n0), ldy, accumulate);
+      }
+    }
+    return;
+  }
   switch (M) {  // M <= kA16MaxRows (quantize16)
     case 1: return a16_rows<1>(W, a, xs, n0, n1, y, ldy, accumulate);
     case 2: return a16_rows<2>(W, a, xs, n0, n1, y, ldy, accumulate);
@@ -251,12 +269,21 @@ inline void gemv_a16(const Weight& W, const Activations16& a, const float* xs, i
 #endif
 }
 
-// x [M, K] quantized for W's integer path: unusable when W has none here, M > kA16MaxRows, or x
+// x [M, K] quantized for W's integer path: unusable when W has none here, M > kA16PartRows, or x
 // holds a value the int16 codes cannot carry (NaN, inf), which the fp32 tiles carry to the outputs.
 inline Activations16 quantize16(const Weight& W, const float* x, int64_t ldx, int64_t M) {
   Activations16 a;
 #if TIERLM_ISA >= 256
-  if (!has_a16_path(W) || M > kA16MaxRows) return a;
+  if (!has_a16_path(W) || M > kA16PartRows) return a;
+  if (M > kA16MaxRows) {
+    for (int64_t m0 = 0; m0 < M; m0 += kA16MaxRows) {
+      a.parts.push_back(quantize16(W, x + m0 * ldx, ldx, std::min(kA16MaxRows, M - m0)));
+      if (!a.parts.back().usable) return Activations16{};
+    }
+    a.cols = W.cols;
+    a.usable = true;
+    return a;
+  }
   const int64_t K = W.cols, G = K / 32;
   a.cols = K;
   if (W.kind == kInt6K || W.kind == kInt4K || W.kind == kInt5K) {
