@@ -314,3 +314,80 @@ def test_draft_settings_refuse_what_the_flags_refuse():
     with pytest.raises(TierlmError, match="from 1 to 64"):
         DraftSettings("ngram", True)
     assert not DraftSettings().enabled and DraftSettings("ngram").enabled
+
+
+def test_the_server_verifies_each_drafting_jobs_drafts_beside_the_shared_step(tmp_path, monkeypatch):
+    """Four greedy jobs through one runner, three drafting (their drafts the engine's reply, every
+    third pass wrong), one plain: every reply is the engine's alone, drafts stood and fell, and each
+    slot ends holding the positions its sequence kept."""
+    import tierlm.server.batch as batch_module
+    from tests.test_server_batch import ImmediateLoop, drain, reference
+    from tierlm.server.batch import BatchRunner
+    from tierlm.server.jobs import Job
+
+    make_model(tmp_path)
+    loaded = load_model(tmp_path, device="cpu", dtype=torch.float32, context_length=128)
+    tokenizer = Tokenizer.from_dir(tmp_path)
+    engine = Engine(loaded, tokenizer)
+    texts = ["the quick brown fox " * 3, "hello world, how are you? hello world", "lazy dog lazy dog", "jumps over"]
+    settings = [SamplingParams(temperature=0, max_new_tokens=n, ignore_eos=True) for n in (30, 24, 28, 20)]
+    settings[1] = SamplingParams(temperature=0, repetition_penalty=1.3, max_new_tokens=24, stop=("ow",))
+    prompts = [tokenizer.encode_chat([{"role": "user", "content": t}]) for t in texts]
+    expected = [reference(engine, p, s) for p, s in zip(prompts, settings)]
+    replies = {tuple(p): p + ids for p, (ids, _, _) in zip(prompts, expected)}
+    monkeypatch.setattr(batch_module, "PromptLookup", lambda tokens: ScriptedDrafts(replies[tuple(tokens)], tokens))
+    runner = BatchRunner(loaded, tokenizer, contexts=2, parallel=4, slots=4)
+    drafts = [NGRAM, NGRAM, NGRAM, None]
+    jobs = [Job(p, s, deadline=None, loop=ImmediateLoop(), draft=d) for p, s, d in zip(prompts, settings, drafts)]
+    sequences = {job: runner.admit(job) for job in jobs}
+    drafted = accepted = 0
+    while runner.active:
+        report = runner.step()
+        drafted, accepted = drafted + report.drafted, accepted + report.accepted
+    for job, (ids, text, reason) in zip(jobs, expected):
+        assert sequences[job].token_ids == ids
+        assert drain(job) == (text, reason)
+    assert 0 < accepted < drafted
+    for job, seq in sequences.items():  # the prompt and every token but the last, nothing drafted past it
+        assert runner.cache.lengths[seq.slot] == len(job.prompt_ids) + len(seq.token_ids) - 1
+    assert runner.cache.pool.used <= runner.cache.pool.size
+
+
+def test_requests_turn_drafts_on_and_off_and_bad_values_get_a_400(tmp_path):
+    import httpx
+
+    from tests.tiny import write_profile
+    from tierlm.profile import load_profile
+    from tierlm.runtime.session import open_session
+    from tierlm.server.options import ServerOptions
+    from tierlm.server.run import BackgroundServer
+
+    make_model(tmp_path / "tiny-chat")
+    profile = load_profile(str(write_profile(tmp_path / "serve.toml", context_length=256, batch_size=2)))
+    session = open_session(str(tmp_path / "tiny-chat"), profile, device="cpu", dtype="fp32")
+    content = "the quick brown fox jumps over the lazy dog. " * 3
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": content}], "max_tokens": 40, "temperature": 0}
+    ollama = {"model": "tiny", "messages": chat["messages"], "stream": False,
+              "options": {"temperature": 0, "num_predict": 40}}  # fmt: skip
+    try:
+        with BackgroundServer(session, ServerOptions(aliases=("tiny",), draft=DraftSettings("ngram", 4))) as server:
+            with httpx.Client(base_url=server.url, timeout=60) as client:
+                default = client.post("/v1/chat/completions", json=chat).json()["choices"][0]["message"]["content"]
+                off = client.post("/v1/chat/completions", json={**chat, "draft": "off"}).json()
+                assert off["choices"][0]["message"]["content"] == default
+                more = client.post("/v1/chat/completions", json={**chat, "draft_tokens": 16}).json()
+                assert more["choices"][0]["message"]["content"] == default
+                stats = client.get("/stats").json()["speculation"]
+                assert stats["draft"] == "ngram" and stats["draft_tokens"] == 4
+                assert stats["drafted"] >= stats["accepted"] >= 0
+                metrics = client.get("/metrics").text
+                assert "tierlm_draft_tokens_total" in metrics and "tierlm_draft_accepted_tokens_total" in metrics
+                reply = client.post("/api/chat", json={**ollama, "options": {**ollama["options"], "draft": "off"}})
+                assert reply.status_code == 200 and reply.json()["message"]["content"] == default
+                for field, value in (("draft", "turbo"), ("draft", 3), ("draft_tokens", 0), ("draft_tokens", 65)):
+                    bad = client.post("/v1/chat/completions", json={**chat, field: value})
+                    assert bad.status_code == 400 and bad.json()["error"]["param"] == field, (field, value)
+                    bad = client.post("/api/chat", json={**ollama, "options": {**ollama["options"], field: value}})
+                    assert bad.status_code == 400 and field in bad.text, (field, value)
+    finally:
+        session.close()
