@@ -24,6 +24,23 @@ NGRAM = DraftSettings("ngram", 6)
 CASES = {**DECODE_CASES, **MOE_CASES}
 
 
+class EveryPass(DraftPolicy):
+    """Drafts the full length at every step: what the tests check must not hang on timings (the
+    policy's own choices are tested with stated costs below)."""
+
+    def allowed(self) -> int:
+        return self.limit
+
+
+@pytest.fixture(autouse=True)
+def drafts_every_step(monkeypatch):
+    import tierlm.runtime.engine as engine_module
+    import tierlm.server.batch as batch_module
+
+    monkeypatch.setattr(engine_module, "DraftPolicy", EveryPass)
+    monkeypatch.setattr(batch_module, "DraftPolicy", EveryPass)
+
+
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     made = checkpoint_maker(tmp_path_factory, CASES)

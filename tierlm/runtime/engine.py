@@ -71,6 +71,7 @@ class Engine:
         self.cache = cache if cache is not None else loaded.new_cache()
         self.cached_ids: list[int] = []
         self.draft = draft or DraftSettings()
+        self.pass_costs: dict[int, float] = {}  # what verification passes cost here (DraftPolicy)
 
     @property
     def context_length(self) -> int:
@@ -106,7 +107,7 @@ class Engine:
         stats.ttft_s = time.perf_counter() - started
         decode_started = time.perf_counter()
         lookup = PromptLookup(prompt) if draft.enabled else None
-        policy = DraftPolicy(draft.tokens) if draft.enabled else None
+        policy = DraftPolicy(draft.tokens, self.pass_costs) if draft.enabled else None
         verifying: _Verification | None = None  # the pass whose rows the next tokens come from
         # When the step or pass that produced the current token(s) began: the policy is told what
         # each one cost, sampling and the caller's own time between tokens included.

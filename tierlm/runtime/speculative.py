@@ -96,9 +96,11 @@ class DraftPolicy:
     PAUSE_STEPS = (8, 512)  # the first pause and the longest
     PRIOR = (1.0, 2.0)  # stood, verified: the acceptance before any pass (a = 0.5)
 
-    def __init__(self, limit: int):
+    def __init__(self, limit: int, costs: dict[int, float] | None = None):
+        """`costs`: drafts in a pass -> its smoothed seconds (0: a plain step), shared by the
+        sequences of one model (a property of the machine, where acceptance is the text's)."""
         self.limit = limit
-        self.costs: dict[int, float] = {}  # drafts in a pass -> its smoothed seconds (0: a plain step)
+        self.costs = {} if costs is None else costs
         self.stood, self.verified_positions = self.PRIOR
         self.paused = 0
         self.pause_steps = self.PAUSE_STEPS[0]

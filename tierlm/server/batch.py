@@ -138,6 +138,7 @@ class BatchRunner:
         self._admissions = 0
         self._starved = False  # a prefill waits for pages: admit nothing more until it runs
         self.counts = PageCounts()
+        self.pass_costs: dict[int, float] = {}  # what verification passes cost here (DraftPolicy)
         # A pipeline's other stages keep twins of each slot that only ever compute their rows.
         self._copies_rows = getattr(loaded, "pipeline", None) is None
         self.spill = SpillStore(spill_bytes, spill_disk) if self._copies_rows else SpillStore(0)
@@ -316,7 +317,9 @@ class BatchRunner:
         state = SequenceState(job.prompt_ids, params, self.tokenizer, self.context_length,
                               sampler=Sampler(params), stops=StopMatcher(params.stop))
         draft = job.draft
-        drafting = Drafting(PromptLookup(job.prompt_ids), DraftPolicy(draft.tokens)) if draft and draft.enabled else None
+        drafting = None
+        if draft is not None and draft.enabled:
+            drafting = Drafting(PromptLookup(job.prompt_ids), DraftPolicy(draft.tokens, self.pass_costs))
         return ActiveSequence(job, slot, state, drafting=drafting)
 
     def _contained(self, seq: ActiveSequence, work: Callable, *args):
