@@ -1,8 +1,9 @@
-"""The integer paths: decode rows (quant/csrc/gemv_a16.h: up to 16 activation rows, four at a time,
-quantized to int16 per 32 columns and multiplied with the weights' codes in integers, each row's
-result the one it gets alone, for Q8_0, int8-g32 (with and without offsets), Q5_0 and Q5_1, and on
-AVX2 int4 in groups of 32 and IQ4_NL/IQ4_XS; the K-quants' rows (Q4_K, Q5_K, Q6_K) quantize them to
-int8 per 256 columns as llama.cpp does, gemv_a8.h; more rows and the other kinds keep the fp32 tiles) and the prefill GEMM (quant/csrc/gemm_a16.h:
+"""The integer paths: decode rows (quant/csrc/gemv_a16.h: up to four activation rows, or 16 four at a
+time where the caller asks (decode batches, verification passes), quantized to int16 per 32 columns
+and multiplied with the weights' codes in integers, for Q8_0, int8-g32 (with and without offsets),
+Q5_0 and Q5_1, and on AVX2 int4 in groups of 32 and IQ4_NL/IQ4_XS; the K-quants' rows (Q4_K, Q5_K,
+Q6_K) quantize them to int8 per 256 columns as llama.cpp does, gemv_a8.h; more rows and the other
+kinds keep the fp32 tiles) and the prefill GEMM (quant/csrc/gemm_a16.h:
 every stored kind, any number of rows), on the default build (-march=native) and the AVX2 build;
 the portable build has neither.
 
@@ -114,12 +115,9 @@ def test_decode_rows_multiply_quantized_activations_exactly(native_builds, kind)
     quantize, bound = activation_model(kind)
     for native in native_builds:
         integer = native.isa >= 256 and kind in INTEGER_KINDS or native.isa == 256 and kind in AVX2_INTEGER_KINDS
-        for rows in (1, 2, 3, 4, 5, 6, 9, 16, 17):
+        for rows in range(1, 7):
             x = outlier_activations(rows, rows, dense.shape[1])
             got = matmul(native, x, bias).double()
-            if integer and rows <= 16:  # four rows at a time: each row's result is the one it gets alone
-                alone = torch.cat([matmul(native, x[i : i + 1], bias) for i in range(rows)]).double()
-                assert torch.equal(got, alone), (native.name, rows)
             exact = x.double() @ dense.double().T + bias.double()
             codes = (dense - offsets).double()
             if kind in INT8_BLOCK_KINDS:  # offsets from the int8 codes' sums too, as llama.cpp's
@@ -132,11 +130,45 @@ def test_decode_rows_multiply_quantized_activations_exactly(native_builds, kind)
             # The offsets' share is summed in fp32 from x's group sums, whose terms can be larger.
             integer_error = INTEGER * (size + float((x.double().abs() @ offsets.abs().double().T).max()))
             assert float((quantized - exact).abs().max()) > 10 * integer_error  # the paths are told apart
-            if integer and rows <= 16:
+            if integer and rows <= 4:
                 assert float((got - quantized).abs().max()) <= integer_error, (native.name, rows)
                 assert bool(((got - exact).abs() <= bound(x, rounded) + FLOAT * size).all()), (native.name, rows)
             else:
                 assert float((got - exact).abs().max()) <= FLOAT * size, (native.name, rows)
+
+
+@pytest.mark.parametrize("kind", ["Q8_0", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL"])
+def test_rows_asked_for_as_decode_steps_each_get_what_they_get_alone(native_builds, kind):
+    """Decode batches and verification passes ask for up to 16 rows on the integer kernels
+    (tierlm_weight_matmul_rows, as the fused step's `integer_rows` does): four at a time over each
+    tile of weight rows, each row's result bit for bit its own alone, within the int16 activations'
+    rounding of the fp32 tiles' product; past 16 rows, and when not asked, the fp32 tiles run."""
+    from tierlm.quant import native as native_module
+
+    weight = read_own_layout(kind, random_blocks(kind, 37, 768, np.random.default_rng(4), spread=0.05))
+    keep: list = []
+    words = (native_module.ctypes.c_int64 * 9)(*native_module.describe_weight(weight, None, tuple(weight.shape), keep))
+    for native in native_builds:
+        integer = native.isa >= 256 and (kind != "IQ4_NL" or native.isa == 256)
+
+        def product(x: torch.Tensor, rows: int) -> torch.Tensor:
+            y = torch.empty(x.shape[0], 37)
+            assert native.lib.tierlm_weight_matmul_rows(x.data_ptr(), x.shape[0], words, y.data_ptr(), 2, rows) == 0
+            return y
+
+        for rows in (5, 9, 16, 17):
+            x = outlier_activations(rows, rows, 768)
+            tiles = product(x, 4).double()
+            got = product(x, 16).double()
+            if rows > 16 or not integer:
+                assert torch.equal(got, tiles), (native.name, rows)
+                continue
+            alone = torch.cat([product(x[i : i + 1], 16) for i in range(rows)]).double()
+            assert torch.equal(got, alone), (native.name, rows)
+            size = float((x.double().abs() @ weight.dequantize().double().abs().T).max())
+            # The K-quants' rows take x as int8 per 256 columns (llama.cpp's rounding), the rest int16 per 32.
+            rounding = 2e-2 if kind in ("Q4_K", "Q5_K", "Q6_K") else 1e-4
+            assert 0 < float((got - tiles).abs().max()) <= rounding * size, (native.name, rows)
 
 
 @pytest.mark.parametrize("kind", ["Q8_0", "Q5_0", "Q6_K"])

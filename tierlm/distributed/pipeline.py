@@ -67,10 +67,11 @@ class PipelineModel:
         lines += [report["describe"] for report in self.reports]
         return lines
 
-    def forward(self, ids: torch.Tensor, cache, logits: str = "last") -> torch.Tensor:
-        """ids [B, T] through every stage; logits [B, T or 1, V] (fp32) as a whole model gives them."""
+    def forward(self, ids: torch.Tensor, cache, logits: str = "last", *, as_steps: bool = False) -> torch.Tensor:
+        """ids [B, T] through every stage; logits [B, T or 1, V] (fp32) as a whole model gives them.
+        `as_steps` reaches this process's stage (the others compute a chunk as a prefill)."""
         step = self._header(cache, ids.shape[0], ids.shape[1], logits == "all")
-        hidden = self.stage.forward(ids, cache, logits)
+        hidden = self.stage.forward(ids, cache, logits, as_steps=as_steps)
         sends = self._send(step, hidden)
         out = self._recv_logits(step)
         self.link.wait(sends, 1)

@@ -66,7 +66,8 @@ class LayerArgs(ctypes.Structure):
                 ("batch", _c_i64), ("hidden", _c_i64), ("n_q", _c_i64), ("n_kv", _c_i64),
                 ("head_dim", _c_i64), ("inter", _c_i64), ("rotary_dim", _c_i64), ("max_len", _c_i64),
                 ("window", _c_i64), ("table_width", _c_i64), ("eps", ctypes.c_float), ("interleaved", _c_i32),
-                ("threads", _c_i32), ("kv_type", _c_i32), ("page_shift", _c_i32), ("sequence", _c_i32)]  # fmt: skip
+                ("threads", _c_i32), ("kv_type", _c_i32), ("page_shift", _c_i32), ("sequence", _c_i32),
+                ("integer_rows", _c_i32)]  # fmt: skip
 
 
 @functools.lru_cache(maxsize=None)
@@ -81,10 +82,17 @@ def native_library():
     return kernel.lib
 
 
-def step_for(model, cache, x: torch.Tensor) -> FusedStep | None:
+# Activation rows up to which the products take the integer decode kernels (csrc/gemv_a16.h):
+# in decode batches and verification passes, each row computed as it is alone (a verified
+# position's logits are a decode step's), up to 16; a prompt chunk's rows past 4 keep the fp32 tiles.
+INTEGER_ROWS_AS_STEPS, INTEGER_ROWS = 16, 4
+
+
+def step_for(model, cache, x: torch.Tensor, as_steps: bool = False) -> FusedStep | None:
     """The fused step for this forward call (x: ids [B, 1] or a later stage's hidden states
     [B, 1, H]; or a prefill chunk of one sequence, [1, T] / [1, T, H]), or None when the eager
-    path must run."""
+    path must run. `as_steps`: the chunk's positions are computed as decode steps compute them
+    (a verification pass)."""
     if model.device.type != "cpu" or model.dtype != torch.float32 or not fused_decode_enabled():
         return None
     rows = _rows_for(cache, x)
@@ -107,7 +115,7 @@ def step_for(model, cache, x: torch.Tensor) -> FusedStep | None:
     lib = native_library()
     if lib is None:
         return None
-    return FusedStep(lib, model, rows)
+    return FusedStep(lib, model, rows, as_steps)
 
 
 def _rows_for(cache, x: torch.Tensor):
@@ -143,7 +151,7 @@ def _row_bytes(rows) -> int:
 class FusedStep:
     """One decode step's per-layer native calls; the step-wide arguments are filled once."""
 
-    def __init__(self, lib, model, rows):
+    def __init__(self, lib, model, rows, as_steps: bool = False):
         cfg, rotary = model.config, model.rotary
         keys, slots, positions = rows.keys, rows.slots, rows.positions
         self._lib = lib
@@ -165,6 +173,7 @@ class FusedStep:
             a.page_shift = rows.page_tokens.bit_length() - 1
         # A prefill chunk: one slot (or page table) and a position per token.
         a.batch, a.hidden, a.sequence = len(positions), cfg.hidden_size, int(len(positions) > len(slots))
+        a.integer_rows = INTEGER_ROWS if a.sequence and not as_steps else INTEGER_ROWS_AS_STEPS
         a.n_q, a.n_kv, a.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         a.inter, a.rotary_dim, a.max_len = cfg.intermediate_size, rotary.rotary_dim, keys.shape[3]
         if rows.page_tables is not None:  # one head's region: every page's positions

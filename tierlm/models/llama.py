@@ -48,7 +48,7 @@ class LlamaModel(LlamaFamily):
 
     @torch.inference_mode()
     def forward(
-        self, x: torch.Tensor, cache, logits: Literal["last", "all"] = "last"
+        self, x: torch.Tensor, cache, logits: Literal["last", "all"] = "last", *, as_steps: bool = False
     ) -> torch.Tensor:
         """Run this model's stage at the cache's next positions and advance the cache by T.
 
@@ -59,7 +59,8 @@ class LlamaModel(LlamaFamily):
         `cache` (kv/cache.py, holding this stage's layers only) supplies the positions (as cos/sin)
         and the mask and writes the new keys/values. A `KVCache` or `PagedView` puts T tokens after
         its offset; a `PagedBatch` (kv/paged.py) puts one token per slot at that slot's own length,
-        and each row gets what it would get alone.
+        and each row gets what it would get alone. `as_steps` (speculative verification): a chunk's
+        positions are computed as decode steps compute them, where the fused CPU step runs.
         """
         rows, length = x.shape[0], x.shape[1]
         if self.graphs is not None and length == 1:
@@ -67,7 +68,7 @@ class LlamaModel(LlamaFamily):
             if graphed is not None:
                 return graphed
         # A decode step runs each layer as one native call where it can (models/fused_decode.py).
-        fused = fused_decode.step_for(self, cache, x)
+        fused = fused_decode.step_for(self, cache, x, as_steps)
         eager = None if fused else self.eager_inputs(cache, length)  # raises if tokens do not fit
         self.store.note_forward(rows * length)
         x = self.stage_input(x, in_place=fused is not None)

@@ -119,6 +119,8 @@ class NativeKernel:
         lib.tierlm_iq4_dequant.restype = ctypes.c_int
         lib.tierlm_weight_matmul.argtypes = [ptr, i64, ptr, ptr, ctypes.c_int]
         lib.tierlm_weight_matmul.restype = ctypes.c_int
+        lib.tierlm_weight_matmul_rows.argtypes = [ptr, i64, ptr, ptr, ctypes.c_int, i64]
+        lib.tierlm_weight_matmul_rows.restype = ctypes.c_int
         lib.tierlm_weight_gemm.argtypes = [ptr, i64, ptr, ptr, ctypes.c_int]
         lib.tierlm_weight_gemm.restype = ctypes.c_int
         lib.tierlm_weight_dequant.argtypes = [ptr, ptr, ctypes.c_int]

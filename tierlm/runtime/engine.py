@@ -175,7 +175,7 @@ class Engine:
     def _verify(self, ids: list[int]) -> torch.Tensor:
         """Logits [T, V] of every one of `ids` (a pending token and its drafts), in one forward."""
         batch = torch.tensor([ids], dtype=torch.long, device=self.loaded.device)
-        logits = self.model.forward(batch, self.cache, logits="all")
+        logits = self.model.forward(batch, self.cache, logits="all", as_steps=True)
         self.cached_ids.extend(ids)
         return logits[0]
 

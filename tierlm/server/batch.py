@@ -446,7 +446,7 @@ class BatchRunner:
         ids = torch.tensor([[seq.pending, *drafts]], dtype=torch.long, device=self.loaded.device)
         self._select([seq.variant])
         started = time.perf_counter()
-        rows = self.model.forward(ids, self.cache.slot(seq.slot), logits="all")[0]
+        rows = self.model.forward(ids, self.cache.slot(seq.slot), logits="all", as_steps=True)[0]
         row = accepted = 0
         while True:
             if row < len(drafts):

@@ -55,6 +55,9 @@ struct LayerArgs {
   int32_t kv_type;     // tl::KVType
   int32_t page_shift;  // 0: the slot layout; else log2 of a page's positions
   int32_t sequence;    // 1: the rows are positions of row 0's sequence (its slot, its page table)
+  // Rows up to which the products take the integer decode kernels, each row computed as alone
+  // (gemv_a16.h kA16PartRows at most): decode batches and verification passes; a prompt's 4.
+  int32_t integer_rows;
 };
 
 // out = x * rsqrt(mean(x^2) + eps) * w over n values (torch's F.rms_norm order).
@@ -201,7 +204,7 @@ inline void norm_rows(const float* x, int64_t B, int64_t n, const float* w, floa
 // y[M, ldy] (+)= x[M, W.cols] @ W.T (+ bias): the integer GEMM for a prefill chunk's rows, the
 // decode kernels for fewer rows, for weights without a GEMM path and for x it cannot carry.
 inline void rows_product(const Weight& W, const float* x, int64_t M, float* y, int64_t ldy, bool accumulate,
-                         int threads) {
+                         int threads, int64_t integer_rows) {
   if (M > kGemmMinRows && has_gemm_a16_path(W)) {
     if (!accumulate && gemm_a16(W, x, M, y, ldy, threads)) return;
     if (accumulate) {
@@ -214,7 +217,7 @@ inline void rows_product(const Weight& W, const float* x, int64_t M, float* y, i
     }
   }
   const std::vector<float> xs = group_sums(W, x, W.cols, M);
-  gemv(W, x, W.cols, M, xs.data(), y, ldy, accumulate, threads);
+  gemv(W, x, W.cols, M, xs.data(), y, ldy, accumulate, threads, integer_rows);
 }
 
 // x += attention(RMSNorm(x)) @ Wo.T + bo for rows that are consecutive positions of one
@@ -227,7 +230,7 @@ inline void prefill_attention(const LayerArgs& a, float* x) {
   const int threads = a.threads;
   std::vector<float> h(T * H), qkv(T * width), attn(T * Q);
   norm_rows(x, T, H, a.attn_norm, a.eps, h.data(), threads);
-  rows_product(a.qkv, h.data(), T, qkv.data(), width, false, threads);
+  rows_product(a.qkv, h.data(), T, qkv.data(), width, false, threads, a.integer_rows);
   std::vector<StoredRows> keys(nkv), values(nkv);
   for (int64_t kvh = 0; kvh < nkv; ++kvh) head_rows(a, a.slots[0], 0, kvh, keys[kvh], values[kvh]);
   parallel_for(T, 1, threads, [&](int64_t t0, int64_t t1) {
@@ -258,7 +261,7 @@ inline void prefill_attention(const LayerArgs& a, float* x) {
                    a.window, attn.data() + t0 * Q + head, Q);
     }
   });
-  rows_product(a.o, attn.data(), T, x, H, true, threads);
+  rows_product(a.o, attn.data(), T, x, H, true, threads, a.integer_rows);
 }
 
 // x += attention(RMSNorm(x)) @ Wo.T + bo: the layer's first half (all of a mixture-of-experts
@@ -272,7 +275,7 @@ inline void decode_attention(const LayerArgs& a, float* x) {
 
   for (int64_t b = 0; b < B; ++b) rms_norm(x + b * H, H, a.attn_norm, a.eps, h.data() + b * H);
   std::vector<float> xs = group_sums(a.qkv, h.data(), H, B);
-  gemv(a.qkv, h.data(), H, B, xs.data(), qkv.data(), Nqkv, false, threads);
+  gemv(a.qkv, h.data(), H, B, xs.data(), qkv.data(), Nqkv, false, threads, a.integer_rows);
 
   parallel_for(B * a.n_q, 1, threads, [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) {
@@ -282,7 +285,7 @@ inline void decode_attention(const LayerArgs& a, float* x) {
   });
 
   xs = group_sums(a.o, attn.data(), Q, B);
-  gemv(a.o, attn.data(), Q, B, xs.data(), x, H, true, threads);
+  gemv(a.o, attn.data(), Q, B, xs.data(), x, H, true, threads, a.integer_rows);
 }
 
 inline void decode_layer(const LayerArgs& a, float* x) {
@@ -295,14 +298,14 @@ inline void decode_layer(const LayerArgs& a, float* x) {
     // Gate and up as one product (a stack's runs each by its own kernel; a chunk's rows by the
     // GEMM), then SiLU.
     std::vector<float> both(B * 2 * I);
-    rows_product(a.w13, h.data(), B, both.data(), 2 * I, false, threads);
+    rows_product(a.w13, h.data(), B, both.data(), 2 * I, false, threads, a.integer_rows);
     parallel_for(B, 16, threads, [&](int64_t b0, int64_t b1) {
       for (int64_t b = b0; b < b1; ++b) silu_times(both.data() + b * 2 * I, both.data() + b * 2 * I + I, I, gate.data() + b * I);
     });
   } else {
     std::vector<float> up(B * I);
     const std::vector<float> xs = group_sums(a.w13, h.data(), H, B);
-    const Activations16 h16 = quantize16(a.w13, h.data(), H, B);
+    const Activations16 h16 = quantize16(a.w13, h.data(), H, B, a.integer_rows);
     const int64_t R = rows_per_tile(B), tiles = (I + R - 1) / R;
     parallel_for(tiles, tile_grain(tiles, threads), threads, [&](int64_t t0, int64_t t1) {
       const int64_t i0 = t0 * R, i1 = std::min(I, t1 * R);
@@ -312,7 +315,7 @@ inline void decode_layer(const LayerArgs& a, float* x) {
     });
   }
 
-  rows_product(a.w2, gate.data(), B, x, H, true, threads);
+  rows_product(a.w2, gate.data(), B, x, H, true, threads, a.integer_rows);
 }
 
 }  // namespace tl

@@ -520,21 +520,22 @@ inline int64_t tile_grain(int64_t tiles, int threads) {
   return std::max<int64_t>(1, tiles / (2 * std::max(threads, 1)));
 }
 
-// y[M, ldy] (+)= x @ W.T over all of W's rows, in parallel over tiles of rows.
+// y[M, ldy] (+)= x @ W.T over all of W's rows, in parallel over tiles of rows; up to
+// `integer_rows` rows (gemv_a16.h kA16PartRows at most) take the integer decode kernels.
 inline void gemv(const Weight& W, const float* x, int64_t ldx, int64_t M, const float* xs,
-                 float* y, int64_t ldy, bool accumulate, int threads) {
+                 float* y, int64_t ldy, bool accumulate, int threads, int64_t integer_rows = kA16MaxRows) {
   if (W.kind == kStack) {  // each run of rows by its own kernel into its columns of y (xs unused)
     int64_t row = 0;
     for (int64_t i = 0; i < W.group; ++i) {
       Weight run = W.runs()[i];
       run.bias = W.bias ? W.bias + row : nullptr;
       const std::vector<float> sums = group_sums(run, x, ldx, M);
-      gemv(run, x, ldx, M, sums.data(), y + row, ldy, accumulate, threads);
+      gemv(run, x, ldx, M, sums.data(), y + row, ldy, accumulate, threads, integer_rows);
       row += run.rows;
     }
     return;
   }
-  const Activations16 a = quantize16(W, x, ldx, M);
+  const Activations16 a = quantize16(W, x, ldx, M, integer_rows);
   const int64_t R = rows_per_tile(M), N = W.rows, tiles = (N + R - 1) / R;
   parallel_for(tiles, tile_grain(tiles, threads), threads, [&](int64_t t0, int64_t t1) {
     const int64_t n0 = t0 * R, n1 = std::min(N, t1 * R);

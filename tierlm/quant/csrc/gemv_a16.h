@@ -41,11 +41,12 @@ struct Activations16 {
 
 // Activation rows the integer kernels multiply at once (their accumulators fill the registers).
 constexpr int64_t kA16MaxRows = 4;
-// Activation rows up to which the integer path runs, kA16MaxRows at a time over each tile of
-// kA16TileRows weight rows (read from DRAM once, then from L1/L2): decode steps, small batches and
-// speculative verification passes (9 rows cost 4x a step in the fp32 tiles, 1.3x here). Each row's
-// result is the one it gets alone, so a verified position's logits are a decode step's. A longer
-// prompt chunk's rows keep the fp32 tiles, whose widened weights serve every row.
+// Activation rows up to which a caller may ask for the integer path (quantize16's `max_rows`),
+// kA16MaxRows at a time over each tile of kA16TileRows weight rows (read from DRAM once, then from
+// L1/L2): the fused step asks for it for decode batches and speculative verification passes (9
+// rows cost 3x a step here, 4x in the fp32 tiles), where each row's result is the one it gets
+// alone, so a verified position's logits are a decode step's. Other callers keep kA16MaxRows: a
+// prompt's rows keep the fp32 tiles (and their fp32-exact logits), whose widened weights serve every row.
 constexpr int64_t kA16PartRows = 16;
 constexpr int64_t kA16TileRows = 16;
 
@@ -269,12 +270,14 @@ inline void gemv_a16(const Weight& W, const Activations16& a, const float* xs, i
 #endif
 }
 
-// x [M, K] quantized for W's integer path: unusable when W has none here, M > kA16PartRows, or x
-// holds a value the int16 codes cannot carry (NaN, inf), which the fp32 tiles carry to the outputs.
-inline Activations16 quantize16(const Weight& W, const float* x, int64_t ldx, int64_t M) {
+// x [M, K] quantized for W's integer path: unusable when W has none here, M > max_rows (at most
+// kA16PartRows), or x holds a value the int16 codes cannot carry (NaN, inf), which the fp32 tiles
+// carry to the outputs.
+inline Activations16 quantize16(const Weight& W, const float* x, int64_t ldx, int64_t M,
+                                int64_t max_rows = kA16MaxRows) {
   Activations16 a;
 #if TIERLM_ISA >= 256
-  if (!has_a16_path(W) || M > kA16PartRows) return a;
+  if (!has_a16_path(W) || M > std::min(max_rows, kA16PartRows)) return a;
   if (M > kA16MaxRows) {
     for (int64_t m0 = 0; m0 < M; m0 += kA16MaxRows) {
       a.parts.push_back(quantize16(W, x + m0 * ldx, ldx, std::min(kA16MaxRows, M - m0)));
@@ -298,7 +301,7 @@ inline Activations16 quantize16(const Weight& W, const float* x, int64_t ldx, in
         return Activations16{};
   a.usable = true;
 #else
-  (void)W, (void)x, (void)ldx, (void)M;
+  (void)W, (void)x, (void)ldx, (void)M, (void)max_rows;
 #endif
   return a;
 }

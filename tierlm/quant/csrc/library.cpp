@@ -262,11 +262,21 @@ static tl::Weight weight_from_words(const int64_t* words) {
 
 // y[M, rows] = x[M, cols] @ W.T (+ bias) for the weight of `words`, any kind the kernels
 // implement. Returns -1 (nothing written) for a combination they do not.
+int tierlm_weight_matmul_rows(const float* x, int64_t M, const int64_t* words, float* y, int threads,
+                              int64_t integer_rows);
 int tierlm_weight_matmul(const float* x, int64_t M, const int64_t* words, float* y, int threads) {
+  return tierlm_weight_matmul_rows(x, M, words, y, threads, tl::kA16MaxRows);
+}
+
+// As tierlm_weight_matmul, with up to `integer_rows` rows (gemv_a16.h kA16PartRows at most) on
+// the integer decode kernels, each row computed as alone (what the fused step asks for in decode
+// batches and verification passes).
+int tierlm_weight_matmul_rows(const float* x, int64_t M, const int64_t* words, float* y, int threads,
+                              int64_t integer_rows) {
   const tl::Weight W = weight_from_words(words);
   if (!W.supported() || W.cols <= 0) return -1;
   const std::vector<float> xs = tl::group_sums(W, x, W.cols, M);
-  tl::gemv(W, x, W.cols, M, xs.data(), y, W.rows, false, threads);
+  tl::gemv(W, x, W.cols, M, xs.data(), y, W.rows, false, threads, integer_rows);
   return 0;
 }
 
