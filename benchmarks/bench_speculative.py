@@ -26,9 +26,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_offload import (  # noqa: E402
-    budget_for_resident_share, budget_profile, evict_from_page_cache, memory_cgroup, peak_rss, remove_cgroup,
-)
+from bench_offload import budget_for_resident_share, budget_profile, capped_side, peak_rss, side  # noqa: E402
 
 SOURCE = (
     "The Apollo 11 mission launched on July 16, 1969, from Kennedy Space Center in Florida. Neil Armstrong, "
@@ -110,32 +108,6 @@ def run_side(artifact: str, model_dir: str, profile: str, tokens: int, rounds: i
     return {"rows": rows, "peak_rss": peak_rss(), "budget": budget}
 
 
-def side(argv: list[str], cgroup: Path | None = None) -> dict:
-    """This file's `--side argv` in a fresh process (joined to `cgroup` before Python starts)."""
-    import subprocess
-
-    command = [sys.executable, __file__, "--side", *argv]
-    if cgroup is not None:
-        command = ["sh", "-c", f'echo $$ > {cgroup}/cgroup.procs && exec "$@"', "sh", *command]
-    out = subprocess.run(command, capture_output=True, text=True, timeout=3600)
-    if out.returncode:
-        return {"error": out.stderr.strip().splitlines()[-1] if out.stderr.strip() else f"exit {out.returncode}"}
-    return json.loads(out.stdout.strip().splitlines()[-1])
-
-
-def capped_side(argv: list[str], limit: int, artifact: Path) -> tuple[dict, bool]:
-    """`side(argv)` in a memory cgroup capped at `limit`, the artifact evicted from the page cache
-    first; (its result, whether the cap was enforced)."""
-    group = memory_cgroup(limit)
-    if group is None:
-        return side(argv), False
-    evict_from_page_cache(artifact / "weights.bin")
-    try:
-        return side(argv, cgroup=group), True
-    finally:
-        remove_cgroup(group)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=2)
@@ -158,9 +130,10 @@ def main() -> None:
         budget = budget_for_resident_share(artifact, folder, 0.4)
         common = ["--tokens", str(args.tokens), "--rounds", str(args.rounds)]
         resident = budget_profile(folder, "resident", 16 << 30)
-        placements = {"resident": side([str(artifact), str(model_dir), str(resident), *common])}
+        placements = {"resident": side([str(artifact), str(model_dir), str(resident), *common], script=__file__)}
         capped = budget_profile(folder, "capped", budget)
-        streamed, enforced = capped_side([str(artifact), str(model_dir), str(capped), *common], budget, artifact)
+        streamed, enforced = capped_side([str(artifact), str(model_dir), str(capped), *common], budget, artifact,
+                                         script=__file__)  # fmt: skip
         placements["streamed (40 % resident" + (", cgroup-capped, cold cache)" if enforced else ", no cgroup)")] = streamed
     print(f"CPU: {cpu_name()}; 2 threads; load average before {load[0]:.2f}, after {os.getloadavg()[0]:.2f}")
     print(f"{args.tokens} greedy tokens a prompt, {args.rounds} rounds, plain and ngram interleaved; median tok/s\n")

@@ -170,15 +170,21 @@ def test_drafts_are_accepted_and_rejected_and_int8_output_is_unchanged(checkpoin
     assert 0 < stats.accepted < stats.drafted
 
 
+def both_replies(plain_engine: Engine, drafted_engine: Engine, prompt: list[int], params: SamplingParams):
+    """(the plain engine's whole reply, the drafting engine's) to `prompt`."""
+    plain = plain_engine.generate(prompt, params)
+    plain.text()
+    drafted = drafted_engine.generate(prompt, params, draft=NGRAM)
+    drafted.text()
+    return plain, drafted
+
+
 def test_the_cache_after_rejected_drafts_holds_what_a_never_speculated_run_holds(checkpoint):
     folder = checkpoint("llama-gqa")
     prompt_engine, drafted_engine = engine_for(folder), engine_for(folder)
     prompt = looping_prompt(prompt_engine)
     greedy = SamplingParams(temperature=0, max_new_tokens=40, ignore_eos=True)
-    plain = prompt_engine.generate(prompt, greedy)
-    plain.text()
-    drafted = drafted_engine.generate(prompt, greedy, draft=NGRAM)
-    drafted.text()
+    plain, drafted = both_replies(prompt_engine, drafted_engine, prompt, greedy)
     assert drafted.stats.accepted < drafted.stats.drafted  # some positions were rolled back
     assert drafted_engine.cached_ids == prompt_engine.cached_ids == prompt + plain.token_ids[:-1]
     a, b = prompt_engine.cache, drafted_engine.cache
@@ -199,10 +205,7 @@ def test_a_stop_inside_a_verified_run_ends_there_with_the_cache_rolled_back(chec
     plain_engine, drafted_engine = engine_for(folder, "int8"), engine_for(folder, "int8")
     prompt = looping_prompt(plain_engine)
     free = SamplingParams(temperature=0, max_new_tokens=64, ignore_eos=True)
-    reference = plain_engine.generate(prompt, free)
-    reference.text()
-    drafted_run = drafted_engine.generate(prompt, free, draft=NGRAM)
-    drafted_run.text()
+    reference, _ = both_replies(plain_engine, drafted_engine, prompt, free)
     # Stop on a token the drafted run accepted late in the reply: limit the reply just after it.
     limit = len(reference.token_ids) - 3
     plain_engine.reset()
