@@ -95,8 +95,8 @@ def test_q8_0_cache_replies_to_the_quick_start_as_the_f32_cache_does(load, embed
     ran_fused = []  # per one-token step, whether it ran fused: the test must take the path it names
     original = fused_decode.step_for
 
-    def spy(model, cache, x):
-        step = original(model, cache, x)
+    def spy(model, cache, x, *args, **kwargs):
+        step = original(model, cache, x, *args, **kwargs)
         if x.shape[1] == 1:
             ran_fused.append(step is not None)
         return step
