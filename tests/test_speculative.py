@@ -318,7 +318,7 @@ def contingency_p(rows: list[list[int]]) -> float:
     (["--draft-tokens", "0"], "--draft-tokens must be an integer from 1 to 64, not 0"),
     (["--draft-tokens", "-1"], "--draft-tokens must be an integer from 1 to 64, not -1"),
     (["--draft-tokens", "1000"], "--draft-tokens must be an integer from 1 to 64, not 1000"),
-    (["--draft", "some-other-model"], "draft models are not supported yet"),
+    (["--draft", "ngram", "--draft-tokens", "65"], "--draft-tokens must be an integer from 1 to 64, not 65"),
 ])  # fmt: skip
 def test_bad_draft_flags_get_one_line_before_anything_loads(flags, message):
     result = run_tierlm("generate", "hello", "--model", "no-such-model-anywhere", *flags)
@@ -331,6 +331,9 @@ def test_bad_draft_flags_get_one_line_before_anything_loads(flags, message):
 def test_draft_settings_refuse_what_the_flags_refuse():
     with pytest.raises(TierlmError, match="not a draft source"):
         DraftSettings("auto-ish")
+    assert DraftSettings.parse("auto", None).kind == "auto" and DraftSettings.parse(None, 3).kind == "off"
+    named = DraftSettings.parse("smollm2-q4_k_m", 4)
+    assert named.uses_model and named.model == "smollm2-q4_k_m" and named.tokens == 4
     with pytest.raises(TierlmError, match="from 1 to 64"):
         DraftSettings("ngram", True)
     assert not DraftSettings().enabled and DraftSettings("ngram").enabled

@@ -12,7 +12,7 @@ import typer
 from tierlm.config import MODEL_SAMPLING_FIELDS, GenerationDefaults  # light: json and dataclasses only
 from tierlm.errors import TierlmError
 from tierlm.quant.modes import mode_choices  # light: no torch
-from tierlm.runtime.speculative import DEFAULT_DRAFT_TOKENS, DRAFT_KINDS, DraftSettings  # light: no torch
+from tierlm.runtime.speculative import DEFAULT_DRAFT_TOKENS, DraftSettings  # light: no torch
 
 if TYPE_CHECKING:
     from tierlm.runtime.sampling import SamplingParams  # torch: imported where a command needs it
@@ -53,9 +53,10 @@ KVCacheOpt = typer.Option(
 )
 DraftOpt = typer.Option(
     None, "--draft", metavar="SOURCE", show_default=False,
-    help=f"Speculative decoding: draft tokens and verify them in one pass over the weights, with output "
-    f"unchanged. {' or '.join(DRAFT_KINDS)}: ngram drafts from the conversation's own tokens, strongest where "
-    "replies quote the prompt (default: off)",
+    help="Speculative decoding: draft tokens and verify them in one pass over the weights, with output "
+    "unchanged. ngram drafts from the conversation's own tokens, strongest where replies quote the prompt; "
+    "auto: ngram today; a model's name or path drafts with that smaller model of the same tokenizer, held "
+    "beside the model within the profile (default: off)",
 )
 DraftTokensOpt = typer.Option(
     None, "--draft-tokens", metavar="K", show_default=False,
@@ -176,8 +177,7 @@ class RunFlags(_Flags):
     @property
     def drafts(self) -> DraftSettings:
         """--draft and --draft-tokens as the engine takes them."""
-        tokens = DEFAULT_DRAFT_TOKENS if self.draft_tokens is None else self.draft_tokens
-        return DraftSettings(self.draft or "off", tokens)
+        return DraftSettings.parse(self.draft, self.draft_tokens)
 
 
 def _open(model, run: RunFlags, *, variants: bool = False, batch_size=None, stage_timeout=None,
@@ -198,10 +198,13 @@ def _open(model, run: RunFlags, *, variants: bool = False, batch_size=None, stag
     if named and len(profiles) > 1:
         raise TierlmError("LoRA variants are not served over pipeline stages",
                           "merge the adapter into the base with --lora DIR, or drop --stages")  # fmt: skip
+    if run.drafts.uses_model and len(profiles) > 1:
+        raise TierlmError("a draft model runs in one process, not over pipeline stages",
+                          "draft with --draft ngram, or drop --stages")  # fmt: skip
     where = dict(device=run.device, quant=run.quant, threads=run.threads)
     session = open_session(
         model, profiles[0], dtype=run.dtype, loras=merged, variants=named, progress=progress_factory(), **where,
-        **_stage_load(profiles, stage_timeout=stage_timeout, **where),
+        **_stage_load(profiles, stage_timeout=stage_timeout, **where), draft=run.drafts if engine_drafts else None,
     )
     if engine_drafts and run.drafts.enabled:  # only then: the engine's first use allocates its KV cache
         session.engine.draft = run.drafts
@@ -737,6 +740,9 @@ def serve(
     if _pipeline_worker(run.device):
         return
     # Checked before the model loads: a bad flag is told at once.
+    if run.drafts.uses_model:
+        raise TierlmError("serve drafts from each conversation's own tokens; a draft model is for chat, generate "
+                          "and bench", "use serve --draft ngram (or auto)")  # fmt: skip
     options = ServerOptions(
         model_id=model_name,
         aliases=tuple(alias or ()),

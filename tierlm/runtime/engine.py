@@ -17,7 +17,7 @@ import torch
 from tierlm.errors import TierlmError
 from tierlm.runtime.sampling import SamplingParams
 from tierlm.runtime.sequence import PREFILL_CHUNK, SequenceState
-from tierlm.runtime.speculative import DraftPolicy, DraftSettings, PromptLookup
+from tierlm.runtime.speculative import DraftPolicy, DraftSettings, PromptLookup, Verification, draft_limit
 
 
 @dataclass
@@ -63,14 +63,16 @@ class Generation:
 class Engine:
     """Owns a model's KV cache and runs one sequence at a time through it."""
 
-    def __init__(self, loaded, tokenizer, cache=None, draft: DraftSettings | None = None):
-        """`draft`: how sequences draft tokens unless `generate` says otherwise (default: off)."""
+    def __init__(self, loaded, tokenizer, cache=None, draft: DraftSettings | None = None, draft_model=None):
+        """`draft`: how sequences draft tokens unless `generate` says otherwise (default: off);
+        `draft_model`: the loaded DraftModel (runtime/draft_model.py) drafts of kind "model" use."""
         self.loaded = loaded
         self.model = loaded.model
         self.tokenizer = tokenizer
         self.cache = cache if cache is not None else loaded.new_cache()
         self.cached_ids: list[int] = []
         self.draft = draft or DraftSettings()
+        self.draft_model = draft_model
         self.pass_costs: dict[int, float] = {}  # what verification passes cost here (DraftPolicy)
 
     @property
@@ -92,9 +94,13 @@ class Engine:
                 f"{self.context_length}",
                 "shorten the prompt, or raise --context (up to the model's maximum)",
             )
+        draft = draft or self.draft
+        if draft.uses_model and self.draft_model is None:
+            raise TierlmError(f"the draft model {draft.model} is not loaded beside this model",
+                              "open the model with --draft MODEL, or draft with ngram")  # fmt: skip
         state = SequenceState(prompt_ids, params, self.tokenizer, self.context_length)
         generation = Generation(iter(()), token_ids=state.token_ids)
-        generation.deltas = self._run(list(prompt_ids), state, generation.stats, draft or self.draft)
+        generation.deltas = self._run(list(prompt_ids), state, generation.stats, draft)
         return generation
 
     def _run(self, prompt: list[int], state: SequenceState, stats: GenerationStats,
@@ -106,9 +112,9 @@ class Engine:
         token = state.sample(logits)
         stats.ttft_s = time.perf_counter() - started
         decode_started = time.perf_counter()
-        lookup = PromptLookup(prompt) if draft.enabled else None
+        drafter = self._drafter(prompt, draft)
         policy = DraftPolicy(draft.tokens, self.pass_costs) if draft.enabled else None
-        verifying: _Verification | None = None  # the pass whose rows the next tokens come from
+        verifying: Verification | None = None  # the pass whose rows the next tokens come from
         # When the step or pass that produced the current token(s) began: the policy is told what
         # each one cost, sampling and the caller's own time between tokens included.
         round_started: float | None = None
@@ -126,8 +132,8 @@ class Engine:
                 return
             if text:
                 yield text
-            if lookup is not None:
-                lookup.extend([token])
+            if drafter is not None:
+                drafter.extend([token])
             if verifying is not None and verifying.standing:  # the next row scores the next draft
                 token = verifying.next_token(state)
                 continue
@@ -140,12 +146,12 @@ class Engine:
             elif policy is not None and round_started is not None:
                 policy.plain_step(now - round_started)
             round_started = now
-            drafts = self._drafts(lookup, policy, state) if lookup is not None else []
+            drafts = self._drafts(drafter, policy, state) if drafter is not None else []
             if not drafts:
                 token = state.sample(self._step([token]))
                 continue
             base = len(self.cached_ids)
-            verifying = _Verification(self._verify([token, *drafts]), drafts, base)
+            verifying = Verification(self._verify([token, *drafts]), drafts, base)
             stats.drafted += len(drafts)
             stats.verify_passes += 1
             token = verifying.next_token(state)
@@ -186,40 +192,16 @@ class Engine:
             self.cache.trim(length)
             del self.cached_ids[length:]
 
-    def _drafts(self, lookup: PromptLookup, policy: DraftPolicy, state: SequenceState) -> list[int]:
+    def _drafter(self, prompt: list[int], draft: DraftSettings):
+        """What drafts for this sequence (None: nothing): the draft model, or prompt lookup."""
+        if not draft.enabled:
+            return None
+        return self.draft_model.drafts_for(prompt) if draft.uses_model else PromptLookup(prompt)
+
+    def _drafts(self, drafter, policy: DraftPolicy, state: SequenceState) -> list[int]:
         """Tokens to verify after the pending one: as many as the policy allows, the cache has room
         for, and the sequence may still produce (the pass's own token included)."""
-        room = self.context_length - len(self.cached_ids) - 1
-        left = state.params.max_new_tokens - len(state.token_ids) - 1
-        limit = min(policy.allowed(), room, left)
-        return lookup.draft(limit) if limit > 0 else []
+        limit = draft_limit(policy.allowed(), self.context_length - len(self.cached_ids),
+                            state.params.max_new_tokens - len(state.token_ids))
+        return drafter.draft(limit) if limit > 0 else []
 
-
-class _Verification:
-    """One verification pass in progress: its logits rows, the drafts they check, and how far the
-    sequence has come through them. Row i scores the token after the pending one and drafts[:i]."""
-
-    def __init__(self, rows: torch.Tensor, drafts: list[int], base: int):
-        self.rows, self.drafts, self.base = rows, drafts, base
-        self.row = -1  # the row the last token came from
-        self.standing = False  # whether that token was the row's draft, accepted
-
-    def next_token(self, state: SequenceState) -> int:
-        """The token of the next row: its draft if it stands, a replacement, or (after the last
-        draft) the pass's own token."""
-        self.row += 1
-        if self.row < len(self.drafts):
-            token, self.standing = state.verify(self.rows[self.row], self.drafts[self.row])
-        else:
-            token, self.standing = state.sample(self.rows[self.row]), False
-        return token
-
-    @property
-    def accepted(self) -> int:
-        return self.row + (1 if self.standing else 0)
-
-    @property
-    def kept(self) -> int:
-        """Cache positions the sequence keeps: the pending token and the accepted drafts before the
-        last token (which, as after any step, is not in the cache yet)."""
-        return self.base + self.row + 1

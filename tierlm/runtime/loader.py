@@ -34,16 +34,20 @@ from tierlm.quant.kernel_api import KernelUnavailable
 from tierlm.quant.modes import concrete_mode, quant_text
 from tierlm.quant.native import built_library
 from tierlm.runtime.source import (
+    Beside,
     Budget,
     WeightSource,
     artifact_quant,
     charged_budget,
+    check_room_beside,
     context_for,
+    expected_sizes,
     plan_load,
     requested_quant,
     resolve_source,
     stage_blocks,
     stage_span,
+    with_beside,
 )
 from tierlm.stages import StageSpan, whole_model
 from tierlm.store.calibration import activation_stats
@@ -133,6 +137,7 @@ def load_source(
     progress: Progress | None = None,
     phases: ProgressFactory | None = None,
     stage=None,
+    beside: Beside | None = None,
 ) -> LoadedModel:
     """Load the resolved `source` in `dtype` (default: the device's compute dtype): plan it under
     the `profile` when one is given, convert to the artifact the source needs on first use, open
@@ -141,7 +146,8 @@ def load_source(
     `kv_cache` (or `kv_cache`; kv/formats.py). `stage` (tierlm/stages.py StageSpan;
     None: the whole model) loads one pipeline stage: only its blocks are planned and opened, and
     its caches hold only its layers. `progress` counts the blocks loaded; the one-time phases
-    before (the kernel build, a conversion) go to `phases`.
+    before (the kernel build, a conversion) go to `phases`. `beside`: memory the caller will hold
+    beside the model (a draft model), charged to its plan; refused by name when it leaves no room.
     """
     if kv_cache is not None and profile is not None:
         profile = replace(profile, kv_cache=kv_cache)  # the planner charges the cache it will hold
@@ -153,6 +159,10 @@ def load_source(
     held = load_kv_format(source.config, kv_cache or (profile.kv_cache if profile is not None else None), device, dtype)
     span = stage_span(source.config, stage)
     budget = read_budget(source, profile, device, bandwidths, span) if profile is not None else None
+    if budget is not None and beside is not None:
+        check_room_beside(source.config, expected_sizes(source, device.type != "cpu"), budget, beside,
+                          source.directory.name)  # fmt: skip
+        budget = with_beside(budget, beside)
     planned = plan_load(source, budget) if budget is not None else None
     if planned is not None:
         source = planned.source

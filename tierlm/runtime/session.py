@@ -29,9 +29,11 @@ from tierlm.probe.machine import load_bandwidths
 from tierlm.profile import Profile
 from tierlm.progress import ProgressFactory
 from tierlm.quant.modes import AS_STORED, concrete_mode
+from tierlm.runtime.draft_model import DraftModel, resolve_draft
 from tierlm.runtime.engine import Engine
 from tierlm.runtime.loader import LoadedModel, load_source
 from tierlm.runtime.model_defaults import model_generation_defaults
+from tierlm.runtime.speculative import DraftSettings
 from tierlm.runtime.source import is_artifact, requested_quant, resolve_model_dir, resolve_source
 from tierlm.runtime.tokenizer import Tokenizer
 from tierlm.store.calibration import activation_stats
@@ -68,10 +70,12 @@ class Session:
     # Held while the set of variants and the plan change: the server adds on one thread, removes on another.
     _variants_lock: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False, compare=False)
     closed: bool = field(default=False, init=False)
+    # The draft model held beside the model (--draft MODEL; runtime/draft_model.py), or None.
+    draft_model: object = None
 
     @cached_property
     def engine(self) -> Engine:
-        return Engine(self.loaded, self.tokenizer)
+        return Engine(self.loaded, self.tokenizer, draft_model=self.draft_model)
 
     @property
     def pipeline(self):
@@ -177,6 +181,8 @@ class Session:
         if self.closed:
             return
         self.closed = True
+        if self.draft_model is not None:
+            self.draft_model.close()
         self.loaded.close()
 
     def __enter__(self) -> "Session":
@@ -198,6 +204,7 @@ def open_session(
     threads: int | None = None,
     progress: ProgressFactory | None = None,
     load: Load = load_source,
+    draft: DraftSettings | None = None,
 ) -> Session:
     """Load the model within the profile's context and return a session over it.
 
@@ -208,6 +215,8 @@ def open_session(
     before the INT8 kernels are calibrated for it.
     `load` loads the resolved source: in this process, or as a pipeline of stages with this
     process as rank 0 under `profile` (distributed/pipeline.py `pipeline_load`).
+    `draft` naming a draft model (--draft MODEL): it is checked against the model and charged to its
+    plan before either loads, then loaded beside it, resident (one process only).
     """
     adapters = tuple(parse_lora_spec(spec) for spec in loras)
     model_dir = resolve_model_dir(model, progress)
@@ -216,14 +225,19 @@ def open_session(
     tokenizer = Tokenizer.from_dir(model_dir)
     target = resolve_device(device)
     source = resolve_source(model_dir, requested_quant(quant, profile), adapters, accelerator=target.type != "cpu")
+    drafting = None
+    if draft is not None and draft.uses_model:
+        drafting = resolve_draft(draft.model, source, tokenizer, profile, accelerator=target.type != "cpu")
     loaded = load(source, device=target, dtype=_parse_dtype(dtype), profile=profile,
                   progress=progress("loading weights") if progress else None,
-                  phases=progress)  # fmt: skip
+                  phases=progress, **({"beside": drafting.beside} if drafting else {}))  # fmt: skip
     # The profile says the quant mode asked for and what it resolved to.
     profile = replace(profile, quant=quant or profile.quant, quant_resolved=source.resolved)
     defaults = model_generation_defaults(model_dir)
     session = Session(loaded, tokenizer, profile, model_dir, time.perf_counter() - started, defaults, adapters)
     try:
+        if drafting is not None:
+            session.draft_model = load_draft(drafting, loaded, profile, progress)
         for name, variant in (variants or {}).items():
             session.add_variant(name, variant, progress)
     except BaseException:
@@ -231,6 +245,14 @@ def open_session(
         raise
     session.load_s = time.perf_counter() - started
     return session
+
+
+def load_draft(drafting, target: LoadedModel, profile: Profile, progress: ProgressFactory | None = None):
+    """The draft model `drafting` (a checked DraftSource) loaded resident beside `target`, in its
+    device, dtype and KV format; its conversion, if any, goes to `progress`."""
+    loaded = load_source(drafting.source, device=target.device, dtype=target.dtype, context_length=drafting.context,
+                         kv_cache=profile.kv_cache, phases=progress)  # fmt: skip
+    return DraftModel(loaded, drafting.name, vocab_limit=target.config.vocab_size)
 
 
 def variant_base_artifact(model_dir: Path, artifact_dir, base_adapters, device, progress: ProgressFactory | None = None) -> Path:

@@ -70,6 +70,38 @@ class Budget:
 
 
 @dataclass(frozen=True)
+class Beside:
+    """Memory a load will hold beside the model's own (a draft model): charged to its plan as part
+    of the baseline, so the two fit the profile together."""
+
+    what: str  # what holds it, as a refusal names it ("the draft model X")
+    nbytes: int
+
+
+def with_beside(budget: Budget, beside: Beside | None) -> Budget:
+    """`budget` charging `beside` on top of its baseline."""
+    if beside is None:
+        return budget
+    more = Baseline(budget.baseline.measured + beside.nbytes, budget.baseline.charged + beside.nbytes)
+    return replace(budget, baseline=more)
+
+
+def check_room_beside(config, sizes: BlockSizes, budget: Budget, beside: Beside, model: str) -> None:
+    """Refuse, naming what is beside, a model that fits `budget` alone but not with `beside` (a
+    model that does not fit alone gets the planner's own refusal)."""
+    try:
+        _check_fits(config, sizes, with_beside(budget, beside))
+    except TierlmError as err:
+        _check_fits(config, sizes, budget)
+        from tierlm.units import format_size
+
+        raise TierlmError(f"{model} with {beside.what} beside it ({format_size(beside.nbytes)}: its weights, its KV "
+                          f"cache and its scratch) does not fit profile {budget.profile.name}: {err.message}",
+                          "draft with a smaller model, or --draft ngram (no memory); or a shorter --context, "
+                          "a larger --profile") from None  # fmt: skip
+
+
+@dataclass(frozen=True)
 class Planned:
     """A plan's outcome, with the source and sizes it was made for."""
 

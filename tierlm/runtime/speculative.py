@@ -19,7 +19,10 @@ from dataclasses import dataclass
 
 from tierlm.errors import TierlmError
 
-DRAFT_KINDS = ("off", "ngram")
+# What drafts: nothing, prompt lookup, or the best source that costs no memory (today prompt
+# lookup); any other --draft names a draft model (runtime/draft_model.py).
+DRAFT_KINDS = ("off", "ngram", "auto")
+MODEL = "model"
 DEFAULT_DRAFT_TOKENS = 8
 MAX_DRAFT_TOKENS = 64  # a verification pass is a prefill chunk: longer drafts are never all accepted
 LOOKUP_NGRAMS = (4, 3, 2)  # the last n tokens matched, longest first: one token matches too much
@@ -27,16 +30,25 @@ LOOKUP_NGRAMS = (4, 3, 2)  # the last n tokens matched, longest first: one token
 
 @dataclass(frozen=True)
 class DraftSettings:
-    """What drafts a sequence: `kind` off or ngram (prompt lookup), at most `tokens` a pass."""
+    """What drafts a sequence: `kind` off, ngram (prompt lookup), auto (ngram today) or model (the
+    draft model `model` names), at most `tokens` a pass."""
 
     kind: str = "off"
     tokens: int = DEFAULT_DRAFT_TOKENS
+    model: str | None = None  # the draft model as the user named it (kind "model")
+
+    @classmethod
+    def parse(cls, source: str | None, tokens: int | None) -> "DraftSettings":
+        """--draft SOURCE (a kind, else a draft model's name or path) and --draft-tokens K."""
+        tokens = DEFAULT_DRAFT_TOKENS if tokens is None else tokens
+        if source is None or source in DRAFT_KINDS:
+            return cls(source or "off", tokens)
+        return cls(MODEL, tokens, str(source))
 
     def __post_init__(self):
-        if self.kind not in DRAFT_KINDS:
-            raise TierlmError(f"--draft {str(self.kind)[:40]!r} is not a draft source: tierlm drafts from the "
-                              "conversation's own tokens (ngram); draft models are not supported yet",
-                              "use --draft ngram, or --draft off")  # fmt: skip
+        if self.kind not in DRAFT_KINDS and not (self.kind == MODEL and self.model):
+            raise TierlmError(f"--draft {str(self.kind)[:40]!r} is not a draft source",
+                              f"use {', '.join(DRAFT_KINDS)}, or a draft model's name or path")  # fmt: skip
         if isinstance(self.tokens, bool) or not isinstance(self.tokens, int) or not 1 <= self.tokens <= MAX_DRAFT_TOKENS:
             raise TierlmError(f"--draft-tokens must be an integer from 1 to {MAX_DRAFT_TOKENS}, "
                               f"not {str(self.tokens)[:30]}",
@@ -45,6 +57,47 @@ class DraftSettings:
     @property
     def enabled(self) -> bool:
         return self.kind != "off"
+
+    @property
+    def uses_model(self) -> bool:
+        return self.kind == MODEL
+
+
+def draft_limit(allowed: int, context_room: int, tokens_left: int) -> int:
+    """Tokens the next pass may draft: what the policy `allowed`, within the positions the cache has
+    left after the pending token and the tokens the sequence may still produce besides the pass's own."""
+    return max(0, min(allowed, context_room - 1, tokens_left - 1))
+
+
+class Verification:
+    """One verification pass in progress: its logits rows, the drafts they check, and how far the
+    sequence has come through them. Row i scores the token after the pending one and drafts[:i].
+    `base`: the cache positions before the pass (its pending token is at `base`)."""
+
+    def __init__(self, rows, drafts: list[int], base: int):
+        self.rows, self.drafts, self.base = rows, drafts, base
+        self.row = -1  # the row the last token came from
+        self.standing = False  # whether that token was the row's draft, accepted
+
+    def next_token(self, state) -> int:
+        """The token of the next row, from `state` (runtime/sequence.py SequenceState): its draft if
+        it stands, a replacement, or (after the last draft) the pass's own token."""
+        self.row += 1
+        if self.row < len(self.drafts):
+            token, self.standing = state.verify(self.rows[self.row], self.drafts[self.row])
+        else:
+            token, self.standing = state.sample(self.rows[self.row]), False
+        return token
+
+    @property
+    def accepted(self) -> int:
+        return self.row + (1 if self.standing else 0)
+
+    @property
+    def kept(self) -> int:
+        """Cache positions the sequence keeps: the pending token and the accepted drafts before the
+        last token (which, as after any step, is not in the cache yet)."""
+        return self.base + self.row + 1
 
 
 class PromptLookup:

@@ -56,7 +56,7 @@ from tierlm.kv.paged import pages_for
 from tierlm.kv.spill import HeldRows, SpillStore
 from tierlm.runtime.sampling import Sampler
 from tierlm.runtime.sequence import PREFILL_CHUNK, SequenceState
-from tierlm.runtime.speculative import DraftPolicy, PromptLookup
+from tierlm.runtime.speculative import DraftPolicy, PromptLookup, Verification, draft_limit
 from tierlm.runtime.stopping import StopMatcher
 from tierlm.server.jobs import Job
 
@@ -431,8 +431,8 @@ class BatchRunner:
         """The tokens `seq` drafts after its pending one: as many as its policy allows, its context
         and token budget leave room for, and free pages hold (drafts never take pages from others)."""
         length = self.cache.lengths[seq.slot]
-        left = seq.state.params.max_new_tokens - len(seq.token_ids) - 1
-        limit = min(seq.drafting.policy.allowed(), self.context_length - length - 1, left)
+        limit = draft_limit(seq.drafting.policy.allowed(), self.context_length - length,
+                            seq.state.params.max_new_tokens - len(seq.token_ids))
         drafts = seq.drafting.lookup.draft(limit) if limit > 0 else []
         if drafts and self.cache.pages_needed(seq.slot, length + 1 + len(drafts)) > self.cache.pool.free:
             return []
@@ -447,21 +447,12 @@ class BatchRunner:
         self._select([seq.variant])
         started = time.perf_counter()
         rows = self.model.forward(ids, self.cache.slot(seq.slot), logits="all", as_steps=True)[0]
-        row = accepted = 0
-        while True:
-            if row < len(drafts):
-                token, stood = seq.state.verify(rows[row], drafts[row])
-            else:  # every draft stood: the last row's token is the pass's own
-                token, stood = seq.state.sample(rows[row]), False
-            if not self._take(seq, token) or not stood:
-                break
-            accepted += 1
-            row += 1
-        # The positions of the pending token and the drafts that stood before the last token
-        # taken (which, as after any step, is fed next).
-        self.cache.slot(seq.slot).trim(base + row + 1)
-        seq.drafting.policy.verified(len(drafts), accepted, time.perf_counter() - started)
-        return len(drafts), accepted
+        verification = Verification(rows, drafts, base)
+        while self._take(seq, verification.next_token(seq.state)) and verification.standing:
+            pass
+        self.cache.slot(seq.slot).trim(verification.kept)
+        seq.drafting.policy.verified(len(drafts), verification.accepted, time.perf_counter() - started)
+        return len(drafts), verification.accepted
 
     def _select(self, rows: list[str | None]) -> None:
         """Name each row's variant for the next forward (a store without variants needs nothing)."""
