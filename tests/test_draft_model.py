@@ -15,7 +15,7 @@ from tests.cli_runner import PROGRESS_LINE, run_tierlm
 from tests.tiny import make_model, write_profile, write_tokenizer
 from tierlm.errors import TierlmError
 from tierlm.profile import load_profile
-from tierlm.runtime.draft_model import resolve_draft
+from tierlm.runtime.draft_model import DraftModel, resolve_draft
 from tierlm.runtime.loader import load_model
 from tierlm.runtime.sampling import SamplingParams
 from tierlm.runtime.session import open_session
@@ -91,6 +91,25 @@ def test_greedy_output_with_a_draft_model_is_the_output_without_it(models):
         assert session.draft_model.cached_ids[: len(prompt)] == before[: len(prompt)]
 
 
+def test_a_draft_far_behind_restarts_on_a_recent_window_and_output_is_unchanged(models, monkeypatch):
+    """A catch-up longer than CATCH_UP (a long prompt, a long pause) prefills only the last WINDOW
+    tokens into the draft's cache: the draft guesses from recent context, the output is the target's."""
+    monkeypatch.setattr(DraftModel, "CATCH_UP", 4)
+    monkeypatch.setattr(DraftModel, "WINDOW", 8)
+    target, draft, profile = models
+    drafting = DraftSettings.parse(str(draft), 4)
+    with open_session(str(target), load_profile(str(profile)), draft=drafting) as session:
+        prompt = session.tokenizer.encode("the quick brown fox jumps over the lazy dog. hello world, how are you?")
+        assert len(prompt) > 12
+        plain, _ = greedy_run(session, prompt, DraftSettings(), tokens=24)
+        drafted, stats = greedy_run(session, prompt, drafting, tokens=24)
+        assert drafted == plain and stats.drafted > 0
+        held = session.draft_model
+        # Restarted on the prompt's last 8 tokens, or later ones (plain steps between passes leave it behind).
+        assert held.start >= len(prompt) - 8 > 0
+        assert held.cached_ids == (prompt + drafted)[held.start : held.start + len(held.cached_ids)]
+
+
 def test_generate_with_a_draft_model_prints_what_it_prints_without(models):
     target, draft, profile = models
     common = ("generate", "the quick brown fox", "--model", str(target), "--profile", str(profile),
@@ -110,7 +129,8 @@ def misfits(models, tmp_path_factory):
         folder.mkdir()
     make_model(other, layers=1, with_tokenizer=False)
     write_tokenizer(other, 300)
-    make_model(larger, layers=TARGET_LAYERS + 2, with_tokenizer=False)
+    # More bytes than the target as each is held (the draft in its own format, int8; the target as stored).
+    make_model(larger, hidden=256, intermediate=512, layers=2, with_tokenizer=False)
     write_tokenizer(larger, 320)
     return {"other": other, "larger": larger}
 

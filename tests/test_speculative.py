@@ -115,6 +115,19 @@ def test_the_policy_pauses_drafts_that_do_not_pay_for_twice_as_long_each_time():
     assert policy.paused == 0 and policy.allowed() > 0
 
 
+def test_drafts_that_would_not_pay_even_were_all_to_stand_pause_for_the_longest():
+    # A draft model about as slow as the target: five tokens for six steps' time.
+    policy = DraftPolicy(4)
+    policy.plain_step(0.010)
+    policy.verified(4, 4, 0.060)
+    assert policy.ceiling() * 0.010 < DraftPolicy.MARGIN
+    assert policy.paused == DraftPolicy.PAUSE_STEPS[1]
+    cheap = DraftPolicy(4)  # the same acceptance at a step's cost: drafting goes on
+    cheap.plain_step(0.010)
+    cheap.verified(4, 4, 0.011)
+    assert cheap.paused == 0 and cheap.allowed() == 4
+
+
 class ScriptedDrafts(PromptLookup):
     """Drafts the reference continuation with every third pass's drafts wrong from their second
     token on: verification sees drafts that stand, fall at once and fall midway, whatever the

@@ -8,18 +8,21 @@ the profile together or the load is refused naming the draft.
 
 `DraftModel` keeps one KV cache over the tokens of the sequence it last drafted for; `ModelDrafts`
 drafts for one sequence: it brings that cache to the sequence's tokens (the common prefix kept, a
-rejected draft's positions dropped, the rest prefilled), then steps greedily. A greedy draft is
-deterministic, which is what `Sampler.verify`'s rejection rule takes.
+rejected draft's positions dropped, the rest prefilled; after a long pause, a recent window of
+them), then steps greedily. A greedy draft is deterministic, which is what `Sampler.verify`'s
+rejection rule takes.
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, replace
 
 import torch
 
 from tierlm.errors import TierlmError
 from tierlm.offload.sizes import kv_token_bytes, workspace_bytes
+from tierlm.quant.modes import AUTO
 from tierlm.runtime.sequence import PREFILL_CHUNK
 from tierlm.runtime.source import Beside, WeightSource, expected_sizes, resolve_model_dir, resolve_source
 from tierlm.runtime.tokenizer import Tokenizer
@@ -48,7 +51,8 @@ def resolve_draft(name: str, target: WeightSource, tokenizer: Tokenizer, profile
                           "name a smaller model of the same tokenizer from `tierlm list`, a directory or a .gguf; "
                           "or --draft ngram") from None  # fmt: skip
     check_same_vocabulary(name, Tokenizer.from_dir(model_dir), tokenizer)
-    source = resolve_source(model_dir, target.requested, accelerator=accelerator)
+    # Its own format, whatever --quant asks of the target: a draft is chosen for its size.
+    source = resolve_source(model_dir, AUTO, accelerator=accelerator)
     sizes, target_sizes = expected_sizes(source, accelerator), expected_sizes(target, accelerator)
     if sizes.total >= target_sizes.total:
         raise TierlmError(f"the draft model {name} ({format_size(sizes.total)} of weights) is not smaller than the "
@@ -84,33 +88,42 @@ def _token(vocab: dict[str, int], token_id: int) -> str | None:
 
 
 class DraftModel:
-    """A loaded draft model and its one KV cache, with the token ids the cache holds."""
+    """A loaded draft model and its one KV cache over a stretch of some sequence's tokens: those
+    from `start` on (`cached_ids`)."""
+
+    CATCH_UP = 64  # tokens missing from the cache past which it restarts on a recent window instead
+    WINDOW = 256  # the tokens a restart prefills: a draft is a guess, which recent context serves
 
     def __init__(self, loaded, name: str, vocab_limit: int):
         """`vocab_limit`: ids the target can score (a draft's padded embedding may produce more)."""
         self.loaded, self.name, self.vocab_limit = loaded, name, vocab_limit
         self.cache = loaded.new_cache()
+        self.start = 0
         self.cached_ids: list[int] = []
 
     def drafts_for(self, tokens: list[int]) -> "ModelDrafts":
         return ModelDrafts(self, tokens)
 
-    def follow(self, tokens: list[int]) -> torch.Tensor | None:
-        """Bring the cache to `tokens` (their common prefix with what it holds kept); the logits [V]
-        after the last one, or None when they no longer fit its context."""
-        if len(tokens) >= self.cache.max_len:
-            return None
+    def follow(self, tokens: list[int]) -> torch.Tensor:
+        """Bring the cache to `tokens` (what it holds of them kept); the logits [V] after the last.
+        After a long pause (more than CATCH_UP tokens missing) it restarts on the last WINDOW: a
+        catch-up costs a bounded prefill however long the pause, and the context never runs out."""
+        view = tokens[self.start :]
         common = 0
-        for cached, token in zip(self.cached_ids, tokens):
+        for cached, token in zip(self.cached_ids, view):
             if cached != token:
                 break
             common += 1
-        common = min(common, len(tokens) - 1)  # the last token runs, for its logits
+        room = self.cache.max_len - self.CATCH_UP - 1  # the tokens and a pass's drafts fit after a restart
+        if len(view) - common > self.CATCH_UP or len(view) > room or not view:
+            self.start = max(0, len(tokens) - min(self.WINDOW, room))
+            view, common = tokens[self.start :], 0
+        common = min(common, len(view) - 1)  # the last token runs, for its logits
         self.cache.trim(common)
         del self.cached_ids[common:]
         logits = None
-        for start in range(common, len(tokens), PREFILL_CHUNK):
-            logits = self.step(tokens[start : start + PREFILL_CHUNK])
+        for begin in range(common, len(view), PREFILL_CHUNK):
+            logits = self.step(view[begin : begin + PREFILL_CHUNK])
         return logits
 
     def step(self, ids: list[int]) -> torch.Tensor:
@@ -127,20 +140,33 @@ class ModelDrafts:
     """Drafts for one sequence from a DraftModel: its greedy continuation of the sequence's tokens.
     Only the sequence's own tokens are added (`extend`), as for prompt lookup."""
 
+    STEADY = 2  # tokens a pass leaves the draft's cache behind by (its own, and a replacement)
+
     def __init__(self, model: DraftModel, tokens: list[int]):
         self.model = model
         self.tokens = list(tokens)
+        self._overhead = 0.0
 
     def extend(self, tokens: list[int]) -> None:
         self.tokens.extend(tokens)
 
+    def take_overhead(self) -> float:
+        """Seconds spent catching up on more than a pass's tokens (a prompt, a pause) since last
+        asked: a one-time cost the policy does not charge to the pass."""
+        spent, self._overhead = self._overhead, 0.0
+        return spent
+
     def draft(self, limit: int) -> list[int]:
         """Up to `limit` greedy tokens of the draft model after the sequence's; fewer where its
-        context ends or it proposes an id the target cannot score."""
+        cache ends or it proposes an id the target cannot score."""
         model = self.model
+        started = time.perf_counter()
+        behind = len(self.tokens) - model.start - len(model.cached_ids)
         logits = model.follow(self.tokens)
+        if behind > self.STEADY:
+            self._overhead += time.perf_counter() - started
         drafts: list[int] = []
-        while logits is not None:
+        while True:
             token = int(torch.argmax(logits))
             if token >= model.vocab_limit:
                 break

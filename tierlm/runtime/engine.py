@@ -73,7 +73,8 @@ class Engine:
         self.cached_ids: list[int] = []
         self.draft = draft or DraftSettings()
         self.draft_model = draft_model
-        self.pass_costs: dict[int, float] = {}  # what verification passes cost here (DraftPolicy)
+        # What verification passes cost here, per drafter (DraftPolicy): a draft model's include its steps.
+        self.pass_costs: dict[str, dict[int, float]] = {}
 
     @property
     def context_length(self) -> int:
@@ -113,7 +114,8 @@ class Engine:
         stats.ttft_s = time.perf_counter() - started
         decode_started = time.perf_counter()
         drafter = self._drafter(prompt, draft)
-        policy = DraftPolicy(draft.tokens, self.pass_costs) if draft.enabled else None
+        costs = self.pass_costs.setdefault(draft.model if draft.uses_model else "lookup", {})
+        policy = DraftPolicy(draft.tokens, costs) if draft.enabled else None
         verifying: Verification | None = None  # the pass whose rows the next tokens come from
         # When the step or pass that produced the current token(s) began: the policy is told what
         # each one cost, sampling and the caller's own time between tokens included.
@@ -140,7 +142,7 @@ class Engine:
             now = time.perf_counter()
             if verifying is not None:
                 self._keep(verifying.kept)
-                policy.verified(len(verifying.drafts), verifying.accepted, now - round_started)
+                policy.verified(len(verifying.drafts), verifying.accepted, now - round_started - drafter.take_overhead())
                 stats.accepted += verifying.accepted
                 verifying = None
             elif policy is not None and round_started is not None:

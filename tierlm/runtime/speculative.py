@@ -121,6 +121,10 @@ class PromptLookup:
                     self._next[tuple(self.tokens[end - n : end])] = end
             self.tokens.append(token)
 
+    def take_overhead(self) -> float:
+        """Seconds spent catching up since last asked, which a pass's cost leaves out: none here."""
+        return 0.0
+
     def draft(self, limit: int) -> list[int]:
         """Up to `limit` tokens that followed the latest earlier occurrence of the tail; [] if none."""
         end = len(self.tokens)
@@ -140,7 +144,9 @@ class DraftPolicy:
     longest (c(0) is a plain step). On a CPU a pass of up to four tokens costs about a step and
     one of nine about three; read from disk, every length costs one pass over the weights. The
     next pass drafts the k maximizing E(k) / c(k). When no k beats a plain step by MARGIN,
-    drafting pauses for a number of steps that doubles at each pause, then probes again.
+    drafting pauses for a number of steps that doubles at each pause, then probes again; for the
+    longest pause at once when no k would even were every draft to stand. A pass's cost leaves out
+    what its drafter spent catching up on the tokens of a pause (`overhead_s`), paid once.
     """
 
     SMOOTHING = 0.3  # weight of the newest time of a length
@@ -172,6 +178,10 @@ class DraftPolicy:
         """(k, expected tokens per second) of the best draft length."""
         return max(((k, self.expected(k) / self.cost(k)) for k in range(1, self.limit + 1)), key=lambda kv: kv[1])
 
+    def ceiling(self) -> float:
+        """Tokens a second the best length would give if every draft stood."""
+        return max((k + 1) / self.cost(k) for k in range(1, self.limit + 1))
+
     def expected(self, k: int) -> float:
         a = min(self.acceptance, 1.0)
         return k + 1.0 if a >= 1.0 else (1.0 - a ** (k + 1)) / (1.0 - a)
@@ -201,7 +211,10 @@ class DraftPolicy:
         self.stood = self.DECAY * self.stood + accepted
         self.verified_positions = self.DECAY * self.verified_positions + checked
         if self.best()[1] * self.costs[0] < self.MARGIN:
-            self.paused = self.pause_steps
+            # Drafts that would not pay even were every one to stand (a draft model as slow as the
+            # target) pause for the longest; others for twice as long as the last time.
+            hopeless = self.ceiling() * self.costs[0] < self.MARGIN
+            self.paused = self.PAUSE_STEPS[1] if hopeless else self.pause_steps
             self.pause_steps = min(self.PAUSE_STEPS[1], self.pause_steps * 2)
         else:
             self.pause_steps = self.PAUSE_STEPS[0]
