@@ -1,15 +1,19 @@
-"""Speculative decoding (--draft ngram) against plain decoding, resident and streamed from disk.
+"""Speculative decoding against plain decoding, resident and streamed from disk: prompt-lookup
+drafts (--draft ngram) and a draft model (--draft MODEL).
 
-Model: the embedded SmolLM2-135M-Instruct as its INT8 artifact, 2 threads, greedy. Two workloads:
-quoting (prompts that ask to repeat or extract from a source text, as summaries, RAG answers and
-code edits do) and free-form chat (text that does not repeat its prompt). Two placements: resident
-(a roomy profile) and streamed (a device budget that keeps 40 % of the weights resident, the rest
-read from disk each forward, inside a cgroup v1 memory group capped at that budget with the
-artifact evicted from the page cache, as bench_offload.py runs it). Each placement is one fresh
-process that runs plain and drafted generations of every prompt interleaved, `--rounds` times;
-rows report the median decode tok/s, the drafted/accepted counts, the weight bytes read from the
-tiers per generated token (the ledger's, streamed runs only), whether the greedy tokens were equal
-to plain decoding's, and the process's peak RSS against the budget.
+Model: the embedded SmolLM2-135M-Instruct as its INT8 artifact, 2 threads, greedy. The draft
+model is the same network as the package ships it (its Q4_1 GGUF, carried at 4.5 bits: ~0.6x
+the target's bytes), the one smaller model of its tokenizer there is offline; it is held resident
+beside the target and charged to its plan. Two workloads: quoting (prompts that ask to repeat or
+extract from a source text, as summaries, RAG answers and code edits do) and free-form chat (text
+that does not repeat its prompt). Two placements: resident (a roomy profile) and streamed (a device
+budget that keeps 40 % of the target's weights resident beside the draft model, the rest read from
+disk each forward, inside a cgroup v1 memory group capped at that budget with the artifact evicted
+from the page cache, as bench_offload.py runs it). Each placement is one fresh process that runs
+plain, ngram and draft-model generations of every prompt interleaved, `--rounds` times; rows report
+the median decode tok/s, the drafted/accepted counts, the weight bytes read from the tiers per
+generated token (the ledger's, streamed runs only), whether the greedy tokens were equal to plain
+decoding's, and the process's peak RSS against the budget.
 
 Run from the repo root: `.venv/bin/python benchmarks/bench_speculative.py [--rounds 2] [--tokens 96]`.
 """
@@ -57,22 +61,30 @@ WORKLOADS = {
 
 
 def run_side(artifact: str, model_dir: str, profile: str, tokens: int, rounds: int) -> dict:
-    """In a fresh process: every prompt plain and drafted, interleaved, `rounds` times."""
+    """In a fresh process: every prompt plain, ngram-drafted and model-drafted, interleaved, `rounds`
+    times. The draft model (`model_dir`, as the package ships it) is charged beside the target."""
     import torch
 
     from tierlm.profile import load_profile
+    from tierlm.runtime.draft_model import resolve_draft
     from tierlm.runtime.engine import Engine
     from tierlm.runtime.loader import load_model
     from tierlm.runtime.sampling import SamplingParams
+    from tierlm.runtime.session import load_draft
+    from tierlm.runtime.source import resolve_source
     from tierlm.runtime.speculative import DraftSettings
     from tierlm.runtime.tokenizer import Tokenizer
 
     torch.set_num_threads(2)
-    loaded = load_model(artifact, device="cpu", dtype=torch.float32, profile=load_profile(profile))
-    engine = Engine(loaded, Tokenizer.from_dir(model_dir))
+    budget = load_profile(profile)
+    tokenizer = Tokenizer.from_dir(model_dir)
+    drafting = resolve_draft(model_dir, resolve_source(Path(artifact), "int8", accelerator=False), tokenizer,
+                             budget, accelerator=False)  # fmt: skip
+    loaded = load_model(artifact, device="cpu", dtype=torch.float32, profile=budget, beside=drafting.beside)
+    engine = Engine(loaded, tokenizer, draft_model=load_draft(drafting, loaded, budget))
     ledger = getattr(loaded.store, "ledger", None)
     params = SamplingParams(temperature=0, max_new_tokens=tokens)
-    modes = {"plain": DraftSettings(), "ngram": DraftSettings("ngram")}
+    modes = {"plain": DraftSettings(), "ngram": DraftSettings("ngram"), "model": DraftSettings.parse(model_dir, None)}
     rows = {}
     for workload, prompts in WORKLOADS.items():
         samples = {mode: [] for mode in modes}
@@ -92,7 +104,7 @@ def run_side(artifact: str, model_dir: str, profile: str, tokens: int, rounds: i
                                           "drafted": stats.drafted, "accepted": stats.accepted,
                                           "bytes_per_token": read / max(stats.new_tokens, 1)})  # fmt: skip
                     outputs[mode] = generation.token_ids
-                equal &= outputs["plain"] == outputs["ngram"]
+                equal &= outputs["plain"] == outputs["ngram"] == outputs["model"]
         rows[workload] = {
             mode: {
                 "tok_s": statistics.median(s["tok_s"] for s in runs),
@@ -103,9 +115,22 @@ def run_side(artifact: str, model_dir: str, profile: str, tokens: int, rounds: i
             for mode, runs in samples.items()
         }
         rows[workload]["greedy_equal"] = equal
-    budget = load_profile(profile).device_memory
+    engine.draft_model.close()
     loaded.close()
-    return {"rows": rows, "peak_rss": peak_rss(), "budget": budget}
+    return {"rows": rows, "peak_rss": peak_rss(), "budget": budget.device_memory, "draft_charge": drafting.beside.nbytes}
+
+
+def draft_charge(artifact: Path, model_dir: Path, profile: Path) -> int:
+    """What the draft model is charged beside the target under `profile` (resolve_draft's price)."""
+    from tierlm.profile import load_profile
+    from tierlm.runtime.draft_model import resolve_draft
+    from tierlm.runtime.source import resolve_source
+    from tierlm.runtime.tokenizer import Tokenizer
+
+    target = resolve_source(artifact, "int8", accelerator=False)
+    checked = resolve_draft(str(model_dir), target, Tokenizer.from_dir(model_dir), load_profile(str(profile)),
+                            accelerator=False)  # fmt: skip
+    return checked.beside.nbytes
 
 
 def main() -> None:
@@ -127,7 +152,9 @@ def main() -> None:
     load = os.getloadavg()
     with tempfile.TemporaryDirectory() as folder:
         folder = Path(folder)
+        # 40 % of the target's weights resident, and room for the draft model beside them.
         budget = budget_for_resident_share(artifact, folder, 0.4)
+        budget += draft_charge(artifact, model_dir, budget_profile(folder, "capped", budget))
         common = ["--tokens", str(args.tokens), "--rounds", str(args.rounds)]
         resident = budget_profile(folder, "resident", 16 << 30)
         placements = {"resident": side([str(artifact), str(model_dir), str(resident), *common], script=__file__)}
@@ -136,22 +163,25 @@ def main() -> None:
                                          script=__file__)  # fmt: skip
         placements["streamed (40 % resident" + (", cgroup-capped, cold cache)" if enforced else ", no cgroup)")] = streamed
     print(f"CPU: {cpu_name()}; 2 threads; load average before {load[0]:.2f}, after {os.getloadavg()[0]:.2f}")
-    print(f"{args.tokens} greedy tokens a prompt, {args.rounds} rounds, plain and ngram interleaved; median tok/s\n")
-    print("| placement | workload | plain tok/s | ngram tok/s | speedup | accepted/drafted | bytes/token ngram vs plain "
-          "| greedy equal | peak RSS / budget |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print(f"{args.tokens} greedy tokens a prompt, {args.rounds} rounds, plain, ngram and draft model interleaved; "
+          "median tok/s\n")
+    print("| placement | workload | drafts | plain tok/s | drafted tok/s | speedup | accepted/drafted "
+          "| bytes/token vs plain | greedy equal | peak RSS / budget |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for name, result in placements.items():
         if "error" in result:
-            print(f"| {name} | failed: {result['error']} | | | | | | | |")
+            print(f"| {name} | failed: {result['error']} | | | | | | | | |")
             continue
         for workload, row in result["rows"].items():
-            plain, ngram = row["plain"], row["ngram"]
-            read = (f"{ngram['bytes_per_token'] / plain['bytes_per_token']:.2f}x" if plain["bytes_per_token"]
-                    else "(nothing streamed)")  # fmt: skip
-            print(f"| {name} | {workload} | {plain['tok_s']:.1f} | {ngram['tok_s']:.1f} | "
-                  f"{ngram['tok_s'] / plain['tok_s']:.2f}x | {ngram['accepted']}/{ngram['drafted']} | {read} | "
-                  f"{'yes' if row['greedy_equal'] else 'NO'} | {result['peak_rss'] / 2**20:.0f} MiB / "
-                  f"{result['budget'] / 2**20:.0f} MiB |")
+            plain = row["plain"]
+            for mode in ("ngram", "model"):
+                drafted = row[mode]
+                read = (f"{drafted['bytes_per_token'] / plain['bytes_per_token']:.2f}x" if plain["bytes_per_token"]
+                        else "(nothing streamed)")  # fmt: skip
+                print(f"| {name} | {workload} | {mode} | {plain['tok_s']:.1f} | {drafted['tok_s']:.1f} | "
+                      f"{drafted['tok_s'] / plain['tok_s']:.2f}x | {drafted['accepted']}/{drafted['drafted']} | {read} | "
+                      f"{'yes' if row['greedy_equal'] else 'NO'} | {result['peak_rss'] / 2**20:.0f} MiB / "
+                      f"{result['budget'] / 2**20:.0f} MiB |")
     print("\nraw:", json.dumps(placements))
 
 

@@ -120,6 +120,19 @@ def test_generate_with_a_draft_model_prints_what_it_prints_without(models):
     assert drafted.stdout == plain.stdout and plain.stdout.strip()
 
 
+def test_bench_reports_what_the_draft_model_drafted_and_kept(models):
+    import json
+
+    target, draft, profile = models
+    result = run_tierlm("bench", "--model", str(target), "--profile", str(profile), "--prompt-tokens", "8",
+                        "--tokens", "16", "--runs", "1", "--draft", str(draft), "--json")  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    drafts = json.loads(result.stdout)["draft"]
+    assert drafts["source"] == str(draft) and drafts["verify_passes"] > 0
+    assert 0 < drafts["accepted"] <= drafts["drafted"]
+    assert "bytes_read_per_token" not in drafts  # resident: nothing streamed
+
+
 @pytest.fixture(scope="module")
 def misfits(models, tmp_path_factory):
     """Drafts that cannot be: another tokenizer, and more weights than the target."""

@@ -124,6 +124,41 @@ def test_stages_match_one_process(group, checkpoint, case):
         reference.close()
 
 
+@pytest.mark.parametrize("case", ["llama-gqa", "mixtral"])
+def test_speculative_decoding_over_stages_gives_the_tokens_without_it(group, checkpoint, case, monkeypatch):
+    """Verification passes cross every stage as one forward (the first stage's rows as steps) and
+    the stages' caches roll back with rank 0's: drafted greedy tokens are the undrafted ones."""
+    import tierlm.runtime.engine as engine_module
+    from tests.test_speculative import EveryPass, ScriptedDrafts
+    from tests.tiny import write_tokenizer
+    from tierlm.runtime.engine import Engine
+    from tierlm.runtime.sampling import SamplingParams
+    from tierlm.runtime.speculative import DraftSettings
+    from tierlm.runtime.tokenizer import Tokenizer
+
+    folder = checkpoint(case)
+    if not (folder / "tokenizer.json").exists():
+        write_tokenizer(folder, 320)
+    reference, pipeline = open_both(folder, group, "int8")
+    try:
+        tokenizer = Tokenizer.from_dir(folder)
+        prompt = torch.randint(0, 300, (9,), generator=torch.Generator().manual_seed(5)).tolist()
+        params = SamplingParams(temperature=0, max_new_tokens=24, ignore_eos=True)
+        plain = Engine(pipeline, tokenizer).generate(prompt, params)
+        plain.text()
+        want = list(plain.token_ids)
+        monkeypatch.setattr(engine_module, "DraftPolicy", EveryPass)
+        monkeypatch.setattr(engine_module, "PromptLookup", lambda tokens: ScriptedDrafts(prompt + want, tokens))
+        drafted = Engine(pipeline, tokenizer).generate(prompt, params, draft=DraftSettings("ngram", 5))
+        drafted.text()
+        assert list(drafted.token_ids) == want
+        assert 0 < drafted.stats.accepted < drafted.stats.drafted
+    finally:
+        pipeline.model.close()
+        pipeline.close()
+        reference.close()
+
+
 @pytest.mark.slow
 def test_embedded_model_text_and_logits(group):
     from tierlm.runtime.engine import Engine

@@ -73,9 +73,16 @@ def session(base_dir, profile, adapters):
 
 
 @pytest.fixture(scope="module")
-def expected(base_dir, profile, adapters) -> dict[str | None, str]:
+def expected(expected_runs) -> dict[str | None, str]:
     """Each variant's (and the base's) greedy reply to its prompt, as `generate --lora` gives it."""
-    replies = {}
+    return {name: text for name, (_, _, text) in expected_runs.items()}
+
+
+@pytest.fixture(scope="module")
+def expected_runs(base_dir, profile, adapters) -> dict[str | None, tuple[list[int], list[int], str]]:
+    """Each variant's (and the base's) (prompt ids, greedy token ids, reply text), as `generate
+    --lora` gives them."""
+    replies, runs = {}, {}
     for name, content in PROMPTS.items():
         loras = () if name is None else (f"{adapters[name]}:{ADAPTERS[name][1]}",)
         with open_session(str(base_dir), profile, device="cpu", dtype="fp32", loras=loras) as solo:
@@ -89,8 +96,9 @@ def expected(base_dir, profile, adapters) -> dict[str | None, str]:
             if token_ids[-1] in engine.tokenizer.eos_token_ids:  # the server flushes what the engine holds back
                 token_ids = token_ids[:-1]
             replies[name] = engine.tokenizer.decode(token_ids, skip_special_tokens=True)
+            runs[name] = (list(ids), list(generation.token_ids), replies[name])
     assert len(set(replies.values())) == len(replies), "the adapters must change the reply"
-    return replies
+    return runs
 
 
 @contextmanager
@@ -160,6 +168,24 @@ def test_each_variant_gives_the_text_of_generate_with_its_lora(session, expected
             response = chat(client, name, PROMPTS[None if name == BASE else name])
             assert reply(response) == expected[None if name == BASE else name], name
             assert response.json()["model"] == (name or BASE)
+
+
+def test_drafting_requests_to_variants_get_their_solo_text(session, expected_runs, monkeypatch):
+    """Speculative decoding over variants: each drafting request's passes are verified with its own
+    variant's weights (drafts of its solo reply, every third pass wrong), so its reply is unchanged."""
+    import tierlm.server.batch as batch_module
+    from tests.test_speculative import EveryPass, ScriptedDrafts
+    from tierlm.runtime.speculative import DraftSettings
+
+    replies = {tuple(prompt): prompt + ids for prompt, ids, _ in expected_runs.values()}
+    monkeypatch.setattr(batch_module, "DraftPolicy", EveryPass)
+    monkeypatch.setattr(batch_module, "PromptLookup",
+                        lambda tokens: ScriptedDrafts(replies.get(tuple(tokens), list(tokens)), tokens))  # fmt: skip
+    with running(session, draft=DraftSettings("ngram", 4)) as client:
+        for name in (None, "attn", "dora"):
+            assert reply(chat(client, name, PROMPTS[name])) == expected_runs[name][2], name
+        speculation = client.get("/stats").json()["speculation"]
+        assert 0 < speculation["accepted"] < speculation["drafted"]
 
 
 @pytest.mark.slow

@@ -48,6 +48,8 @@ def run_bench(session, prompt_tokens: int, new_tokens: int, runs: int) -> dict:
     engine.reset()
     for _ in engine.generate(ids[:16], SamplingParams(max_new_tokens=2, temperature=0.0, ignore_eos=True)):
         pass
+    ledger = session.loaded.store.stats()
+    read_before = sum(ledger.bytes_read.values())
     samples = []
     for _ in range(runs):
         engine.reset()  # no KV prefix reuse: each run prefills the whole prompt
@@ -79,9 +81,12 @@ def run_bench(session, prompt_tokens: int, new_tokens: int, runs: int) -> dict:
         "device_peak_bytes": memory.device_peak,
     }
     if engine.draft.enabled:  # speculative decoding (--draft): what the timed runs drafted and kept
-        result["draft"] = {"source": engine.draft.kind, "tokens": engine.draft.tokens,
+        result["draft"] = {"source": engine.draft.model or engine.draft.kind, "tokens": engine.draft.tokens,
                            "drafted": sum(s.drafted for s in samples), "accepted": sum(s.accepted for s in samples),
                            "verify_passes": sum(s.verify_passes for s in samples)}  # fmt: skip
+        if ledger.planned:  # streamed weights: what a generated token cost in reads, prefill's included
+            generated = sum(s.new_tokens for s in samples)
+            result["draft"]["bytes_read_per_token"] = (sum(ledger.bytes_read.values()) - read_before) / generated
     placement = loaded.placement
     if placement is not None:
         result["placement"] = [{"name": b.name, "tier": b.tier, "compute": b.compute} for b in placement.blocks]
@@ -94,7 +99,6 @@ def run_bench(session, prompt_tokens: int, new_tokens: int, runs: int) -> dict:
         result["binding_limit"] = placement.binding_limit
         if placement.expert_layers:
             result["predicted_expert_hit_rate"] = expected_expert_hit_rate(placement)
-    ledger = loaded.store.stats()
     if ledger.planned:  # a tiered store; a resident one streams nothing and plans nothing
         result["ledger"] = ledger.snapshot(loaded.device)
     if session.pipeline is not None:  # the other stages' time is in this speed: it says nothing of the probe
@@ -128,7 +132,9 @@ def format_bench(result: dict) -> str:
     if draft:
         kept = f" ({draft['accepted'] / draft['drafted']:.0%})" if draft["drafted"] else ""
         lines.append(f"drafts    {draft['source']}, up to {draft['tokens']} a pass: {draft['drafted']} drafted, "
-                     f"{draft['accepted']} accepted{kept} in {draft['verify_passes']} verification passes")  # fmt: skip
+                     f"{draft['accepted']} accepted{kept} in {draft['verify_passes']} verification passes"
+                     + (f"; {format_size(draft['bytes_read_per_token'])} of weights read per generated token"
+                        if "bytes_read_per_token" in draft else ""))  # fmt: skip
     if "predicted_decode_tokens_per_s" in result:
         ratio = result["decode_vs_predicted"]
         lines.append(
