@@ -92,9 +92,8 @@ def test_greedy_output_with_a_draft_model_is_the_output_without_it(models):
 
 
 def test_a_draft_far_behind_restarts_on_a_recent_window_and_output_is_unchanged(models, monkeypatch):
-    """A catch-up longer than CATCH_UP (a long prompt, a long pause) prefills only the last WINDOW
-    tokens into the draft's cache: the draft guesses from recent context, the output is the target's."""
-    monkeypatch.setattr(DraftModel, "CATCH_UP", 4)
+    """A catch-up longer than WINDOW tokens (a long prompt, a long pause) prefills only the last
+    WINDOW into the draft's cache: the draft guesses from recent context, the output is the target's."""
     monkeypatch.setattr(DraftModel, "WINDOW", 8)
     target, draft, profile = models
     drafting = DraftSettings.parse(str(draft), 4)

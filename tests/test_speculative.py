@@ -122,6 +122,7 @@ def test_drafts_that_would_not_pay_even_were_all_to_stand_pause_for_the_longest(
     policy.verified(4, 4, 0.060)
     assert policy.ceiling() * 0.010 < DraftPolicy.MARGIN
     assert policy.paused == DraftPolicy.PAUSE_STEPS[1]
+    assert DraftPolicy(4, policy.costs).paused == DraftPolicy.PAUSE_STEPS[1]  # the next sequence does not probe
     cheap = DraftPolicy(4)  # the same acceptance at a step's cost: drafting goes on
     cheap.plain_step(0.010)
     cheap.verified(4, 4, 0.011)

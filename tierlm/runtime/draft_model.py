@@ -24,6 +24,7 @@ from tierlm.errors import TierlmError
 from tierlm.offload.sizes import kv_token_bytes, workspace_bytes
 from tierlm.quant.modes import AUTO
 from tierlm.runtime.sequence import PREFILL_CHUNK
+from tierlm.runtime.speculative import MAX_DRAFT_TOKENS
 from tierlm.runtime.source import Beside, WeightSource, expected_sizes, resolve_model_dir, resolve_source
 from tierlm.runtime.tokenizer import Tokenizer
 from tierlm.units import format_size
@@ -91,8 +92,9 @@ class DraftModel:
     """A loaded draft model and its one KV cache over a stretch of some sequence's tokens: those
     from `start` on (`cached_ids`)."""
 
-    CATCH_UP = 64  # tokens missing from the cache past which it restarts on a recent window instead
-    WINDOW = 256  # the tokens a restart prefills: a draft is a guess, which recent context serves
+    # Tokens missing past which the cache restarts on the last this many: a draft is a guess, which
+    # recent context serves.
+    WINDOW = 256
 
     def __init__(self, loaded, name: str, vocab_limit: int):
         """`vocab_limit`: ids the target can score (a draft's padded embedding may produce more)."""
@@ -106,16 +108,17 @@ class DraftModel:
 
     def follow(self, tokens: list[int]) -> torch.Tensor:
         """Bring the cache to `tokens` (what it holds of them kept); the logits [V] after the last.
-        After a long pause (more than CATCH_UP tokens missing) it restarts on the last WINDOW: a
-        catch-up costs a bounded prefill however long the pause, and the context never runs out."""
+        With more than WINDOW tokens missing (a long prompt, a long pause) it restarts on the last
+        WINDOW: a catch-up costs a bounded prefill however long the pause, and the context never runs out."""
         view = tokens[self.start :]
         common = 0
         for cached, token in zip(self.cached_ids, view):
             if cached != token:
                 break
             common += 1
-        room = self.cache.max_len - self.CATCH_UP - 1  # the tokens and a pass's drafts fit after a restart
-        if len(view) - common > self.CATCH_UP or len(view) > room or not view:
+        # The tokens and a pass's drafts fit after a restart (a short context keeps half for drafts).
+        room = max(self.cache.max_len - MAX_DRAFT_TOKENS - 1, self.cache.max_len // 2)
+        if len(view) - common > self.WINDOW or len(view) > room or not view:
             self.start = max(0, len(tokens) - min(self.WINDOW, room))
             view, common = tokens[self.start :], 0
         common = min(common, len(view) - 1)  # the last token runs, for its logits

@@ -163,6 +163,8 @@ class DraftPolicy:
         self.stood, self.verified_positions = self.PRIOR
         self.paused = 0
         self.pause_steps = self.PAUSE_STEPS[0]
+        if 0 in self.costs and len(self.costs) > 1 and self.ceiling() * self.costs[0] < self.MARGIN:
+            self.paused = self.PAUSE_STEPS[1]  # the drafter is known not to pay here: no probe at once
 
     @property
     def acceptance(self) -> float:
