@@ -103,9 +103,9 @@ def run_accelerate(model_dir: str, cap: str) -> dict:
     return {"decode_tps": (STEPS - 1) / elapsed, "peak_rss": peak_rss()}
 
 
-def side(argv: list[str], cgroup: Path | None = None, script: str = __file__) -> dict:
-    """`script --side argv` in a fresh process (joined to `cgroup` before Python starts)."""
-    command = [sys.executable, script, "--side", *argv]
+def side(argv: list[str], cgroup: Path | None = None, script: str = __file__, flag: str = "--side") -> dict:
+    """`script --side argv` (or `flag`) in a fresh process (joined to `cgroup` before Python starts)."""
+    command = [sys.executable, script, flag, *argv]
     if cgroup is not None:  # join before Python starts, so every byte the child touches is charged
         command = ["sh", "-c", f'echo $$ > {cgroup}/cgroup.procs && exec "$@"', "sh", *command]
     out = subprocess.run(command, capture_output=True, text=True, timeout=3600)
@@ -254,16 +254,17 @@ def mixed_headline() -> None:
           f"{cap} |")  # fmt: skip
 
 
-def capped_side(argv: list[str], limit: int, artifact: Path, script: str = __file__) -> tuple[dict, bool]:
+def capped_side(argv: list[str], limit: int, artifact: Path, script: str = __file__,
+                flag: str = "--side") -> tuple[dict, bool]:  # fmt: skip
     """`side(argv)` inside a cgroup capped at `limit` (page cache included) with the artifact
     evicted from the page cache first, so streamed blocks come from the disk and not from RAM
     left over; (its result, whether the cap was enforced)."""
     group = memory_cgroup(limit)
     if group is None:
-        return side(argv, script=script), False
+        return side(argv, script=script, flag=flag), False
     evict_from_page_cache(artifact / "weights.bin")
     try:
-        return side(argv, cgroup=group, script=script), True
+        return side(argv, cgroup=group, script=script, flag=flag), True
     finally:
         remove_cgroup(group)
 

@@ -164,11 +164,47 @@ def test_a_draft_that_cannot_be_one_gets_one_line_before_anything_loads(models, 
     assert "loading weights" not in result.stderr
 
 
-def test_serve_refuses_a_draft_model_with_one_line(models):
+def test_served_requests_draft_with_the_model_each_through_a_cache_of_its_own(models, monkeypatch):
+    """`serve --draft MODEL`: concurrent requests each draft through a draft cache of their own
+    (the draft model's weights shared), and each reply is the one the request gets with
+    `draft: "off"`."""
+    import threading
+
+    import httpx
+
+    import tierlm.server.batch as batch_module
+    from tierlm.server.options import ServerOptions
+    from tierlm.server.run import BackgroundServer
+
+    monkeypatch.setattr(batch_module, "DraftPolicy", EveryPass)
     target, draft, profile = models
-    result = run_tierlm("serve", "--model", str(target), "--profile", str(profile), "--draft", str(draft))
-    assert result.returncode != 0
-    assert "a draft model is for chat, generate and bench" in result.stderr
+    drafting = DraftSettings.parse(str(draft), 4)
+    texts = ["the quick brown fox jumps", "hello world, how are you?", "the lazy dog. the lazy dog."]
+    with open_session(str(target), load_profile(str(profile)), draft=drafting, draft_caches=2) as session:
+        with BackgroundServer(session, ServerOptions(aliases=("tiny",), draft=drafting, parallel=2)) as server:
+
+            def ask(text: str, extra: dict, into: list) -> None:
+                body = {"model": "tiny", "messages": [{"role": "user", "content": text}], "max_tokens": 20,
+                        "temperature": 0, **extra}  # fmt: skip
+                with httpx.Client(base_url=server.url, timeout=60) as client:
+                    answer = client.post("/v1/chat/completions", json=body).json()
+                into.append((text, answer["choices"][0]["message"]["content"]))
+
+            drafted: list = []
+            threads = [threading.Thread(target=ask, args=(text, {}, drafted)) for text in texts]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join(60)
+            plain: list = []
+            for text in texts:
+                ask(text, {"draft": "off"}, plain)
+            with httpx.Client(base_url=server.url, timeout=60) as client:
+                speculation = client.get("/stats").json()["speculation"]
+    assert sorted(drafted) == sorted(plain) and len(plain) == len(texts)
+    assert len({reply for _, reply in plain}) == len(texts)  # three different replies, each its own
+    assert speculation["draft"] == str(draft) and speculation["drafted"] > 0
+    assert 0 < speculation["accepted"] <= speculation["drafted"]
 
 
 def test_the_draft_is_charged_its_weights_kv_cache_and_scratch(models):

@@ -428,3 +428,41 @@ def test_requests_turn_drafts_on_and_off_and_bad_values_get_a_400(tmp_path):
                     assert bad.status_code == 400 and field in bad.text, (field, value)
     finally:
         session.close()
+
+
+def test_the_planner_prices_a_pass_and_weighs_steps_with_nothing_to_draft():
+    from tierlm.runtime.acceptance import Acceptance, speculative_rate
+
+    flat = lambda k: 0.010  # noqa: E731 - streamed weights: every pass one read
+    assert speculative_rate(flat, Acceptance(10, 10, 10), 8) == (8, pytest.approx(900.0))
+    # Half the steps find nothing to draft: those are plain steps.
+    half = Acceptance(10, 10, 10, misses=10)
+    assert speculative_rate(flat, half, 8)[1] == pytest.approx((0.5 * 9 + 0.5) / 0.010)
+    # Positions that cost a step each never pay.
+    assert speculative_rate(lambda k: 0.010 * (k + 1), Acceptance(9, 10, 10), 8) == (0, pytest.approx(100.0))
+
+
+def test_a_drafting_session_records_acceptance_and_plan_predicts_from_it(checkpoint, tmp_path):
+    import json
+
+    from tests.tiny import write_profile
+    from tierlm.profile import load_profile
+    from tierlm.runtime.acceptance import read_acceptance
+    from tierlm.runtime.session import open_session
+
+    folder = checkpoint("llama-gqa")
+    profile = write_profile(tmp_path / "roomy.toml", context_length=160, batch_size=1)
+    with open_session(str(folder), load_profile(str(profile))) as session:
+        counts = session.engine.drafting_counts
+        prompt = looping_prompt(session.engine)
+        generation = session.engine.generate(prompt, SamplingParams(temperature=0, max_new_tokens=24), draft=NGRAM)
+        generation.text()
+        passes, stood, checked, misses = counts["lookup"]
+        assert passes == generation.stats.verify_passes > 0 and stood == generation.stats.accepted
+    record = read_acceptance(folder, "lookup")
+    assert (record.passes, record.stood, record.checked, record.misses) == (passes, stood, checked, misses)
+    planned = run_tierlm("plan", "--model", str(folder), "--profile", str(profile), "--draft", "ngram", "--json")
+    assert planned.returncode == 0, planned.stderr
+    predicted = json.loads(planned.stdout)["speculation"]
+    assert predicted["acceptance"] == pytest.approx(stood / checked) and predicted["measured_passes"] == passes
+    assert predicted["predicted_decode_tokens_per_s"] >= json.loads(planned.stdout)["predicted_decode_tokens_per_s"]

@@ -181,11 +181,13 @@ class RunFlags(_Flags):
 
 
 def _open(model, run: RunFlags, *, variants: bool = False, batch_size=None, stage_timeout=None,
-          engine_drafts: bool = True):
+          engine_drafts: bool = True, parallel: int | None = None):
     """The session `run` asks for: one process, or a pipeline of stages (one per profile).
     `variants` (serve): `--lora NAME=DIR` specs become variants served beside the base, the rest
     are merged into it. `batch_size`: the sequences the planner reserves KV memory for, on every stage.
-    `engine_drafts`: give the session's engine --draft (serve's worker takes it from its options instead)."""
+    `engine_drafts`: give the session's engine --draft (serve's worker takes it from its options
+    instead, and a draft model is charged a KV cache per sequence run at once: `parallel`'s, else
+    the server's default for the batch size)."""
     from tierlm.cli.progress import progress_factory
     from tierlm.lora.spec import split_variant_specs
     from tierlm.profile import with_run_settings
@@ -202,13 +204,20 @@ def _open(model, run: RunFlags, *, variants: bool = False, batch_size=None, stag
         raise TierlmError("a draft model runs in one process, not over pipeline stages",
                           "draft with --draft ngram, or drop --stages")  # fmt: skip
     where = dict(device=run.device, quant=run.quant, threads=run.threads)
+    caches = 1 if engine_drafts else _sequences_at_once(profiles[0].batch_size, parallel)
     session = open_session(
         model, profiles[0], dtype=run.dtype, loras=merged, variants=named, progress=progress_factory(), **where,
-        **_stage_load(profiles, stage_timeout=stage_timeout, **where), draft=run.drafts if engine_drafts else None,
+        **_stage_load(profiles, stage_timeout=stage_timeout, **where), draft=run.drafts, draft_caches=caches,
     )
     if engine_drafts and run.drafts.enabled:  # only then: the engine's first use allocates its KV cache
         session.engine.draft = run.drafts
     return session
+
+
+def _sequences_at_once(contexts: int, parallel: int | None) -> int:
+    from tierlm.server.batch import sequences_at_once
+
+    return sequences_at_once(contexts, parallel)
 
 
 def _stage_load(profiles: list, **common) -> dict:
@@ -563,6 +572,12 @@ def plan(
     ),
     link_latency_ms: float = typer.Option(0.05, "--link-latency-ms", min=0.0, help="With --link-gbps: its latency"),
     reprobe_link: bool = typer.Option(False, "--reprobe-link", help="With --stages: measure the local link afresh"),
+    draft: Optional[str] = typer.Option(
+        None, "--draft", metavar="SOURCE", show_default=False,
+        help="Predict speculative decoding too (ngram, auto or a draft model, as chat takes it): the "
+        "acceptance measured on this model so far and the decode speed it gives",
+    ),
+    draft_tokens: Optional[int] = DraftTokensOpt,
 ):
     """Where every weight block would live under a profile, the memory per tier, and predicted speed.
 
@@ -574,7 +589,7 @@ def plan(
     from dataclasses import replace
 
     from tierlm.cli.models import pick_model
-    from tierlm.cli.plan_view import plan_for, render_plan
+    from tierlm.cli.plan_view import plan_with_speculation, render_plan, speculation_lines
     from tierlm.device.cpu import resolve_threads
     from tierlm.errors import TierlmError
     from tierlm.offload.placement import placement_to_dict
@@ -582,6 +597,7 @@ def plan(
     from tierlm.runtime.source import resolve_model_dir
 
     settings = dict(context=context, kv_cache=kv_cache)
+    drafts = DraftSettings.parse(draft, draft_tokens)
     if stages is not None or "," in profile:
         _plan_stages(pick_model(model_arg, model), profile, stages, quant, device, threads, as_json,
                      link_gbps, link_latency_ms, reprobe_link, settings)  # fmt: skip
@@ -591,7 +607,7 @@ def plan(
     chosen = replace(chosen, threads=resolve_threads(threads or chosen.threads))
     model_dir = resolve_model_dir(pick_model(model_arg, model))
     try:
-        placement, header = plan_for(model_dir, chosen, quant, device, tuple(lora or ()))
+        placement, header, predicted = plan_with_speculation(model_dir, chosen, quant, device, tuple(lora or ()), drafts)
     except TierlmError as refused:  # what one process cannot hold, a pipeline of them may
         from tierlm.runtime.planning import least_stages_for
 
@@ -600,7 +616,11 @@ def plan(
             raise
         hint = f"{refused.hint}; or " if refused.hint else ""
         raise TierlmError(refused.message, f"{hint}split it over {more} processes of this profile: --stages {more}") from None
-    print(json.dumps(placement_to_dict(placement), indent=1) if as_json else render_plan(placement, header))
+    if as_json:
+        print(json.dumps(placement_to_dict(placement) | ({"speculation": predicted} if predicted else {}), indent=1))
+        return
+    print("\n".join([render_plan(placement, header),
+                     *speculation_lines(predicted, placement.predicted_decode_tokens_per_s)]))  # fmt: skip
 
 
 def _plan_stages(model, profile, stages, quant, device, threads, as_json, link_gbps, link_latency_ms, reprobe_link,
@@ -740,9 +760,6 @@ def serve(
     if _pipeline_worker(run.device):
         return
     # Checked before the model loads: a bad flag is told at once.
-    if run.drafts.uses_model:
-        raise TierlmError("serve drafts from each conversation's own tokens; a draft model is for chat, generate "
-                          "and bench", "use serve --draft ngram (or auto)")  # fmt: skip
     options = ServerOptions(
         model_id=model_name,
         aliases=tuple(alias or ()),
@@ -760,7 +777,7 @@ def serve(
         draft=run.drafts,
     )
     with _open(pick_model(model_arg, model), run, variants=True, batch_size=batch_size,
-               stage_timeout=stage_timeout, engine_drafts=False) as session:
+               stage_timeout=stage_timeout, engine_drafts=False, parallel=parallel) as session:
         # Sampling flags become the server's defaults for requests that omit the field.
         session.generation_defaults = sampling.over(session.generation_defaults)
         run_server(session, options, host=host, port=port)

@@ -26,6 +26,17 @@ MiB = 2**20
 def plan_for(model_dir: Path, profile, quant: str | None = None, device: str | None = None, loras=()):
     """(Placement, header lines) for `model_dir` under `profile`, as `tierlm plan` prints them:
     runtime/planning.py `plan_model` plans (it says what `loras` may be), this draws."""
+    return _plan_and_header(model_dir, profile, quant, device, loras)[1:]
+
+
+def plan_with_speculation(model_dir: Path, profile, quant, device, loras, draft):
+    """(Placement, header lines, speculation) as `plan_for`, with what `draft` (a DraftSettings)
+    is predicted to do under the placement (`speculation`)."""
+    plan, placement, header = _plan_and_header(model_dir, profile, quant, device, loras)
+    return placement, header, speculation(plan, model_dir, draft)
+
+
+def _plan_and_header(model_dir: Path, profile, quant, device, loras):
     _check_artifact(model_dir)
     plan = plan_model(model_dir, profile, quant, device, loras, _variant_placer(loras, profile))
     config, baseline, budget = plan.source.config, plan.budget.baseline, plan.budget
@@ -40,7 +51,52 @@ def plan_for(model_dir: Path, profile, quant: str | None = None, device: str | N
         *(f"lora     {path}{'' if weight == 1.0 else f' x{weight:g}'} merged into the base" for path, weight in plan.source.adapters),
         *(f"variant  {name}: {why}" for name, why in plan.variant_whys.items()),
     ]
-    return plan.placement, header
+    return plan, plan.placement, header
+
+
+def speculation(plan, model_dir: Path, draft) -> dict | None:
+    """What `draft` (a DraftSettings) is predicted to do under the load `plan`: the model's measured
+    acceptance for that drafter (runtime/acceptance.py) and the decode speed it gives, a pass of k
+    drafts priced by the cost model as a decode step of k + 1 rows (weights read once, compute
+    k + 1 times); None when drafts are off. A draft model's own steps are not priced."""
+    from tierlm.offload.planner.cost import decode_terms, step_seconds
+    from tierlm.offload.sizes import expected_routing
+    from tierlm.probe.machine import load_bandwidths
+    from tierlm.runtime.acceptance import PRIOR, read_acceptance, speculative_rate
+
+    if not draft.enabled:
+        return None
+    placement, budget, config, sizes = plan.placement, plan.budget, plan.source.config, plan.planned.sizes
+    bandwidths = budget.bandwidths or load_bandwidths(budget.device, threads=budget.threads)
+
+    def pass_seconds(rows: int) -> float:
+        terms = decode_terms(config, sizes, budget.profile, bandwidths, placement, accelerator=budget.device.type != "cpu",
+                             batch=rows, routing=expected_routing(config, sizes))  # fmt: skip
+        return step_seconds(terms, budget.profile.prefetch_depth)[0]
+
+    measured = read_acceptance(model_dir, draft.model or "lookup")
+    out = {"drafter": draft.model or "ngram", "acceptance": measured.rate if measured else PRIOR,
+           "measured_passes": measured.passes if measured else 0,
+           "coverage": measured.coverage if measured else None}  # fmt: skip
+    if not draft.uses_model:
+        # Scaled to the plan's own decode figure, which the cost model's step matches.
+        scale = 1.0 / (placement.predicted_decode_tokens_per_s * pass_seconds(1))
+        drafts, rate = speculative_rate(lambda k: scale * pass_seconds(k + 1), measured, draft.tokens)
+        out |= {"drafts_per_pass": drafts, "predicted_decode_tokens_per_s": rate}
+    return out
+
+
+def speculation_lines(predicted: dict | None, plain_tps: float) -> list[str]:
+    if predicted is None:
+        return []
+    seen = (f"measured over {predicted['measured_passes']:.0f} passes, drafts found at "
+            f"{predicted['coverage']:.0%} of steps" if predicted["measured_passes"] else "none measured yet: assumed")
+    line = f"drafts   {predicted['drafter']}: acceptance {predicted['acceptance']:.2f} ({seen})"
+    if "predicted_decode_tokens_per_s" not in predicted:
+        return [line, "         a draft model's own steps are not predicted: `tierlm bench --draft` measures them"]
+    rate = predicted["predicted_decode_tokens_per_s"]
+    return [line, f"         decode {rate:.2f} tokens/s (predicted, {rate / plain_tps:.2f}x) drafting up to "
+                  f"{predicted['drafts_per_pass']} a pass"]
 
 
 def _variant_placer(loras, profile):

@@ -2,7 +2,8 @@
 
 `resolve_draft` checks it before anything loads: its tokenizer's vocabulary must be the target's,
 token for token, and its weights fewer than the target's. It also prices what the draft will
-hold (weights resident, a KV cache for the target's context, the scratch of its largest step), a
+hold (weights resident, a KV cache of up to DRAFT_CONTEXT positions per sequence drafting at once,
+the scratch of its largest step), a
 charge the target's plan makes room for beside its own (runtime/source.py `Beside`), so both fit
 the profile together or the load is refused naming the draft.
 
@@ -30,6 +31,11 @@ from tierlm.runtime.tokenizer import Tokenizer
 from tierlm.units import format_size
 
 
+# Positions a draft model's cache holds at most: it follows longer sequences on a recent window
+# (DraftModel.WINDOW), so its memory stays small whatever the target's context.
+DRAFT_CONTEXT = 2048
+
+
 @dataclass(frozen=True)
 class DraftSource:
     """A draft model checked against its target, not loaded: its weights' source, and the memory
@@ -38,13 +44,15 @@ class DraftSource:
     name: str  # as the user gave it
     source: WeightSource
     beside: Beside
-    context: int  # positions its cache holds: the target's context, or fewer where the draft's maximum is
+    context: int  # positions its cache holds: the target's context, at most DRAFT_CONTEXT and the draft's maximum
 
 
-def resolve_draft(name: str, target: WeightSource, tokenizer: Tokenizer, profile, *, accelerator: bool) -> DraftSource:
+def resolve_draft(name: str, target: WeightSource, tokenizer: Tokenizer, profile, *, accelerator: bool,
+                  caches: int = 1) -> DraftSource:  # fmt: skip
     """The draft model `name` (a name from `tierlm list`, a directory or a .gguf) for `target`,
-    whose `tokenizer` it must share, loaded beside it under `profile`; one TierlmError for a
-    draft that cannot be one, before anything loads."""
+    whose `tokenizer` it must share, loaded beside it under `profile` with `caches` KV caches (a
+    server's: one per sequence drafting at once); one TierlmError for a draft that cannot be one,
+    before anything loads."""
     try:
         model_dir = resolve_model_dir(name)
     except TierlmError as err:
@@ -60,9 +68,9 @@ def resolve_draft(name: str, target: WeightSource, tokenizer: Tokenizer, profile
                           f"model it drafts for ({format_size(target_sizes.total)}): it could never save time",
                           "draft with a smaller model of the same tokenizer, or --draft ngram")  # fmt: skip
     asked = profile.context_length if profile is not None else target.config.max_position_embeddings
-    context = min(asked, target.config.max_position_embeddings, source.config.max_position_embeddings)
+    context = min(asked, target.config.max_position_embeddings, source.config.max_position_embeddings, DRAFT_CONTEXT)
     kv_cache = profile.kv_cache if profile is not None else "auto"
-    charge = sizes.total + kv_token_bytes(source.config, kv_cache, accelerator) * context
+    charge = sizes.total + caches * kv_token_bytes(source.config, kv_cache, accelerator) * context
     if profile is not None:
         one = replace(profile, batch_size=1, context_length=context, context_asked=None)
         charge += workspace_bytes(source.config, sizes, one, accelerator)
@@ -102,6 +110,10 @@ class DraftModel:
         self.cache = loaded.new_cache()
         self.start = 0
         self.cached_ids: list[int] = []
+
+    def twin(self) -> "DraftModel":
+        """Another cache over the same weights (the server's: one per sequence drafting at once)."""
+        return DraftModel(self.loaded, self.name, self.vocab_limit)
 
     def drafts_for(self, tokens: list[int]) -> "ModelDrafts":
         return ModelDrafts(self, tokens)

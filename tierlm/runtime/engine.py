@@ -75,6 +75,9 @@ class Engine:
         self.draft_model = draft_model
         # What verification passes cost here, per drafter (DraftPolicy): a draft model's include its steps.
         self.pass_costs: dict[str, dict[int, float]] = {}
+        # Per drafter: [passes, drafted positions that stood, positions verification decided, steps
+        # whose drafter found nothing to draft] (the session records them: runtime/acceptance.py).
+        self.drafting_counts: dict[str, list[int]] = {}
 
     @property
     def context_length(self) -> int:
@@ -114,7 +117,8 @@ class Engine:
         stats.ttft_s = time.perf_counter() - started
         decode_started = time.perf_counter()
         drafter = self._drafter(prompt, draft)
-        costs = self.pass_costs.setdefault(draft.model if draft.uses_model else "lookup", {})
+        drafter_name = draft.model if draft.uses_model else "lookup"
+        costs = self.pass_costs.setdefault(drafter_name, {})
         policy = DraftPolicy(draft.tokens, costs) if draft.enabled else None
         verifying: Verification | None = None  # the pass whose rows the next tokens come from
         # When the step or pass that produced the current token(s) began: the policy is told what
@@ -125,8 +129,7 @@ class Engine:
             stats.new_tokens = len(state.token_ids)
             if reason is not None:
                 if verifying is not None:
-                    self._keep(verifying.kept)
-                    stats.accepted += verifying.accepted
+                    self._close(verifying, stats, drafter_name)
                 stats.finish_reason = reason
                 stats.decode_s = time.perf_counter() - decode_started
                 if text:
@@ -141,14 +144,14 @@ class Engine:
                 continue
             now = time.perf_counter()
             if verifying is not None:
-                self._keep(verifying.kept)
-                policy.verified(len(verifying.drafts), verifying.accepted, now - round_started - drafter.take_overhead())
-                stats.accepted += verifying.accepted
+                self._close(verifying, stats, drafter_name)
+                spent = now - round_started - drafter.take_overhead()  # a catch-up is paid once, not by the pass
+                policy.verified(len(verifying.drafts), verifying.accepted, spent)
                 verifying = None
             elif policy is not None and round_started is not None:
                 policy.plain_step(now - round_started)
             round_started = now
-            drafts = self._drafts(drafter, policy, state) if drafter is not None else []
+            drafts = self._drafts(drafter, policy, state, drafter_name) if drafter is not None else []
             if not drafts:
                 token = state.sample(self._step([token]))
                 continue
@@ -157,6 +160,16 @@ class Engine:
             stats.drafted += len(drafts)
             stats.verify_passes += 1
             token = verifying.next_token(state)
+
+    def _close(self, verification: Verification, stats: GenerationStats, drafter: str) -> None:
+        """A pass's tokens are all taken: keep its positions, count what stood."""
+        self._keep(verification.kept)
+        stats.accepted += verification.accepted
+        counts = self.drafting_counts.setdefault(drafter, [0, 0, 0, 0])
+        accepted, drafted = verification.accepted, len(verification.drafts)
+        counts[0] += 1
+        counts[1] += accepted
+        counts[2] += accepted + (1 if accepted < drafted else 0)
 
     def _prefill(self, prompt: list[int], stats: GenerationStats) -> torch.Tensor:
         """Reuse the cached common prefix, run the rest in chunks; logits [V] of the last token."""
@@ -200,10 +213,15 @@ class Engine:
             return None
         return self.draft_model.drafts_for(prompt) if draft.uses_model else PromptLookup(prompt)
 
-    def _drafts(self, drafter, policy: DraftPolicy, state: SequenceState) -> list[int]:
+    def _drafts(self, drafter, policy: DraftPolicy, state: SequenceState, name: str) -> list[int]:
         """Tokens to verify after the pending one: as many as the policy allows, the cache has room
         for, and the sequence may still produce (the pass's own token included)."""
         limit = draft_limit(policy.allowed(), self.context_length - len(self.cached_ids),
                             state.params.max_new_tokens - len(state.token_ids))
-        return drafter.draft(limit) if limit > 0 else []
+        if limit <= 0:
+            return []
+        drafts = drafter.draft(limit)
+        if not drafts:  # nothing found where drafting was asked for: a step the drafter cannot speed
+            self.drafting_counts.setdefault(name, [0, 0, 0, 0])[3] += 1
+        return drafts
 

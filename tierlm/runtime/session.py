@@ -29,6 +29,7 @@ from tierlm.probe.machine import load_bandwidths
 from tierlm.profile import Profile
 from tierlm.progress import ProgressFactory
 from tierlm.quant.modes import AS_STORED, concrete_mode
+from tierlm.runtime.acceptance import Acceptance, record_acceptance
 from tierlm.runtime.draft_model import DraftModel, resolve_draft
 from tierlm.runtime.engine import Engine
 from tierlm.runtime.loader import LoadedModel, load_source
@@ -181,9 +182,16 @@ class Session:
         if self.closed:
             return
         self.closed = True
+        self._record_acceptance()
         if self.draft_model is not None:
             self.draft_model.close()
         self.loaded.close()
+
+    def _record_acceptance(self) -> None:
+        """What the engine's drafts achieved, added to the model's record (`tierlm plan --draft`)."""
+        engine = self.__dict__.get("engine")  # never built (serve): nothing drafted here
+        for drafter, (passes, stood, checked, misses) in (engine.drafting_counts.items() if engine else ()):
+            record_acceptance(self.model_dir, drafter, Acceptance(stood, checked, passes, misses))
 
     def __enter__(self) -> "Session":
         return self
@@ -205,6 +213,7 @@ def open_session(
     progress: ProgressFactory | None = None,
     load: Load = load_source,
     draft: DraftSettings | None = None,
+    draft_caches: int = 1,
 ) -> Session:
     """Load the model within the profile's context and return a session over it.
 
@@ -216,7 +225,8 @@ def open_session(
     `load` loads the resolved source: in this process, or as a pipeline of stages with this
     process as rank 0 under `profile` (distributed/pipeline.py `pipeline_load`).
     `draft` naming a draft model (--draft MODEL): it is checked against the model and charged to its
-    plan before either loads, then loaded beside it, resident (one process only).
+    plan before either loads, then loaded beside it, resident (one process only), with
+    `draft_caches` KV caches charged (the server's: one per sequence drafting at once).
     """
     adapters = tuple(parse_lora_spec(spec) for spec in loras)
     model_dir = resolve_model_dir(model, progress)
@@ -227,7 +237,8 @@ def open_session(
     source = resolve_source(model_dir, requested_quant(quant, profile), adapters, accelerator=target.type != "cpu")
     drafting = None
     if draft is not None and draft.uses_model:
-        drafting = resolve_draft(draft.model, source, tokenizer, profile, accelerator=target.type != "cpu")
+        drafting = resolve_draft(draft.model, source, tokenizer, profile, accelerator=target.type != "cpu",
+                                 caches=draft_caches)  # fmt: skip
     loaded = load(source, device=target, dtype=_parse_dtype(dtype), profile=profile,
                   progress=progress("loading weights") if progress else None,
                   phases=progress, **({"beside": drafting.beside} if drafting else {}))  # fmt: skip

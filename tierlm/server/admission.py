@@ -195,9 +195,10 @@ def sampling_params(sampling: Sampling, max_new_tokens: int, defaults: Generatio
 def draft_settings(sampling: Sampling, served: DraftSettings) -> DraftSettings:
     """A request's speculative decoding: the `draft` and `draft_tokens` it sent, the server's
     (`serve --draft`, `--draft-tokens`) for what it left out."""
-    kind = served.kind if sampling.draft is None else sampling.draft
+    if sampling.draft is not None:
+        served = DraftSettings(sampling.draft, served.tokens)  # a request names a kind, never a model
     tokens = served.tokens if sampling.draft_tokens is None else sampling.draft_tokens
-    return DraftSettings(kind, tokens)  # the parsers bound both: never refused here
+    return DraftSettings(served.kind, tokens, served.model)  # the parsers bound both: never refused here
 
 
 def _not_queued(worker: Worker) -> ApiError:

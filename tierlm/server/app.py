@@ -109,6 +109,7 @@ def create_app(session, options: ServerOptions) -> FastAPI:
         on_step=metrics.step,
         on_restart=lambda _problem: metrics.restarts.inc(),
         pipeline=_pipeline_supervisor(session, options),
+        draft_model=session.draft_model,
     )
     state.drain = state.worker.drain  # run.py: the moment shutdown begins
     state.variants = Variants(session, state.model_id, options.aliases, state.worker, AdapterSources.of(options.adapter_dir))

@@ -31,8 +31,9 @@ by both tables and copied before either writes into it, so a prefix costs no mem
 is taken from a conversation, its rows are copied out to a host-RAM store first (kv/spill.py,
 within the room the memory plan leaves free) and copied back when that conversation returns.
 
-A job with drafts on (`serve --draft ngram`, or the request's `draft`) runs speculatively: when its
-prompt-lookup drafts find tokens (runtime/speculative.py), its pending token and the drafts are
+A job with drafts on (`serve --draft ngram|MODEL`, or the request's `draft`) runs speculatively: when
+its drafts find tokens (prompt lookup, or the draft model through a cache of the job's own while it
+runs; runtime/speculative.py, runtime/draft_model.py), its pending token and the drafts are
 verified by a forward over its own slot instead of the shared step, the rejection rule picks its
 tokens as the engine's does, and the slot is cut back to the positions the sequence kept. Its
 policy times those passes against the shared step and pauses drafting when they do not pay.
@@ -95,10 +96,12 @@ class ActiveSequence:
 
 @dataclass
 class Drafting:
-    """A speculative sequence's drafts: the lookup over its tokens and the policy timing its passes."""
+    """A speculative sequence's drafts: what drafts over its tokens (prompt lookup, or a draft
+    model's cache of its own) and the policy timing its passes."""
 
-    lookup: PromptLookup
+    drafter: object  # PromptLookup or runtime/draft_model.py ModelDrafts: extend, draft, take_overhead
     policy: DraftPolicy
+    draft_model: object = None  # the DraftModel whose cache it holds, given back when it ends
 
 
 @dataclass
@@ -118,12 +121,14 @@ class BatchRunner:
     """Up to `parallel` sequences over one model and one paged KV cache of `contexts` full contexts."""
 
     def __init__(self, loaded, tokenizer, contexts: int = 1, spill_bytes: int = 0, spill_disk=None, *,
-                 parallel: int | None = None, slots: int | None = None):  # fmt: skip
+                 parallel: int | None = None, slots: int | None = None, draft_model=None):  # fmt: skip
         """`contexts`: the pool's size in full contexts (the profile's batch_size: what the plan
         charges); `parallel`: the most sequences run at once (default PARALLEL_PER_CONTEXT per
         context); `slots`: page tables, running or keeping an idle conversation's rows (default
         twice `parallel`); `spill_bytes`: host RAM for the rows of conversations whose pages were
-        taken (0: none); `spill_disk`: a kv/spill.py DiskSpill where they go on to (None: dropped)."""
+        taken (0: none); `spill_disk`: a kv/spill.py DiskSpill where they go on to (None: dropped);
+        `draft_model`: the DraftModel jobs drafting with a model use, one cache per running sequence
+        (its twins share its weights; the plan charged them)."""
         self.loaded = loaded
         self.model = loaded.model
         self.tokenizer = tokenizer
@@ -138,7 +143,11 @@ class BatchRunner:
         self._admissions = 0
         self._starved = False  # a prefill waits for pages: admit nothing more until it runs
         self.counts = PageCounts()
-        self.pass_costs: dict[int, float] = {}  # what verification passes cost here (DraftPolicy)
+        # What verification passes cost here, per drafter (DraftPolicy): a draft model's include its steps.
+        self.pass_costs: dict[str, dict[int, float]] = {}
+        self.draft_model = draft_model
+        self._draft_models = [draft_model] if draft_model is not None else []  # free ones
+        self._draft_twins = self.parallel - 1 if draft_model is not None else 0  # yet to be made
         # A pipeline's other stages keep twins of each slot that only ever compute their rows.
         self._copies_rows = getattr(loaded, "pipeline", None) is None
         self.spill = SpillStore(spill_bytes, spill_disk) if self._copies_rows else SpillStore(0)
@@ -270,7 +279,13 @@ class BatchRunner:
         ready = self._ready()
         if ready:
             started = time.perf_counter()
-            drafts = {seq: self._drafts(seq) for seq in ready if seq.drafting is not None}
+            drafts, drafting_s = {}, {}
+            for seq in (s for s in ready if s.drafting is not None):
+                began = time.perf_counter()
+                drafts[seq] = self._contained(seq, self._drafts)  # a draft model's failure is this sequence's
+                # What a pass pays to draft (a draft model's steps), its catch-up on a pause left out.
+                drafting_s[seq] = time.perf_counter() - began - seq.drafting.drafter.take_overhead()
+            ready = [seq for seq in ready if seq in self.active]
             verifying = [seq for seq in ready if drafts.get(seq)]
             plain = [seq for seq in ready if not drafts.get(seq)]
             for group in self._decode_groups(plain) if plain else ():
@@ -280,7 +295,7 @@ class BatchRunner:
                 if seq.drafting is not None:
                     seq.drafting.policy.plain_step(shared_s)
             for seq in verifying:
-                counts = self._contained(seq, self._verify, drafts[seq])
+                counts = self._contained(seq, self._verify, drafts[seq], drafting_s[seq])
                 if counts is not None:
                     report.drafted += counts[0]
                     report.accepted += counts[1]
@@ -316,11 +331,25 @@ class BatchRunner:
         # Sampler and StopMatcher are looked up here, so tests can inject a failing one.
         state = SequenceState(job.prompt_ids, params, self.tokenizer, self.context_length,
                               sampler=Sampler(params), stops=StopMatcher(params.stop))
+        return ActiveSequence(job, slot, state, drafting=self._drafting(job))
+
+    def _drafting(self, job: Job) -> Drafting | None:
+        """How `job` drafts: prompt lookup, a draft model's cache of its own (none free: it decodes
+        plainly), or not at all."""
         draft = job.draft
-        drafting = None
-        if draft is not None and draft.enabled:
-            drafting = Drafting(PromptLookup(job.prompt_ids), DraftPolicy(draft.tokens, self.pass_costs))
-        return ActiveSequence(job, slot, state, drafting=drafting)
+        if draft is None or not draft.enabled:
+            return None
+        if not draft.uses_model:
+            lookup = PromptLookup(job.prompt_ids)
+            return Drafting(lookup, DraftPolicy(draft.tokens, self.pass_costs.setdefault("lookup", {})))
+        if not self._draft_models and self._draft_twins > 0:
+            self._draft_twins -= 1
+            self._draft_models.append(self.draft_model.twin())
+        if not self._draft_models:
+            return None
+        model = self._draft_models.pop()
+        policy = DraftPolicy(draft.tokens, self.pass_costs.setdefault("model", {}))
+        return Drafting(model.drafts_for(job.prompt_ids), policy, model)
 
     def _contained(self, seq: ActiveSequence, work: Callable, *args):
         """`work(seq, *args)`; an exception ends `seq` alone with an error, never the batch."""
@@ -433,15 +462,16 @@ class BatchRunner:
         length = self.cache.lengths[seq.slot]
         limit = draft_limit(seq.drafting.policy.allowed(), self.context_length - length,
                             seq.state.params.max_new_tokens - len(seq.token_ids))
-        drafts = seq.drafting.lookup.draft(limit) if limit > 0 else []
+        drafts = seq.drafting.drafter.draft(limit) if limit > 0 else []
         if drafts and self.cache.pages_needed(seq.slot, length + 1 + len(drafts)) > self.cache.pool.free:
             return []
         return drafts
 
-    def _verify(self, seq: ActiveSequence, drafts: list[int]) -> tuple[int, int]:
+    def _verify(self, seq: ActiveSequence, drafts: list[int], drafting_s: float = 0.0) -> tuple[int, int]:
         """Feed `seq`'s pending token and `drafts` in one forward over its slot, take tokens row by
         row while the drafts stand (the rejection rule: SequenceState.verify), then cut the slot
-        back to the positions kept; (drafted, accepted)."""
+        back to the positions kept; (drafted, accepted). `drafting_s`: what drafting them took,
+        part of the pass's cost."""
         base = self.cache.lengths[seq.slot]
         ids = torch.tensor([[seq.pending, *drafts]], dtype=torch.long, device=self.loaded.device)
         self._select([seq.variant])
@@ -451,7 +481,7 @@ class BatchRunner:
         while self._take(seq, verification.next_token(seq.state)) and verification.standing:
             pass
         self.cache.slot(seq.slot).trim(verification.kept)
-        seq.drafting.policy.verified(len(drafts), verification.accepted, time.perf_counter() - started)
+        seq.drafting.policy.verified(len(drafts), verification.accepted, time.perf_counter() - started + drafting_s)
         return len(drafts), verification.accepted
 
     def _select(self, rows: list[str | None]) -> None:
@@ -482,7 +512,7 @@ class BatchRunner:
             return False
         seq.pending = token
         if seq.drafting is not None:
-            seq.drafting.lookup.extend([token])
+            seq.drafting.drafter.extend([token])
         return True
 
     def _flush(self, seq: ActiveSequence) -> None:
@@ -492,6 +522,8 @@ class BatchRunner:
     def _release(self, seq: ActiveSequence) -> None:
         if seq in self.active:
             self.active.remove(seq)
+            if seq.drafting is not None and seq.drafting.draft_model is not None:
+                self._draft_models.append(seq.drafting.draft_model)  # its cache keeps the conversation
             self._held[seq.slot] = self._history(seq)
             self._free.append(seq.slot)
             self._free.sort()

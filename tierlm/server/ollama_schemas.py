@@ -17,8 +17,8 @@ as on the OpenAI routes; not Ollama's built-in defaults):
   stop          stop strings (at most STOP_STRINGS_MAX)
   repeat_penalty, repeat_last_n  the sampler's repetition penalty, over the last repeat_last_n
                 tokens of prompt and reply (0: off, -1: all of them, as in Ollama)
-  draft, draft_tokens  tierlm's: speculative decoding for this request ("off" or "ngram"; the
-                most tokens drafted a pass), whatever `serve --draft` says
+  draft, draft_tokens  tierlm's: speculative decoding for this request ("off", "ngram" or "auto";
+                the most tokens drafted a pass), whatever `serve --draft` says
 """
 
 from __future__ import annotations

@@ -11,8 +11,9 @@ otherwise; a few informational ones (`user`, `metadata`, ...) are ignored; anyth
 refused as unrecognized, as OpenAI does. Extensions: `timeout` (seconds, the request's
 deadline), `top_k`, `min_p` (as vLLM and llama-server take it), `repetition_penalty`,
 `repeat_last_n` (llama-server's: the tokens the penalty looks back over; 0 = off, -1 = all),
-`draft` ("off" or "ngram": speculative decoding for this request, whatever `serve --draft` says)
-and `draft_tokens` (the most tokens it drafts a pass).
+`draft` ("off", "ngram" or "auto": speculative decoding for this request, whatever `serve --draft`
+says; left out, the server's, which may be a draft model) and `draft_tokens` (the most tokens it
+drafts a pass).
 Sampling fields a request omits are None here and take the model's defaults (the server's
 GenerationDefaults: runtime/model_defaults.py, or `serve`'s flags).
 
@@ -77,7 +78,7 @@ class Sampling:
     repeat_last_n: int | None = None
     seed: int | None = None  # None: a random seed
     stop: tuple[str, ...] = ()
-    draft: str | None = None  # speculative decoding: "off" or "ngram" (None: the server's, serve --draft)
+    draft: str | None = None  # speculative decoding: "off", "ngram", "auto" (None: the server's, serve --draft)
     draft_tokens: int | None = None  # most tokens drafted a pass (None: the server's)
 
 

@@ -59,7 +59,7 @@ def _speculation(state) -> dict:
     drafted = int(_sample(state.metrics, "tierlm_draft_tokens_total"))
     accepted = int(_sample(state.metrics, "tierlm_draft_accepted_tokens_total"))
     draft = state.options.draft
-    return {"draft": draft.kind, "draft_tokens": draft.tokens, "drafted": drafted, "accepted": accepted,
+    return {"draft": draft.model or draft.kind, "draft_tokens": draft.tokens, "drafted": drafted, "accepted": accepted,
             "acceptance": accepted / drafted if drafted else None}
 
 

@@ -77,8 +77,12 @@ class Worker:
         on_step: Callable[[StepReport], None] | None = None,
         on_restart: Callable[[str], None] | None = None,
         pipeline=None,
+        draft_model=None,
     ):
+        """`draft_model`: the DraftModel (runtime/draft_model.py) of `serve --draft MODEL`, whose
+        weights every drafting sequence's own cache drafts with; None: none loaded."""
         self.loaded = loaded
+        self.draft_model = draft_model
         self.tokenizer = tokenizer
         self.settings = settings
         self._on_step = on_step
@@ -283,7 +287,8 @@ class Worker:
 
     def _loop(self, generation: int) -> None:
         runner = BatchRunner(self.loaded, self.tokenizer, self.settings.slots, spill_bytes=spill_room(self.loaded),
-                             spill_disk=self._disk_for_spills(), parallel=self.settings.parallel)  # fmt: skip
+                             spill_disk=self._disk_for_spills(), parallel=self.settings.parallel,
+                             draft_model=self.draft_model)  # fmt: skip
         with self._cond:
             if not self._current(generation):
                 return
