@@ -184,6 +184,28 @@ def test_drafts_are_accepted_and_rejected_and_int8_output_is_unchanged(checkpoin
     assert 0 < stats.accepted < stats.drafted
 
 
+def test_a_seeded_sampled_run_gives_the_tokens_it_gives_without_drafts(checkpoint, monkeypatch):
+    """Each verified position is sampled as its plain step samples it, with the same draws (the
+    rows of a pass are bit for bit the steps' on the fused int8 path): drafting changes how fast a
+    seeded reply comes, never which reply."""
+    import tierlm.runtime.engine as engine_module
+
+    engine = engine_for(checkpoint("llama-gqa"), quant="int8")
+    prompt = looping_prompt(engine)
+    for seed in range(4):
+        params = SamplingParams(temperature=0.9, top_p=0.95, max_new_tokens=40, ignore_eos=True, seed=seed)
+        engine.reset()
+        plain = engine.generate(prompt, params)
+        plain.text()
+        engine.reset()
+        reply = prompt + plain.token_ids
+        monkeypatch.setattr(engine_module, "PromptLookup", lambda tokens: ScriptedDrafts(reply, tokens))
+        drafted = engine.generate(prompt, params, draft=NGRAM)
+        drafted.text()
+        assert drafted.token_ids == plain.token_ids, seed
+        assert 0 < drafted.stats.accepted < drafted.stats.drafted
+
+
 def both_replies(plain_engine: Engine, drafted_engine: Engine, prompt: list[int], params: SamplingParams):
     """(the plain engine's whole reply, the drafting engine's) to `prompt`."""
     plain = plain_engine.generate(prompt, params)

@@ -56,7 +56,7 @@ DraftOpt = typer.Option(
     help="Speculative decoding: draft tokens and verify them in one pass over the weights, with output "
     "unchanged. ngram drafts from the conversation's own tokens, strongest where replies quote the prompt; "
     "auto: ngram today; a model's name or path drafts with that smaller model of the same tokenizer, held "
-    "beside the model within the profile (default: off)",
+    "beside the model within the profile; off (default: auto; bench: off)",
 )
 DraftTokensOpt = typer.Option(
     None, "--draft-tokens", metavar="K", show_default=False,
@@ -173,6 +173,11 @@ class RunFlags(_Flags):
     def __post_init__(self):
         object.__setattr__(self, "lora", tuple(self.lora or ()))  # typer: a list, or None when not given
         self.drafts  # a bad --draft or --draft-tokens is refused before anything loads
+
+    def drafting_by_default(self) -> "RunFlags":
+        """These flags with --draft auto where none was given (chat, generate, serve: the policy
+        keeps drafts that do not pay from costing; bench measures plain decoding unless asked)."""
+        return self if self.draft is not None else replace(self, draft="auto")
 
     @property
     def drafts(self) -> DraftSettings:
@@ -298,7 +303,7 @@ def chat(
     from tierlm.cli.models import pick_model
     from tierlm.cli.repl import run_chat
 
-    sampling, run = SamplingFlags.of(locals()), RunFlags.of(locals())
+    sampling, run = SamplingFlags.of(locals()), RunFlags.of(locals()).drafting_by_default()
     if _pipeline_worker(run.device):
         return
     if session_name is not None:
@@ -337,7 +342,7 @@ def generate(
     draft_tokens: Optional[int] = DraftTokensOpt,
 ):
     """Generate one reply. Only the generated text goes to stdout, so it can be piped."""
-    sampling, run = SamplingFlags.of(locals()), RunFlags.of(locals())
+    sampling, run = SamplingFlags.of(locals()), RunFlags.of(locals()).drafting_by_default()
     if _pipeline_worker(run.device):
         return
     if prompt == "-":
@@ -756,7 +761,7 @@ def serve(
     from tierlm.server.options import ServerOptions
     from tierlm.server.run import serve as run_server
 
-    sampling, run = SamplingFlags.of(locals()), RunFlags.of(locals())
+    sampling, run = SamplingFlags.of(locals()), RunFlags.of(locals()).drafting_by_default()
     if _pipeline_worker(run.device):
         return
     # Checked before the model loads: a bad flag is told at once.

@@ -129,26 +129,14 @@ class Sampler:
 
     def verify(self, logits: torch.Tensor, draft: int, seen: torch.Tensor | None = None) -> tuple[int, bool]:
         """The token at a drafted position: (draft, True) when the draft stands, else (another
-        token, False). A draft chosen without sampling (prompt lookup, a greedy draft model) is
-        accepted with probability p(draft) and otherwise replaced by a sample of p without it —
-        together exactly p, so speculation leaves the output distribution as it was (greedy: the
-        draft stands when it is the argmax)."""
-        p = self.params
-        if p.repetition_penalty != 1.0 and seen is not None and seen.numel():
-            logits = penalize_repetition(logits, seen, p.repetition_penalty)
-        probs = None if p.greedy else self._probabilities(logits)
-        if probs is None:
-            token = self(logits)  # the penalty is applied already
-            return token, token == draft
-        chance = float(probs[draft]) if 0 <= draft < probs.shape[-1] else 0.0
-        if chance > 0 and float(torch.rand((), generator=self.generator)) < chance:
-            return draft, True
-        rest = probs.clone()
-        if chance > 0:
-            rest[draft] = 0.0
-        if float(rest.sum()) <= 0:  # p(draft) was 1 in all but rounding
-            return draft, True
-        return int(torch.multinomial(rest, 1, generator=self.generator)), False
+        token, False). The position is sampled exactly as a plain step samples it, with the same
+        draws, and the draft stands when the sample is the draft: for a draft chosen without
+        sampling (prompt lookup, a greedy draft model) that is the rejection rule (it stands with
+        probability p(draft); otherwise the token is p's sample given it is not the draft), so the
+        output keeps p's distribution, and a seeded run gives the tokens it gives without drafts
+        wherever the verified logits are the step's (greedy: the draft stands when it is the argmax)."""
+        token = self(logits, seen)
+        return token, token == draft
 
     def _probabilities(self, logits: torch.Tensor) -> torch.Tensor | None:
         """The distribution sampled from (temperature, top-k, top-p, min-p applied; the penalty is
