@@ -24,7 +24,7 @@ import torch
 from tierlm.errors import TierlmError
 from tierlm.offload.sizes import kv_token_bytes, workspace_bytes
 from tierlm.quant.modes import AUTO
-from tierlm.runtime.sequence import PREFILL_CHUNK
+from tierlm.runtime.sequence import PREFILL_CHUNK, reusable_prefix
 from tierlm.runtime.speculative import MAX_DRAFT_TOKENS
 from tierlm.runtime.source import Beside, WeightSource, expected_sizes, resolve_model_dir, resolve_source
 from tierlm.runtime.tokenizer import Tokenizer
@@ -123,17 +123,12 @@ class DraftModel:
         With more than WINDOW tokens missing (a long prompt, a long pause) it restarts on the last
         WINDOW: a catch-up costs a bounded prefill however long the pause, and the context never runs out."""
         view = tokens[self.start :]
-        common = 0
-        for cached, token in zip(self.cached_ids, view):
-            if cached != token:
-                break
-            common += 1
+        common = reusable_prefix(self.cached_ids, view) if view else 0
         # The tokens and a pass's drafts fit after a restart (a short context keeps half for drafts).
         room = max(self.cache.max_len - MAX_DRAFT_TOKENS - 1, self.cache.max_len // 2)
         if len(view) - common > self.WINDOW or len(view) > room or not view:
             self.start = max(0, len(tokens) - min(self.WINDOW, room))
             view, common = tokens[self.start :], 0
-        common = min(common, len(view) - 1)  # the last token runs, for its logits
         self.cache.trim(common)
         del self.cached_ids[common:]
         logits = None

@@ -16,7 +16,7 @@ import torch
 
 from tierlm.errors import TierlmError
 from tierlm.runtime.sampling import SamplingParams
-from tierlm.runtime.sequence import PREFILL_CHUNK, SequenceState
+from tierlm.runtime.sequence import PREFILL_CHUNK, SequenceState, reusable_prefix
 from tierlm.runtime.speculative import DraftPolicy, DraftSettings, PromptLookup, Verification, draft_limit
 
 
@@ -173,12 +173,7 @@ class Engine:
 
     def _prefill(self, prompt: list[int], stats: GenerationStats) -> torch.Tensor:
         """Reuse the cached common prefix, run the rest in chunks; logits [V] of the last token."""
-        common = 0
-        for cached, new in zip(self.cached_ids, prompt):
-            if cached != new:
-                break
-            common += 1
-        common = min(common, len(prompt) - 1)  # the last prompt token must run to give logits
+        common = reusable_prefix(self.cached_ids, prompt)
         self.cache.trim(common)
         self.cached_ids = prompt[:common]
         stats.reused_tokens = common

@@ -80,3 +80,14 @@ class SequenceState:
         string completed by it cuts it there)."""
         tail, _ = self.stops.feed(self.decoder.flush())
         return tail + self.stops.flush()
+
+
+def reusable_prefix(cached: list[int], tokens: list[int]) -> int:
+    """How many of `tokens` a cache holding `cached` keeps: their common prefix, short of the last
+    token (which must run again to give logits)."""
+    common = 0
+    for held, token in zip(cached, tokens):
+        if held != token:
+            break
+        common += 1
+    return min(common, len(tokens) - 1)
