@@ -488,3 +488,39 @@ def test_a_drafting_session_records_acceptance_and_plan_predicts_from_it(checkpo
     predicted = json.loads(planned.stdout)["speculation"]
     assert predicted["acceptance"] == pytest.approx(stood / checked) and predicted["measured_passes"] == passes
     assert predicted["predicted_decode_tokens_per_s"] >= json.loads(planned.stdout)["predicted_decode_tokens_per_s"]
+
+
+def test_a_verification_pass_reads_the_streamed_blocks_once_for_all_its_tokens(tmp_path, monkeypatch):
+    """Layers on disk are read once a forward: a pass of k drafts reads them once for up to k + 1
+    tokens, so drafted decoding reads a fraction of plain decoding's weight bytes per token."""
+    import tierlm.runtime.engine as engine_module
+    from tests.test_offload import placement
+    from tierlm.cache.artifact import Artifact
+    from tierlm.cache.convert import ConversionRequest, ensure_artifact
+    from tierlm.models import family_class, read_config
+    from tierlm.offload.placement import DISK
+    from tierlm.runtime.loader import LoadedModel
+    from tierlm.store.tiered import TieredStore
+
+    make_model(tmp_path, layers=4)
+    art = Artifact.open(ensure_artifact(ConversionRequest(tmp_path, (), "int8")))
+    config, cpu = read_config(tmp_path), torch.device("cpu")
+
+    def run(draft: DraftSettings | None) -> tuple[list[int], float]:
+        store = TieredStore(art, placement(art, {"layers.2": DISK, "layers.3": DISK}, slots=2))
+        model = family_class(config)(config, store, 128, cpu, torch.float32)
+        engine = Engine(LoadedModel(config, model, store, 128, cpu, torch.float32), Tokenizer.from_dir(tmp_path))
+        try:
+            generation = engine.generate(prompt, SamplingParams(temperature=0, max_new_tokens=42, ignore_eos=True),
+                                         draft=draft)  # fmt: skip
+            generation.text()
+            return list(generation.token_ids), sum(store.stats().bytes_read.values()) / len(generation.token_ids)
+        finally:
+            store.close()
+
+    prompt = Tokenizer.from_dir(tmp_path).encode("the quick brown fox jumps over the lazy dog")
+    plain, plain_bytes = run(None)
+    monkeypatch.setattr(engine_module, "PromptLookup", lambda tokens: ScriptedDrafts(prompt + plain, tokens, corrupt=False))
+    drafted, drafted_bytes = run(NGRAM)
+    assert drafted == plain
+    assert plain_bytes > 0 and drafted_bytes < 0.3 * plain_bytes, (plain_bytes, drafted_bytes)
