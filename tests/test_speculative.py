@@ -524,3 +524,62 @@ def test_a_verification_pass_reads_the_streamed_blocks_once_for_all_its_tokens(t
     drafted, drafted_bytes = run(NGRAM)
     assert drafted == plain
     assert plain_bytes > 0 and drafted_bytes < 0.3 * plain_bytes, (plain_bytes, drafted_bytes)
+
+
+def test_the_server_reads_the_streamed_blocks_once_a_pass(tmp_path, monkeypatch):
+    """A served sequence's verification pass reads the layers on disk once for its tokens: /stats
+    shows drafting requests reading a fraction of plain ones' weight bytes per token, replies equal."""
+    import httpx
+
+    import tierlm.server.batch as batch_module
+    from tests.test_offload import placement
+    from tests.tiny import write_profile
+    from tierlm.cache.artifact import Artifact
+    from tierlm.cache.convert import ConversionRequest, ensure_artifact
+    from tierlm.models import family_class, read_config
+    from tierlm.offload.placement import DISK
+    from tierlm.profile import load_profile
+    from tierlm.runtime.loader import LoadedModel
+    from tierlm.runtime.session import Session
+    from tierlm.server.options import ServerOptions
+    from tierlm.server.run import BackgroundServer
+
+    make_model(tmp_path / "tiny", layers=4)
+    art = Artifact.open(ensure_artifact(ConversionRequest(tmp_path / "tiny", (), "int8")))
+    config, cpu = read_config(tmp_path / "tiny"), torch.device("cpu")
+    profile = load_profile(str(write_profile(tmp_path / "serve.toml", context_length=128, batch_size=1)))
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": "the quick brown fox jumps"}], "max_tokens": 40,
+            "temperature": 0}  # fmt: skip
+
+    def served(draft: DraftSettings) -> tuple[str, dict]:
+        store = TieredStore(art, placement(art, {"layers.2": DISK, "layers.3": DISK}, slots=2))
+        model = family_class(config)(config, store, 128, cpu, torch.float32)
+        loaded = LoadedModel(config, model, store, 128, cpu, torch.float32, store.placement, None, "int8")
+        with Session(loaded, Tokenizer.from_dir(tmp_path / "tiny"), profile, tmp_path / "tiny", load_s=0.0) as session:
+            with BackgroundServer(session, ServerOptions(aliases=("tiny",), draft=draft)) as server:
+                with httpx.Client(base_url=server.url, timeout=60) as client:
+                    reply = client.post("/v1/chat/completions", json=chat).json()["choices"][0]["message"]["content"]
+                    return reply, client.get("/stats").json()["speculation"]
+
+    from tierlm.store.tiered import TieredStore
+
+    class NeverDraft(DraftPolicy):
+        def allowed(self) -> int:
+            return 0
+
+    seen: list[PromptLookup] = []  # the plain run's lookup: it holds the sequence's tokens at the end
+
+    def recording(tokens):
+        seen.append(PromptLookup(tokens))
+        return seen[-1]
+
+    monkeypatch.setattr(batch_module, "DraftPolicy", NeverDraft)
+    monkeypatch.setattr(batch_module, "PromptLookup", recording)
+    plain, plain_stats = served(NGRAM)
+    reference = list(seen[0].tokens)
+    monkeypatch.setattr(batch_module, "DraftPolicy", EveryPass)
+    monkeypatch.setattr(batch_module, "PromptLookup", lambda tokens: ScriptedDrafts(reference, tokens, corrupt=False))
+    drafted, drafted_stats = served(NGRAM)
+    assert drafted == plain and drafted_stats["accepted"] > 0
+    assert plain_stats["drafted"] == 0 and plain_stats["weight_bytes_read_per_token"] > 0
+    assert drafted_stats["weight_bytes_read_per_token"] < 0.5 * plain_stats["weight_bytes_read_per_token"]

@@ -55,12 +55,18 @@ def server_stats(state) -> dict:
 
 
 def _speculation(state) -> dict:
-    """Speculative decoding: the server's default source and the tokens drafted and kept so far."""
+    """Speculative decoding: the server's default source, the tokens drafted and kept so far, and
+    the streamed weight bytes read per generated token (None when nothing streams): what a pass
+    that verifies several tokens at once saves."""
     drafted = int(_sample(state.metrics, "tierlm_draft_tokens_total"))
     accepted = int(_sample(state.metrics, "tierlm_draft_accepted_tokens_total"))
+    generated = _sample(state.metrics, "tierlm_generated_tokens_total")
+    ledger = state.session.loaded.store.stats()
+    read = sum(dict(ledger.bytes_read).values()) if ledger.planned or ledger.bytes_read else None
     draft = state.options.draft
     return {"draft": draft.model or draft.kind, "draft_tokens": draft.tokens, "drafted": drafted, "accepted": accepted,
-            "acceptance": accepted / drafted if drafted else None}
+            "acceptance": accepted / drafted if drafted else None,
+            "weight_bytes_read_per_token": read / generated if read is not None and generated else None}
 
 
 def _sample(metrics, name: str) -> float:
