@@ -583,3 +583,63 @@ def test_the_server_reads_the_streamed_blocks_once_a_pass(tmp_path, monkeypatch)
     assert drafted == plain and drafted_stats["accepted"] > 0
     assert plain_stats["drafted"] == 0 and plain_stats["weight_bytes_read_per_token"] > 0
     assert drafted_stats["weight_bytes_read_per_token"] < 0.5 * plain_stats["weight_bytes_read_per_token"]
+
+
+def test_a_served_sequence_weighs_its_passes_against_its_share_of_the_batch_step(tmp_path, monkeypatch):
+    """A batch of B reads the weights once for B tokens, while a drafting sequence's pass runs
+    alone: its policy is told a plain token costs the step's time over the sequences in it."""
+    import time as real_time
+
+    import tierlm.server.batch as batch_module
+    from tests.test_server_batch import ImmediateLoop
+    from tierlm.server.batch import BatchRunner
+    from tierlm.server.jobs import Job
+
+    class Clock:  # moves only while the shared decode step runs: 40 ms a step
+        now = 0.0
+
+        def perf_counter(self):
+            return self.now
+
+        def __getattr__(self, name):
+            return getattr(real_time, name)
+
+    clock, told = Clock(), []
+
+    class Recording(DraftPolicy):
+        def allowed(self) -> int:
+            return self.limit
+
+        def plain_step(self, seconds: float) -> None:
+            told.append(seconds)
+
+    class NothingFound(PromptLookup):
+        def draft(self, limit: int) -> list[int]:
+            return []
+
+    make_model(tmp_path)
+    loaded = load_model(tmp_path, device="cpu", dtype=torch.float32, context_length=128)
+    tokenizer = Tokenizer.from_dir(tmp_path)
+    monkeypatch.setattr(batch_module, "time", clock)
+    monkeypatch.setattr(batch_module, "DraftPolicy", Recording)
+    monkeypatch.setattr(batch_module, "PromptLookup", NothingFound)
+    decode = BatchRunner._decode
+
+    decoded: list[int] = []  # sequences in each shared step
+
+    def timed(self, group):
+        decode(self, group)
+        decoded.append(len(group))
+        clock.now += 0.040
+
+    monkeypatch.setattr(BatchRunner, "_decode", timed)
+    runner = BatchRunner(loaded, tokenizer, contexts=2, parallel=4, slots=4)
+    params = SamplingParams(temperature=0, max_new_tokens=12, ignore_eos=True)
+    for text in ("the quick brown fox", "hello world", "lazy dog", "jumps over"):
+        runner.admit(Job(tokenizer.encode(text), params, deadline=None, loop=ImmediateLoop(), draft=NGRAM))
+    while runner.active:
+        before, steps = len(told), len(decoded)
+        runner.step()
+        assert len(decoded) == steps + 1  # one group: each step's sequences shared it
+        assert told[before:] == [pytest.approx(0.040 / decoded[-1])] * decoded[-1]
+    assert 4 in decoded and pytest.approx(0.010) in told

@@ -36,7 +36,8 @@ its drafts find tokens (prompt lookup, or the draft model through a cache of the
 runs; runtime/speculative.py, runtime/draft_model.py), its pending token and the drafts are
 verified by a forward over its own slot instead of the shared step, the rejection rule picks its
 tokens as the engine's does, and the slot is cut back to the positions the sequence kept. Its
-policy times those passes against the shared step and pauses drafting when they do not pay.
+policy times those passes against its share of the shared step (a batch of B reads the weights
+once for B tokens) and pauses drafting when they do not pay.
 
 Failures are contained where they happen: an exception in one sequence's own work (admission,
 its prefill, sampling, detokenizing, stop matching, emitting) ends that sequence alone with a
@@ -288,12 +289,15 @@ class BatchRunner:
             ready = [seq for seq in ready if seq in self.active]
             verifying = [seq for seq in ready if drafts.get(seq)]
             plain = [seq for seq in ready if not drafts.get(seq)]
+            decode_began = time.perf_counter()
             for group in self._decode_groups(plain) if plain else ():
                 self._decode(group)
-            shared_s = time.perf_counter() - started
-            for seq in plain:  # what a token costs a speculative sequence that did not draft
+            # What a token of the shared step costs the machine: its share of the step. A pass runs
+            # alone, so drafting pays only where it beats that share (batched, it seldom does).
+            token_s = (time.perf_counter() - decode_began) / max(len(plain), 1)
+            for seq in plain:
                 if seq.drafting is not None:
-                    seq.drafting.policy.plain_step(shared_s)
+                    seq.drafting.policy.plain_step(token_s)
             for seq in verifying:
                 counts = self._contained(seq, self._verify, drafts[seq], drafting_s[seq])
                 if counts is not None:
