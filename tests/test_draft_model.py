@@ -132,6 +132,21 @@ def test_bench_reports_what_the_draft_model_drafted_and_kept(models):
     assert "bytes_read_per_token" not in drafts  # resident: nothing streamed
 
 
+def test_chat_drafts_by_default_and_its_stats_say_what_it_drafted(models):
+    target, draft, profile = models
+    common = ("chat", "--model", str(target), "--profile", str(profile), "-t", "0", "-n", "16")
+    stdin = "the quick brown fox. the quick brown fox.\n/stats\n"
+    default, off, model = (run_tierlm(*common, *extra, stdin=stdin) for extra in ((), ("--draft", "off"),
+                                                                                   ("--draft", str(draft))))
+    for result in (default, off, model):
+        assert result.returncode == 0, result.stderr
+    assert "drafts    auto: " in default.stdout and "verification passes" in default.stdout
+    assert "drafts " not in off.stdout
+    assert f"drafts    {draft}: " in model.stdout
+    reply = [line for line in default.stdout.splitlines() if line.strip()][0]
+    assert reply == [line for line in off.stdout.splitlines() if line.strip()][0]  # greedy: the same reply
+
+
 @pytest.fixture(scope="module")
 def misfits(models, tmp_path_factory):
     """Drafts that cannot be: another tokenizer, and more weights than the target."""

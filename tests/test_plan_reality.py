@@ -198,8 +198,9 @@ def test_chat_stats_corrects_a_poisoned_probe(model_dir, fixed_probe, tmp_path):
     """Chat's /stats is a measured run too: after a reply, it corrects a probe far off."""
     path = save_bandwidths(POISONED, "cpu", probed_at=time.time() - DAY)
     profile = write_profile(tmp_path / "roomy.toml", 2 * GiB)
+    # Plain decoding: a reply with verified drafts is not the speed the probe predicts.
     done = subprocess.run([sys.executable, "-m", "tierlm", "chat", "--profile", str(profile), "--device", "cpu",
-                           "-t", "0", "-n", "24"], input="Count from one to twenty.\n/stats\n",
+                           "-t", "0", "-n", "24", "--draft", "off"], input="Count from one to twenty.\n/stats\n",
                           capture_output=True, text=True, timeout=600)  # fmt: skip
     assert done.returncode == 0, done.stderr
     assert "corrected from this run's" in done.stderr

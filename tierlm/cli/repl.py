@@ -274,6 +274,8 @@ def _check_probe(session, stats) -> None:
 
     if stats is None or session.pipeline is not None:  # a pipeline's speed includes the other stages
         return
+    if stats.verify_passes:  # tokens verified several a pass: not the plain decode speed the probe predicts
+        return
     source = f"chat {_model_label(session)}, profile {session.profile.name}"
     run = note_measured_decode(session.engine.loaded, session.profile, stats.decode_tokens_per_s, stats.new_tokens - 1,
                                source, stats.prompt_tokens + stats.new_tokens // 2)  # fmt: skip
@@ -296,6 +298,9 @@ def format_stats(session, stats) -> str:
             f"({stats.reused_tokens} reused from cache) at {stats.prefill_tokens_per_s:.1f} tok/s",
             f"decode    {stats.decode_tokens_per_s:.1f} tok/s, time to first token {stats.ttft_s * 1000:.0f} ms",
         ]
+        if engine.draft.enabled:  # speculative decoding (--draft, on by default)
+            lines.append(f"drafts    {engine.draft.model or engine.draft.kind}: {stats.drafted} drafted, "
+                         f"{stats.accepted} accepted in {stats.verify_passes} verification passes")  # fmt: skip
     lines += [
         f"context   {engine.cache.offset}/{engine.context_length} tokens, KV cache {engine.cache.format.name}: "
         f"{format_size(engine.cache.used_bytes)} used of {format_size(engine.cache.nbytes)} reserved",
