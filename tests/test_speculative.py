@@ -643,3 +643,39 @@ def test_a_served_sequence_weighs_its_passes_against_its_share_of_the_batch_step
         assert len(decoded) == steps + 1  # one group: each step's sequences shared it
         assert told[before:] == [pytest.approx(0.040 / decoded[-1])] * decoded[-1]
     assert 4 in decoded and pytest.approx(0.010) in told
+
+
+def test_a_stage_failing_under_a_verification_pass_fails_the_batch_not_one_sequence(tmp_path, monkeypatch):
+    """A pipeline stage lost during a sequence's own pass is every sequence's failure: it reaches
+    the worker, which restarts the pipeline and ends each job with the reason (pipeline_failed)."""
+    import tierlm.server.batch as batch_module
+    from tests.test_server_batch import ImmediateLoop
+    from tierlm.distributed.wire import StageUnreachable
+    from tierlm.server.batch import BatchRunner
+    from tierlm.server.jobs import Job
+
+    class Always(PromptLookup):
+        def draft(self, limit: int) -> list[int]:
+            return [5] * limit
+
+    make_model(tmp_path)
+    loaded = load_model(tmp_path, device="cpu", dtype=torch.float32, context_length=128)
+    tokenizer = Tokenizer.from_dir(tmp_path)
+    monkeypatch.setattr(batch_module, "DraftPolicy", EveryPass)
+    monkeypatch.setattr(batch_module, "PromptLookup", Always)
+    runner = BatchRunner(loaded, tokenizer, contexts=1, parallel=2, slots=2)
+    job = Job(tokenizer.encode("the quick brown fox"), SamplingParams(temperature=0, max_new_tokens=8),
+              deadline=None, loop=ImmediateLoop(), draft=NGRAM)  # fmt: skip
+    runner.admit(job)
+    forward = loaded.model.forward
+
+    def stage_lost(ids, cache, logits="last", **options):
+        if logits == "all":  # a verification pass
+            raise StageUnreachable(1, "pipeline stage 1 went away")
+        return forward(ids, cache, logits, **options)
+
+    monkeypatch.setattr(loaded.model, "forward", stage_lost)
+    with pytest.raises(StageUnreachable):
+        for _ in range(4):
+            runner.step()
+    assert not job.closed  # left for the worker to end with the pipeline's reason

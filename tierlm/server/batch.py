@@ -40,8 +40,9 @@ policy times those passes against its share of the shared step (a batch of B rea
 once for B tokens) and pauses drafting when they do not pay.
 
 Failures are contained where they happen: an exception in one sequence's own work (admission,
-its prefill, sampling, detokenizing, stop matching, emitting) ends that sequence alone with a
-500; only the shared decode forward's failure reaches the caller, which fails the batch.
+its prefill or verification pass, sampling, detokenizing, stop matching, emitting) ends that
+sequence alone with a 500; the shared decode forward's failure, and a pipeline stage's failure in
+any forward, reach the caller, which fails the batch.
 """
 
 from __future__ import annotations
@@ -54,6 +55,8 @@ from typing import Callable
 
 import torch
 
+from tierlm.distributed.health import StageFailed
+from tierlm.distributed.wire import StageUnreachable
 from tierlm.kv.paged import pages_for
 from tierlm.kv.spill import HeldRows, SpillStore
 from tierlm.runtime.sampling import Sampler
@@ -356,9 +359,13 @@ class BatchRunner:
         return Drafting(model.drafts_for(job.prompt_ids), policy, model)
 
     def _contained(self, seq: ActiveSequence, work: Callable, *args):
-        """`work(seq, *args)`; an exception ends `seq` alone with an error, never the batch."""
+        """`work(seq, *args)`; an exception ends `seq` alone with an error, never the batch, unless
+        a pipeline stage failed under it: that is every sequence's, and reaches the caller (whose
+        restart ends them all with the reason)."""
         try:
             return work(seq, *args)
+        except (StageFailed, StageUnreachable):
+            raise
         except Exception as err:  # noqa: BLE001 - whatever broke, it broke for this sequence only
             _fail_job(seq.job, err)
             seq.intact = False
