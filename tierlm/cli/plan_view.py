@@ -68,10 +68,11 @@ def speculation(plan, model_dir: Path, draft) -> dict | None:
         return None
     placement, budget, config, sizes = plan.placement, plan.budget, plan.source.config, plan.planned.sizes
     bandwidths = budget.bandwidths or load_bandwidths(budget.device, threads=budget.threads)
+    routing = expected_routing(config, sizes)  # read once: a pass of every length is priced with it
 
     def pass_seconds(rows: int) -> float:
         terms = decode_terms(config, sizes, budget.profile, bandwidths, placement, accelerator=budget.device.type != "cpu",
-                             batch=rows, routing=expected_routing(config, sizes))  # fmt: skip
+                             batch=rows, routing=routing)  # fmt: skip
         return step_seconds(terms, budget.profile.prefetch_depth)[0]
 
     measured = read_acceptance(model_dir, draft.model or "lookup")

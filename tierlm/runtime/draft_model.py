@@ -83,8 +83,8 @@ def check_same_vocabulary(name: str, draft: Tokenizer, target: Tokenizer) -> Non
     if mine == theirs:
         return
     by_id = {i: t for t, i in theirs.items()}
-    differs = sorted(i for t, i in mine.items() if by_id.get(i) != t) + sorted(set(by_id) - set(mine.values()))
-    first = differs[0] if differs else 0
+    differs = [i for t, i in mine.items() if by_id.get(i) != t] + list(set(by_id) - set(mine.values()))
+    first = min(differs, default=0)  # the lowest id either side means differently
     raise TierlmError(f"the draft model {name} has another tokenizer: {len(mine)} tokens against the model's "
                       f"{len(theirs)}, first differing at id {first} ({_token(mine, first)!r} vs "
                       f"{by_id.get(first)!r})",
